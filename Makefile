@@ -1,0 +1,44 @@
+# veomni_lite developer commands. Every target installs what it needs first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+NPROC ?= 2
+ARGS ?=
+CONFIG ?= configs/vlm_tiny.yaml
+PYTEST_ARGS ?=
+QUICK ?=
+
+.PHONY: install test test-quick quality train train-text bench clean
+
+install: $(STAMP)
+
+# torch==2.13.0 is installed first when no torch is importable, so a CPU machine never pulls a CUDA build.
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-quick: install
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+quality: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+train: install
+	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) trainers/train_vlm.py $(CONFIG) $(ARGS)
+
+train-text: install
+	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) trainers/train_text.py configs/text_tiny.yaml $(ARGS)
+
+bench: install
+	$(PY) benchmarks/run_all.py $(if $(QUICK),--quick,)
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,113 @@
+"""The data-parallel x sequence-parallel layout of a run.
+
+`init_parallel_state(dp_size, sp_size)` builds a 2-D DeviceMesh with dims ("dp", "sp"): rank = dp_rank * sp_size +
+sp_rank, so each sp group is a block of consecutive ranks. `get_parallel_state()` returns it, or a single-process
+state (dp = sp = 1, no groups) when nothing was initialized, so every caller works unchanged without torchrun.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    """Sizes, ranks and process groups of the dp x sp mesh. `mesh is None` means single process."""
+
+    dp_size: int = 1
+    sp_size: int = 1
+    dp_rank: int = 0
+    sp_rank: int = 0
+    mesh: DeviceMesh | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_size * self.sp_size
+
+    @property
+    def rank(self) -> int:
+        return self.dp_rank * self.sp_size + self.sp_rank
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.mesh is not None
+
+    @property
+    def sp_enabled(self) -> bool:
+        return self.sp_size > 1
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh.get_group("dp") if self.mesh is not None else None
+
+    @property
+    def sp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh.get_group("sp") if self.mesh is not None else None
+
+    @property
+    def world_group(self) -> dist.ProcessGroup | None:
+        """The dp x sp group: every rank of the mesh, i.e. the default process group."""
+        return dist.group.WORLD if self.mesh is not None else None
+
+    @property
+    def device_type(self) -> str:
+        return self.mesh.device_type if self.mesh is not None else "cpu"
+
+    def fsdp_mesh(self) -> DeviceMesh | None:
+        """A 1-D mesh over all dp x sp ranks: FSDP2 shards parameters and averages gradients over it."""
+        if self.mesh is None:
+            return None
+        return DeviceMesh.from_group(dist.group.WORLD, self.mesh.device_type, mesh_dim_names=("dp_sp",))
+
+
+_STATE: ParallelState | None = None
+
+
+def validate_layout(dp_size: int, sp_size: int, world_size: int) -> None:
+    """Raise ValueError naming the numbers when dp_size x sp_size does not equal world_size."""
+    if dp_size < 1 or sp_size < 1:
+        raise ValueError(f"dp_size ({dp_size}) and sp_size ({sp_size}) must be >= 1")
+    if dp_size * sp_size != world_size:
+        raise ValueError(
+            f"parallel layout does not fit the world: dp_size ({dp_size}) x sp_size ({sp_size}) = "
+            f"{dp_size * sp_size} != world_size ({world_size})"
+        )
+
+
+def init_parallel_state(dp_size: int, sp_size: int = 1, device_type: str | None = None) -> ParallelState:
+    """Build the dp x sp DeviceMesh over the initialized default process group and make it current.
+
+    Without an initialized process group only dp_size = sp_size = 1 is valid and the single-process state is set.
+    The layout is validated before any collective runs.
+    """
+    global _STATE
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    validate_layout(dp_size, sp_size, world_size)
+    if not dist.is_initialized():
+        _STATE = ParallelState()
+        return _STATE
+    if device_type is None:
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device_type, (dp_size, sp_size), mesh_dim_names=("dp", "sp"))
+    _STATE = ParallelState(
+        dp_size=dp_size,
+        sp_size=sp_size,
+        dp_rank=mesh.get_local_rank("dp"),
+        sp_rank=mesh.get_local_rank("sp"),
+        mesh=mesh,
+    )
+    return _STATE
+
+
+def get_parallel_state() -> ParallelState:
+    """The current layout; a single-process state when `init_parallel_state` was not called."""
+    return _STATE if _STATE is not None else ParallelState()
+
+
+def destroy_parallel_state() -> None:
+    """Forget the current layout (the process group itself is left to its owner)."""
+    global _STATE
+    _STATE = None

@@ -1,0 +1,89 @@
+"""One all-reduce helper for scalars, lists and tensors.
+
+Contract:
+- `op` is "sum", "mean", "max" or "min" (mean = sum / group size, so it works on gloo too).
+- A list/tuple is packed into ONE collective and returned as a list of the same length.
+- Integer data is reduced as int64 (exact beyond 2**24), floats as float64 for Python numbers and in their own dtype
+  for tensors; an integer "mean" returns floats.
+- A tensor in gives a tensor out, never `.item()`; Python numbers in give Python numbers out.
+- Without an initialized process group, or with a group of size 1, the local value comes back and nothing is sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from numbers import Number
+
+import torch
+import torch.distributed as dist
+
+ReduceData = Number | torch.Tensor | Sequence[Number | torch.Tensor]
+
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+
+
+def group_size(group: dist.ProcessGroup | None = None) -> int:
+    """World size of `group` (default group when None); 1 without an initialized process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device a collective on `group` needs its buffers on: the current CUDA device for NCCL, else CPU."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _is_integer(x: Number | torch.Tensor) -> bool:
+    if isinstance(x, torch.Tensor):
+        return not (x.dtype.is_floating_point or x.dtype.is_complex)
+    return isinstance(x, (bool, int))
+
+
+def _reduce_tensor(tensor: torch.Tensor, op: str, group: dist.ProcessGroup | None, size: int) -> torch.Tensor:
+    integer = _is_integer(tensor)
+    out = tensor.detach().to(torch.int64 if integer else tensor.dtype, copy=True)
+    if size > 1:
+        dist.all_reduce(out, op=_REDUCE_OPS[op], group=group)
+    if op == "mean":
+        out = out.to(torch.float64) / size if integer else out / size
+    return out
+
+
+def all_reduce(data: ReduceData, op: str = "sum", group: dist.ProcessGroup | None = None) -> ReduceData:
+    """Reduce `data` over `group` (see the module docstring for the contract)."""
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"all_reduce: unknown op {op!r}; expected one of {sorted(_REDUCE_OPS)}")
+    size = group_size(group)
+
+    if isinstance(data, torch.Tensor):
+        return _reduce_tensor(data, op, group, size)
+
+    if isinstance(data, (list, tuple)):
+        if not data:
+            return []
+        for index, item in enumerate(data):
+            if not isinstance(item, (Number, torch.Tensor)) or (isinstance(item, torch.Tensor) and item.numel() != 1):
+                raise TypeError(f"all_reduce: list item {index} is {type(item).__name__}; expected a number")
+        integer = all(_is_integer(item) for item in data)
+        dtype = torch.int64 if integer else torch.float64
+        if any(isinstance(item, torch.Tensor) for item in data):
+            device = next(item.device for item in data if isinstance(item, torch.Tensor))
+            packed = torch.stack([torch.as_tensor(item, dtype=dtype, device=device).reshape(()) for item in data])
+            return list(_reduce_tensor(packed, op, group, size).unbind())
+        packed = torch.tensor(list(data), dtype=dtype, device=collective_device(group))
+        return _reduce_tensor(packed, op, group, size).tolist()
+
+    if isinstance(data, Number):
+        integer = _is_integer(data)
+        packed = torch.tensor([data], dtype=torch.int64 if integer else torch.float64, device=collective_device(group))
+        return _reduce_tensor(packed, op, group, size).item()
+
+    raise TypeError(f"all_reduce: unsupported data type {type(data).__name__}; expected a number, list or tensor")
