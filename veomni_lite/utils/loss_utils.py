@@ -115,8 +115,10 @@ class _StepDenominators:
     device: torch.device
 
     def serves(self, token_len: Mapping[str, torch.Tensor]) -> bool:
-        return self.token_len is token_len and len(self.token_tensors) == len(token_len) and all(
-            a is b for a, b in zip(self.token_tensors, token_len.values())
+        return (
+            self.token_len is token_len
+            and len(self.token_tensors) == len(token_len)
+            and all(a is b for a, b in zip(self.token_tensors, token_len.values()))
         )
 
 
@@ -271,8 +273,7 @@ def mean_global_loss(
         if world == 1 and dist.is_available() and dist.is_initialized():
             world = dist.get_world_size()
         denominators = {
-            name: _token_count(global_micro_batches_token_len, name, "global_micro_batches_token_len")
-            for name in names
+            name: _token_count(global_micro_batches_token_len, name, "global_micro_batches_token_len") for name in names
         }
         poison = None
 

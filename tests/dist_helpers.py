@@ -1,0 +1,88 @@
+"""Run a function on N real gloo processes (spawned), collecting each rank's return value or traceback."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    init_file: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    results: Any,
+    timeout_s: float,
+) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        try:
+            results.put((rank, "ok", fn(rank, world_size, *args)))
+        finally:
+            from veomni_lite.distributed.parallel_state import destroy_parallel_state
+
+            destroy_parallel_state()
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - the parent reports every rank's failure
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0, pg_timeout_s: float = 60.0
+) -> dict[int, tuple[str, Any]]:
+    """Call `fn(rank, world_size, *args)` on `world_size` gloo ranks; return {rank: ("ok"|"error", value)}.
+
+    An "error" value is the rank's traceback text. Raises RuntimeError when a rank does not finish within `timeout_s`.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "pg_init")
+        procs = [
+            ctx.Process(target=_worker, args=(rank, world_size, init_file, fn, args, results, pg_timeout_s))
+            for rank in range(world_size)
+        ]
+        for proc in procs:
+            proc.start()
+        outcomes: dict[int, tuple[str, Any]] = {}
+        try:
+            while len(outcomes) < world_size:
+                rank, status, value = results.get(timeout=timeout_s)
+                outcomes[rank] = (status, value)
+        except queue.Empty:
+            missing = sorted(set(range(world_size)) - set(outcomes))
+            raise RuntimeError(f"ranks {missing} did not finish within {timeout_s}s; got {outcomes}") from None
+        finally:
+            for proc in procs:
+                proc.join(timeout=10)
+                if proc.is_alive():
+                    proc.kill()
+    return outcomes
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
+    """`run_ranks`, raising RuntimeError with every failing rank's traceback; results ordered by rank."""
+    outcomes = run_ranks(fn, world_size, *args, **kwargs)
+    errors = {rank: value for rank, (status, value) in outcomes.items() if status == "error"}
+    if errors:
+        raise RuntimeError("\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in sorted(errors.items())))
+    return [outcomes[rank][1] for rank in range(world_size)]

@@ -1,0 +1,71 @@
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist_helpers import run_distributed
+from veomni_lite.utils.dist_utils import all_reduce
+
+
+def test_without_process_group_returns_local_values():
+    assert all_reduce(3) == 3
+    assert all_reduce(2.5, op="mean") == 2.5
+    assert all_reduce([1, 2, 3], op="max") == [1, 2, 3]
+    tensor = torch.tensor([1.0, 2.0])
+    out = all_reduce(tensor, op="sum")
+    assert isinstance(out, torch.Tensor)
+    assert torch.equal(out, tensor)
+    assert all_reduce(torch.tensor([3], dtype=torch.int32)).dtype == torch.int64
+
+
+def test_rejects_unknown_op_and_types():
+    with pytest.raises(ValueError, match="unknown op 'avg'"):
+        all_reduce(1, op="avg")
+    with pytest.raises(TypeError, match="list item 1 is str"):
+        all_reduce([1, "a"])
+    with pytest.raises(TypeError, match="unsupported data type dict"):
+        all_reduce({"a": 1})
+
+
+def _reduce_everything(rank: int, world_size: int) -> dict:
+    calls = []
+    original = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        big = 2**24 + 1
+        out = {
+            "scalar_sum": all_reduce(rank + 1),
+            "scalar_mean": all_reduce(float(rank), op="mean"),
+            "list": all_reduce([rank, big, 0.5 * rank], op="sum"),
+            "list_calls": None,
+            "int_exact": all_reduce([big, big + rank]),
+            "max": all_reduce([rank, -rank], op="max"),
+            "min": all_reduce(torch.tensor([rank, -rank]), op="min"),
+            "tensor_mean": all_reduce(torch.tensor([1, 3]) * (rank + 1), op="mean"),
+            "tensor_list": all_reduce([torch.tensor(rank), torch.tensor(2 * rank)]),
+        }
+        out["calls"] = len(calls)
+    finally:
+        dist.all_reduce = original
+    return out
+
+
+@pytest.mark.slow
+def test_reduces_across_two_gloo_ranks_one_collective_per_call():
+    results = run_distributed(_reduce_everything, 2)
+    for out in results:
+        assert out["scalar_sum"] == 3 and isinstance(out["scalar_sum"], int)
+        assert out["scalar_mean"] == 0.5
+        assert out["list"] == [1.0, 2 * (2**24 + 1), 0.5]
+        assert out["int_exact"] == [2 * (2**24 + 1), 2 * (2**24 + 1) + 1]  # exact in int64
+        assert out["max"] == [1, 0]
+        assert torch.equal(out["min"], torch.tensor([0, -1]))
+        assert torch.allclose(out["tensor_mean"], torch.tensor([1.5, 4.5], dtype=torch.float64))
+        assert [int(t) for t in out["tensor_list"]] == [1, 2]
+        assert out["calls"] == 8  # one collective per call, lists packed

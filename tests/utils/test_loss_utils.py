@@ -1,0 +1,285 @@
+"""Single-process tests of the loss contract, with `all_reduce` monkeypatched on loss_utils and counted."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from veomni_lite.utils import loss_utils
+from veomni_lite.utils.loss_utils import (
+    IGNORE_INDEX,
+    MAX_LOSS_KEYS,
+    LossKeyMismatchError,
+    count_loss_token,
+    mean_global_loss,
+)
+
+VOCAB = 11
+
+
+@pytest.fixture(autouse=True)
+def _fresh_memo():
+    loss_utils.reset_loss_memo()
+    yield
+    loss_utils.reset_loss_memo()
+
+
+class CountingAllReduce:
+    """Records every all_reduce the loss path issues; behaves as a world of one (or adds `other_ranks`)."""
+
+    def __init__(self, other_ranks: list[torch.Tensor] | None = None) -> None:
+        self.buffers: list[torch.Tensor] = []
+        self.other_ranks = other_ranks or []
+
+    def __call__(self, data, op="sum", group=None):
+        assert op == "sum"
+        self.buffers.append(data.clone())
+        return data + sum(self.other_ranks) if self.other_ranks else data.clone()
+
+    @property
+    def calls(self) -> int:
+        return len(self.buffers)
+
+
+@pytest.fixture
+def counting(monkeypatch) -> CountingAllReduce:
+    counter = CountingAllReduce()
+    monkeypatch.setattr(loss_utils, "all_reduce", counter)
+    return counter
+
+
+def make_micro_batches(num: int, seq: int = 6, seed: int = 0, ignore_p: float = 0.3) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(num):
+        labels = torch.randint(0, VOCAB, (2, seq), generator=gen)
+        labels[torch.rand(labels.shape, generator=gen) < ignore_p] = IGNORE_INDEX
+        aux = torch.randint(0, VOCAB, (2, seq), generator=gen)
+        aux[torch.rand(aux.shape, generator=gen) < 0.6] = IGNORE_INDEX
+        batches.append(
+            {"input_ids": torch.randint(0, VOCAB, (2, seq), generator=gen), "labels": labels, "aux_labels": aux}
+        )
+    return batches
+
+
+def local_mean_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The plain model loss: F.cross_entropy mean over the valid labels (NaN when there are none)."""
+    return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=IGNORE_INDEX)
+
+
+# ---------------------------------------------------------------- count_loss_token
+
+
+def test_count_loss_token_sums_every_labels_key_over_micro_batches():
+    batches = make_micro_batches(3)
+    counts = count_loss_token(batches)
+    assert set(counts) == {"foundation_tokens", "aux_tokens"}
+    assert counts["foundation_tokens"].dtype == torch.int64
+    expected_f = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
+    expected_a = sum(int((b["aux_labels"] != IGNORE_INDEX).sum()) for b in batches)
+    assert int(counts["foundation_tokens"]) == expected_f  # summed, not the last micro-batch's count
+    assert int(counts["aux_tokens"]) == expected_a
+    assert int(count_loss_token(batches[1])["foundation_tokens"]) == int((batches[1]["labels"] != IGNORE_INDEX).sum())
+
+
+def test_count_loss_token_nested_and_padding_flag():
+    batches = make_micro_batches(4)
+    flat = count_loss_token(batches)
+    nested = count_loss_token([[batches[0], batches[1]], (batches[2], [batches[3]])])
+    assert int(nested["foundation_tokens"]) == int(flat["foundation_tokens"])
+    padded = dict(batches[0], padding_flag=True)
+    tensor_padded = dict(batches[1], padding_flag=torch.tensor(True))
+    counts = count_loss_token([padded, tensor_padded, batches[2]])
+    assert int(counts["foundation_tokens"]) == int((batches[2]["labels"] != IGNORE_INDEX).sum())
+    not_padded = dict(batches[1], padding_flag=torch.tensor(False))
+    assert int(count_loss_token(not_padded)["aux_tokens"]) == int((batches[1]["aux_labels"] != IGNORE_INDEX).sum())
+
+
+def test_count_loss_token_rejects_other_types_naming_them():
+    with pytest.raises(TypeError, match=r"batches\[1\] is a str"):
+        count_loss_token([make_micro_batches(1)[0], "oops"])
+    with pytest.raises(TypeError, match="'labels' is a list"):
+        count_loss_token({"labels": [1, 2, 3]})
+
+
+# ---------------------------------------------------------------- collectives per step
+
+
+def test_one_all_reduce_per_step_carrying_both_keys(counting):
+    batches = make_micro_batches(4)
+    step_tokens = count_loss_token(batches)
+    for batch in batches:
+        losses = {"foundation_loss": torch.tensor(1.0), "aux_loss": torch.tensor(2.0)}
+        mean_global_loss(losses, count_loss_token(batch), step_tokens)
+    assert counting.calls == 1
+    packed = counting.buffers[0]
+    # sorted loss keys: aux, foundation
+    assert int(packed[0]) == int(step_tokens["aux_tokens"])
+    assert int(packed[1]) == int(step_tokens["foundation_tokens"])
+    assert packed.shape == (MAX_LOSS_KEYS + 5,)
+
+    next_step = count_loss_token(make_micro_batches(4, seed=1))
+    mean_global_loss({"foundation_loss": torch.tensor(1.0), "aux_loss": torch.tensor(2.0)}, next_step, next_step)
+    assert counting.calls == 2
+
+
+def test_token_keys_without_a_loss_are_not_reduced(counting):
+    batches = make_micro_batches(2)
+    step_tokens = count_loss_token(batches)
+    mean_global_loss(torch.tensor(1.0), count_loss_token(batches[0]), step_tokens)
+    packed = counting.buffers[0]
+    assert int(packed[0]) == int(step_tokens["foundation_tokens"])
+    assert packed[1:MAX_LOSS_KEYS].eq(0).all(), "aux_tokens has no loss and must not be packed"
+
+
+def test_explicit_global_counts_skip_the_collective(counting):
+    batches = make_micro_batches(2)
+    step_tokens = count_loss_token(batches)
+    out = mean_global_loss(torch.tensor(3.0), count_loss_token(batches[0]), step_tokens, step_tokens)
+    assert counting.calls == 0
+    n = int(count_loss_token(batches[0])["foundation_tokens"])
+    assert out["foundation_loss"].item() == pytest.approx(3.0 * n / int(step_tokens["foundation_tokens"]))
+
+
+def test_a_new_dict_always_gets_new_denominators(counting):
+    """Equal contents, new object -> new reduce; freed dicts cannot alias through id() reuse."""
+    batches = make_micro_batches(2)
+    for index in range(20):
+        step_tokens = count_loss_token(batches)
+        mean_global_loss(torch.tensor(1.0), count_loss_token(batches[0]), step_tokens)
+        assert counting.calls == index + 1
+        del step_tokens
+        gc.collect()
+
+
+def test_in_place_edit_of_the_step_dict_is_not_served_stale(counting):
+    batches = make_micro_batches(2)
+    step_tokens = count_loss_token(batches)
+    mean_global_loss(torch.tensor(1.0), count_loss_token(batches[0]), step_tokens)
+    step_tokens["foundation_tokens"] = torch.tensor(5)
+    out = mean_global_loss(torch.tensor(1.0), {"foundation_tokens": torch.tensor(5)}, step_tokens)
+    assert counting.calls == 2
+    assert out["foundation_loss"].item() == pytest.approx(1.0)
+
+
+def test_memo_holds_at_most_one_step(counting):
+    first = count_loss_token(make_micro_batches(2))
+    probe = weakref.ref(first["foundation_tokens"])
+    mean_global_loss(torch.tensor(1.0), first, first)
+    del first
+    second = count_loss_token(make_micro_batches(2, seed=3))
+    mean_global_loss(torch.tensor(1.0), second, second)
+    gc.collect()
+    assert probe() is None, "the previous step's counts must be released once the next step starts"
+
+
+def test_a_loss_key_appearing_mid_step_is_an_error(counting):
+    batches = make_micro_batches(2)
+    step_tokens = count_loss_token(batches)
+    mean_global_loss(torch.tensor(1.0), count_loss_token(batches[0]), step_tokens)
+    with pytest.raises(ValueError, match="appeared mid-step"):
+        mean_global_loss(
+            {"foundation_loss": torch.tensor(1.0), "aux_loss": torch.tensor(1.0)},
+            count_loss_token(batches[1]),
+            step_tokens,
+        )
+
+
+def test_missing_token_key_names_the_key():
+    with pytest.raises(KeyError, match="aux_tokens"):
+        mean_global_loss(
+            {"aux_loss": torch.tensor(1.0)}, {"foundation_tokens": torch.tensor(1)}, {"aux_tokens": torch.tensor(1)}
+        )
+    with pytest.raises(KeyError, match="must be named"):
+        mean_global_loss({"aux": torch.tensor(1.0)}, {}, {})
+
+
+# ---------------------------------------------------------------- math
+
+
+def test_fallback_math_equals_the_global_token_mean_with_zero_token_micro_batches():
+    torch.manual_seed(0)
+    batches = make_micro_batches(4, ignore_p=0.4)
+    batches[1]["labels"].fill_(IGNORE_INDEX)  # an all-ignored micro-batch: the plain CE mean is NaN there
+    batches[2]["aux_labels"].fill_(IGNORE_INDEX)
+    head = torch.nn.Linear(4, VOCAB)
+    aux_head = torch.nn.Linear(4, VOCAB)
+    features = [torch.randn(2, 6, 4) for _ in batches]
+
+    step_tokens = count_loss_token(batches)
+    total = torch.zeros(())
+    for feats, batch in zip(features, batches):
+        losses = {
+            "foundation_loss": local_mean_ce(head(feats), batch["labels"]),
+            "aux_loss": local_mean_ce(aux_head(feats), batch["aux_labels"]),
+        }
+        scaled = mean_global_loss(losses, count_loss_token(batch), step_tokens)
+        assert all(torch.isfinite(v) for v in scaled.values())
+        total = total + sum(scaled.values())
+    total.backward()
+    got = [p.grad.clone() for p in (*head.parameters(), *aux_head.parameters())]
+
+    head.zero_grad()
+    aux_head.zero_grad()
+    all_feats = torch.cat(features)
+    reference = local_mean_ce(head(all_feats), torch.cat([b["labels"] for b in batches])) + local_mean_ce(
+        aux_head(all_feats), torch.cat([b["aux_labels"] for b in batches])
+    )
+    reference.backward()
+    assert total.item() == pytest.approx(reference.item(), rel=1e-6)
+    for g, r in zip(got, (*[p.grad for p in head.parameters()], *[p.grad for p in aux_head.parameters()])):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
+
+
+def test_a_whole_step_without_tokens_gives_exact_zero_value_and_gradient():
+    logits = torch.randn(2, 6, VOCAB, requires_grad=True)
+    labels = torch.full((2, 6), IGNORE_INDEX)
+    step_tokens = count_loss_token([{"labels": labels}])
+    scaled = mean_global_loss(local_mean_ce(logits, labels), count_loss_token({"labels": labels}), step_tokens)
+    loss = scaled["foundation_loss"]
+    assert loss.item() == 0.0
+    loss.backward()
+    assert torch.equal(logits.grad, torch.zeros_like(logits))
+
+
+def test_no_host_reads_in_the_loss_path(monkeypatch):
+    def forbidden(*_args, **_kwargs):
+        raise AssertionError("host read in the loss path")
+
+    batches = make_micro_batches(3)
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    step_tokens = count_loss_token(batches)
+    for batch in batches:
+        mean_global_loss(
+            {"foundation_loss": torch.tensor(1.0), "aux_loss": torch.tensor(1.0)}, count_loss_token(batch), step_tokens
+        )
+
+
+# ---------------------------------------------------------------- rank agreement
+
+
+def test_a_rank_with_other_loss_keys_is_detected(monkeypatch):
+    """Simulate a second rank whose buffer carries a different key-set fingerprint."""
+    other = torch.zeros(MAX_LOSS_KEYS + 5, dtype=torch.int64)
+    fp_a, fp_b = loss_utils._fingerprints(("aux", "foundation"))
+    other[MAX_LOSS_KEYS:] = torch.tensor([1, fp_a, fp_a * fp_a, fp_b, fp_b * fp_b])
+    monkeypatch.setattr(loss_utils, "all_reduce", CountingAllReduce(other_ranks=[other]))
+    batch = make_micro_batches(1)[0]
+    with pytest.raises(LossKeyMismatchError, match=r"\['foundation'\]"):
+        mean_global_loss(torch.tensor(1.0), count_loss_token(batch), count_loss_token(batch))
+
+
+def test_same_keys_on_every_rank_pass_the_check(monkeypatch):
+    other = torch.zeros(MAX_LOSS_KEYS + 5, dtype=torch.int64)
+    fp_a, fp_b = loss_utils._fingerprints(("foundation",))
+    other[0] = 7
+    other[MAX_LOSS_KEYS:] = torch.tensor([1, fp_a, fp_a * fp_a, fp_b, fp_b * fp_b])
+    monkeypatch.setattr(loss_utils, "all_reduce", CountingAllReduce(other_ranks=[other]))
+    batch = {"labels": torch.tensor([[1, 2, IGNORE_INDEX]])}
+    out = mean_global_loss(torch.tensor(1.0), count_loss_token(batch), count_loss_token(batch))
+    assert out["foundation_loss"].item() == pytest.approx(1.0 * 2 / 9 * 2)  # n=2, T=2+7, W=2
