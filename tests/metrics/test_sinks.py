@@ -1,0 +1,133 @@
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import pytest
+import torch
+
+from veomni_lite.metrics import ConsoleSink, JsonlSink, LossCurveSink, MetricSeries, TensorBoardSink
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+NON_SCALARS = {
+    "train/hist": torch.randn(32),
+    "train/table": [["a", 1], ["b", 2]],
+    "train/nested": {"x": {"y": 1}},
+    "train/none": None,
+}
+
+
+def read_scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_console_line():
+    lines: list[str] = []
+    sink = ConsoleSink({"train/loss": ".4f", "train/lr": ".1e"}, max_steps=100, write_line=lines.append)
+    sink.write(10, 0, {"train/loss": 2.34564, "train/lr": 1e-4, "eval/loss": 3.0, "train/tokens": 4096})
+    assert lines == ["step 10/100 | epoch 0 | loss 2.3456 | lr 1.0e-04 | eval/loss 3.0000 | tokens 4096"]
+
+
+def test_jsonl_appends_and_flushes_each_event(tmp_path):
+    path = tmp_path / "out" / "metrics.jsonl"
+    sink = JsonlSink(path)
+    sink.write(1, 0, {"train/loss": 2.0, "train/nan": math.nan})
+    assert json.loads(path.read_text()) == {"step": 1, "epoch": 0, "train/loss": 2.0, "train/nan": None}
+    sink.write(2, 0.5, {"train/loss": torch.tensor(1.5)})
+    sink.close()
+    JsonlSink(path).write(3, 1, {"train/loss": 1.0})  # a new sink appends
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("kind", ["console", "jsonl", "tensorboard", "png"])
+def test_non_scalars_never_crash_a_sink_and_warn_once_per_key(tmp_path, kind):
+    series = MetricSeries()
+    sink = {
+        "console": lambda: ConsoleSink(write_line=lambda line: None),
+        "jsonl": lambda: JsonlSink(tmp_path / "metrics.jsonl"),
+        "tensorboard": lambda: TensorBoardSink(tmp_path / "tb"),
+        "png": lambda: LossCurveSink(tmp_path / "loss_curve.png", series),
+    }[kind]()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in (1, 2):
+            values = {"train/loss": 1.0 / step, "train/nan_loss": math.nan, **NON_SCALARS}
+            series.append(step, 0, {"train/loss": 1.0 / step, "train/nan_loss": math.nan})
+            sink.write(step, 0, values)
+        sink.close()
+    messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    if kind == "png":  # plots the series it was given (scalars only), so it never looks at the values
+        assert messages == []
+        assert (tmp_path / "loss_curve.png").read_bytes().startswith(PNG_MAGIC)
+        return
+    assert len(messages) == len(NON_SCALARS)
+    for key in NON_SCALARS:
+        assert sum(f"'{key}'" in m for m in messages) == 1
+    if kind == "jsonl":
+        lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        assert lines[1] == {"step": 2, "epoch": 0, "train/loss": 0.5, "train/nan_loss": None}
+    if kind == "tensorboard":
+        scalars = read_scalars(tmp_path / "tb")
+        assert scalars["train/loss"] == [(1, 1.0), (2, 0.5)]
+        assert set(scalars) == {"train/loss", "train/nan_loss"}
+
+
+def test_jsonl_resume_truncates_and_rebuilds(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    sink = JsonlSink(path)
+    for step in (2, 4, 6, 8):
+        sink.write(step, 0, {"train/loss": float(step)})
+    sink.close()
+    with path.open("a") as f:
+        f.write('{"step": 10, "train/lo')  # a line torn by a crash
+    series = MetricSeries()
+    with pytest.warns(UserWarning, match="unreadable line 5"):
+        sink.resume(4, series)
+    sink.write(6, 0, {"train/loss": 6.5})
+    sink.close()
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        {"step": 2, "epoch": 0, "train/loss": 2.0},
+        {"step": 4, "epoch": 0, "train/loss": 4.0},
+        {"step": 6, "epoch": 0, "train/loss": 6.5},
+    ]
+    # Without the file (a new output dir) the series is the source.
+    series.append(2, 0, {"train/loss": 2.0, "train/lr": 1e-4})
+    series.append(4, 1, {"train/loss": 4.0})
+    series.append(6, 1, {"train/loss": 6.0})
+    fresh = JsonlSink(tmp_path / "new" / "metrics.jsonl")
+    fresh.resume(4, series)
+    assert [json.loads(line) for line in fresh.path.read_text().splitlines()] == [
+        {"step": 2, "epoch": 0, "train/loss": 2.0, "train/lr": 1e-4},
+        {"step": 4, "epoch": 1, "train/loss": 4.0},
+    ]
+
+
+def test_tensorboard_resume_purges_later_steps(tmp_path):
+    sink = TensorBoardSink(tmp_path)
+    for step in range(1, 7):
+        sink.write(step, 0, {"train/loss": float(step)})
+    sink.close()
+    sink.resume(3, MetricSeries())
+    for step in range(4, 6):
+        sink.write(step, 0, {"train/loss": step + 0.5})
+    sink.close()
+    assert read_scalars(tmp_path)["train/loss"] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.5), (5, 5.5)]
+
+
+def test_loss_curve_plots_loss_keys(tmp_path):
+    series = MetricSeries()
+    path = tmp_path / "loss_curve.png"
+    sink = LossCurveSink(path, series)
+    sink.write(1, 0, {})
+    assert not path.exists()  # nothing to plot yet
+    series.append(1, 0, {"train/loss": 2.0, "train/foundation_loss": 1.5, "train/lr": 1e-4, "eval/loss": math.inf})
+    series.append(2, 0, {"train/loss": 1.0, "train/foundation_loss": 0.5})
+    assert sink.plot_keys() == ["eval/loss", "train/foundation_loss", "train/loss"]
+    sink.write(2, 0, {})
+    assert path.read_bytes().startswith(PNG_MAGIC)
+    assert LossCurveSink(path, series, keys=["train/loss", "missing"]).plot_keys() == ["train/loss"]

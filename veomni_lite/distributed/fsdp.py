@@ -1,0 +1,40 @@
+"""FSDP2 (`fully_shard`) over the dp x sp mesh: each transformer block, then the root.
+
+Gradients are averaged over all dp x sp ranks, which is the W that `mean_global_loss` scales by.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from veomni_lite.distributed.parallel_state import ParallelState
+
+
+def resolve_mixed_precision(setting: str, device: torch.device) -> bool:
+    """ "auto" means bf16 on CUDA and fp32 elsewhere; "bf16" off CUDA is refused (gloo/CPU trains in fp32)."""
+    if setting == "auto":
+        return device.type == "cuda"
+    if setting == "bf16" and device.type != "cuda":
+        raise ValueError(f"train.mixed_precision: bf16 needs a CUDA device, this run is on {device.type}")
+    return setting == "bf16"
+
+
+def apply_fsdp(model: nn.Module, state: ParallelState, blocks: list[nn.Module], bf16: bool = False) -> nn.Module:
+    """Shard `blocks` one by one, then the root, over the 1-D dp x sp mesh. Single process: returned unchanged."""
+    mesh = state.fsdp_mesh()
+    if mesh is None:
+        return model
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    kwargs = {"mesh": mesh} if policy is None else {"mesh": mesh, "mp_policy": policy}
+    for block in blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Skip the reduce-scatter on all but the last micro-batch of a step (gradients accumulate unsharded)."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)

@@ -1,0 +1,386 @@
+"""The one train loop. Text and VLM trainers only supply the model, the datasets and the collate function.
+
+Per optimizer step:
+  1. the loader yields this rank's GA micro-batches; under SP each is sliced to this rank's sequence shard;
+  2. every micro-batch is validated on the host (it is still on the CPU) and one small control all-reduce on a CPU
+     group agrees, across ranks, on stop requests (SIGTERM), bad data and the micro-batch count, before any
+     collective that could hang;
+  3. `micro_batches_token_len = count_loss_token(micro_batches)`; per micro-batch: `preforward` (to device) ->
+     model -> `postforward` (`mean_global_loss`, keys summed) -> backward. Loss normalization costs one packed
+     all-reduce per step, inside `mean_global_loss`; metrics are recorded locally (no collective, no host read);
+  4. gradient clipping with the true global norm over FSDP shards; the step's one host read (grad norm and loss)
+     checks rank agreement on loss keys and non-finite values; AdamW + warmup/cosine LR;
+  5. end-of-step bookkeeping (log-time metric reduction, sink writes) runs on a worker thread and overlaps the next
+     step; the next optimizer update waits for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import math
+import os
+import signal
+import sys
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from veomni_lite.config import Config
+from veomni_lite.data.loader import MicroBatchLoader
+from veomni_lite.distributed.fsdp import apply_fsdp, resolve_mixed_precision, set_gradient_sync
+from veomni_lite.distributed.parallel_state import ParallelState, init_parallel_state
+from veomni_lite.distributed.sequence_parallel import slice_micro_batch, ulysses_attention
+from veomni_lite.models.attention import causal_attention
+from veomni_lite.models.llm import set_attention_fn
+from veomni_lite.trainer.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
+from veomni_lite.trainer.validation import DataError, validate_micro_batch
+from veomni_lite.utils.loss_utils import count_loss_token, mean_global_loss, reset_loss_memo, verify_loss_keys
+
+
+class NonFiniteError(FloatingPointError):
+    """A step produced a non-finite loss or gradient norm (train.nonfinite = "error")."""
+
+
+class TrainingInterrupted(SystemExit):
+    """SIGTERM/SIGINT ended the run after saving what was safe to save; exit code 128 + signal."""
+
+
+def init_distributed(timeout_s: float) -> torch.device:
+    """Join the torchrun process group (NCCL on CUDA, else gloo) with a collective timeout; return the device."""
+    if "RANK" in os.environ and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def warmup_cosine(warmup_steps: int, max_steps: int, min_ratio: float) -> Callable[[int], float]:
+    """LR multiplier: linear warmup to 1, then cosine decay to `min_ratio` at `max_steps`."""
+
+    def factor(step: int) -> float:
+        if warmup_steps and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def global_grad_norm(parameters: Sequence[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip gradients by the norm over ALL shards (a DTensor norm is completed with `full_tensor`)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
+    return total
+
+
+class BaseTrainer(ABC):
+    """Build everything from a Config, then `train()`. Subclasses implement the three `build_*` hooks."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        train = config.train
+        self.output_dir = Path(train.output_dir)
+        self.device = init_distributed(train.collective_timeout_s)
+        self.parallel: ParallelState = init_parallel_state(config.dp_size, train.sp_size)
+        self.rank = self.parallel.rank
+        self.is_main = self.rank == 0
+        self.control_group = dist.new_group(backend="gloo") if self.parallel.is_distributed else None
+        torch.manual_seed(train.seed)
+
+        self.train_dataset, self.eval_dataset = self.build_datasets()
+        model = self.build_model().to(self.device)
+        self.loss_keys: tuple[str, ...] = tuple(model.loss_keys)
+        self.flops_per_token = model.flops_per_token
+        if self.parallel.sp_enabled:
+            set_attention_fn(model, ulysses_attention(causal_attention, self.parallel.sp_group))
+        bf16 = resolve_mixed_precision(train.mixed_precision, self.device)
+        self.model = apply_fsdp(model, self.parallel, list(model.layers), bf16=bf16)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train.lr, weight_decay=train.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, warmup_cosine(train.warmup_steps, train.max_steps, train.min_lr_ratio)
+        )
+        self.loader = self._make_loader(self.train_dataset, train.seed)
+        self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", keep=train.keep_checkpoints)
+        self.metrics = self.build_metrics()
+        self.step = 0
+        self._stop_signal: int | None = None
+        if train.resume:
+            self._resume()
+        if self.is_main:
+            config.save(self.output_dir / "config.yaml")
+
+    # ------------------------------------------------------------------ hooks
+
+    @abstractmethod
+    def build_model(self) -> nn.Module:
+        """A model whose forward(**micro_batch) returns {"<name>_loss": local mean} and has `loss_keys`, `layers`."""
+
+    @abstractmethod
+    def build_datasets(self) -> tuple[Any, Any | None]:
+        """(train dataset, eval dataset or None): indexable, deterministic by seed."""
+
+    @abstractmethod
+    def collate(self, samples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Samples -> one micro-batch (labels shifted once, padded)."""
+
+    @property
+    def vocab_size(self) -> int:
+        return self.train_dataset.vocab_size
+
+    @property
+    def pad_id(self) -> int:
+        return 0
+
+    @property
+    def label_limits(self) -> dict[str, int]:
+        """Number of classes of every labels key other than `labels` (which uses the vocabulary size)."""
+        return {}
+
+    def build_metrics(self) -> Any:
+        from veomni_lite.trainer.metrics import TrainMetrics
+
+        return TrainMetrics(self)
+
+    # ------------------------------------------------------------------ data
+
+    def _make_loader(self, dataset: Any, seed: int) -> MicroBatchLoader:
+        return MicroBatchLoader(
+            dataset,
+            self.collate,
+            self.config.train.global_batch_size,
+            self.config.train.micro_batch_size,
+            dp_size=self.parallel.dp_size,
+            dp_rank=self.parallel.dp_rank,
+            seed=seed,
+        )
+
+    def shard(self, micro_batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's sequence shard (a no-op without SP)."""
+        return slice_micro_batch(micro_batch, self.parallel.sp_rank, self.parallel.sp_size, pad_id=self.pad_id)
+
+    def preforward(self, micro_batch: Mapping[str, Any]) -> dict[str, Any]:
+        """Move tensors to the device."""
+        return {
+            key: value.to(self.device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+            for key, value in micro_batch.items()
+        }
+
+    def postforward(
+        self,
+        outputs: Mapping[str, torch.Tensor],
+        micro_batch_token_len: Mapping[str, torch.Tensor],
+        micro_batches_token_len: Mapping[str, torch.Tensor],
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(loss to backpropagate, scaled per-key losses): the only place loss normalization happens."""
+        losses = {key: outputs[key] for key in self.loss_keys}
+        scaled = mean_global_loss(losses, micro_batch_token_len, micro_batches_token_len)
+        return sum(scaled.values()), scaled
+
+    # ------------------------------------------------------------------ control plane
+
+    def _agree(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
+        """Validate this rank's data, then one MAX all-reduce on the CPU control group (stop, bad data, counts)."""
+        problem: str | None = None
+        try:
+            for index, micro_batch in enumerate(micro_batches):
+                validate_micro_batch(
+                    micro_batch, self.vocab_size, self.loss_keys, self.label_limits, where=f"micro-batch {index}"
+                )
+        except DataError as exc:
+            problem = str(exc)
+        count = len(micro_batches)
+        flags = [int(self._stop_signal is not None), int(problem is not None), count, -count]
+        if self.control_group is not None:
+            flags_t = torch.tensor(flags, dtype=torch.int64)
+            dist.all_reduce(flags_t, op=dist.ReduceOp.MAX, group=self.control_group)
+            flags = flags_t.tolist()
+        if problem is not None:
+            raise DataError(f"rank {self.rank}, step {self.step + 1}: {problem}")
+        if flags[1]:
+            raise DataError(f"rank {self.rank}: another rank reported bad data at step {self.step + 1} (see its error)")
+        if flags[2] != -flags[3]:
+            raise DataError(
+                f"rank {self.rank}: ranks disagree on the number of micro-batches at step {self.step + 1} "
+                f"(this rank {count}, min {-flags[3]}, max {flags[2]}): a data source ended early on some rank"
+            )
+        if flags[0] and self._stop_signal is None:
+            self._stop_signal = signal.SIGTERM
+
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        def request_stop(signum: int, _frame: Any) -> None:
+            self._stop_signal = signum
+
+        previous = {}
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(ValueError):  # not the main thread: no handlers
+                previous[signum] = signal.signal(signum, request_stop)
+        return previous
+
+    # ------------------------------------------------------------------ the loop
+
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
+        """One optimizer step over this rank's micro-batches (already SP-sharded and agreed)."""
+        train = self.config.train
+        step_start = time.perf_counter()
+        micro_batches_token_len = count_loss_token(micro_batches)
+        last = len(micro_batches) - 1
+        step_loss = torch.zeros((), device=self.device)
+        for index, micro_batch in enumerate(micro_batches):
+            set_gradient_sync(self.model, index == last)
+            micro_batch_token_len = count_loss_token(micro_batch)
+            outputs = self.model(**self.preforward(micro_batch))
+            loss, _scaled = self.postforward(outputs, micro_batch_token_len, micro_batches_token_len)
+            loss.backward()
+            step_loss = step_loss + loss.detach()
+            self.metrics.record_micro_batch(outputs, micro_batch_token_len, micro_batch)
+
+        grad_norm = global_grad_norm(list(self.model.parameters()), train.max_grad_norm)
+        self.metrics.wait_bookkeeping()  # the previous step's bookkeeping finishes before this update
+        verify_loss_keys()
+        host = torch.stack([grad_norm.detach().float(), step_loss.float()]).cpu()  # the step's one host read
+        finite = bool(torch.isfinite(host).all())
+        self.step += 1
+        if finite:
+            self.optimizer.step()
+            self.scheduler.step()
+        elif train.nonfinite == "error":
+            raise NonFiniteError(
+                f"rank {self.rank}, step {self.step}: non-finite values (grad norm {host[0].item()}, "
+                f"this rank's loss {host[1].item()}); set train.nonfinite=skip to skip such steps"
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        self.metrics.record_step(grad_norm.detach(), skipped=not finite, step_time=time.perf_counter() - step_start)
+
+    def train(self) -> dict[str, float]:
+        """Run until `train.max_steps`; returns the last logged metrics. Every exit path flushes the metrics."""
+        train = self.config.train
+        previous_handlers = self._install_signal_handlers()
+        progress = self._progress_bar()
+        try:
+            while self.step < train.max_steps:
+                micro_batches = [self.shard(mb) for mb in self.loader.next_step()]
+                self._agree(micro_batches)
+                if self._stop_signal is not None:
+                    self._on_interrupt()
+                self.train_step(micro_batches)
+                self.metrics.end_step(self.step, self.loader.epoch)
+                if progress is not None:
+                    progress.update(1)
+                    progress.set_postfix_str(self.metrics.postfix(), refresh=False)
+                if train.eval_interval and self.step % train.eval_interval == 0:
+                    self.evaluate()
+                if train.save_interval and self.step % train.save_interval == 0:
+                    self.save_checkpoint()
+            if not self.checkpoints.step_dir(self.step).exists():
+                self.save_checkpoint()
+            return self.metrics.finish()
+        except BaseException:
+            self.metrics.abort()
+            raise
+        finally:
+            if progress is not None:
+                progress.close()
+            for signum, handler in previous_handlers.items():
+                signal.signal(signum, handler)
+            reset_loss_memo()
+
+    def _progress_bar(self) -> Any:
+        if not (self.is_main and self.config.train.progress_bar):
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=self.config.train.max_steps, initial=self.step, desc="train", dynamic_ncols=True)
+
+    def _on_interrupt(self) -> None:
+        signum = self._stop_signal or signal.SIGTERM
+        if self.config.train.save_on_interrupt and self.step > 0:
+            self.save_checkpoint()
+        self.metrics.finish()
+        raise TrainingInterrupted(128 + int(signum))
+
+    # ------------------------------------------------------------------ eval
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Global token-mean eval losses over `train.eval_batches` steps of the eval set, logged under eval/."""
+        if self.eval_dataset is None or self.config.train.eval_batches == 0:
+            return {}
+        was_training = self.model.training
+        self.model.eval()
+        loader = self._make_loader(self.eval_dataset, self.config.train.seed + 1)
+        totals: dict[str, torch.Tensor] = {}
+        for _ in range(self.config.train.eval_batches):
+            micro_batches = [self.shard(mb) for mb in loader.next_step()]
+            token_len = count_loss_token(micro_batches)
+            for micro_batch in micro_batches:
+                outputs = self.model(**self.preforward(micro_batch))
+                scaled = mean_global_loss(
+                    {key: outputs[key] for key in self.loss_keys}, count_loss_token(micro_batch), token_len
+                )
+                for key, value in scaled.items():
+                    totals[key] = totals.get(key, 0) + value.detach() / self.config.train.eval_batches
+        self.model.train(was_training)
+        return self.metrics.log_eval(self.step, self.loader.epoch, totals)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self) -> Path:
+        self.metrics.wait_bookkeeping()
+        trainer_state = {
+            "step": self.step,
+            "scheduler": self.scheduler.state_dict(),
+            "loader": self.loader.state_dict(),
+            "metrics": self.metrics.state_dict(),
+            "config": self.config.to_dict(),
+        }
+        rank_state = {"rng": rng_state(), "metrics_window": self.metrics.window_state_dict()}
+        path = self.checkpoints.save(self.step, self.model, self.optimizer, trainer_state, rank_state)
+        self.metrics.flush()
+        return path
+
+    def _resume(self) -> None:
+        if not self.checkpoints.has_checkpoint():
+            if self.is_main:
+                print(f"[veomni_lite] train.resume: no checkpoint under {self.checkpoints.root}, starting fresh")
+            return
+        loaded = self.checkpoints.load_latest(self.model, self.optimizer, on_skip=self._warn)
+        if loaded is None:
+            raise CheckpointError(
+                f"train.resume: no checkpoint under {self.checkpoints.root} could be loaded "
+                f"(tried {[str(p) for _, p in self.checkpoints.complete_checkpoints()]})"
+            )
+        step, trainer_state, rank_state = loaded
+        self.step = step
+        self.scheduler.load_state_dict(trainer_state["scheduler"])
+        self.loader.load_state_dict(trainer_state["loader"])
+        self.metrics.load_state_dict(trainer_state["metrics"], step)
+        if rank_state is not None:
+            set_rng_state(rank_state["rng"])
+            self.metrics.load_window_state_dict(rank_state["metrics_window"])
+        if self.is_main:
+            print(f"[veomni_lite] resumed from {self.checkpoints.step_dir(step)} at step {step}")
+
+    def _warn(self, message: str) -> None:
+        if self.is_main:
+            print(f"[veomni_lite] WARNING: {message}", file=sys.stderr)
+
+    def close(self) -> None:
+        """Tear down the process group (idempotent)."""
+        self.metrics.close()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,31 @@
+"""Shared body of the torchrun entry points: parse the config, train, report where the outputs are."""
+
+from __future__ import annotations
+
+import sys
+
+from veomni_lite.config import ConfigError, load_config
+from veomni_lite.trainer.base import BaseTrainer
+
+
+def main(trainer_cls: type[BaseTrainer], argv: list[str] | None = None) -> int:
+    """`<entry>.py CONFIG.yaml [--section.key VALUE ...]`; config errors exit 2 before any process group."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0].startswith("--"):
+        print(f"usage: {sys.argv[0]} CONFIG.yaml [--section.key VALUE ...]", file=sys.stderr)
+        return 2
+    try:
+        config = load_config(argv[0], argv[1:])
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    trainer = trainer_cls(config)
+    try:
+        trainer.train()
+        if trainer.is_main:
+            print(f"[veomni_lite] done: {trainer.step} steps. Outputs in {trainer.output_dir.resolve()}:")
+            for name in ("metrics.jsonl", "loss_curve.png", "tensorboard/", "checkpoints/", "config.yaml"):
+                print(f"  {trainer.output_dir / name}")
+    finally:
+        trainer.close()
+    return 0

@@ -1,0 +1,79 @@
+"""Host-side checks of a micro-batch before it reaches the model or any collective.
+
+The loader produces CPU tensors, so these reads cost no device sync. Errors name the key and the bad value; the
+trainer adds the rank and step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from veomni_lite.utils.loss_utils import IGNORE_INDEX
+
+
+class DataError(ValueError):
+    """A micro-batch that violates the data contract."""
+
+
+def labels_key(loss_key: str) -> str:
+    """`foundation_loss` -> `labels`, `<name>_loss` -> `<name>_labels`."""
+    name = loss_key[: -len("_loss")]
+    return "labels" if name == "foundation" else f"{name}_labels"
+
+
+def validate_micro_batch(
+    micro_batch: Mapping[str, Any],
+    vocab_size: int,
+    loss_keys: tuple[str, ...],
+    label_limits: Mapping[str, int] | None = None,
+    where: str = "micro-batch",
+) -> None:
+    """Raise DataError for a missing key, a wrong dtype/shape, or an id/label outside its range.
+
+    `label_limits` maps a labels key to its number of classes (default: `labels` -> vocab_size).
+    """
+    limits = {"labels": vocab_size, **(label_limits or {})}
+    required = ["input_ids", "position_ids", *(labels_key(key) for key in loss_keys)]
+    missing = [key for key in required if key not in micro_batch]
+    if missing:
+        raise DataError(f"{where}: missing key(s) {missing}; has {sorted(micro_batch)}")
+    input_ids = micro_batch["input_ids"]
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise DataError(f"{where}: 'input_ids' must be a 2-D [batch, seq] tensor, got {_describe(input_ids)}")
+    for key, value in micro_batch.items():
+        if key not in ("input_ids", "position_ids") and not key.endswith("labels"):
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise DataError(f"{where}: {key!r} must be a tensor, got {type(value).__name__}")
+        if value.dtype not in (torch.int64, torch.int32):
+            raise DataError(f"{where}: {key!r} must be an integer tensor (int64), got dtype {value.dtype}")
+        if value.shape != input_ids.shape:
+            raise DataError(
+                f"{where}: {key!r} has shape {tuple(value.shape)}, 'input_ids' has {tuple(input_ids.shape)}"
+            )
+    if input_ids.numel():
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
+            raise DataError(f"{where}: 'input_ids' holds {bad}, outside the vocabulary [0, {vocab_size})")
+    for key, limit in limits.items():
+        labels = micro_batch.get(key)
+        if labels is None:
+            continue
+        valid = labels[labels != IGNORE_INDEX]
+        if valid.numel():
+            low, high = int(valid.min()), int(valid.max())
+            if low < 0 or high >= limit:
+                bad = low if low < 0 else high
+                raise DataError(
+                    f"{where}: {key!r} holds {bad}, outside [0, {limit}) (and not IGNORE_INDEX={IGNORE_INDEX})"
+                )
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    return type(value).__name__

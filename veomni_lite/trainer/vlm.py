@@ -1,0 +1,58 @@
+"""VLM trainer: the tiny VLM (text + image-decoder loss heads) on synthetic shapes. Only model, data and collate."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from veomni_lite.data.collator import collate
+from veomni_lite.data.datasets import SyntheticVLMDataset
+from veomni_lite.models.llm import TinyLMConfig
+from veomni_lite.models.vlm import TinyVLM, TinyVLMConfig
+from veomni_lite.trainer.base import BaseTrainer
+
+
+class VLMTrainer(BaseTrainer):
+    def build_datasets(self) -> tuple[Any, Any | None]:
+        data, model, seed = self.config.data, self.config.model, self.config.train.seed
+
+        def make(num_samples: int, dataset_seed: int) -> SyntheticVLMDataset:
+            return SyntheticVLMDataset(
+                num_samples=num_samples,
+                image_size=model.image_size,
+                patch_size=model.patch_size,
+                generation_ratio=data.generation_ratio,
+                seed=dataset_seed,
+            )
+
+        train = make(data.num_samples, seed)
+        return train, make(data.eval_samples, seed + 10_000) if data.eval_samples else None
+
+    def build_model(self) -> nn.Module:
+        model, dataset = self.config.model, self.train_dataset
+        return TinyVLM(
+            TinyVLMConfig(
+                lm=TinyLMConfig(
+                    vocab_size=dataset.vocab_size,
+                    hidden_size=model.hidden_size,
+                    num_layers=model.num_layers,
+                    num_heads=model.num_heads,
+                    intermediate_size=model.intermediate_size,
+                    rope_theta=model.rope_theta,
+                ),
+                image_size=model.image_size,
+                patch_size=model.patch_size,
+                num_image_codes=dataset.num_image_codes,
+                image_token_id=dataset.image_token_id,
+            )
+        )
+
+    @property
+    def label_limits(self) -> dict[str, int]:
+        return {"image_decoder_labels": self.train_dataset.num_image_codes}
+
+    def collate(self, samples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return collate(samples, pad_to_multiple_of=self.config.data.pad_to_multiple_of)
