@@ -2,11 +2,13 @@
 
 `load_config(path, ["--train.max_steps", "7"])` -> Config. Every problem (unknown section or key, a value of the
 wrong type, a layout that does not fit the world size) raises ConfigError naming the key, before any process group
-exists. `world_size` is read from the `WORLD_SIZE` environment variable torchrun sets (1 without torchrun).
+exists. `world_size` is read from the `WORLD_SIZE` environment variable torchrun sets (1 without torchrun), or from
+the process group when one is already initialized.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import typing
@@ -14,6 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 import yaml
 
 
@@ -77,6 +80,9 @@ class Config:
 
     @property
     def world_size(self) -> int:
+        """The initialized process group's size, else torchrun's WORLD_SIZE (read before any process group)."""
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size()
         return int(os.environ.get("WORLD_SIZE", "1"))
 
     @property
@@ -105,6 +111,9 @@ def _field_type(section_cls: type, name: str) -> Any:
 
 def _coerce(key: str, value: Any, expected: type) -> Any:
     """Check `value` against the field type (bool, int, float or str); strings from the CLI are parsed as YAML."""
+    if isinstance(value, str) and expected in (int, float):
+        with contextlib.suppress(ValueError):
+            return expected(value)  # "1e-3" is a float here, although YAML 1.1 reads it as a string
     if isinstance(value, str) and expected is not str:
         try:
             value = yaml.safe_load(value)
@@ -130,7 +139,11 @@ def _set(config: Config, dotted: str, value: Any, source: str) -> None:
     known = {f.name for f in fields(section_cls)}
     if name not in known:
         raise ConfigError(f"{source}: unknown config key {dotted!r}; {section} has {sorted(known)}")
-    setattr(getattr(config, section), name, _coerce(dotted, value, _field_type(section_cls, name)))
+    try:
+        coerced = _coerce(dotted, value, _field_type(section_cls, name))
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    setattr(getattr(config, section), name, coerced)
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, str]]:

@@ -344,7 +344,8 @@ class BaseTrainer(ABC):
         trainer_state = {
             "step": self.step,
             "scheduler": self.scheduler.state_dict(),
-            "loader": self.loader.state_dict(),
+            # One global batch per optimizer step; an interrupt may have fetched the next one already.
+            "loader": {**self.loader.state_dict(), "step": self.step},
             "metrics": self.metrics.state_dict(),
             "config": self.config.to_dict(),
         }

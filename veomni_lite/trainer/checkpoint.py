@@ -28,6 +28,8 @@ from veomni_lite.utils.dist_utils import all_reduce
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 TRAINER_STATE = "trainer_state.pt"
+# DCP warns on every single-process save/load; single process is a supported layout here.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 
 
 class CheckpointError(RuntimeError):

@@ -1,0 +1,56 @@
+"""Trainer behaviour: layouts and micro-batching do not change the numbers; resume continues exactly."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist_helpers import run_distributed
+from tests.trainer.helpers import losses_by_step, ranked_run, read_events, run_trainer, tiny_config
+
+
+def assert_same_losses(got: dict[int, float], expected: dict[int, float], rel: float = 1e-4) -> None:
+    assert sorted(got) == sorted(expected)
+    for step, value in expected.items():
+        assert got[step] == pytest.approx(value, rel=rel), f"step {step}: {got[step]} != {value}"
+
+
+@pytest.mark.parametrize("kind", ["text", "vlm"])
+def test_grad_accumulation_equals_one_big_micro_batch(tmp_path, kind):
+    """GA=4 x micro-batch 1 == GA=1 x micro-batch 4 on variable-length sequences (the 2024 HF GA bug)."""
+    big = run_trainer(kind, tiny_config(kind, tmp_path / "big", micro_batch_size=4, global_batch_size=4))
+    small = run_trainer(kind, tiny_config(kind, tmp_path / "small", micro_batch_size=1, global_batch_size=4))
+    assert_same_losses(losses_by_step(small), losses_by_step(big), rel=1e-5)
+    assert_same_losses(losses_by_step(small, "train/grad_norm"), losses_by_step(big, "train/grad_norm"), rel=1e-4)
+
+
+@pytest.mark.slow
+def test_dp2_equals_dp1(tmp_path):
+    single = losses_by_step(run_trainer("vlm", tiny_config("vlm", tmp_path / "dp1")))
+    config = tiny_config("vlm", tmp_path / "dp2")
+    dp2 = run_distributed(ranked_run, 2, "vlm", config)[0]
+    assert_same_losses(dp2, single)
+    assert single[4] < single[1]
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    full = run_trainer("vlm", tiny_config("vlm", tmp_path / "full", max_steps=6))
+    interrupted_dir = tmp_path / "resumed"
+    run_trainer("vlm", tiny_config("vlm", interrupted_dir, max_steps=6), stop_after=3)
+    assert [e["step"] for e in read_events(interrupted_dir)] == [1, 2, 3]
+    resumed = run_trainer("vlm", tiny_config("vlm", interrupted_dir, max_steps=6, resume=True))
+    assert [e["step"] for e in resumed] == [1, 2, 3, 4, 5, 6], "no gaps, no duplicates after resume"
+    for key in ("train/loss", "train/image_decoder_loss", "train/grad_norm", "train/lr"):
+        assert_same_losses(losses_by_step(resumed, key), losses_by_step(full, key), rel=1e-6)
+
+
+def test_interrupt_flushes_the_open_window(tmp_path):
+    run_trainer("text", tiny_config("text", tmp_path, max_steps=6, log_interval=2), stop_after=3)
+    assert [e["step"] for e in read_events(tmp_path)] == [2, 3]
+
+
+def test_final_step_is_always_logged(tmp_path):
+    events = run_trainer("text", tiny_config("text", tmp_path, max_steps=7, log_interval=3))
+    assert [e["step"] for e in events if "train/loss" in e] == [3, 6, 7]
+    keys = set().union(*events)
+    for key in ("train/loss", "train/foundation_loss", "train/grad_norm", "train/lr", "train/tokens_per_s"):
+        assert key in keys
