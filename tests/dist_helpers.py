@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import queue
 import tempfile
@@ -10,6 +11,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -36,7 +38,10 @@ def _worker(
             timeout=datetime.timedelta(seconds=timeout_s),
         )
         try:
-            results.put((rank, "ok", fn(rank, world_size, *args)))
+            # Serialized by value: a tensor shared by file descriptor would vanish when this process exits.
+            buffer = io.BytesIO()
+            torch.save(fn(rank, world_size, *args), buffer)
+            results.put((rank, "ok", buffer.getvalue()))
         finally:
             from veomni_lite.distributed.parallel_state import destroy_parallel_state
 
@@ -67,6 +72,8 @@ def run_ranks(
         try:
             while len(outcomes) < world_size:
                 rank, status, value = results.get(timeout=timeout_s)
+                if status == "ok":
+                    value = torch.load(io.BytesIO(value), weights_only=False)
                 outcomes[rank] = (status, value)
         except queue.Empty:
             missing = sorted(set(range(world_size)) - set(outcomes))

@@ -66,8 +66,9 @@ def slice_micro_batch(micro_batch: Mapping[str, Any], sp_rank: int, sp_size: int
 
 def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """all_to_all_single over dim 0 (one chunk per rank)."""
+    x = x.contiguous()  # before empty_like, which would copy a permuted layout that all_to_all ignores
     out = torch.empty_like(x)
-    dist.all_to_all_single(out, x.contiguous(), group=group)
+    dist.all_to_all_single(out, x, group=group)
     return out
 
 
