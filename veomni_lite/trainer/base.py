@@ -42,6 +42,7 @@ from veomni_lite.models.attention import causal_attention
 from veomni_lite.models.llm import set_attention_fn
 from veomni_lite.trainer.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
 from veomni_lite.trainer.validation import DataError, validate_micro_batch
+from veomni_lite.utils.dist_utils import all_reduce
 from veomni_lite.utils.loss_utils import count_loss_token, mean_global_loss, reset_loss_memo, verify_loss_keys
 
 
@@ -206,9 +207,7 @@ class BaseTrainer(ABC):
         count = len(micro_batches)
         flags = [int(self._stop_signal is not None), int(problem is not None), count, -count]
         if self.control_group is not None:
-            flags_t = torch.tensor(flags, dtype=torch.int64)
-            dist.all_reduce(flags_t, op=dist.ReduceOp.MAX, group=self.control_group)
-            flags = flags_t.tolist()
+            flags = all_reduce(flags, op="max", group=self.control_group)
         if problem is not None:
             raise DataError(f"rank {self.rank}, step {self.step + 1}: {problem}")
         if flags[1]:

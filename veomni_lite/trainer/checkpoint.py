@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from veomni_lite.utils.dist_utils import all_reduce
@@ -134,7 +135,8 @@ class CheckpointManager:
                 rank_file = path / f"rank_{self.rank:05d}.pt"
                 rank_state = torch.load(rank_file, weights_only=False) if rank_file.is_file() else None
                 problem = None
-            except Exception as exc:  # noqa: BLE001 - any unreadable checkpoint falls back to the previous one
+            except (Exception, CheckpointException) as exc:  # noqa: BLE001 - unreadable: fall back to the previous
+                # (DCP's CheckpointException derives from BaseException.)
                 problem = f"{type(exc).__name__}: {exc}"
             if all_reduce(1 if problem else 0, op="max"):
                 self._skip(path, problem or "failed to load on another rank", on_skip)

@@ -7,6 +7,7 @@ Contract:
   for tensors; an integer "mean" returns floats.
 - A tensor in gives a tensor out, never `.item()`; Python numbers in give Python numbers out.
 - Without an initialized process group, or with a group of size 1, the local value comes back and nothing is sent.
+- A failed or timed-out collective raises CollectiveError naming the rank, the op, shape and dtype.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ import torch
 import torch.distributed as dist
 
 ReduceData = Number | torch.Tensor | Sequence[Number | torch.Tensor]
+
+class CollectiveError(RuntimeError):
+    """A collective that failed or timed out; the message names the rank and the collective."""
+
 
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -51,7 +56,13 @@ def _reduce_tensor(tensor: torch.Tensor, op: str, group: dist.ProcessGroup | Non
     integer = _is_integer(tensor)
     out = tensor.detach().to(torch.int64 if integer else tensor.dtype, copy=True)
     if size > 1:
-        dist.all_reduce(out, op=_REDUCE_OPS[op], group=group)
+        try:
+            dist.all_reduce(out, op=_REDUCE_OPS[op], group=group)
+        except RuntimeError as exc:  # a timeout or a peer that died: say which rank and which collective
+            raise CollectiveError(
+                f"rank {dist.get_rank()}: all_reduce(op={op}, shape={tuple(out.shape)}, dtype={out.dtype}) over a "
+                f"group of {size} ranks failed: {exc}"
+            ) from exc
     if op == "mean":
         out = out.to(torch.float64) / size if integer else out / size
     return out

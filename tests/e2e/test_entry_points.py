@@ -1,0 +1,109 @@
+"""The torchrun entry points as a user runs them: outputs, config errors, SIGTERM and resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+SMALL = ["--model.hidden_size", "32", "--model.intermediate_size", "64", "--data.num_samples", "512"]
+
+
+def torchrun(entry: str, config: str, nproc: int, *args: str) -> list[str]:
+    return [*TORCHRUN, "--nproc_per_node", str(nproc), f"trainers/{entry}", f"configs/{config}", *SMALL, *args]
+
+
+def run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def events(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("entry", "config", "loss_keys"),
+    [
+        ("train_vlm.py", "vlm_tiny.yaml", ["train/foundation_loss", "train/image_decoder_loss"]),
+        ("train_text.py", "text_tiny.yaml", ["train/foundation_loss"]),
+    ],
+)
+def test_entry_point_writes_every_output(tmp_path, entry, config, loss_keys):
+    out = tmp_path / "run"
+    args = ["--train.max_steps", "8", "--train.log_interval", "3", "--train.eval_interval", "4"]
+    result = run(torchrun(entry, config, 2, *args, "--train.output_dir", str(out)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"Outputs in {out}" in result.stdout
+    logged = events(out)
+    train_steps = [e["step"] for e in logged if "train/loss" in e]
+    assert train_steps == [3, 6, 8]
+    for key in ["train/loss", *loss_keys, "train/grad_norm", "train/lr", "train/tokens_per_s"]:
+        assert key in logged[-1] or key in logged[-2], key
+    assert any("eval/loss" in e for e in logged)
+    assert (out / "loss_curve.png").stat().st_size > 1000
+    assert any((out / "tensorboard").iterdir())
+    assert (out / "checkpoints" / "step_00000008" / ".metadata").is_file()
+    assert "train:" in (out / "config.yaml").read_text()
+
+
+@pytest.mark.slow
+def test_config_error_exits_before_any_process_group(tmp_path):
+    result = run(torchrun("train_vlm.py", "vlm_tiny.yaml", 2, "--train.global_batch_size", "6"))
+    assert result.returncode != 0
+    assert "train.global_batch_size (6) is not divisible by train.micro_batch_size (8) x dp size (2" in result.stderr
+
+
+@pytest.mark.slow
+def test_sigterm_saves_flushes_and_resume_matches_an_uninterrupted_run(tmp_path):
+    common = ["--train.max_steps", "150", "--train.log_interval", "1", "--train.save_interval", "0"]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    reference = subprocess.Popen(
+        torchrun("train_vlm.py", "vlm_tiny.yaml", 2, *common, "--train.output_dir", str(full)),
+        cwd=REPO,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    reference.wait(timeout=300)
+    assert reference.returncode == 0
+
+    proc = subprocess.Popen(
+        torchrun("train_vlm.py", "vlm_tiny.yaml", 2, *common, "--train.output_dir", str(cut)),
+        cwd=REPO,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if (cut / "metrics.jsonl").exists() and len((cut / "metrics.jsonl").read_text().splitlines()) >= 5:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode != 0, "an interrupted run exits non-zero"
+    checkpoints = sorted((cut / "checkpoints").glob("step_*"))
+    assert checkpoints, stderr[-3000:]
+    stopped_at = int(checkpoints[-1].name.split("_")[1])
+    assert 5 <= stopped_at < 150
+    assert [e["step"] for e in events(cut)] == list(range(1, stopped_at + 1)), "every finished step was logged"
+
+    resumed = run(
+        torchrun("train_vlm.py", "vlm_tiny.yaml", 2, *common, "--train.output_dir", str(cut), "--train.resume", "true")
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    got, expected = events(cut), events(full)
+    assert [e["step"] for e in got] == [e["step"] for e in expected]
+    for a, b in zip(got, expected):
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-5), a["step"]
