@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import os
 import queue
 import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -49,6 +50,23 @@ def _worker(
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - the parent reports every rank's failure
         results.put((rank, "error", traceback.format_exc()))
+
+
+@contextlib.contextmanager
+def counting_calls(owner: Any, name: str) -> Iterator[list[int]]:
+    """Patch `owner.name` with a wrapper that appends 1 to the yielded list per call; restore on exit."""
+    calls: list[int] = []
+    original = getattr(owner, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    setattr(owner, name, counted)
+    try:
+        yield calls
+    finally:
+        setattr(owner, name, original)
 
 
 def run_ranks(

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.dist_helpers import run_distributed, run_ranks
+from tests.dist_helpers import counting_calls, run_distributed, run_ranks
 from veomni_lite.distributed.parallel_state import get_parallel_state, init_parallel_state
 from veomni_lite.distributed.sequence_parallel import slice_micro_batch
 from veomni_lite.utils.loss_utils import IGNORE_INDEX, LossKeyMismatchError, count_loss_token, mean_global_loss
@@ -69,13 +69,6 @@ def reference_grads(step: int) -> tuple[list[torch.Tensor], float]:
 def _train_steps(rank: int, world_size: int, dp_size: int, sp_size: int) -> dict:
     state = init_parallel_state(dp_size, sp_size)
     micro_batch_size = GLOBAL_BATCH // (dp_size * GA)
-    collectives = []
-    original = dist.all_reduce
-
-    def counting(*args, **kwargs):
-        collectives.append(1)
-        return original(*args, **kwargs)
-
     out = {"grads": [], "loss": [], "collectives": []}
     for step in range(2):
         model = PerTokenModel()
@@ -90,9 +83,7 @@ def _train_steps(rank: int, world_size: int, dp_size: int, sp_size: int) -> dict
             )
             for i in range(GA)
         ]
-        collectives.clear()
-        dist.all_reduce = counting
-        try:
+        with counting_calls(dist, "all_reduce") as collectives:
             step_tokens = count_loss_token(micro_batches)
             step_loss = torch.zeros(())
             for micro_batch in micro_batches:
@@ -100,8 +91,6 @@ def _train_steps(rank: int, world_size: int, dp_size: int, sp_size: int) -> dict
                 loss = sum(scaled.values())
                 loss.backward()
                 step_loss = step_loss + loss.detach()
-        finally:
-            dist.all_reduce = original
         out["collectives"].append(len(collectives))
         grads = []
         for param in model.parameters():

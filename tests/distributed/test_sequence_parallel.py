@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_helpers import run_distributed
+from tests.dist_helpers import counting_calls, run_distributed
 from tests.trainer.helpers import losses_by_step, read_events, run_trainer, tiny_config
 from veomni_lite.distributed.parallel_state import init_parallel_state
 from veomni_lite.distributed.sequence_parallel import slice_micro_batch, ulysses_attention
@@ -111,18 +111,8 @@ def test_vlm_gradients_with_sp2_equal_no_sp_including_a_shard_without_labels():
 
 
 def _sp_training_run(rank: int, world_size: int, config) -> dict | None:
-    calls = []
-    original = loss_utils.all_reduce
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    loss_utils.all_reduce = counting
-    try:
+    with counting_calls(loss_utils, "all_reduce") as calls:
         run_trainer("vlm", config)
-    finally:
-        loss_utils.all_reduce = original
     events = read_events(config.train.output_dir)
     return {
         "loss": losses_by_step(events),

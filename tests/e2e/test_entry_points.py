@@ -21,9 +21,11 @@ def torchrun(entry: str, config: str, nproc: int, *args: str) -> list[str]:
     return [*TORCHRUN, "--nproc_per_node", str(nproc), f"trainers/{entry}", f"configs/{config}", *SMALL, *args]
 
 
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
 def run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
 def events(output_dir: Path) -> list[dict]:
@@ -67,20 +69,13 @@ def test_config_error_exits_before_any_process_group(tmp_path):
 def test_sigterm_saves_flushes_and_resume_matches_an_uninterrupted_run(tmp_path):
     common = ["--train.max_steps", "150", "--train.log_interval", "1", "--train.save_interval", "0"]
     full, cut = tmp_path / "full", tmp_path / "cut"
-    reference = subprocess.Popen(
-        torchrun("train_vlm.py", "vlm_tiny.yaml", 2, *common, "--train.output_dir", str(full)),
-        cwd=REPO,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    reference.wait(timeout=300)
-    assert reference.returncode == 0
+    reference = run(torchrun("train_vlm.py", "vlm_tiny.yaml", 2, *common, "--train.output_dir", str(full)))
+    assert reference.returncode == 0, reference.stderr[-3000:]
 
     proc = subprocess.Popen(
         torchrun("train_vlm.py", "vlm_tiny.yaml", 2, *common, "--train.output_dir", str(cut)),
         cwd=REPO,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        env=ENV,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

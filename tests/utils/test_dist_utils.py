@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_helpers import run_distributed
+from tests.dist_helpers import counting_calls, run_distributed
 from veomni_lite.utils.dist_utils import all_reduce
 
 
@@ -29,21 +29,12 @@ def test_rejects_unknown_op_and_types():
 
 
 def _reduce_everything(rank: int, world_size: int) -> dict:
-    calls = []
-    original = dist.all_reduce
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    dist.all_reduce = counting
-    try:
+    with counting_calls(dist, "all_reduce") as calls:
         big = 2**24 + 1
         out = {
             "scalar_sum": all_reduce(rank + 1),
             "scalar_mean": all_reduce(float(rank), op="mean"),
             "list": all_reduce([rank, big, 0.5 * rank], op="sum"),
-            "list_calls": None,
             "int_exact": all_reduce([big, big + rank]),
             "max": all_reduce([rank, -rank], op="max"),
             "min": all_reduce(torch.tensor([rank, -rank]), op="min"),
@@ -51,8 +42,6 @@ def _reduce_everything(rank: int, world_size: int) -> dict:
             "tensor_list": all_reduce([torch.tensor(rank), torch.tensor(2 * rank)]),
         }
         out["calls"] = len(calls)
-    finally:
-        dist.all_reduce = original
     return out
 
 

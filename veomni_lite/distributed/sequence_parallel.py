@@ -90,36 +90,27 @@ def _heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Ten
     return gathered.permute(1, 2, 0, 3, 4).reshape(batch, seq // sp, sp * local_heads, dim)
 
 
-class _SeqToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        ctx.group = group
-        return _seq_to_heads(x, group)
+class _SeqHeadsAllToAll(torch.autograd.Function):
+    """seq -> heads when `to_heads`, else heads -> seq; the backward is the opposite swap."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _heads_to_seq(grad, ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        ctx.group = group
-        return _heads_to_seq(x, group)
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None, to_heads: bool) -> torch.Tensor:
+        ctx.group, ctx.to_heads = group, to_heads
+        return _seq_to_heads(x, group) if to_heads else _heads_to_seq(x, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _seq_to_heads(grad, ctx.group), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return (_heads_to_seq(grad, ctx.group) if ctx.to_heads else _seq_to_heads(grad, ctx.group)), None, None
 
 
 def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """[B, S/sp, H, D] sequence-sharded -> [B, S, H/sp, D] head-sharded (differentiable)."""
-    return _SeqToHeads.apply(x, group)
+    return _SeqHeadsAllToAll.apply(x, group, True)
 
 
 def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """[B, S, H/sp, D] head-sharded -> [B, S/sp, H, D] sequence-sharded (differentiable)."""
-    return _HeadsToSeq.apply(x, group)
+    return _SeqHeadsAllToAll.apply(x, group, False)
 
 
 def ulysses_attention(attention_fn: AttentionFn, group: dist.ProcessGroup | None) -> AttentionFn:

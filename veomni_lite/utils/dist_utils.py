@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 ReduceData = Number | torch.Tensor | Sequence[Number | torch.Tensor]
 
+
 class CollectiveError(RuntimeError):
     """A collective that failed or timed out; the message names the rank and the collective."""
 
