@@ -7,7 +7,9 @@ must equal one process's `F.cross_entropy(reduction="mean")` over the whole glob
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from veomni_lite.distributed.sequence_parallel import slice_micro_batch
 from veomni_lite.utils.loss_utils import IGNORE_INDEX, LossKeyMismatchError, count_loss_token, mean_global_loss
 
 VOCAB, HIDDEN, SEQ, GLOBAL_BATCH, GA = 13, 8, 12, 16, 4
+HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
 
 
 class PerTokenModel(torch.nn.Module):
@@ -36,6 +39,28 @@ class PerTokenModel(torch.nn.Module):
             logits.reshape(-1, VOCAB), target.reshape(-1), ignore_index=IGNORE_INDEX
         )
         return {"foundation_loss": ce(self.head(hidden), labels), "aux_loss": ce(self.aux_head(hidden), aux_labels)}
+
+
+@contextlib.contextmanager
+def forbid_host_reads() -> Iterator[list[str]]:
+    """Record every .item()/.tolist()/bool()/int()/float() of a tensor (the model's own loss has none)."""
+    reads: list[str] = []
+    originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def recorder(name: str):
+        def read(self, *args, **kwargs):
+            reads.append(name)
+            return originals[name](self, *args, **kwargs)
+
+        return read
+
+    for name in HOST_READS:
+        setattr(torch.Tensor, name, recorder(name))
+    try:
+        yield reads
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
 
 
 def global_batch(step: int) -> dict[str, torch.Tensor]:
@@ -69,7 +94,7 @@ def reference_grads(step: int) -> tuple[list[torch.Tensor], float]:
 def _train_steps(rank: int, world_size: int, dp_size: int, sp_size: int) -> dict:
     state = init_parallel_state(dp_size, sp_size)
     micro_batch_size = GLOBAL_BATCH // (dp_size * GA)
-    out = {"grads": [], "loss": [], "collectives": []}
+    out = {"grads": [], "loss": [], "collectives": [], "host_reads": []}
     for step in range(2):
         model = PerTokenModel()
         batch = global_batch(step)
@@ -83,7 +108,7 @@ def _train_steps(rank: int, world_size: int, dp_size: int, sp_size: int) -> dict
             )
             for i in range(GA)
         ]
-        with counting_calls(dist, "all_reduce") as collectives:
+        with counting_calls(dist, "all_reduce") as collectives, forbid_host_reads() as host_reads:
             step_tokens = count_loss_token(micro_batches)
             step_loss = torch.zeros(())
             for micro_batch in micro_batches:
@@ -92,6 +117,7 @@ def _train_steps(rank: int, world_size: int, dp_size: int, sp_size: int) -> dict
                 loss.backward()
                 step_loss = step_loss + loss.detach()
         out["collectives"].append(len(collectives))
+        out["host_reads"].append(len(host_reads))
         grads = []
         for param in model.parameters():
             grad = param.grad if param.grad is not None else torch.zeros_like(param)
@@ -112,6 +138,7 @@ def test_gradients_equal_single_process_global_mean(dp_size: int, sp_size: int):
         expected, expected_loss = reference_grads(step)
         for rank, out in enumerate(results):
             assert out["collectives"][step] == 1, f"rank {rank} step {step}: {out['collectives'][step]} collectives"
+            assert out["host_reads"][step] == 0, f"rank {rank} step {step}: host reads"
             assert out["loss"][step] == pytest.approx(expected_loss, rel=1e-5, abs=1e-7)
             for got, ref in zip(out["grads"][step], expected):
                 assert torch.isfinite(got).all()

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist_helpers import run_distributed
+from tests.dist_helpers import counting_calls, run_distributed
 from tests.trainer.helpers import losses_by_step, ranked_run, read_events, run_trainer, tiny_config
+from veomni_lite.metrics import accumulator
+from veomni_lite.utils import loss_utils
 
 
 def assert_same_losses(got: dict[int, float], expected: dict[int, float], rel: float = 1e-4) -> None:
@@ -54,3 +56,16 @@ def test_final_step_is_always_logged(tmp_path):
     keys = set().union(*events)
     for key in ("train/loss", "train/foundation_loss", "train/grad_norm", "train/lr", "train/tokens_per_s"):
         assert key in keys
+
+
+def test_metrics_cost_no_collective_per_micro_batch_and_two_per_log_window(tmp_path):
+    """7 steps x GA 4, log every 3 steps -> 3 windows (3, 6, 7) -> 6 metric all-reduces, whatever the GA."""
+    config = tiny_config("text", tmp_path, max_steps=7, log_interval=3, micro_batch_size=1, global_batch_size=4)
+    with (
+        counting_calls(accumulator, "all_reduce") as metric_calls,
+        counting_calls(loss_utils, "all_reduce") as loss_calls,
+    ):
+        events = run_trainer("text", config)
+    assert [e["step"] for e in events] == [3, 6, 7]
+    assert len(metric_calls) == 6
+    assert len(loss_calls) == 7, "one loss collective per optimizer step"

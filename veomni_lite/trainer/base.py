@@ -43,7 +43,13 @@ from veomni_lite.models.llm import set_attention_fn
 from veomni_lite.trainer.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
 from veomni_lite.trainer.validation import DataError, validate_micro_batch
 from veomni_lite.utils.dist_utils import all_reduce
-from veomni_lite.utils.loss_utils import count_loss_token, mean_global_loss, reset_loss_memo, verify_loss_keys
+from veomni_lite.utils.loss_utils import (
+    LossKeyMismatchError,
+    count_loss_token,
+    mean_global_loss,
+    reset_loss_memo,
+    verify_loss_keys,
+)
 
 
 class NonFiniteError(FloatingPointError):
@@ -277,7 +283,8 @@ class BaseTrainer(ABC):
                 if self._stop_signal is not None:
                     self._on_interrupt()
                 self.train_step(micro_batches)
-                self.metrics.end_step(self.step, self.loader.epoch)
+                self.metrics.end_step(self.step, self.loader.epoch, release=micro_batches)
+                del micro_batches
                 if progress is not None:
                     progress.update(1)
                     progress.set_postfix_str(self.metrics.postfix(), refresh=False)
@@ -288,6 +295,9 @@ class BaseTrainer(ABC):
             if not self.checkpoints.step_dir(self.step).exists():
                 self.save_checkpoint()
             return self.metrics.finish()
+        except (DataError, NonFiniteError, LossKeyMismatchError):
+            self.metrics.finish()  # every rank raised at the same point: a collective flush is safe
+            raise
         except BaseException:
             self.metrics.abort()
             raise

@@ -8,7 +8,9 @@ computes; the next optimizer update waits for it. Hence a console line for step 
 has moved past s; metrics.jsonl and TensorBoard are always in step order.
 
 Derived at log time: `train/loss` (the sum of the per-key global token means: the optimizer's objective),
-`train/tokens_per_s`, `train/tflops` and, where the accelerator's peak is known, `train/mfu`.
+`train/tokens_per_s`, `train/tokens_seen` (cumulative), `train/tflops` and, where the accelerator's peak is known,
+`train/mfu`. Tokens are counted on each rank's own sequence shard, so SP does not count them twice; samples are
+counted once per sp group.
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ def peak_memory_mb(device: torch.device) -> float:
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
 
 
+def _drop(_batches: Any) -> None:
+    """Runs on the worker: the last reference to the step's batches goes away here."""
+
+
 class TrainMetrics:
     """Owns the reporter and the step-end worker for one trainer."""
 
@@ -84,12 +90,18 @@ class TrainMetrics:
             console_write=self._console_write,
             group=new_metrics_group(),
             sp_rank=trainer.parallel.sp_rank,
-            extra_formats={"train/loss": ".4f", "train/tokens_per_s": ",.0f", "train/tflops": ".4f"},
+            extra_formats={
+                "train/loss": ".4f",
+                "train/tokens_per_s": ",.0f",
+                "train/tokens_seen": ",.0f",
+                "train/tflops": ".4f",
+            },
         )
         self.worker = StepEndWorker(enabled=train.async_step_end)
         self.peak_flops = peak_flops(trainer.device, 0.0)
         self.world_size = trainer.parallel.world_size
         self.last_logged: dict[str, Any] = {}
+        self.tokens_seen = 0.0  # cumulative over the run (restored on resume)
         self._window_start = time.perf_counter()
         self._closed = False
 
@@ -128,8 +140,11 @@ class TrainMetrics:
             losses = [reduced[name] for name in self.loss_names if name in reduced]
             if losses:
                 out["loss"] = sum(losses)
-            if "tokens" in reduced and window_seconds > 0:
-                out["tokens_per_s"] = reduced["tokens"] / window_seconds
+            if "tokens" in reduced:
+                self.tokens_seen += reduced["tokens"]
+                out["tokens_seen"] = self.tokens_seen
+                if window_seconds > 0:
+                    out["tokens_per_s"] = reduced["tokens"] / window_seconds
             if "flops" in reduced and window_seconds > 0:
                 achieved = reduced["flops"] / window_seconds
                 out["tflops"] = achieved / 1e12
@@ -144,8 +159,13 @@ class TrainMetrics:
         if values:
             self.last_logged = values
 
-    def end_step(self, step: int, epoch: int, force: bool = False) -> None:
-        """Hand the window to the worker at log steps (always at the final step, or when forced)."""
+    def end_step(self, step: int, epoch: int, force: bool = False, release: Any = None) -> None:
+        """Hand the window to the worker at log steps (always at the final step, or when forced).
+
+        `release` (the step's batches) is dropped on the worker, so freeing it is off the critical path too.
+        """
+        if release is not None:
+            self.worker.submit(_drop, release)
         if not (force or self.reporter.should_log(step)):
             return
         now = time.perf_counter()
@@ -174,13 +194,11 @@ class TrainMetrics:
     def finish(self) -> dict[str, Any]:
         """Collective: log whatever the window still holds at the current step, drain the worker, flush sinks."""
         self.worker.wait()
-        self.end_step(self.trainer.step, self.trainer.loader.epoch, force=self._window_has_data())
+        if self.trainer.step > 0 and not self.reporter.train.is_empty:
+            self.end_step(self.trainer.step, self.trainer.loader.epoch, force=True)
         self.worker.wait()
         self.reporter.flush()
         return self.last_logged
-
-    def _window_has_data(self) -> bool:
-        return self.trainer.step > 0 and not self.reporter.train.is_empty
 
     def abort(self) -> None:
         """Exception path (no collectives): stop the worker without masking the original error, flush the sinks."""
@@ -203,11 +221,12 @@ class TrainMetrics:
     # ---------------------------------------------------------------- checkpoint state
 
     def state_dict(self) -> dict[str, Any]:
-        """What every rank shares: the series."""
-        return {"series": self.reporter.series.state_dict()}
+        """What every rank shares: the series and the cumulative token count."""
+        return {"series": self.reporter.series.state_dict(), "tokens_seen": self.tokens_seen}
 
     def load_state_dict(self, state: Mapping[str, Any], step: int) -> None:
         self.reporter.series.load_state_dict(state["series"])
+        self.tokens_seen = state.get("tokens_seen", 0.0)
         self.reporter.resume(step)
 
     def window_state_dict(self) -> dict[str, Any]:
