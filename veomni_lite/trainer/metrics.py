@@ -114,7 +114,7 @@ class TrainMetrics:
         micro_batch: Mapping[str, torch.Tensor],
     ) -> None:
         for key in self.loss_names:
-            tokens = micro_batch_token_len[key[: -len("_loss")] + "_tokens"].to(outputs[key].device)
+            tokens = micro_batch_token_len[key[: -len("_loss")] + "_tokens"].to(outputs[key].device, non_blocking=True)
             local_mean = torch.where(tokens > 0, outputs[key].detach(), torch.zeros_like(outputs[key]))
             self.reporter.record(key, local_mean.float(), count=tokens)
         input_ids = micro_batch["input_ids"]

@@ -14,7 +14,7 @@ Cost: T is computed once per step dict (the object `micro_batches_token_len`), b
 int64 buffer over the dp x sp group, and memoized; later micro-batches of the step issue no collective. No value
 is read to the host in these functions.
 
-Rank agreement: the buffer has a fixed size (`MAX_LOSS_KEYS` count slots) and carries two fingerprints of the rank's
+Rank agreement: the buffer has a fixed size (`MAX_LOSS_KEYS` = 8 count slots) and carries two fingerprints of the rank's
 sorted loss-key names, each as (f, f^2), plus a 1 per rank. After the SUM, all ranks agree on whether
 W * sum(f^2) == sum(f)^2, which holds iff every rank sent the same f (Cauchy-Schwarz), so a key mismatch can never
 make the collective itself hang or return garbage silently, and every rank reaches the same verdict. The verdict
@@ -37,7 +37,7 @@ from veomni_lite.distributed.parallel_state import get_parallel_state
 from veomni_lite.utils.dist_utils import all_reduce
 
 IGNORE_INDEX = -100
-MAX_LOSS_KEYS = 16
+MAX_LOSS_KEYS = 8
 _FINGERPRINT_BITS = 16  # f < 2**16: W * sum(f^2) and sum(f)^2 stay exact in int64 up to 2**15 ranks
 
 __all__ = [
@@ -109,10 +109,8 @@ class _StepDenominators:
     token_len: Mapping[str, torch.Tensor]  # strong reference: identity cannot be reused while memoized
     token_tensors: tuple[torch.Tensor, ...]  # the dict's values at reduce time: in-place edits invalidate
     names: tuple[str, ...]
-    denominators: dict[str, torch.Tensor]
-    world: torch.Tensor
+    scales: dict[str, torch.Tensor]  # W / max(T, 1) per key, float64 on the loss device (NaN on a key mismatch)
     keys_match: torch.Tensor
-    device: torch.device
 
     def serves(self, token_len: Mapping[str, torch.Tensor]) -> bool:
         return (
@@ -151,32 +149,42 @@ def _token_count(token_len: Mapping[str, torch.Tensor], name: str, which: str) -
     return token_len[key]
 
 
+_TRAILERS: dict[tuple[tuple[str, ...], torch.device], torch.Tensor] = {}
+
+
+def _trailer(names: tuple[str, ...], device: torch.device) -> torch.Tensor:
+    """[1, f_a, f_a^2, f_b, f_b^2] on `device`, built once per key set so steady-state steps copy nothing."""
+    key = (names, device)
+    if key not in _TRAILERS:
+        fp_a, fp_b = _fingerprints(names)
+        _TRAILERS[key] = torch.tensor([1, fp_a, fp_a * fp_a, fp_b, fp_b * fp_b], dtype=torch.int64, device=device)
+    return _TRAILERS[key]
+
+
 def _reduce_step_denominators(
     names: tuple[str, ...], token_len: Mapping[str, torch.Tensor], device: torch.device
 ) -> _StepDenominators:
     if len(names) > MAX_LOSS_KEYS:
         raise ValueError(f"mean_global_loss: {len(names)} loss keys {list(names)} exceed MAX_LOSS_KEYS={MAX_LOSS_KEYS}")
-    counts = [_token_count(token_len, name, "micro_batches_token_len") for name in names]
-    fp_a, fp_b = _fingerprints(names)
-    trailer = torch.tensor([1, fp_a, fp_a * fp_a, fp_b, fp_b * fp_b], dtype=torch.int64)
+    counts = [
+        _token_count(token_len, name, "micro_batches_token_len").to(device, torch.int64, non_blocking=True).reshape(1)
+        for name in names
+    ]
     padding = torch.zeros(MAX_LOSS_KEYS - len(names), dtype=torch.int64, device=device)
-    local = torch.cat(
-        [torch.stack([c.to(device=device, dtype=torch.int64).reshape(()) for c in counts]), padding, trailer.to(device)]
-        if counts
-        else [padding, trailer.to(device)]
-    )
+    local = torch.cat([*counts, padding, _trailer(names, device)])
     reduced = all_reduce(local, op="sum", group=get_parallel_state().world_group)
     trail = reduced[MAX_LOSS_KEYS:]
     world = trail[0]
     keys_match = (world * trail[2] == trail[1] * trail[1]) & (world * trail[4] == trail[3] * trail[3])
+    scales = world.double() / reduced[: len(names)].clamp(min=1).double()
+    if device.type != "cpu":  # the verdict is read later (verify_loss_keys): meanwhile no usable value leaves here
+        scales = torch.where(keys_match, scales, torch.full_like(scales, float("nan")))
     return _StepDenominators(
         token_len=token_len,
         token_tensors=tuple(token_len.values()),
         names=names,
-        denominators={name: reduced[index] for index, name in enumerate(names)},
-        world=world,
+        scales=dict(zip(names, scales.unbind())),
         keys_match=keys_match,
-        device=device,
     )
 
 
@@ -264,28 +272,25 @@ def mean_global_loss(
     device = next(iter(loss_dict.values())).device
 
     if global_micro_batches_token_len is None:
-        step = _step_denominators(names, micro_batches_token_len, device)
-        world: torch.Tensor | int = step.world
-        denominators = step.denominators
-        poison = None if device.type == "cpu" else step.keys_match
+        scales = _step_denominators(names, micro_batches_token_len, device).scales
     else:
         world = get_parallel_state().world_size
         if world == 1 and dist.is_available() and dist.is_initialized():
             world = dist.get_world_size()
-        denominators = {
-            name: _token_count(global_micro_batches_token_len, name, "global_micro_batches_token_len") for name in names
+        scales = {
+            name: world
+            / _token_count(global_micro_batches_token_len, name, "global_micro_batches_token_len")
+            .to(device, non_blocking=True)
+            .clamp(min=1)
+            .double()
+            for name in names
         }
-        poison = None
 
     scaled: dict[str, torch.Tensor] = {}
     for key, loss in loss_dict.items():
         name = key[: -len("_loss")]
-        local_tokens = _token_count(micro_batch_token_len, name, "micro_batch_token_len").to(device)
-        total_tokens = denominators[name].to(device)
-        # n/T*W is finite even when T == 0, so the masked branch below passes an exact zero gradient to the loss.
-        factor = local_tokens.double() / total_tokens.clamp(min=1).double() * world
-        if poison is not None:
-            factor = torch.where(poison, factor, torch.full_like(factor, float("nan")))
-        kept = torch.where(local_tokens > 0, loss, torch.zeros_like(loss))
-        scaled[key] = kept * factor.to(torch.promote_types(loss.dtype, torch.float32))
+        local_tokens = _token_count(micro_batch_token_len, name, "micro_batch_token_len").to(device, non_blocking=True)
+        # n * W / max(T, 1) is finite even when T == 0, so the masked branch passes an exact zero gradient to the loss.
+        factor = (local_tokens * scales[name]).to(torch.promote_types(loss.dtype, torch.float32))
+        scaled[key] = torch.where(local_tokens > 0, loss, torch.zeros_like(loss)) * factor
     return scaled

@@ -1,0 +1,187 @@
+"""`make bench`: run every side-by-side benchmark and regenerate docs/benchmarks.md and docs/benchmarks.png.
+
+For each world size (2 and 4) this launches `torchrun --standalone --nproc_per_node N benchmarks/bench_worker.py`
+(gloo, OMP_NUM_THREADS=1), merges the workers' JSON, and writes the report.
+- full mode (default, ~6 minutes on 2 CPUs): GA 1, 4, 8, 16, 32; SP 1 and 2; writes docs/benchmarks.md,
+  docs/benchmarks.png and docs/benchmarks_results.json.
+- `--quick` (under 2 minutes): GA 1, 8, 16, fewer repetitions; writes the same files under
+  benchmarks/results/quick/ so the committed full-run page is not overwritten (override with `--out-dir`).
+- `--report-only`: rebuild the page and plot (and refresh the GPU audits in the JSON) without running anything.
+GPU audit results (docs/benchmarks_gpu*.json, written by benchmarks/gpu_sync_audit.py) are included when present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench_worker import single_process_overhead
+from report import write_report
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+DOCS = REPO / "docs"
+WORKER = BENCH_DIR / "bench_worker.py"
+
+MODES: dict[str, dict[str, Any]] = {
+    "full": {
+        "ga": "1,4,8,16,32",
+        "sp": "1,2",
+        "vlm_budget_s": 5.5,
+        "path_budget_s": 1.5,
+        "min_reps": 6,
+        "max_reps": 40,
+        "rss_steps": 2000,
+        "overhead_reps": 200,
+        "timeout_s": 420,
+    },
+    "quick": {
+        "ga": "1,8,16",
+        "sp": "1,2",
+        "vlm_budget_s": 0.8,
+        "path_budget_s": 0.3,
+        "min_reps": 3,
+        "max_reps": 10,
+        "rss_steps": 300,
+        "overhead_reps": 60,
+        "timeout_s": 90,
+    },
+}
+
+
+def worker_args(settings: dict[str, Any], out: Path) -> list[str]:
+    return [
+        "--out",
+        str(out),
+        "--ga",
+        settings["ga"],
+        "--sp",
+        settings["sp"],
+        "--vlm-budget-s",
+        str(settings["vlm_budget_s"]),
+        "--path-budget-s",
+        str(settings["path_budget_s"]),
+        "--min-reps",
+        str(settings["min_reps"]),
+        "--max-reps",
+        str(settings["max_reps"]),
+        "--rss-steps",
+        str(settings["rss_steps"]),
+    ]
+
+
+def run_world(world: int, settings: dict[str, Any], out: Path) -> dict[str, Any]:
+    """One torchrun launch of the worker on `world` processes; returns its JSON. Raises on failure or timeout."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(world),
+        str(WORKER),
+        *worker_args(settings, out),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
+    start = time.perf_counter()
+    print(f"[bench] world {world}: {' '.join(command[1:])}", flush=True)
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    assert process.stdout is not None
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith("[bench]"):
+                print(f"  {line.rstrip()}", flush=True)
+            if time.perf_counter() - start > settings["timeout_s"]:
+                raise subprocess.TimeoutExpired(command, settings["timeout_s"])
+        process.wait(timeout=max(1.0, settings["timeout_s"] - (time.perf_counter() - start)))
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        raise RuntimeError(f"world {world}: the worker ran past {settings['timeout_s']}s") from None
+    if process.returncode != 0:
+        tail = "".join(lines[-60:])
+        raise RuntimeError(f"world {world}: the worker exited with {process.returncode}:\n{tail}")
+    print(f"[bench] world {world}: done in {time.perf_counter() - start:.0f}s", flush=True)
+    return json.loads(out.read_text())
+
+
+def compact(value: Any) -> Any:
+    """`value` with every float rounded to 7 decimals (0.1 µs for seconds), so the committed JSON stays small."""
+    if isinstance(value, float):
+        return round(value, 7)
+    if isinstance(value, dict):
+        return {key: compact(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [compact(item) for item in value]
+    return value
+
+
+def gpu_results() -> list[dict[str, Any]]:
+    """Every docs/benchmarks_gpu*.json an audit wrote (sorted by name)."""
+    return [json.loads(path.read_text()) for path in sorted(DOCS.glob("benchmarks_gpu*.json"))]
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the < 2 minute mode (writes to benchmarks/results/quick)")
+    parser.add_argument("--worlds", default="2,4", help="comma-separated world sizes")
+    parser.add_argument("--out-dir", type=Path, default=None, help="where benchmarks.md/.png/_results.json go")
+    parser.add_argument("--report-only", action="store_true", help="rebuild the page from the results JSON only")
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    mode = "quick" if args.quick else "full"
+    out_dir = args.out_dir or (BENCH_DIR / "results" / "quick" if args.quick else DOCS)
+    raw_path = out_dir / "benchmarks_results.json"
+    if args.report_only:
+        results = json.loads(raw_path.read_text())
+        results["gpu"] = gpu_results()
+    else:
+        settings = MODES[mode]
+        started = time.perf_counter()
+        runs = {}
+        scratch = BENCH_DIR / "results" / "raw"
+        scratch.mkdir(parents=True, exist_ok=True)
+        for world in (int(value) for value in args.worlds.split(",") if value):
+            runs[str(world)] = run_world(world, settings, scratch / f"{mode}_world{world}.json")
+        overhead_start = time.perf_counter()
+        overhead = single_process_overhead([int(v) for v in settings["ga"].split(",")], settings["overhead_reps"])
+        print(f"[bench] one-process overhead: done in {time.perf_counter() - overhead_start:.0f}s", flush=True)
+        first = next(iter(runs.values()))
+        command = "make bench QUICK=1" if args.quick else "make bench"
+        results = {
+            "mode": mode,
+            "command": command,
+            "worker_command": "OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node N benchmarks/bench_worker.py "
+            + " ".join(worker_args(settings, Path("OUT.json"))),
+            "generated": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "total_seconds": time.perf_counter() - started,
+            "settings": settings,
+            "machine": first["machine"],
+            "micro_batch_size": first["micro_batch_size"],
+            "raw_results": str(raw_path.relative_to(REPO)) if raw_path.is_relative_to(REPO) else str(raw_path),
+            "runs": runs,
+            "single_process": overhead,
+            "gpu": gpu_results(),
+        }
+    results = compact(results)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    raw_path.write_text(json.dumps(results, indent=1) + "\n")
+    md, png = write_report(results, out_dir)
+    print(f"[bench] wrote {md} and {png} ({results['mode']} mode, {results['total_seconds']:.0f}s of benchmarks)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
