@@ -125,6 +125,7 @@ class BaseTrainer(ABC):
         self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", keep=train.keep_checkpoints)
         self.metrics = self.build_metrics()
         self.step = 0
+        self._saved_step = -1
         self._stop_signal: int | None = None
         if train.resume:
             self._resume()
@@ -292,7 +293,7 @@ class BaseTrainer(ABC):
                     self.evaluate()
                 if train.save_interval and self.step % train.save_interval == 0:
                     self.save_checkpoint()
-            if not self.checkpoints.step_dir(self.step).exists():
+            if self._saved_step != self.step:  # decided from shared state, never from a rank-local file check
                 self.save_checkpoint()
             return self.metrics.finish()
         except (DataError, NonFiniteError, LossKeyMismatchError):
@@ -317,7 +318,7 @@ class BaseTrainer(ABC):
 
     def _on_interrupt(self) -> None:
         signum = self._stop_signal or signal.SIGTERM
-        if self.config.train.save_on_interrupt and self.step > 0:
+        if self.config.train.save_on_interrupt and self.step > 0 and self._saved_step != self.step:
             self.save_checkpoint()
         self.metrics.finish()
         raise TrainingInterrupted(128 + int(signum))
@@ -360,6 +361,7 @@ class BaseTrainer(ABC):
         }
         rank_state = {"rng": rng_state(), "metrics_window": self.metrics.window_state_dict()}
         path = self.checkpoints.save(self.step, self.model, self.optimizer, trainer_state, rank_state)
+        self._saved_step = self.step
         self.metrics.flush()
         return path
 
@@ -375,7 +377,7 @@ class BaseTrainer(ABC):
                 f"(tried {[str(p) for _, p in self.checkpoints.complete_checkpoints()]})"
             )
         step, trainer_state, rank_state = loaded
-        self.step = step
+        self.step = self._saved_step = step
         self.scheduler.load_state_dict(trainer_state["scheduler"])
         self.loader.load_state_dict(trainer_state["loader"])
         self.metrics.load_state_dict(trainer_state["metrics"], step)
