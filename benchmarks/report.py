@@ -9,7 +9,7 @@ faster). Counts are per optimizer step, on rank 0, from the untimed counting rou
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -161,63 +161,57 @@ def headline_rows(records: list[Record]) -> list[list[str]]:
     return rows
 
 
+def measured(records: list[Record], bench: str, keys: str, reference: str) -> Iterator[tuple]:
+    """(world, sp, ga, key, vlm, path, vlm_ref, path_ref) for every strategy measured in both kinds of step."""
+    for world, sp in layouts(select(records, bench=bench)):
+        for ga in ga_values(select(records, bench=bench, world=world, sp=sp)):
+            at = {"bench": bench, "world": world, "sp": sp, "ga": ga}
+            vlm_ref = one(records, kind="vlm", strategy=reference, **at)
+            path_ref = one(records, kind="path", strategy=reference, **at)
+            for key in keys:
+                vlm = one(records, kind="vlm", strategy=key, **at)
+                path = one(records, kind="path", strategy=key, **at)
+                if vlm is not None and path is not None:
+                    yield world, sp, ga, key, vlm, path, vlm_ref, path_ref
+
+
 def loss_rows(records: list[Record]) -> list[list[str]]:
-    rows = []
-    for world, sp in layouts(select(records, bench="loss")):
-        for ga in ga_values(select(records, bench="loss", world=world, sp=sp)):
-            vlm_ref = one(records, bench="loss", kind="vlm", world=world, sp=sp, ga=ga, strategy=LOSS_REFERENCE)
-            path_ref = one(records, bench="loss", kind="path", world=world, sp=sp, ga=ga, strategy=LOSS_REFERENCE)
-            for key in "abc":
-                vlm = one(records, bench="loss", kind="vlm", world=world, sp=sp, ga=ga, strategy=key)
-                path = one(records, bench="loss", kind="path", world=world, sp=sp, ga=ga, strategy=key)
-                if vlm is None or path is None:
-                    continue
-                rows.append(
-                    [
-                        f"{world}",
-                        f"{sp}",
-                        f"{ga}",
-                        LOSS_NAMES[key],
-                        spread(vlm),
-                        ratio(vlm, vlm_ref),
-                        spread(path),
-                        ratio(path, path_ref),
-                        count(loss_collectives(vlm)),
-                        count(loss_host_reads(vlm)),
-                        count(vlm["counts"]["collectives"].get("model", 0.0)),
-                        f"{vlm['reps']}/{path['reps']}",
-                        f"{vlm['check']['grad_max_rel_diff']:.1e}",
-                    ]
-                )
-    return rows
+    return [
+        [
+            f"{world}",
+            f"{sp}",
+            f"{ga}",
+            LOSS_NAMES[key],
+            spread(vlm),
+            ratio(vlm, vlm_ref),
+            spread(path),
+            ratio(path, path_ref),
+            count(loss_collectives(vlm)),
+            count(loss_host_reads(vlm)),
+            count(vlm["counts"]["collectives"].get("model", 0.0)),
+            f"{vlm['reps']}/{path['reps']}",
+            f"{vlm['check']['grad_max_rel_diff']:.1e}",
+        ]
+        for world, sp, ga, key, vlm, path, vlm_ref, path_ref in measured(records, "loss", "abc", LOSS_REFERENCE)
+    ]
 
 
 def metric_rows(records: list[Record]) -> list[list[str]]:
-    rows = []
-    for world, sp in layouts(select(records, bench="metrics")):
-        for ga in ga_values(select(records, bench="metrics", world=world, sp=sp)):
-            vlm_ref = one(records, bench="metrics", kind="vlm", world=world, sp=sp, ga=ga, strategy=METRIC_REFERENCE)
-            path_ref = one(records, bench="metrics", kind="path", world=world, sp=sp, ga=ga, strategy=METRIC_REFERENCE)
-            for key in "ab":
-                vlm = one(records, bench="metrics", kind="vlm", world=world, sp=sp, ga=ga, strategy=key)
-                path = one(records, bench="metrics", kind="path", world=world, sp=sp, ga=ga, strategy=key)
-                if vlm is None or path is None:
-                    continue
-                rows.append(
-                    [
-                        f"{world}",
-                        f"{ga}",
-                        METRIC_NAMES[key],
-                        spread(vlm),
-                        ratio(vlm, vlm_ref),
-                        spread(path),
-                        ratio(path, path_ref),
-                        count(metric_collectives(vlm)),
-                        count(metric_host_reads(vlm)),
-                        f"{vlm['reps']}/{path['reps']}",
-                    ]
-                )
-    return rows
+    return [
+        [
+            f"{world}",
+            f"{ga}",
+            METRIC_NAMES[key],
+            spread(vlm),
+            ratio(vlm, vlm_ref),
+            spread(path),
+            ratio(path, path_ref),
+            count(metric_collectives(vlm)),
+            count(metric_host_reads(vlm)),
+            f"{vlm['reps']}/{path['reps']}",
+        ]
+        for world, _sp, ga, key, vlm, path, vlm_ref, path_ref in measured(records, "metrics", "ab", METRIC_REFERENCE)
+    ]
 
 
 def growth_rows(records: list[Record]) -> list[list[str]]:
