@@ -68,6 +68,7 @@ class TrainConfig:
     async_step_end: bool = True
     collective_timeout_s: float = 300.0
     progress_bar: bool = True
+    peak_tflops: float = 0.0  # per device, for train/mfu; 0 = look up known GPUs, none on CPU
     tensorboard: bool = True
     plot: bool = True
 

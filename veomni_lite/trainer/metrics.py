@@ -60,7 +60,7 @@ class TrainMetrics:
     def __init__(self, trainer: BaseTrainer) -> None:
         train = trainer.config.train
         self.trainer = trainer
-        self.loss_names = [key for key in trainer.loss_keys]
+        self.loss_names = list(trainer.loss_keys)
         specs = [MetricSpec(name, "mean") for name in self.loss_names] + [
             MetricSpec("grad_norm", "mean"),
             MetricSpec("lr", "last", fmt=".1e"),
@@ -72,11 +72,11 @@ class TrainMetrics:
             MetricSpec("peak_mem_mb", "max", fmt=".1f"),
         ]
         eval_specs = [MetricSpec(name, "sum") for name in ("loss", *self.loss_names)]
-        self._console_write = None
+        console_write = None
         if trainer.is_main and train.progress_bar:
             from tqdm.auto import tqdm
 
-            self._console_write = tqdm.write
+            console_write = tqdm.write  # keeps the progress bar intact
         self.reporter = MetricReporter(
             specs,
             trainer.output_dir,
@@ -87,7 +87,7 @@ class TrainMetrics:
             tensorboard=train.tensorboard,
             loss_curve=train.plot,
             plot_keys=["train/loss", *(f"train/{name}" for name in self.loss_names), "eval/loss"],
-            console_write=self._console_write,
+            console_write=console_write,
             group=new_metrics_group(),
             sp_rank=trainer.parallel.sp_rank,
             extra_formats={
@@ -98,7 +98,7 @@ class TrainMetrics:
             },
         )
         self.worker = StepEndWorker(enabled=train.async_step_end)
-        self.peak_flops = peak_flops(trainer.device, 0.0)
+        self.peak_flops = peak_flops(trainer.device, train.peak_tflops)
         self.world_size = trainer.parallel.world_size
         self.last_logged: dict[str, Any] = {}
         self.tokens_seen = 0.0  # cumulative over the run (restored on resume)
