@@ -274,6 +274,24 @@ def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / scale)
 
 
+def equal_correctness(
+    grads: dict[str, torch.Tensor], losses: dict[str, float], grad_tol: float, what: str
+) -> dict[str, dict[str, float]]:
+    """Each strategy's gradient and loss against veomni_lite ("c"); AssertionError beyond the tolerances."""
+    checks = {
+        key: {
+            "grad_max_rel_diff": relative_difference(grads[key], grads["c"]),
+            "loss": losses[key],
+            "loss_rel_diff": abs(losses[key] - losses["c"]) / max(abs(losses["c"]), 1e-30),
+        }
+        for key in grads
+    }
+    for key, check in checks.items():
+        if check["grad_max_rel_diff"] > grad_tol or check["loss_rel_diff"] > 1e-5:
+            raise AssertionError(f"strategy {key} differs from veomni_lite ({what}): {check}")
+    return checks
+
+
 def world_sum(value: torch.Tensor) -> float:
     buffer = value.detach().double().reshape(1).clone()
     dist.all_reduce(buffer)
@@ -360,17 +378,7 @@ def bench_loss(
             optimizer.zero_grad(set_to_none=True)
     optimizer.step()  # AdamW state exists before timing (the check grads are all equal)
     optimizer.zero_grad(set_to_none=True)
-    checks = {
-        key: {
-            "grad_max_rel_diff": relative_difference(grads[key], grads["c"]),
-            "loss": losses[key],
-            "loss_rel_diff": abs(losses[key] - losses["c"]) / max(abs(losses["c"]), 1e-30),
-        }
-        for key in strategies
-    }
-    for key, check in checks.items():
-        if check["grad_max_rel_diff"] > 1e-4 or check["loss_rel_diff"] > 1e-5:
-            raise AssertionError(f"strategy {key} differs from veomni_lite at {layout}: {check}")
+    checks = equal_correctness(grads, losses, grad_tol=1e-4, what=f"VLM step at {layout}")
 
     def vlm_step(strategy: LossStrategy) -> Callable[[int], Any]:
         return lambda rep: vlm_loss_step(strategy, model, optimizer, data[rep % len(data)], world)
@@ -394,17 +402,7 @@ def bench_loss(
         losses[key], grads[key] = world_sum(step_loss) / world, grad
         for weight in weights.values():
             weight.grad = None
-    checks = {
-        key: {
-            "grad_max_rel_diff": relative_difference(grads[key], grads["c"]),
-            "loss": losses[key],
-            "loss_rel_diff": abs(losses[key] - losses["c"]) / max(abs(losses["c"]), 1e-30),
-        }
-        for key in strategies
-    }
-    for key, check in checks.items():
-        if check["grad_max_rel_diff"] > 1e-5 or check["loss_rel_diff"] > 1e-5:
-            raise AssertionError(f"loss path {key} differs from veomni_lite at {layout}: {check}")
+    checks = equal_correctness(grads, losses, grad_tol=1e-5, what=f"loss path at {layout}")
 
     steps = {key: path_runner(strategy, weights, data, means) for key, strategy in strategies.items()}
     times, _ = time_strategies(steps, settings.path_budget_s, settings)

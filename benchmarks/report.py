@@ -215,35 +215,27 @@ def metric_rows(records: list[Record]) -> list[list[str]]:
 
 
 def growth_rows(records: list[Record]) -> list[list[str]]:
+    """Least-squares growth of collectives and host reads per step with GA, per layout and strategy."""
+    benches = (
+        ("loss", "abc", lambda key: LOSS_NAMES[key], loss_collectives, loss_host_reads),
+        ("metrics", "ab", lambda key: f"metrics {METRIC_NAMES[key]}", metric_collectives, metric_host_reads),
+    )
     rows = []
-    for world, sp in layouts(select(records, bench="loss")):
-        for key in "abc":
-            found = sorted(
-                select(records, bench="loss", kind="vlm", world=world, sp=sp, strategy=key), key=lambda r: r["ga"]
-            )
-            rows.append(
-                [
-                    f"{world}",
-                    f"{sp}",
-                    LOSS_NAMES[key],
-                    linear_fit([(r["ga"], loss_collectives(r)) for r in found]),
-                    linear_fit([(r["ga"], loss_host_reads(r)) for r in found]),
-                ]
-            )
-    for world, sp in layouts(select(records, bench="metrics")):
-        for key in "ab":
-            found = sorted(
-                select(records, bench="metrics", kind="vlm", world=world, sp=sp, strategy=key), key=lambda r: r["ga"]
-            )
-            rows.append(
-                [
-                    f"{world}",
-                    f"{sp}",
-                    f"metrics {METRIC_NAMES[key]}",
-                    linear_fit([(r["ga"], metric_collectives(r)) for r in found]),
-                    linear_fit([(r["ga"], metric_host_reads(r)) for r in found]),
-                ]
-            )
+    for bench, keys, name, collectives, host_reads in benches:
+        for world, sp in layouts(select(records, bench=bench)):
+            for key in keys:
+                found = sorted(
+                    select(records, bench=bench, kind="vlm", world=world, sp=sp, strategy=key), key=lambda r: r["ga"]
+                )
+                rows.append(
+                    [
+                        f"{world}",
+                        f"{sp}",
+                        name(key),
+                        linear_fit([(r["ga"], collectives(r)) for r in found]),
+                        linear_fit([(r["ga"], host_reads(r)) for r in found]),
+                    ]
+                )
     return rows
 
 

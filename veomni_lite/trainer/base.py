@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import math
 import os
 import signal
@@ -112,7 +113,8 @@ class BaseTrainer(ABC):
         self.train_dataset, self.eval_dataset = self.build_datasets()
         model = self.build_model().to(self.device)
         self.loss_keys: tuple[str, ...] = tuple(model.loss_keys)
-        self.flops_per_token = model.flops_per_token
+        # Called per micro-batch for the FLOPs metric: the parameter count is walked once per sequence length.
+        self.flops_per_token = functools.lru_cache(maxsize=None)(model.flops_per_token)
         if self.parallel.sp_enabled:
             set_attention_fn(model, ulysses_attention(causal_attention, self.parallel.sp_group))
         bf16 = resolve_mixed_precision(train.mixed_precision, self.device)
