@@ -163,3 +163,36 @@ def test_series_keeps_steps_increasing_and_truncates():
     restored.truncate(1)
     assert restored.keys() == ["a"] and restored.last_step() == 1
     assert series.last_step() == 2  # the state dict was a copy
+
+
+def test_extra_or_derived_values_never_overwrite_a_reduced_metric(tmp_path):
+    reporter = make_reporter(tmp_path)
+    train_step(reporter, 1)
+    with pytest.raises(ValueError, match="'train/loss' would overwrite the reduced metric"):
+        reporter.log(1, 0, {"loss": 0.0})
+    train_step(reporter, 1)
+    with pytest.raises(ValueError, match="'train/tokens' would overwrite"):
+        reporter.log(1, 0, derive=lambda reduced: {"train/tokens": 0.0})
+    reporter.close()
+
+
+def test_close_with_an_open_window_says_so(tmp_path, caplog):
+    reporter = make_reporter(tmp_path)
+    train_step(reporter, 1)
+    reporter.close()
+    assert "the open train window (loss, lr, tokens) was never logged" in caplog.text
+    caplog.clear()
+    reporter.log(1, 0)
+    reporter.close()
+    assert caplog.text == ""
+
+
+def test_events_of_one_step_share_one_jsonl_line(tmp_path):
+    reporter = make_reporter(tmp_path)
+    run(reporter, range(1, 4))
+    reporter.record_eval("loss", 2.0)
+    reporter.log_eval(3, 0)
+    reporter.close()
+    events = jsonl(tmp_path)
+    assert [e["step"] for e in events] == [3]
+    assert events[0]["eval/loss"] == 2.0 and "train/loss" in events[0]

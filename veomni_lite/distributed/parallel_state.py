@@ -1,16 +1,29 @@
 """The data-parallel x sequence-parallel layout of a run.
 
-`init_parallel_state(dp_size, sp_size)` builds a 2-D DeviceMesh with dims ("dp", "sp"): rank = dp_rank * sp_size +
-sp_rank, so each sp group is a block of consecutive ranks. `get_parallel_state()` returns it, or a single-process
-state (dp = sp = 1, no groups) when nothing was initialized, so every caller works unchanged without torchrun.
+`init_parallel_state(dp_size, sp_size, timeout_s=...)` builds a 2-D DeviceMesh with dims ("dp", "sp"): rank =
+dp_rank * sp_size + sp_rank, so each sp group is a block of consecutive ranks. `get_parallel_state()` returns it, or a
+single-process state (dp = sp = 1, no groups) when nothing was initialized, so every caller works unchanged without
+torchrun.
+
+Timeouts: every process group the project creates (the mesh's dp and sp groups, and any group made with
+`ParallelState.new_group`, e.g. the trainer's control group and the metrics group) uses the state's `timeout_s`, so a
+collective that one rank never joins fails within it (torch's own default for a new group is 30 minutes).
 """
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
+
+DEFAULT_TIMEOUT_S = dist.default_pg_timeout.total_seconds()
+
+
+def _new_group(ranks: list[int] | None, backend: str | None, timeout_s: float) -> dist.ProcessGroup:
+    return dist.new_group(ranks=ranks, backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 @dataclass(frozen=True)
@@ -22,6 +35,7 @@ class ParallelState:
     dp_rank: int = 0
     sp_rank: int = 0
     mesh: DeviceMesh | None = None
+    timeout_s: float = DEFAULT_TIMEOUT_S
 
     @property
     def world_size(self) -> int:
@@ -56,6 +70,13 @@ class ParallelState:
     def device_type(self) -> str:
         return self.mesh.device_type if self.mesh is not None else "cpu"
 
+    def new_group(self, backend: str | None = "gloo") -> dist.ProcessGroup | None:
+        """A new group over every rank with this state's timeout (None without a process group). Collective: every
+        rank calls it, in the same order as its other group creations."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        return _new_group(None, backend, self.timeout_s)
+
     def fsdp_mesh(self) -> DeviceMesh | None:
         """A 1-D mesh over all dp x sp ranks: FSDP2 shards parameters and averages gradients over it."""
         if self.mesh is None:
@@ -77,27 +98,45 @@ def validate_layout(dp_size: int, sp_size: int, world_size: int) -> None:
         )
 
 
-def init_parallel_state(dp_size: int, sp_size: int = 1, device_type: str | None = None) -> ParallelState:
+def _mesh(dp_size: int, sp_size: int, device_type: str, timeout_s: float) -> DeviceMesh:
+    """The dp x sp mesh from groups created here, so each carries `timeout_s` (init_device_mesh's do not)."""
+    rank = dist.get_rank()
+    layout = torch.arange(dp_size * sp_size).reshape(dp_size, sp_size)
+    dp_group = sp_group = None
+    for sp_rank in range(sp_size):  # every rank creates every group, in the same order
+        group = _new_group(layout[:, sp_rank].tolist(), None, timeout_s)
+        dp_group = group if rank % sp_size == sp_rank else dp_group
+    for dp_rank in range(dp_size):
+        group = _new_group(layout[dp_rank].tolist(), None, timeout_s)
+        sp_group = group if rank // sp_size == dp_rank else sp_group
+    return DeviceMesh.from_group([dp_group, sp_group], device_type, mesh=layout, mesh_dim_names=("dp", "sp"))
+
+
+def init_parallel_state(
+    dp_size: int, sp_size: int = 1, device_type: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> ParallelState:
     """Build the dp x sp DeviceMesh over the initialized default process group and make it current.
 
     Without an initialized process group only dp_size = sp_size = 1 is valid and the single-process state is set.
-    The layout is validated before any collective runs.
+    The layout is validated before any collective runs. `timeout_s` bounds every collective on the groups created
+    here and by `ParallelState.new_group`.
     """
     global _STATE
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     validate_layout(dp_size, sp_size, world_size)
     if not dist.is_initialized():
-        _STATE = ParallelState()
+        _STATE = ParallelState(timeout_s=timeout_s)
         return _STATE
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    mesh = init_device_mesh(device_type, (dp_size, sp_size), mesh_dim_names=("dp", "sp"))
+    mesh = _mesh(dp_size, sp_size, device_type, timeout_s)
     _STATE = ParallelState(
         dp_size=dp_size,
         sp_size=sp_size,
         dp_rank=mesh.get_local_rank("dp"),
         sp_rank=mesh.get_local_rank("sp"),
         mesh=mesh,
+        timeout_s=timeout_s,
     )
     return _STATE
 

@@ -163,6 +163,10 @@ class MetricAccumulator:
         """True when nothing was recorded in the open window on this rank (host-side, no device read)."""
         return not self._window
 
+    def recorded_names(self) -> list[str]:
+        """The metrics recorded in the open window on this rank."""
+        return list(self._window.slots)
+
     def take_window(self) -> MetricWindow:
         """Hand over the open window and open an empty one (no collective, no read), e.g. to reduce it elsewhere."""
         window, self._window = self._window, MetricWindow()

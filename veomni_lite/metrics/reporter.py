@@ -12,6 +12,7 @@ save it per rank). Resume: `load_state_dict(state)` then `resume(step)`.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -19,11 +20,14 @@ from typing import Any
 
 import torch.distributed as dist
 
+from veomni_lite.distributed.parallel_state import get_parallel_state
 from veomni_lite.metrics.accumulator import MetricAccumulator, MetricWindow, Value
 from veomni_lite.metrics.scalars import Scalar, split_scalars
 from veomni_lite.metrics.series import MetricSeries
 from veomni_lite.metrics.sinks import ConsoleSink, Epoch, JsonlSink, LossCurveSink, Sink, TensorBoardSink
 from veomni_lite.metrics.spec import MetricSpec
+
+logger = logging.getLogger(__name__)
 
 TRAIN_PREFIX = "train/"
 EVAL_PREFIX = "eval/"
@@ -34,11 +38,10 @@ def new_metrics_group() -> dist.ProcessGroup | None:
 
     Collective: every rank must call it, in the same order as its other group creations. Use it when logging runs
     on a `StepEndWorker` thread, so metric all-reduces never interleave with the training thread's collectives on
-    the same communicator (which can pair mismatched collectives across ranks). Its buffers live on the CPU.
+    the same communicator (which can pair mismatched collectives across ranks). Its buffers live on the CPU; its
+    timeout is the parallel state's `timeout_s`.
     """
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    return dist.new_group(backend="gloo")
+    return get_parallel_state().new_group("gloo")
 
 
 class MetricReporter:
@@ -168,7 +171,13 @@ class MetricReporter:
             raise ValueError(f"MetricReporter: steps count from 1; got step {step}")
         values: dict[str, object] = {prefix + name: value for name, value in reduced.items()}
         for key, value in (extra or {}).items():
-            values[key if "/" in key else prefix + key] = value
+            full_key = key if "/" in key else prefix + key
+            if full_key in values:
+                raise ValueError(
+                    f"MetricReporter: extra or derived value {full_key!r} would overwrite the reduced metric of that "
+                    f"name at step {step}; give it a distinct name"
+                )
+            values[full_key] = value
         scalars = split_scalars(values, self._warned if self.is_main_rank else None)
         if not scalars:
             return scalars
@@ -185,7 +194,19 @@ class MetricReporter:
             sink.flush()
 
     def close(self) -> None:
-        """Flush and close every sink; a later log reopens them (appending)."""
+        """Flush and close every sink; a later log reopens them (appending).
+
+        An open window cannot be logged here (its reduction is a collective, and close is local), so a non-empty one
+        is reported with a warning naming its metrics, never dropped silently; call `log()` first to keep it.
+        """
+        for name, accumulator in (("train", self.train), ("eval", self.eval)):
+            if not accumulator.is_empty:
+                logger.warning(
+                    "MetricReporter.close(): the open %s window (%s) was never logged: its cross-rank reduction is a "
+                    "collective and close() is local; call log()/log_eval() on every rank before close()",
+                    name,
+                    ", ".join(sorted(accumulator.recorded_names())),
+                )
         for sink in self.sinks:
             sink.close()
 

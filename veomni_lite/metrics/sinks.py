@@ -98,13 +98,22 @@ class JsonlSink(Sink):
         super().__init__()
         self.path = Path(path)
         self._file: IO[str] | None = None
+        self._last: tuple[int, int, dict[str, Any]] | None = None  # (step, offset of its line, record)
 
     def write(self, step: int, epoch: Epoch, values: Mapping[str, object]) -> None:
+        """Append one line; an event at the step of the previous line (e.g. eval after train) is merged into it, so
+        every step has one line."""
         record: dict[str, Any] = {"step": step, "epoch": epoch}
         record.update({key: _json_number(value) for key, value in self.scalars(values).items()})
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open across events
+        if self._last is not None and self._last[0] == step:
+            _, offset, previous = self._last
+            record = {**previous, **record}
+            self._file.truncate(offset)
+        self._file.seek(0, os.SEEK_END)
+        self._last = (step, self._file.tell(), record)
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
 
@@ -119,6 +128,7 @@ class JsonlSink(Sink):
 
     def resume(self, step: int, series: MetricSeries) -> None:
         self.close()
+        self._last = None
         if self.path.exists():
             lines = []
             for number, line in enumerate(self.path.read_text(encoding="utf-8").splitlines(), start=1):

@@ -8,8 +8,9 @@ Per optimizer step:
   3. `micro_batches_token_len = count_loss_token(micro_batches)`; per micro-batch: `preforward` (to device) ->
      model -> `postforward` (`mean_global_loss`, keys summed) -> backward. Loss normalization costs one packed
      all-reduce per step, inside `mean_global_loss`; metrics are recorded locally (no collective, no host read);
-  4. gradient clipping with the true global norm over FSDP shards; the step's one host read (grad norm and loss)
-     checks rank agreement on loss keys and non-finite values; AdamW + warmup/cosine LR;
+  4. gradient clipping with the true global norm over FSDP shards: its one all-reduce also counts the ranks whose
+     loss is non-finite, so after the step's one host read every rank takes the same decision (step, skip or raise);
+     AdamW + warmup/cosine LR;
   5. end-of-step bookkeeping (log-time metric reduction, sink writes) runs on a worker thread and overlaps the next
      step; the next optimizer update waits for it.
 """
@@ -19,10 +20,10 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import logging
 import math
 import os
 import signal
-import sys
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
@@ -42,8 +43,9 @@ from veomni_lite.distributed.sequence_parallel import slice_micro_batch, ulysses
 from veomni_lite.models.attention import causal_attention
 from veomni_lite.models.llm import set_attention_fn
 from veomni_lite.trainer.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
+from veomni_lite.trainer.metrics import TrainMetrics
 from veomni_lite.trainer.validation import DataError, validate_micro_batch
-from veomni_lite.utils.dist_utils import all_reduce
+from veomni_lite.utils.dist_utils import all_gather_objects, all_reduce
 from veomni_lite.utils.loss_utils import (
     LossKeyMismatchError,
     count_loss_token,
@@ -51,6 +53,8 @@ from veomni_lite.utils.loss_utils import (
     reset_loss_memo,
     verify_loss_keys,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class NonFiniteError(FloatingPointError):
@@ -85,15 +89,31 @@ def warmup_cosine(warmup_steps: int, max_steps: int, min_ratio: float) -> Callab
     return factor
 
 
-def global_grad_norm(parameters: Sequence[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Clip gradients by the norm over ALL shards (a DTensor norm is completed with `full_tensor`)."""
+def clip_global_grad_norm(
+    parameters: Sequence[nn.Parameter], max_norm: float, local_loss: torch.Tensor, group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clip gradients by their norm over ALL shards; return (global norm, number of ranks whose loss is non-finite).
+
+    ONE all-reduce over `group` carries both: this rank's sum of squares of its gradient shards (FSDP2 shards every
+    parameter over the whole dp x sp group, so the sum over ranks is the global squared norm) and whether its own
+    `local_loss` is non-finite. A loss can be non-finite while every gradient is finite (a detached term, a masked
+    head), so the loss must be part of what the ranks agree on.
+    """
     grads = [p.grad for p in parameters if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    shards = []
+    for grad in grads:
+        if isinstance(grad, DTensor):
+            if not all(placement.is_shard() for placement in grad.placements):
+                raise ValueError(f"clip_global_grad_norm: expected sharded gradients, got {grad.placements}")
+            grad = grad.to_local()
+        shards.append(grad)
+    local_sq = torch.nn.utils.get_total_norm(shards, foreach=True).double().square()
+    bad_loss = (~torch.isfinite(local_loss.detach())).to(device=local_sq.device, dtype=torch.float64)
+    reduced = all_reduce(torch.stack([local_sq, bad_loss.reshape(())]), op="sum", group=group)
+    total = reduced[0].sqrt().float()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
-    return total
+    return total, reduced[1]
 
 
 class BaseTrainer(ABC):
@@ -104,10 +124,12 @@ class BaseTrainer(ABC):
         train = config.train
         self.output_dir = Path(train.output_dir)
         self.device = init_distributed(train.collective_timeout_s)
-        self.parallel: ParallelState = init_parallel_state(config.dp_size, train.sp_size)
+        self.parallel: ParallelState = init_parallel_state(
+            config.dp_size, train.sp_size, timeout_s=train.collective_timeout_s
+        )
         self.rank = self.parallel.rank
         self.is_main = self.rank == 0
-        self.control_group = dist.new_group(backend="gloo") if self.parallel.is_distributed else None
+        self.control_group = self.parallel.new_group("gloo")
         torch.manual_seed(train.seed)
 
         self.train_dataset, self.eval_dataset = self.build_datasets()
@@ -127,6 +149,7 @@ class BaseTrainer(ABC):
         self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", keep=train.keep_checkpoints)
         self.metrics = self.build_metrics()
         self.step = 0
+        self.epoch = 0  # the epoch of the last trained step (the loader may have fetched the next one)
         self._saved_step = -1
         self._stop_signal: int | None = None
         if train.resume:
@@ -161,10 +184,26 @@ class BaseTrainer(ABC):
         """Number of classes of every labels key other than `labels` (which uses the vocabulary size)."""
         return {}
 
-    def build_metrics(self) -> Any:
-        from veomni_lite.trainer.metrics import TrainMetrics
-
-        return TrainMetrics(self)
+    def build_metrics(self) -> TrainMetrics:
+        train = self.config.train
+        return TrainMetrics(
+            loss_names=list(self.loss_keys),
+            output_dir=self.output_dir,
+            log_interval=train.log_interval,
+            max_steps=train.max_steps,
+            is_main=self.is_main,
+            device=self.device,
+            world_size=self.parallel.world_size,
+            sp_rank=self.parallel.sp_rank,
+            sp_size=self.parallel.sp_size,
+            pad_id=self.pad_id,
+            flops_per_token=self.flops_per_token,
+            progress_bar=train.progress_bar,
+            tensorboard=train.tensorboard,
+            plot=train.plot,
+            async_step_end=train.async_step_end,
+            peak_tflops=train.peak_tflops,
+        )
 
     # ------------------------------------------------------------------ data
 
@@ -245,6 +284,7 @@ class BaseTrainer(ABC):
         """One optimizer step over this rank's micro-batches (already SP-sharded and agreed)."""
         train = self.config.train
         step_start = time.perf_counter()
+        lr = self.scheduler.get_last_lr()[0]  # the rate this step trains with
         micro_batches_token_len = count_loss_token(micro_batches)
         last = len(micro_batches) - 1
         step_loss = torch.zeros((), device=self.device)
@@ -257,22 +297,40 @@ class BaseTrainer(ABC):
             step_loss = step_loss + loss.detach()
             self.metrics.record_micro_batch(outputs, micro_batch_token_len, micro_batch)
 
-        grad_norm = global_grad_norm(list(self.model.parameters()), train.max_grad_norm)
+        grad_norm, bad_loss_ranks = clip_global_grad_norm(
+            list(self.model.parameters()), train.max_grad_norm, step_loss, self.parallel.world_group
+        )
+        wait_start = time.perf_counter()
         self.metrics.wait_bookkeeping()  # the previous step's bookkeeping finishes before this update
+        bookkeeping_wait = time.perf_counter() - wait_start
         verify_loss_keys()
-        host = torch.stack([grad_norm.detach().float(), step_loss.float()]).cpu()  # the step's one host read
-        finite = bool(torch.isfinite(host).all())
+        norm, bad_loss_count = torch.stack([grad_norm.double(), bad_loss_ranks]).cpu().tolist()  # the one host read
+        finite = math.isfinite(norm) and bad_loss_count == 0  # global values: every rank decides alike
         self.step += 1
         if finite:
             self.optimizer.step()
             self.scheduler.step()
-        elif train.nonfinite == "error":
-            raise NonFiniteError(
-                f"rank {self.rank}, step {self.step}: non-finite values (grad norm {host[0].item()}, "
-                f"this rank's loss {host[1].item()}); set train.nonfinite=skip to skip such steps"
-            )
+        else:
+            self._on_non_finite(norm, step_loss)
         self.optimizer.zero_grad(set_to_none=True)
-        self.metrics.record_step(grad_norm.detach(), skipped=not finite, step_time=time.perf_counter() - step_start)
+        self.metrics.record_step(
+            grad_norm.detach(),
+            lr=lr,
+            skipped=not finite,
+            step_time=time.perf_counter() - step_start - bookkeeping_wait,
+            bookkeeping_wait=bookkeeping_wait,
+        )
+
+    def _on_non_finite(self, norm: float, step_loss: torch.Tensor) -> None:
+        """Every rank is here together (the verdict is global): name the ranks, then skip or raise alike."""
+        losses = all_gather_objects(float(step_loss), self.parallel.world_group)  # host read: error path only
+        bad = [rank for rank, value in enumerate(losses) if not math.isfinite(value)]
+        where = f"loss non-finite on rank(s) {bad}: {[losses[r] for r in bad]}" if bad else "every loss finite"
+        message = f"step {self.step}: non-finite values: global grad norm {norm}, {where}"
+        if self.config.train.nonfinite == "error":
+            raise NonFiniteError(f"rank {self.rank}, {message}; set train.nonfinite=skip to skip such steps")
+        if self.is_main:
+            logger.warning("%s; the step is skipped on every rank (train.nonfinite=skip)", message)
 
     def train(self) -> dict[str, float]:
         """Run until `train.max_steps`; returns the last logged metrics. Every exit path flushes the metrics."""
@@ -282,11 +340,13 @@ class BaseTrainer(ABC):
         try:
             while self.step < train.max_steps:
                 micro_batches = [self.shard(mb) for mb in self.loader.next_step()]
+                epoch = self.loader.epoch
                 self._agree(micro_batches)
                 if self._stop_signal is not None:
                     self._on_interrupt()
                 self.train_step(micro_batches)
-                self.metrics.end_step(self.step, self.loader.epoch, release=micro_batches)
+                self.epoch = epoch
+                self.metrics.end_step(self.step, self.epoch, release=micro_batches)
                 del micro_batches
                 if progress is not None:
                     progress.update(1)
@@ -297,12 +357,12 @@ class BaseTrainer(ABC):
                     self.save_checkpoint()
             if self._saved_step != self.step:  # decided from shared state, never from a rank-local file check
                 self.save_checkpoint()
-            return self.metrics.finish()
+            return self.metrics.finish(self.step, self.epoch)
         except (DataError, NonFiniteError, LossKeyMismatchError):
-            self.metrics.finish()  # every rank raised at the same point: a collective flush is safe
+            self.metrics.finish(self.step, self.epoch)  # every rank raised at the same point: a collective is safe
             raise
         except BaseException:
-            self.metrics.abort()
+            self.metrics.abort(self.step)
             raise
         finally:
             if progress is not None:
@@ -321,8 +381,8 @@ class BaseTrainer(ABC):
     def _on_interrupt(self) -> None:
         signum = self._stop_signal or signal.SIGTERM
         if self.config.train.save_on_interrupt and self.step > 0 and self._saved_step != self.step:
-            self.save_checkpoint()
-        self.metrics.finish()
+            self.save_checkpoint()  # logs the open window first
+        self.metrics.finish(self.step, self.epoch)
         raise TrainingInterrupted(128 + int(signum))
 
     # ------------------------------------------------------------------ eval
@@ -347,30 +407,30 @@ class BaseTrainer(ABC):
                 for key, value in scaled.items():
                     totals[key] = totals.get(key, 0) + value.detach() / self.config.train.eval_batches
         self.model.train(was_training)
-        return self.metrics.log_eval(self.step, self.loader.epoch, totals)
+        return self.metrics.log_eval(self.step, self.epoch, totals)
 
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self) -> Path:
-        self.metrics.wait_bookkeeping()
+        """Collective. The open metric window is logged first, so the checkpoint holds none (see TrainMetrics)."""
+        metrics_state = self.metrics.checkpoint_state(self.step, self.epoch)
         trainer_state = {
             "step": self.step,
             "scheduler": self.scheduler.state_dict(),
             # One global batch per optimizer step; an interrupt may have fetched the next one already.
             "loader": {**self.loader.state_dict(), "step": self.step},
-            "metrics": self.metrics.state_dict(),
+            "metrics": metrics_state,
             "config": self.config.to_dict(),
         }
-        rank_state = {"rng": rng_state(), "metrics_window": self.metrics.window_state_dict()}
+        rank_state = {"rng": rng_state()}
         path = self.checkpoints.save(self.step, self.model, self.optimizer, trainer_state, rank_state)
         self._saved_step = self.step
-        self.metrics.flush()
         return path
 
     def _resume(self) -> None:
         if not self.checkpoints.has_checkpoint():
             if self.is_main:
-                print(f"[veomni_lite] train.resume: no checkpoint under {self.checkpoints.root}, starting fresh")
+                logger.info("train.resume: no checkpoint under %s, starting fresh", self.checkpoints.root)
             return
         loaded = self.checkpoints.load_latest(self.model, self.optimizer, on_skip=self._warn)
         if loaded is None:
@@ -382,16 +442,16 @@ class BaseTrainer(ABC):
         self.step = self._saved_step = step
         self.scheduler.load_state_dict(trainer_state["scheduler"])
         self.loader.load_state_dict(trainer_state["loader"])
+        self.epoch = self.loader.epoch
         self.metrics.load_state_dict(trainer_state["metrics"], step)
         if rank_state is not None:
             set_rng_state(rank_state["rng"])
-            self.metrics.load_window_state_dict(rank_state["metrics_window"])
         if self.is_main:
-            print(f"[veomni_lite] resumed from {self.checkpoints.step_dir(step)} at step {step}")
+            logger.info("resumed from %s at step %d", self.checkpoints.step_dir(step), step)
 
     def _warn(self, message: str) -> None:
         if self.is_main:
-            print(f"[veomni_lite] WARNING: {message}", file=sys.stderr)
+            logger.warning(message)
 
     def close(self) -> None:
         """Tear down the process group (idempotent)."""

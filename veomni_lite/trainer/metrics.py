@@ -1,11 +1,20 @@
 """What the trainer logs, and when: the bridge between the train loop and `veomni_lite.metrics`.
 
 Per micro-batch (local, no collective, no host read): each loss key's local mean weighted by its local valid tokens,
-tokens and samples seen, model FLOPs. Per step (local): grad norm, lr, step time, skipped steps, peak memory.
+tokens and samples seen, model FLOPs. Per step (local): grad norm, the lr the step trained with, the step's own time,
+the time it waited for the previous step's bookkeeping, skipped steps, peak memory. Each value is labelled with the
+step that produced it.
 At a log step the open window is handed to the `StepEndWorker`, which reduces it (one SUM + one MAX all-reduce on a
 dedicated gloo group, so it never interleaves with training collectives) and writes the sinks while the next step
 computes; the next optimizer update waits for it. Hence a console line for step s may print after the progress bar
 has moved past s; metrics.jsonl and TensorBoard are always in step order.
+
+Windows and checkpoints. A checkpoint never holds an open window: `checkpoint_state()` first logs the open window
+(an extra row when a save step is not a log step), so the series it saves covers every trained step, and a resumed run
+starts with an empty window. Each window is therefore logged exactly once whatever the moment of an interrupt: steps
+after the newest checkpoint are retrained (and logged) by a resume, rows after it are truncated. `finish()` logs the
+open window on agreed exits; `abort()` (unexpected exception, no collective possible) warns which steps were not
+logged: a resume retrains them from the newest checkpoint, which precedes them, and logs them then.
 
 Derived at log time: `train/loss` (the sum of the per-key global token means: the optimizer's objective),
 `train/tokens_per_s`, `train/tokens_seen` (cumulative), `train/tflops` and, where the accelerator's peak is known,
@@ -15,18 +24,19 @@ counted once per sp group.
 
 from __future__ import annotations
 
+import logging
 import resource
 import sys
 import time
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from veomni_lite.metrics import MetricReporter, MetricSpec, StepEndError, StepEndWorker, new_metrics_group
 
-if TYPE_CHECKING:
-    from veomni_lite.trainer.base import BaseTrainer
+logger = logging.getLogger(__name__)
 
 # Dense bf16 peak FLOP/s by CUDA device name fragment, for the MFU estimate.
 _PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "4090": 165e12}
@@ -50,46 +60,77 @@ def peak_memory_mb(device: torch.device) -> float:
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
 
 
+def train_metric_specs(loss_names: list[str]) -> list[MetricSpec]:
+    """The metrics a train step records, in display order (loss keys first)."""
+    return [MetricSpec(name, "mean") for name in loss_names] + [
+        MetricSpec("grad_norm", "mean"),
+        MetricSpec("lr", "last", fmt=".1e"),
+        MetricSpec("step_time_s", "mean", fmt=".3f"),
+        MetricSpec("bookkeeping_wait_s", "mean", fmt=".4f"),
+        MetricSpec("tokens", "sum", fmt=",.0f"),
+        MetricSpec("samples", "sum", fmt=",.0f", sp_dedup=True),
+        MetricSpec("flops", "sum", fmt=".3e"),
+        MetricSpec("skipped_steps", "sum", fmt=".0f"),
+        MetricSpec("peak_mem_mb", "max", fmt=".1f"),
+    ]
+
+
 def _drop(_batches: Any) -> None:
     """Runs on the worker: the last reference to the step's batches goes away here."""
 
 
 class TrainMetrics:
-    """Owns the reporter and the step-end worker for one trainer."""
+    """Owns the reporter and the step-end worker of one training run; its inputs are explicit (no trainer object).
 
-    def __init__(self, trainer: BaseTrainer) -> None:
-        train = trainer.config.train
-        self.trainer = trainer
-        self.loss_names = list(trainer.loss_keys)
-        specs = [MetricSpec(name, "mean") for name in self.loss_names] + [
-            MetricSpec("grad_norm", "mean"),
-            MetricSpec("lr", "last", fmt=".1e"),
-            MetricSpec("step_time_s", "mean", fmt=".3f"),
-            MetricSpec("tokens", "sum", fmt=",.0f"),
-            MetricSpec("samples", "sum", fmt=",.0f", sp_dedup=True),
-            MetricSpec("flops", "sum", fmt=".3e"),
-            MetricSpec("skipped_steps", "sum", fmt=".0f"),
-            MetricSpec("peak_mem_mb", "max", fmt=".1f"),
-        ]
+    `flops_per_token(full_seq_len)` gives the model FLOPs per token; `pad_id` marks padding in `input_ids`.
+    """
+
+    def __init__(
+        self,
+        *,
+        loss_names: list[str],
+        output_dir: str | Path,
+        log_interval: int,
+        max_steps: int,
+        is_main: bool,
+        device: torch.device,
+        world_size: int,
+        sp_rank: int,
+        sp_size: int,
+        pad_id: int,
+        flops_per_token: Callable[[int], float],
+        progress_bar: bool = False,
+        tensorboard: bool = True,
+        plot: bool = True,
+        async_step_end: bool = True,
+        peak_tflops: float = 0.0,
+    ) -> None:
+        self.loss_names = list(loss_names)
+        self.is_main = is_main
+        self.device = device
+        self.world_size = world_size
+        self.sp_size = sp_size
+        self.pad_id = pad_id
+        self.flops_per_token = flops_per_token
         eval_specs = [MetricSpec(name, "sum") for name in ("loss", *self.loss_names)]
         console_write = None
-        if trainer.is_main and train.progress_bar:
+        if is_main and progress_bar:
             from tqdm.auto import tqdm
 
             console_write = tqdm.write  # keeps the progress bar intact
         self.reporter = MetricReporter(
-            specs,
-            trainer.output_dir,
-            log_interval=train.log_interval,
-            max_steps=train.max_steps,
-            is_main_rank=trainer.is_main,
+            train_metric_specs(self.loss_names),
+            output_dir,
+            log_interval=log_interval,
+            max_steps=max_steps,
+            is_main_rank=is_main,
             eval_specs=eval_specs,
-            tensorboard=train.tensorboard,
-            loss_curve=train.plot,
+            tensorboard=tensorboard,
+            loss_curve=plot,
             plot_keys=["train/loss", *(f"train/{name}" for name in self.loss_names), "eval/loss"],
             console_write=console_write,
             group=new_metrics_group(),
-            sp_rank=trainer.parallel.sp_rank,
+            sp_rank=sp_rank,
             extra_formats={
                 "train/loss": ".4f",
                 "train/tokens_per_s": ",.0f",
@@ -97,11 +138,12 @@ class TrainMetrics:
                 "train/tflops": ".4f",
             },
         )
-        self.worker = StepEndWorker(enabled=train.async_step_end)
-        self.peak_flops = peak_flops(trainer.device, train.peak_tflops)
-        self.world_size = trainer.parallel.world_size
+        self.worker = StepEndWorker(enabled=async_step_end)
+        self.peak_flops = peak_flops(device, peak_tflops)
         self.last_logged: dict[str, Any] = {}
         self.tokens_seen = 0.0  # cumulative over the run (restored on resume)
+        self.last_logged_step = 0  # the newest step whose window was handed to a log task
+        self.window_steps = 0  # steps recorded in the open window (host-side)
         self._window_start = time.perf_counter()
         self._closed = False
 
@@ -118,19 +160,24 @@ class TrainMetrics:
             local_mean = torch.where(tokens > 0, outputs[key].detach(), torch.zeros_like(outputs[key]))
             self.reporter.record(key, local_mean.float(), count=tokens)
         input_ids = micro_batch["input_ids"]
-        seen = (input_ids != self.trainer.pad_id).sum()
+        seen = (input_ids != self.pad_id).sum()
         self.reporter.record("tokens", seen)
         self.reporter.record("samples", float(input_ids.shape[0]))
-        full_seq_len = input_ids.shape[1] * self.trainer.parallel.sp_size
-        self.reporter.record("flops", seen.double() * self.trainer.flops_per_token(full_seq_len))
+        full_seq_len = input_ids.shape[1] * self.sp_size
+        self.reporter.record("flops", seen.double() * self.flops_per_token(full_seq_len))
 
-    def record_step(self, grad_norm: torch.Tensor, skipped: bool, step_time: float) -> None:
+    def record_step(
+        self, grad_norm: torch.Tensor, *, lr: float, skipped: bool, step_time: float, bookkeeping_wait: float
+    ) -> None:
+        """One optimizer step's values: `lr` is the rate the step trained with; `skipped` is agreed by every rank."""
         self.reporter.record("grad_norm", grad_norm.float())
-        self.reporter.record("lr", self.trainer.scheduler.get_last_lr()[0])
+        self.reporter.record("lr", lr)
         self.reporter.record("step_time_s", step_time)
-        if self.trainer.is_main:
+        self.reporter.record("bookkeeping_wait_s", bookkeeping_wait)
+        if self.is_main:  # the decision is the same on every rank: count it once
             self.reporter.record("skipped_steps", float(skipped))
-        self.reporter.record("peak_mem_mb", peak_memory_mb(self.trainer.device))
+        self.reporter.record("peak_mem_mb", peak_memory_mb(self.device))
+        self.window_steps += 1
 
     # ---------------------------------------------------------------- log events
 
@@ -170,6 +217,7 @@ class TrainMetrics:
             return
         now = time.perf_counter()
         window_seconds, self._window_start = now - self._window_start, now
+        self.last_logged_step, self.window_steps = step, 0
         self.worker.submit(self._log_task, step, epoch, self.reporter.take_window(), window_seconds)
 
     def wait_bookkeeping(self) -> None:
@@ -191,21 +239,32 @@ class TrainMetrics:
         parts = [f"{key.split('/')[-1]}={values[key]:.4f}" for key in ("train/loss",) if key in values]
         return " ".join(parts)
 
-    def finish(self) -> dict[str, Any]:
-        """Collective: log whatever the window still holds at the current step, drain the worker, flush sinks."""
+    def finish(self, step: int, epoch: int) -> dict[str, Any]:
+        """Collective: log what the window still holds at `step` (the last trained step, of `epoch`), drain the
+        worker, flush the sinks; returns the last logged values."""
         self.worker.wait()
-        if self.trainer.step > 0 and not self.reporter.train.is_empty:
-            self.end_step(self.trainer.step, self.trainer.loader.epoch, force=True)
+        if step > 0 and not self.reporter.train.is_empty:
+            self.end_step(step, epoch, force=True)
         self.worker.wait()
         self.reporter.flush()
         return self.last_logged
 
-    def abort(self) -> None:
-        """Exception path (no collectives): stop the worker without masking the original error, flush the sinks."""
+    def abort(self, step: int) -> None:
+        """Exception path (no collective possible): stop the worker without masking the original error, say which
+        steps were not logged, flush the sinks."""
         try:
             self.worker.close()
         except StepEndError as exc:
-            print(f"[veomni_lite] step-end bookkeeping also failed: {exc.__cause__!r}", file=sys.stderr)
+            logger.error("step-end bookkeeping also failed: %r", exc.__cause__)
+        if self.window_steps and self.is_main:
+            logger.warning(
+                "steps %d-%d were trained but not logged (their reduction needs every rank); resuming retrains them "
+                "from the newest checkpoint and logs them then",
+                step - self.window_steps + 1,
+                step,
+            )
+        self.reporter.train.reset()
+        self.window_steps = 0
         self.reporter.close()
 
     def flush(self) -> None:
@@ -220,19 +279,15 @@ class TrainMetrics:
 
     # ---------------------------------------------------------------- checkpoint state
 
-    def state_dict(self) -> dict[str, Any]:
-        """What every rank shares: the series and the cumulative token count."""
+    def checkpoint_state(self, step: int, epoch: int) -> dict[str, Any]:
+        """Collective: log the open window at `step` first, so the checkpoint holds no window, then return what every
+        rank shares (the series and the cumulative token count)."""
+        self.finish(step, epoch)
         return {"series": self.reporter.series.state_dict(), "tokens_seen": self.tokens_seen}
 
     def load_state_dict(self, state: Mapping[str, Any], step: int) -> None:
+        """Continue after the checkpoint at `step`: restore the series, truncate the sinks' later rows."""
         self.reporter.series.load_state_dict(state["series"])
         self.tokens_seen = state.get("tokens_seen", 0.0)
+        self.last_logged_step = step
         self.reporter.resume(step)
-
-    def window_state_dict(self) -> dict[str, Any]:
-        """This rank's open windows."""
-        return {"train": self.reporter.train.state_dict(), "eval": self.reporter.eval.state_dict()}
-
-    def load_window_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.reporter.train.load_state_dict(state["train"])
-        self.reporter.eval.load_state_dict(state["eval"])

@@ -8,12 +8,15 @@ Contract:
 - A tensor in gives a tensor out, never `.item()`; Python numbers in give Python numbers out.
 - Without an initialized process group, or with a group of size 1, the local value comes back and nothing is sent.
 - A failed or timed-out collective raises CollectiveError naming the rank, the op, shape and dtype.
+
+`all_gather_objects` gathers one picklable value per rank, for error paths that every rank reaches together.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from numbers import Number
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -99,3 +102,17 @@ def all_reduce(data: ReduceData, op: str = "sum", group: dist.ProcessGroup | Non
         return _reduce_tensor(packed, op, group, size).item()
 
     raise TypeError(f"all_reduce: unsupported data type {type(data).__name__}; expected a number, list or tensor")
+
+
+def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's `obj`, in group-rank order (`[obj]` without a process group). Collective: error paths only."""
+    size = group_size(group)
+    if size == 1:
+        return [obj]
+    gathered: list[Any] = [None] * size
+    try:
+        dist.all_gather_object(gathered, obj, group=group)
+    except RuntimeError as exc:
+        message = f"rank {dist.get_rank()}: all_gather_object over a group of {size} ranks failed: {exc}"
+        raise CollectiveError(message) from exc
+    return gathered

@@ -1,0 +1,117 @@
+"""Every rank decides alike: non-finite values seen on ONE rank, and every process group's collective timeout."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import torch
+
+from tests.dist_helpers import run_ranks
+from tests.trainer.helpers import read_events, tiny_config
+from veomni_lite.distributed.parallel_state import destroy_parallel_state, init_parallel_state
+from veomni_lite.metrics import new_metrics_group
+from veomni_lite.trainer.base import NonFiniteError
+from veomni_lite.trainer.text import TextTrainer
+from veomni_lite.utils.dist_utils import CollectiveError, all_reduce
+
+# ---------------------------------------------------------------- a non-finite loss on one rank
+
+
+def _nan_loss_on_rank_one(rank: int, world_size: int, config) -> dict:
+    """Rank 1's step-2 loss gets a detached NaN term: its loss is NaN while every gradient stays finite."""
+    trainer = TextTrainer(config)
+    original = trainer.postforward
+
+    def postforward(outputs, *args):
+        loss, scaled = original(outputs, *args)
+        if rank == 1 and trainer.step == 1:
+            loss = loss + torch.tensor(float("nan"))
+        return loss, scaled
+
+    trainer.postforward = postforward
+    outcome = "trained"
+    try:
+        trainer.train()
+    except NonFiniteError as exc:
+        outcome = str(exc)
+    finally:
+        trainer.metrics.close()
+    return {
+        "outcome": outcome,
+        "scheduler_steps": trainer.scheduler.last_epoch,
+        "params": [p.full_tensor().clone() for p in trainer.model.parameters()],
+        "events": read_events(config.train.output_dir) if rank == 0 else None,
+    }
+
+
+@pytest.mark.slow
+def test_non_finite_loss_on_one_rank_is_skipped_on_every_rank(tmp_path):
+    config = tiny_config("text", tmp_path, max_steps=4, nonfinite="skip")
+    outcomes = run_ranks(_nan_loss_on_rank_one, 2, config, timeout_s=120, pg_timeout_s=30)
+    results = {rank: value for rank, (status, value) in outcomes.items()}
+    assert all(status == "ok" for status, _ in outcomes.values()), results
+    assert results[0]["outcome"] == results[1]["outcome"] == "trained"
+    assert results[0]["scheduler_steps"] == results[1]["scheduler_steps"] == 3, "4 steps, one skipped on every rank"
+    for a, b in zip(results[0]["params"], results[1]["params"]):
+        assert torch.equal(a, b), "the replicas stay identical"
+    events = results[0]["events"]
+    assert [e.get("train/skipped_steps") for e in events] == [0, 1, 0, 0], "counted once, at the skipped step"
+
+
+@pytest.mark.slow
+def test_non_finite_loss_on_one_rank_raises_on_every_rank_naming_it(tmp_path):
+    config = tiny_config("text", tmp_path, max_steps=4)
+    start = time.monotonic()
+    outcomes = run_ranks(_nan_loss_on_rank_one, 2, config, timeout_s=120, pg_timeout_s=30)
+    assert time.monotonic() - start < 60
+    results = {rank: value for rank, (status, value) in outcomes.items()}
+    assert all(status == "ok" for status, _ in outcomes.values()), results
+    for rank in (0, 1):
+        message = results[rank]["outcome"]
+        assert re.search(rf"rank {rank}, step 2: non-finite values: .*loss non-finite on rank\(s\) \[1\]", message)
+        assert results[rank]["scheduler_steps"] == 1, "neither rank stepped at step 2"
+
+
+# ---------------------------------------------------------------- every group honours the timeout
+
+TIMEOUT_S = 1.5
+
+
+def _hang_each_group(rank: int, world_size: int, dp_size: int, sp_size: int) -> dict[str, str]:
+    """Rank 1 never joins one collective per group; rank 0 must fail within the timeout on each."""
+    state = init_parallel_state(dp_size, sp_size, timeout_s=TIMEOUT_S)
+    groups = {
+        "dp" if dp_size > 1 else "sp": state.dp_group if dp_size > 1 else state.sp_group,
+        "control": state.new_group("gloo"),
+        "metrics": new_metrics_group(),
+    }
+    results = {}
+    for name, group in groups.items():
+        if rank == 0:
+            start = time.monotonic()
+            try:
+                all_reduce(torch.ones(2), group=group)
+                results[name] = "no error"
+            except CollectiveError as exc:
+                results[name] = f"{time.monotonic() - start:.2f}s {exc}"
+        else:
+            time.sleep(TIMEOUT_S + 1.5)
+        torch.distributed.barrier()  # the default group is untouched by the hung collectives
+    destroy_parallel_state()
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("dp_size", "sp_size"), [(2, 1), (1, 2)])
+def test_every_group_fails_within_the_collective_timeout(dp_size, sp_size):
+    outcomes = run_ranks(_hang_each_group, 2, dp_size, sp_size, timeout_s=120, pg_timeout_s=30)
+    status, results = outcomes[0]
+    assert status == "ok", results
+    assert len(results) == 3
+    for name, message in results.items():
+        assert message != "no error", name
+        seconds = float(message.split("s ", 1)[0])
+        assert TIMEOUT_S - 0.1 <= seconds < TIMEOUT_S + 3, (name, message)
+        assert "rank 0: all_reduce(op=sum" in message, message
