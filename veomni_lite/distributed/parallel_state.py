@@ -3,6 +3,7 @@
 `init_parallel_state(dp_size, sp_size)` builds a 2-D DeviceMesh with dims ("dp", "sp"): rank = dp_rank * sp_size +
 sp_rank, so each sp group is a block of consecutive ranks. `get_parallel_state()` returns it, or a single-process
 state (dp = sp = 1, no groups) when nothing was initialized, so every caller works unchanged without torchrun.
+It also answers VeOmni's names (`fsdp_size`, `sp_enabled`, `sp_size`, `sp_group`) so VeOmni callers read it unchanged.
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ class ParallelState:
 
     @property
     def world_size(self) -> int:
+        return self.dp_size * self.sp_size
+
+    @property
+    def fsdp_size(self) -> int:
+        """VeOmni's name for the ranks FSDP shards over and averages gradients over: dp x sp."""
         return self.dp_size * self.sp_size
 
     @property
