@@ -2,7 +2,8 @@
 
 Each rank trains its dp share, SP-sliced, with the plain local-mean cross-entropy (NaN on all-ignored shards),
 scales it with `mean_global_loss`, backpropagates, and averages gradients over the mesh as FSDP does. The result
-must equal one process's `F.cross_entropy(reduction="mean")` over the whole global batch.
+must equal one process's `F.cross_entropy(reduction="mean")` over the whole global batch, both on the memoized path
+and on VeOmni's call sequence (`reduce_global_loss_token` passed as the 4th argument).
 """
 
 from __future__ import annotations
@@ -19,7 +20,13 @@ import torch.nn.functional as F
 from tests.dist_helpers import counting_calls, run_distributed, run_ranks
 from veomni_lite.distributed.parallel_state import get_parallel_state, init_parallel_state
 from veomni_lite.distributed.sequence_parallel import slice_micro_batch
-from veomni_lite.utils.loss_utils import IGNORE_INDEX, LossKeyMismatchError, count_loss_token, mean_global_loss
+from veomni_lite.utils.loss_utils import (
+    IGNORE_INDEX,
+    LossKeyMismatchError,
+    count_loss_token,
+    mean_global_loss,
+    reduce_global_loss_token,
+)
 
 VOCAB, HIDDEN, SEQ, GLOBAL_BATCH, GA = 13, 8, 12, 16, 4
 HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
@@ -91,23 +98,38 @@ def reference_grads(step: int) -> tuple[list[torch.Tensor], float]:
     )
 
 
+def rank_micro_batches(step: int) -> list[dict[str, torch.Tensor]]:
+    """This rank's GA micro-batches of the global batch: its dp share, SP-sliced."""
+    state = get_parallel_state()
+    micro_batch_size = GLOBAL_BATCH // (state.dp_size * GA)
+    share = slice(state.dp_rank * GA * micro_batch_size, (state.dp_rank + 1) * GA * micro_batch_size)
+    rows = {key: value[share] for key, value in global_batch(step).items()}
+    return [
+        slice_micro_batch(
+            {key: value[i * micro_batch_size : (i + 1) * micro_batch_size] for key, value in rows.items()},
+            state.sp_rank,
+            state.sp_size,
+        )
+        for i in range(GA)
+    ]
+
+
+def mesh_mean_grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Gradients averaged over the dp x sp mesh, as FSDP/DDP do."""
+    grads = []
+    for param in model.parameters():
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        dist.all_reduce(grad)
+        grads.append(grad / dist.get_world_size())
+    return grads
+
+
 def _train_steps(rank: int, world_size: int, dp_size: int, sp_size: int) -> dict:
-    state = init_parallel_state(dp_size, sp_size)
-    micro_batch_size = GLOBAL_BATCH // (dp_size * GA)
+    init_parallel_state(dp_size, sp_size)
     out = {"grads": [], "loss": [], "collectives": [], "host_reads": []}
     for step in range(2):
         model = PerTokenModel()
-        batch = global_batch(step)
-        share = slice(state.dp_rank * GA * micro_batch_size, (state.dp_rank + 1) * GA * micro_batch_size)
-        rows = {key: value[share] for key, value in batch.items()}
-        micro_batches = [
-            slice_micro_batch(
-                {key: value[i * micro_batch_size : (i + 1) * micro_batch_size] for key, value in rows.items()},
-                state.sp_rank,
-                state.sp_size,
-            )
-            for i in range(GA)
-        ]
+        micro_batches = rank_micro_batches(step)
         with counting_calls(dist, "all_reduce") as collectives, forbid_host_reads() as host_reads:
             step_tokens = count_loss_token(micro_batches)
             step_loss = torch.zeros(())
@@ -118,13 +140,8 @@ def _train_steps(rank: int, world_size: int, dp_size: int, sp_size: int) -> dict
                 step_loss = step_loss + loss.detach()
         out["collectives"].append(len(collectives))
         out["host_reads"].append(len(host_reads))
-        grads = []
-        for param in model.parameters():
-            grad = param.grad if param.grad is not None else torch.zeros_like(param)
-            dist.all_reduce(grad)  # FSDP/DDP average over the dp x sp mesh
-            grads.append(grad / world_size)
+        out["grads"].append(mesh_mean_grads(model))
         dist.all_reduce(step_loss)
-        out["grads"].append(grads)
         out["loss"].append(float(step_loss) / world_size)
     assert get_parallel_state().world_size == world_size
     return out
@@ -147,17 +164,76 @@ def test_gradients_equal_single_process_global_mean(dp_size: int, sp_size: int):
                     assert torch.equal(got, torch.zeros_like(got))
 
 
-def _mismatched_keys(rank: int, world_size: int) -> str:
+def _veomni_call_sequence(rank: int, world_size: int) -> dict:
+    """VeOmni's train_step: count, reduce_global_loss_token once, then mean_global_loss with the 4th argument."""
+    init_parallel_state(world_size, 1)
+    out = {"memoized": [], "veomni": [], "global_tokens": [], "reduce_calls": [], "loss_calls": []}
+    for step in range(2):
+        micro_batches = rank_micro_batches(step)
+
+        model = PerTokenModel()
+        step_tokens = count_loss_token(micro_batches)
+        for micro_batch in micro_batches:
+            sum(mean_global_loss(model(**micro_batch), count_loss_token(micro_batch), step_tokens).values()).backward()
+        out["memoized"].append(mesh_mean_grads(model))
+
+        model = PerTokenModel()
+        step_tokens = count_loss_token(micro_batches)
+        with counting_calls(dist, "all_reduce") as reduce_calls:
+            global_tokens = reduce_global_loss_token(step_tokens)
+        with counting_calls(dist, "all_reduce") as loss_calls:
+            for micro_batch in micro_batches:
+                scaled = mean_global_loss(
+                    model(**micro_batch), count_loss_token(micro_batch), step_tokens, global_tokens
+                )
+                sum(scaled.values()).backward()
+        out["veomni"].append(mesh_mean_grads(model))
+        out["global_tokens"].append(global_tokens)
+        out["reduce_calls"].append(len(reduce_calls))
+        out["loss_calls"].append(len(loss_calls))
+    return out
+
+
+@pytest.mark.slow
+def test_veomni_call_sequence_equals_memoized_path_and_single_process_reference():
+    results = run_distributed(_veomni_call_sequence, 2)
+    for step in range(2):
+        batch = global_batch(step)
+        expected_tokens = {
+            "foundation_tokens": float((batch["labels"] != IGNORE_INDEX).sum()),
+            "aux_tokens": float((batch["aux_labels"] != IGNORE_INDEX).sum()),
+        }
+        expected, _ = reference_grads(step)
+        for rank, out in enumerate(results):
+            assert out["reduce_calls"][step] == 1, f"rank {rank} step {step}: one packed all-reduce per call"
+            assert out["loss_calls"][step] == 0, f"rank {rank} step {step}: the 4th argument needs no collective"
+            assert out["global_tokens"][step] == expected_tokens
+            assert all(type(value) is float for value in out["global_tokens"][step].values())
+            for veomni, memoized, ref in zip(out["veomni"][step], out["memoized"][step], expected):
+                assert torch.equal(veomni, memoized), "both forms of T must give the same math"
+                torch.testing.assert_close(veomni, ref, rtol=1e-5, atol=1e-7)
+
+
+def _mismatched_keys(rank: int, world_size: int) -> dict[str, str]:
+    """Rank 1 has an extra loss key (memoized path) and an extra `<name>_labels` key (reduce_global_loss_token)."""
     init_parallel_state(world_size, 1)
     batch = {"labels": torch.tensor([[1, 2, IGNORE_INDEX]]), "aux_labels": torch.tensor([[3, IGNORE_INDEX, 4]])}
     losses = {"foundation_loss": torch.tensor(1.0)}
     if rank == 1:
         losses["aux_loss"] = torch.tensor(2.0)
+    messages = {}
     try:
         mean_global_loss(losses, count_loss_token(batch), count_loss_token(batch))
+        messages["mean_global_loss"] = "returned a value"
     except LossKeyMismatchError as exc:
-        return str(exc)
-    return "returned a value"
+        messages["mean_global_loss"] = str(exc)
+    if rank == 0:
+        del batch["aux_labels"]
+    try:
+        messages["reduce_global_loss_token"] = f"returned {reduce_global_loss_token(count_loss_token(batch))}"
+    except LossKeyMismatchError as exc:
+        messages["reduce_global_loss_token"] = str(exc)
+    return messages
 
 
 @pytest.mark.slow
@@ -166,8 +242,14 @@ def test_ranks_with_different_loss_keys_all_raise_naming_the_keys():
     outcomes = run_ranks(_mismatched_keys, 2, timeout_s=60, pg_timeout_s=20)
     assert time.monotonic() - start < 30
     for rank in range(2):
-        status, message = outcomes[rank]
-        assert status == "ok", message
+        status, messages = outcomes[rank]
+        assert status == "ok", messages
+        message = messages["mean_global_loss"]
         assert "loss keys differ across ranks" in message
         assert "rank 0: [['foundation']]" in message
         assert "rank 1: [['aux', 'foundation']]" in message
+        message = messages["reduce_global_loss_token"]
+        assert "loss keys differ across ranks" in message
+        assert "rank 0: [['foundation_tokens']]" in message
+        assert "rank 1: [['aux_tokens', 'foundation_tokens']]" in message
+        assert "_labels" in message

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import gc
 import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from veomni_lite.distributed.parallel_state import ParallelState
 from veomni_lite.utils import loss_utils
 from veomni_lite.utils.loss_utils import (
     IGNORE_INDEX,
@@ -16,6 +18,7 @@ from veomni_lite.utils.loss_utils import (
     LossKeyMismatchError,
     count_loss_token,
     mean_global_loss,
+    reduce_global_loss_token,
 )
 
 VOCAB = 11
@@ -166,6 +169,29 @@ def test_in_place_edit_of_the_step_dict_is_not_served_stale(counting):
     assert out["foundation_loss"].item() == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("edit", ["iadd", "copy_"])
+def test_in_place_change_of_a_step_count_gets_fresh_denominators(counting, edit):
+    batches = make_micro_batches(2)
+    step_tokens = count_loss_token(batches)
+    local = count_loss_token(batches[0])
+    n = int(local["foundation_tokens"])
+    mean_global_loss(torch.tensor(1.0), local, step_tokens)
+    mean_global_loss(torch.tensor(1.0), local, step_tokens)
+    assert counting.calls == 1
+    count = step_tokens["foundation_tokens"]
+    if edit == "iadd":
+        count += 4
+    else:
+        count.copy_(torch.tensor(40))
+    new_total = int(count)
+    out = mean_global_loss(torch.tensor(1.0), local, step_tokens)
+    assert step_tokens["foundation_tokens"] is count, "the same tensor object, edited in place"
+    assert counting.calls == 2
+    assert out["foundation_loss"].item() == pytest.approx(n / new_total)
+    mean_global_loss(torch.tensor(1.0), local, step_tokens)
+    assert counting.calls == 2, "the refreshed memo serves the rest of the step"
+
+
 def test_memo_holds_at_most_one_step(counting):
     first = count_loss_token(make_micro_batches(2))
     probe = weakref.ref(first["foundation_tokens"])
@@ -251,13 +277,15 @@ def test_no_host_reads_in_the_loss_path(monkeypatch):
         raise AssertionError("host read in the loss path")
 
     batches = make_micro_batches(3)
+    global_numbers = {key: float(value) for key, value in count_loss_token(batches).items()}
     for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
         monkeypatch.setattr(torch.Tensor, name, forbidden)
     step_tokens = count_loss_token(batches)
     for batch in batches:
-        mean_global_loss(
-            {"foundation_loss": torch.tensor(1.0), "aux_loss": torch.tensor(1.0)}, count_loss_token(batch), step_tokens
-        )
+        losses = {"foundation_loss": torch.tensor(1.0), "aux_loss": torch.tensor(1.0)}
+        mean_global_loss(losses, count_loss_token(batch), step_tokens)
+        mean_global_loss(losses, count_loss_token(batch), step_tokens, step_tokens)
+        mean_global_loss(losses, count_loss_token(batch), step_tokens, global_numbers)
 
 
 # ---------------------------------------------------------------- rank agreement
@@ -283,3 +311,122 @@ def test_same_keys_on_every_rank_pass_the_check(monkeypatch):
     batch = {"labels": torch.tensor([[1, 2, IGNORE_INDEX]])}
     out = mean_global_loss(torch.tensor(1.0), count_loss_token(batch), count_loss_token(batch))
     assert out["foundation_loss"].item() == pytest.approx(1.0 * 2 / 9 * 2)  # n=2, T=2+7, W=2
+
+
+# ---------------------------------------------------------------- VeOmni compatibility
+
+
+@pytest.mark.parametrize("local_tokens", [torch.tensor(3), 3], ids=["tensor", "int"])
+@pytest.mark.parametrize("fsdp_size", [1, 2, 4])
+def test_veomni_fourth_argument_unit_test_passes_unchanged(monkeypatch, local_tokens, fsdp_size):
+    """VeOmni's own test: a parallel state with ONLY sp_enabled and fsdp_size, T given as a Python number."""
+
+    def no_collective(*_args, **_kwargs):
+        raise AssertionError("the denominator is already reduced")
+
+    monkeypatch.setattr(loss_utils, "all_reduce", no_collective)
+    monkeypatch.setattr(
+        loss_utils, "get_parallel_state", lambda: SimpleNamespace(sp_enabled=False, fsdp_size=fsdp_size)
+    )
+    out = mean_global_loss(
+        {"foundation_loss": torch.tensor(4.0)},
+        {"foundation_tokens": local_tokens},
+        {"foundation_tokens": torch.tensor(5)},
+        {"foundation_tokens": 6},
+    )
+    assert out["foundation_loss"].item() == pytest.approx(4.0 * 3 / 6 * fsdp_size)
+
+
+def test_parallel_state_answers_veomni_names():
+    state = ParallelState(dp_size=2, sp_size=3)
+    assert (state.fsdp_size, state.sp_enabled, state.sp_size, state.sp_group) == (6, True, 3, None)
+    single = ParallelState()
+    assert (single.fsdp_size, single.sp_enabled, single.sp_size) == (1, False, 1)
+
+
+def test_numbers_and_tensors_give_the_same_math_as_the_memoized_path(counting):
+    """Memoized T, explicit tensor T, reduce_global_loss_token's numbers, and Python-int local counts agree exactly."""
+    torch.manual_seed(0)
+    batches = make_micro_batches(4, ignore_p=0.4)
+    batches[2]["aux_labels"].fill_(IGNORE_INDEX)
+    head = torch.nn.Linear(4, VOCAB)
+    aux_head = torch.nn.Linear(4, VOCAB)
+    features = [torch.randn(2, 6, 4) for _ in batches]
+
+    def run(form: str) -> list[torch.Tensor]:
+        """The scaled losses and gradients of one step; asserts the collectives of `form`."""
+        head.zero_grad()
+        aux_head.zero_grad()
+        step_tokens = count_loss_token(batches)
+        calls_before = counting.calls
+        global_tokens = None
+        if form == "tensors":
+            global_tokens = step_tokens
+        elif form.startswith("numbers"):
+            global_tokens = reduce_global_loss_token(step_tokens)
+        out = []
+        for feats, batch in zip(features, batches):
+            local = count_loss_token(batch)
+            if form == "numbers, int local counts":
+                local = {key: int(value) for key, value in local.items()}
+            losses = {
+                "foundation_loss": local_mean_ce(head(feats), batch["labels"]),
+                "aux_loss": local_mean_ce(aux_head(feats), batch["aux_labels"]),
+            }
+            scaled = mean_global_loss(losses, local, step_tokens, global_tokens)
+            sum(scaled.values()).backward()
+            out.extend(value.detach() for value in scaled.values())
+        assert counting.calls - calls_before == (0 if form == "tensors" else 1), form
+        return out + [p.grad.clone() for p in (*head.parameters(), *aux_head.parameters())]
+
+    reference = run("memoized")
+    for form in ("tensors", "numbers", "numbers, int local counts"):
+        for got, ref in zip(run(form), reference, strict=True):
+            assert torch.equal(got, ref), form
+
+
+def test_reduce_global_loss_token_packs_exactly_the_given_keys_in_one_all_reduce(counting):
+    batches = make_micro_batches(3)
+    step_tokens = {**count_loss_token(batches), "extra_tokens": 5}
+    reduced = reduce_global_loss_token(step_tokens)
+    assert counting.calls == 1
+    assert list(reduced) == list(step_tokens), "VeOmni's return: the same keys, in order"
+    assert reduced == {key: float(value) for key, value in step_tokens.items()}
+    assert all(type(value) is float for value in reduced.values())
+    packed = counting.buffers[0]
+    assert packed.shape == (MAX_LOSS_KEYS + 5,), "the memoized path's buffer: one layout, one agreement check"
+    # sorted keys: aux, extra, foundation
+    assert packed[:3].tolist() == [int(step_tokens["aux_tokens"]), 5, int(step_tokens["foundation_tokens"])]
+    assert packed[3:MAX_LOSS_KEYS].eq(0).all()
+
+
+def _other_rank(names: tuple[str, ...], counts: list[int]) -> torch.Tensor:
+    other = torch.zeros(MAX_LOSS_KEYS + 5, dtype=torch.int64)
+    fp_a, fp_b = loss_utils._fingerprints(names)
+    other[: len(counts)] = torch.tensor(counts)
+    other[MAX_LOSS_KEYS:] = torch.tensor([1, fp_a, fp_a * fp_a, fp_b, fp_b * fp_b])
+    return other
+
+
+def test_reduce_global_loss_token_sums_over_ranks_and_detects_other_keys(monkeypatch):
+    local = {"foundation_tokens": torch.tensor(3), "aux_tokens": torch.tensor(1)}
+    agreeing = _other_rank(("aux_tokens", "foundation_tokens"), [10, 20])
+    monkeypatch.setattr(loss_utils, "all_reduce", CountingAllReduce(other_ranks=[agreeing]))
+    assert reduce_global_loss_token(local) == {"foundation_tokens": 23.0, "aux_tokens": 11.0}
+
+    disagreeing = _other_rank(("foundation_tokens",), [10])
+    monkeypatch.setattr(loss_utils, "all_reduce", CountingAllReduce(other_ranks=[disagreeing]))
+    with pytest.raises(LossKeyMismatchError, match=r"\['aux_tokens', 'foundation_tokens'\].*_labels"):
+        reduce_global_loss_token(local)
+
+
+def test_reduce_global_loss_token_with_too_many_keys_raises_after_the_collective(counting):
+    """Keys come from the data, so the limit is checked after the (same-size) all-reduce, on every rank alike."""
+    with pytest.raises(ValueError, match="exceed MAX_LOSS_KEYS"):
+        reduce_global_loss_token({f"k{i}_tokens": torch.tensor(i) for i in range(MAX_LOSS_KEYS + 1)})
+    assert counting.calls == 1
+
+
+def test_explicit_counts_reject_other_types_naming_the_key():
+    with pytest.raises(TypeError, match=r"global_micro_batches_token_len\['foundation_tokens'\] is a str"):
+        mean_global_loss(torch.tensor(1.0), {"foundation_tokens": 1}, {}, {"foundation_tokens": "6"})

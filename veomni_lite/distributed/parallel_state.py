@@ -3,7 +3,8 @@
 `init_parallel_state(dp_size, sp_size, timeout_s=...)` builds a 2-D DeviceMesh with dims ("dp", "sp"): rank =
 dp_rank * sp_size + sp_rank, so each sp group is a block of consecutive ranks. `get_parallel_state()` returns it, or a
 single-process state (dp = sp = 1, no groups) when nothing was initialized, so every caller works unchanged without
-torchrun.
+torchrun. It also answers VeOmni's names (`fsdp_size`, `sp_enabled`, `sp_size`, `sp_group`) so VeOmni callers
+read it unchanged.
 
 Timeouts: every process group the project creates (the mesh's dp and sp groups, and any group made with
 `ParallelState.new_group`, e.g. the trainer's control group and the metrics group) uses the state's `timeout_s`, so a
@@ -39,6 +40,11 @@ class ParallelState:
 
     @property
     def world_size(self) -> int:
+        return self.dp_size * self.sp_size
+
+    @property
+    def fsdp_size(self) -> int:
+        """VeOmni's name for the ranks FSDP shards over and averages gradients over: dp x sp."""
         return self.dp_size * self.sp_size
 
     @property

@@ -1,6 +1,6 @@
 """Loss normalization: every optimizer step trains on the exact global token mean, for one packed all-reduce.
 
-Names and signatures follow VeOmni's `veomni.utils.loss_utils`:
+Names and signatures follow VeOmni's `veomni.utils.loss_utils`, so VeOmni callers drop in unchanged:
 
 - `count_loss_token(batches)`: `<name>_tokens` (valid entries of `<name>_labels`; `labels` -> `foundation_tokens`),
   summed over every micro-batch given; a micro-batch with `padding_flag=True` counts 0.
@@ -9,36 +9,47 @@ Names and signatures follow VeOmni's `veomni.utils.loss_utils`:
   `L * n / T * W`, where n = local valid tokens of this micro-batch, T = valid tokens of the whole step on all
   ranks, W = dp x sp world size. Summed over micro-batches and averaged over W by FSDP, the gradient is that of
   (sum of per-token losses of the step) / T. A key with n == 0 contributes exactly 0, value and gradient.
+  Token counts may be tensors or Python numbers, with the same math.
+- `reduce_global_loss_token(micro_batches_token_len)`: VeOmni's explicit form of T, `{key: total over all ranks}`
+  as Python floats, for the 4th argument of `mean_global_loss`. With a 4th argument, T is used as given and
+  W = `get_parallel_state().fsdp_size` (the only attribute read; no process group needed).
 
-Cost: T is computed once per step dict (the object `micro_batches_token_len`), by ONE all-reduce of a fixed-size
-int64 buffer over the dp x sp group, and memoized; later micro-batches of the step issue no collective. No value
-is read to the host in these functions.
+Cost: without a 4th argument, T is computed once per step dict (the object `micro_batches_token_len`), by ONE
+all-reduce of a fixed-size int64 buffer over the dp x sp group that packs only the consumed loss keys, and memoized;
+later micro-batches of the step issue no collective and no value is read to the host. The memo serves only the same
+dict with the same count objects at the same tensor versions (an in-place `+=`/`copy_` gets new denominators) and
+holds one step. `reduce_global_loss_token` packs exactly the keys given into the same buffer (ONE all-reduce) and
+reads the result to the host once: VeOmni's contract is numbers out.
 
-Rank agreement: the buffer has a fixed size (`MAX_LOSS_KEYS` = 8 count slots) and carries two fingerprints of the rank's
-sorted loss-key names, each as (f, f^2), plus a 1 per rank. After the SUM, all ranks agree on whether
+Rank agreement: both paths share one buffer layout, `MAX_LOSS_KEYS` = 8 count slots then two fingerprints of the
+rank's sorted key names, each as (f, f^2), plus a 1 per rank. After the SUM, all ranks agree on whether
 W * sum(f^2) == sum(f)^2, which holds iff every rank sent the same f (Cauchy-Schwarz), so a key mismatch can never
-make the collective itself hang or return garbage silently, and every rank reaches the same verdict. The verdict
-is a device tensor: on CPU it is read at once (host memory, no device sync) and `mean_global_loss` raises
-`LossKeyMismatchError` on every rank; on an accelerator the step's denominators become NaN and
-`verify_loss_keys()` raises at the step's existing host read (the trainer calls it with its grad-norm read).
+make the collective itself hang or return garbage silently, and every rank reaches the same verdict.
+`reduce_global_loss_token` and the CPU memo path read the verdict at once (already on the host) and raise
+`LossKeyMismatchError` on every rank, naming each rank's keys. On an accelerator the memo path keeps the verdict on
+the device: the step's denominators become NaN and `verify_loss_keys()` raises at the step's existing host read
+(the trainer calls it with its grad-norm read).
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from numbers import Integral, Real
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from veomni_lite.distributed.parallel_state import get_parallel_state
-from veomni_lite.utils.dist_utils import all_reduce
+from veomni_lite.utils.dist_utils import all_reduce, collective_device, group_size
 
 IGNORE_INDEX = -100
 MAX_LOSS_KEYS = 8
 _FINGERPRINT_BITS = 16  # f < 2**16: W * sum(f^2) and sum(f)^2 stay exact in int64 up to 2**15 ranks
+
+TokenCount = torch.Tensor | int | float
 
 __all__ = [
     "IGNORE_INDEX",
@@ -46,6 +57,7 @@ __all__ = [
     "LossKeyMismatchError",
     "count_loss_token",
     "mean_global_loss",
+    "reduce_global_loss_token",
     "reset_loss_memo",
     "verify_loss_keys",
 ]
@@ -102,21 +114,86 @@ def _fingerprints(names: tuple[str, ...]) -> tuple[int, int]:
     return zlib.crc32(text) & mask, zlib.adler32(text) & mask
 
 
+def _as_count(value: TokenCount, key: str, which: str, device: torch.device) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        # A non-blocking copy to the CPU could be read before it lands; copies to an accelerator are stream-ordered.
+        return value.to(device, non_blocking=device.type != "cpu")
+    # torch.full fills on the device from a kernel argument: no host-to-device copy, so no sync.
+    if isinstance(value, Integral):
+        return torch.full((), int(value), dtype=torch.int64, device=device)
+    if isinstance(value, Real):
+        return torch.full((), float(value), dtype=torch.float64, device=device)
+    raise TypeError(f"{which}[{key!r}] is a {type(value).__name__}; expected a tensor or a number")
+
+
+def _token_count(token_len: Mapping[str, TokenCount], name: str, which: str, device: torch.device) -> torch.Tensor:
+    """The count of loss `name` in `token_len` as a tensor on `device`."""
+    key = f"{name}_tokens"
+    if key not in token_len:
+        raise KeyError(
+            f"mean_global_loss: {which} has no {key!r} for loss {name + '_loss'!r} (has {sorted(token_len)}); "
+            f"the batch needs a {'labels' if name == 'foundation' else name + '_labels'!r} key"
+        )
+    return _as_count(token_len[key], key, f"mean_global_loss: {which}", device)
+
+
+_TRAILERS: dict[tuple[tuple[str, ...], torch.device], torch.Tensor] = {}
+
+
+def _trailer(names: tuple[str, ...], device: torch.device) -> torch.Tensor:
+    """[1, f_a, f_a^2, f_b, f_b^2] on `device`, built once per key set so steady-state steps copy nothing."""
+    key = (names, device)
+    if key not in _TRAILERS:
+        fp_a, fp_b = _fingerprints(names)
+        _TRAILERS[key] = torch.tensor([1, fp_a, fp_a * fp_a, fp_b, fp_b * fp_b], dtype=torch.int64, device=device)
+    return _TRAILERS[key]
+
+
+def _all_reduce_packed(names: tuple[str, ...], counts: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """ONE SUM all-reduce over the dp x sp group of `counts` (one per name) in the buffer every rank agrees on.
+
+    The buffer has the same size on every rank whatever its keys: `MAX_LOSS_KEYS` count slots, then the trailer.
+    More names than slots pack no counts (the caller raises after the verdict, so every rank raises together).
+    """
+    fits = len(names) <= MAX_LOSS_KEYS
+    slots = [count.to(torch.int64).reshape(1) for count in counts] if fits else []
+    padding = torch.zeros(MAX_LOSS_KEYS - len(slots), dtype=torch.int64, device=device)
+    local = torch.cat([*slots, padding, _trailer(names, device)])
+    return all_reduce(local, op="sum", group=get_parallel_state().world_group)
+
+
+def _read_packed(reduced: torch.Tensor, num_names: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(totals of the first `num_names` slots, world size W, keys_match) of a reduced buffer; device ops only."""
+    trail = reduced[MAX_LOSS_KEYS:]
+    world = trail[0]
+    keys_match = (world * trail[2] == trail[1] * trail[1]) & (world * trail[4] == trail[3] * trail[3])
+    return reduced[: min(num_names, MAX_LOSS_KEYS)], world, keys_match
+
+
+def _tensor_versions(values: Sequence[TokenCount]) -> tuple[int | None, ...]:
+    # Inference tensors keep no version counter (and cannot be edited in place outside inference mode).
+    return tuple(v._version if isinstance(v, torch.Tensor) and not v.is_inference() else None for v in values)
+
+
 @dataclass
 class _StepDenominators:
     """T per loss key for one step dict, plus the world size W and the rank-agreement verdict."""
 
-    token_len: Mapping[str, torch.Tensor]  # strong reference: identity cannot be reused while memoized
-    token_tensors: tuple[torch.Tensor, ...]  # the dict's values at reduce time: in-place edits invalidate
+    token_len: Mapping[str, TokenCount]  # strong reference: identity cannot be reused while memoized
+    token_values: tuple[TokenCount, ...]  # the dict's values at reduce time: replacing one invalidates
+    token_versions: tuple[int | None, ...]  # their version counters: an in-place edit invalidates (no host read)
     names: tuple[str, ...]
     scales: dict[str, torch.Tensor]  # W / max(T, 1) per key, float64 on the loss device (NaN on a key mismatch)
     keys_match: torch.Tensor
 
-    def serves(self, token_len: Mapping[str, torch.Tensor]) -> bool:
+    def serves(self, token_len: Mapping[str, TokenCount]) -> bool:
+        if self.token_len is not token_len:
+            return False
+        values = tuple(token_len.values())
         return (
-            self.token_len is token_len
-            and len(self.token_tensors) == len(token_len)
-            and all(a is b for a, b in zip(self.token_tensors, token_len.values()))
+            len(values) == len(self.token_values)
+            and all(a is b for a, b in zip(self.token_values, values))
+            and _tensor_versions(values) == self.token_versions
         )
 
 
@@ -139,49 +216,22 @@ def reset_loss_memo() -> None:
     _PENDING = None
 
 
-def _token_count(token_len: Mapping[str, torch.Tensor], name: str, which: str) -> torch.Tensor:
-    key = f"{name}_tokens"
-    if key not in token_len:
-        raise KeyError(
-            f"mean_global_loss: {which} has no {key!r} for loss {name + '_loss'!r} (has {sorted(token_len)}); "
-            f"the batch needs a {'labels' if name == 'foundation' else name + '_labels'!r} key"
-        )
-    return token_len[key]
-
-
-_TRAILERS: dict[tuple[tuple[str, ...], torch.device], torch.Tensor] = {}
-
-
-def _trailer(names: tuple[str, ...], device: torch.device) -> torch.Tensor:
-    """[1, f_a, f_a^2, f_b, f_b^2] on `device`, built once per key set so steady-state steps copy nothing."""
-    key = (names, device)
-    if key not in _TRAILERS:
-        fp_a, fp_b = _fingerprints(names)
-        _TRAILERS[key] = torch.tensor([1, fp_a, fp_a * fp_a, fp_b, fp_b * fp_b], dtype=torch.int64, device=device)
-    return _TRAILERS[key]
-
-
 def _reduce_step_denominators(
-    names: tuple[str, ...], token_len: Mapping[str, torch.Tensor], device: torch.device
+    names: tuple[str, ...], token_len: Mapping[str, TokenCount], device: torch.device
 ) -> _StepDenominators:
+    # The model's loss keys are the same on every rank by contract, so this raises on all ranks before any collective.
     if len(names) > MAX_LOSS_KEYS:
         raise ValueError(f"mean_global_loss: {len(names)} loss keys {list(names)} exceed MAX_LOSS_KEYS={MAX_LOSS_KEYS}")
-    counts = [
-        _token_count(token_len, name, "micro_batches_token_len").to(device, torch.int64, non_blocking=True).reshape(1)
-        for name in names
-    ]
-    padding = torch.zeros(MAX_LOSS_KEYS - len(names), dtype=torch.int64, device=device)
-    local = torch.cat([*counts, padding, _trailer(names, device)])
-    reduced = all_reduce(local, op="sum", group=get_parallel_state().world_group)
-    trail = reduced[MAX_LOSS_KEYS:]
-    world = trail[0]
-    keys_match = (world * trail[2] == trail[1] * trail[1]) & (world * trail[4] == trail[3] * trail[3])
-    scales = world.double() / reduced[: len(names)].clamp(min=1).double()
+    values = tuple(token_len.values())
+    counts = [_token_count(token_len, name, "micro_batches_token_len", device) for name in names]
+    totals, world, keys_match = _read_packed(_all_reduce_packed(names, counts, device), len(names))
+    scales = world.double() / totals.clamp(min=1).double()
     if device.type != "cpu":  # the verdict is read later (verify_loss_keys): meanwhile no usable value leaves here
         scales = torch.where(keys_match, scales, torch.full_like(scales, float("nan")))
     return _StepDenominators(
         token_len=token_len,
-        token_tensors=tuple(token_len.values()),
+        token_values=values,
+        token_versions=_tensor_versions(values),
         names=names,
         scales=dict(zip(names, scales.unbind())),
         keys_match=keys_match,
@@ -189,7 +239,7 @@ def _reduce_step_denominators(
 
 
 def _step_denominators(
-    names: tuple[str, ...], token_len: Mapping[str, torch.Tensor], device: torch.device
+    names: tuple[str, ...], token_len: Mapping[str, TokenCount], device: torch.device
 ) -> _StepDenominators:
     global _MEMO, _PENDING
     memo = _MEMO
@@ -215,7 +265,13 @@ def _step_denominators(
     return memo
 
 
-def _key_mismatch_error(local_key_sets: set[tuple[str, ...]]) -> LossKeyMismatchError:
+_LOSS_KEYS_HINT = (
+    "Every rank must return the same loss keys on every micro-batch; return a zero that keeps the graph for a head "
+    "with no targets."
+)
+
+
+def _key_mismatch_error(local_key_sets: set[tuple[str, ...]], hint: str = _LOSS_KEYS_HINT) -> LossKeyMismatchError:
     """Every rank reaches this together (the verdict is global), so gathering the key sets cannot hang."""
     mine = sorted(list(keys) for keys in local_key_sets)
     state = get_parallel_state()
@@ -226,10 +282,7 @@ def _key_mismatch_error(local_key_sets: set[tuple[str, ...]]) -> LossKeyMismatch
         rank = dist.get_rank()
     else:
         detail, rank = f"rank 0: {mine}", 0
-    return LossKeyMismatchError(
-        f"loss keys differ across ranks (seen on rank {rank}): {detail}. Every rank must return the same loss keys "
-        "on every micro-batch; return a zero that keeps the graph for a head with no targets."
-    )
+    return LossKeyMismatchError(f"loss keys differ across ranks (seen on rank {rank}): {detail}. {hint}")
 
 
 def verify_loss_keys() -> None:
@@ -260,13 +313,24 @@ def _as_loss_dict(losses: torch.Tensor | Mapping[str, torch.Tensor]) -> dict[str
     return dict(losses)
 
 
+def _fsdp_size() -> int:
+    """W for an explicit 4th argument: VeOmni's `fsdp_size`, the only attribute this path reads."""
+    size = get_parallel_state().fsdp_size
+    # A process group without a parallel state (plain torch.distributed): FSDP averages over the whole world.
+    return size if size != 1 else group_size()
+
+
 def mean_global_loss(
     losses: torch.Tensor | Mapping[str, torch.Tensor],
-    micro_batch_token_len: Mapping[str, torch.Tensor],
-    micro_batches_token_len: Mapping[str, torch.Tensor],
-    global_micro_batches_token_len: Mapping[str, torch.Tensor] | None = None,
+    micro_batch_token_len: Mapping[str, TokenCount],
+    micro_batches_token_len: Mapping[str, TokenCount],
+    global_micro_batches_token_len: Mapping[str, TokenCount] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Scale each local-mean loss so the step sums to the exact global token mean (see the module docstring)."""
+    """Scale each local-mean loss so the step sums to the exact global token mean (see the module docstring).
+
+    Without `global_micro_batches_token_len`, T comes from the memoized packed all-reduce of
+    `micro_batches_token_len`; with it (tensors or numbers, e.g. from `reduce_global_loss_token`), T is used as given.
+    """
     loss_dict = _as_loss_dict(losses)
     names = tuple(sorted(key[: -len("_loss")] for key in loss_dict))
     device = next(iter(loss_dict.values())).device
@@ -274,13 +338,10 @@ def mean_global_loss(
     if global_micro_batches_token_len is None:
         scales = _step_denominators(names, micro_batches_token_len, device).scales
     else:
-        world = get_parallel_state().world_size
-        if world == 1 and dist.is_available() and dist.is_initialized():
-            world = dist.get_world_size()
+        world = _fsdp_size()
         scales = {
             name: world
-            / _token_count(global_micro_batches_token_len, name, "global_micro_batches_token_len")
-            .to(device, non_blocking=True)
+            / _token_count(global_micro_batches_token_len, name, "global_micro_batches_token_len", device)
             .clamp(min=1)
             .double()
             for name in names
@@ -289,8 +350,38 @@ def mean_global_loss(
     scaled: dict[str, torch.Tensor] = {}
     for key, loss in loss_dict.items():
         name = key[: -len("_loss")]
-        local_tokens = _token_count(micro_batch_token_len, name, "micro_batch_token_len").to(device, non_blocking=True)
+        local_tokens = _token_count(micro_batch_token_len, name, "micro_batch_token_len", device)
         # n * W / max(T, 1) is finite even when T == 0, so the masked branch passes an exact zero gradient to the loss.
         factor = (local_tokens * scales[name]).to(torch.promote_types(loss.dtype, torch.float32))
         scaled[key] = torch.where(local_tokens > 0, loss, torch.zeros_like(loss)) * factor
     return scaled
+
+
+def reduce_global_loss_token(micro_batches_token_len: Mapping[str, TokenCount]) -> dict[str, float]:
+    """Every key of the step's token counts summed over the dp x sp group, as Python floats (VeOmni's signature).
+
+    ONE packed all-reduce of exactly the given keys, then one host read (numbers out is VeOmni's contract). The
+    sums are exact int64; as floats they stay exact below 2**53. Ranks whose key sets differ all raise
+    `LossKeyMismatchError` naming each rank's keys. Pass the result as the 4th argument of `mean_global_loss`.
+    """
+    names = tuple(sorted(micro_batches_token_len))
+    device = collective_device(get_parallel_state().world_group)
+    counts = [
+        _as_count(micro_batches_token_len[name], name, "reduce_global_loss_token: micro_batches_token_len", device)
+        for name in names
+    ]
+    reduced = _all_reduce_packed(names, counts, device).cpu()
+    totals, _, keys_match = _read_packed(reduced, len(names))
+    # The keys come from the data (one per `<name>_labels`), so they are checked after the collective, on every rank.
+    if not keys_match.numpy():
+        raise _key_mismatch_error(
+            {names},
+            hint="Every rank's micro-batches must carry the same `<name>_labels` keys (all IGNORE_INDEX when a rank "
+            "has no targets for a head).",
+        )
+    if len(names) > MAX_LOSS_KEYS:  # the verdict passed, so every rank has these keys and raises here
+        raise ValueError(
+            f"reduce_global_loss_token: {len(names)} keys {list(names)} exceed MAX_LOSS_KEYS={MAX_LOSS_KEYS}"
+        )
+    by_name = dict(zip(names, totals.tolist()))
+    return {key: float(by_name[key]) for key in micro_batches_token_len}
