@@ -28,9 +28,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from veomni_lite.distributed.collectives import all_reduce
 from veomni_lite.distributed.parallel_state import get_parallel_state
 from veomni_lite.metrics import MetricAccumulator, MetricSpec
-from veomni_lite.utils.dist_utils import all_reduce
 from veomni_lite.utils.loss_utils import mean_global_loss
 
 __all__ = [

@@ -41,10 +41,10 @@ from harness import (
 
 from veomni_lite.distributed.parallel_state import destroy_parallel_state, init_parallel_state
 from veomni_lite.distributed.sequence_parallel import ulysses_attention
+from veomni_lite.examples.attention import causal_attention
+from veomni_lite.examples.tiny_lm import TinyLMConfig, set_attention_fn
+from veomni_lite.examples.tiny_vlm import TinyVLM, TinyVLMConfig
 from veomni_lite.metrics import MetricSpec
-from veomni_lite.models.attention import causal_attention
-from veomni_lite.models.llm import TinyLMConfig, set_attention_fn
-from veomni_lite.models.vlm import TinyVLM, TinyVLMConfig
 from veomni_lite.utils import loss_utils
 from veomni_lite.utils.loss_utils import count_loss_token, reset_loss_memo
 

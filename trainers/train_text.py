@@ -2,8 +2,8 @@
 
 import sys
 
+from veomni_lite.examples.text_trainer import TextTrainer
 from veomni_lite.trainer.launch import main
-from veomni_lite.trainer.text import TextTrainer
 
 if __name__ == "__main__":
     sys.exit(main(TextTrainer))

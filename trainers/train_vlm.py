@@ -2,8 +2,8 @@
 
 import sys
 
+from veomni_lite.examples.vlm_trainer import VLMTrainer
 from veomni_lite.trainer.launch import main
-from veomni_lite.trainer.vlm import VLMTrainer
 
 if __name__ == "__main__":
     sys.exit(main(VLMTrainer))

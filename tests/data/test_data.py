@@ -7,8 +7,18 @@ import pytest
 import torch
 from einops import rearrange
 
-from veomni_lite.data import MicroBatchLoader, SyntheticTextDataset, SyntheticVLMDataset, collate
-from veomni_lite.data.datasets import BOI_ID, BOS_ID, EOS_ID, IMG_ID, PAD_ID, SHAPES, patch_codes
+from veomni_lite.data import MicroBatchLoader, collate
+from veomni_lite.examples.synthetic_data import (
+    BOI_ID,
+    BOS_ID,
+    EOS_ID,
+    IMG_ID,
+    PAD_ID,
+    SHAPES,
+    SyntheticTextDataset,
+    SyntheticVLMDataset,
+    patch_codes,
+)
 from veomni_lite.utils.loss_utils import IGNORE_INDEX
 
 

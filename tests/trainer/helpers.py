@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from veomni_lite.config import Config, load_config, replace
-from veomni_lite.trainer.text import TextTrainer
-from veomni_lite.trainer.vlm import VLMTrainer
+from veomni_lite.examples.text_trainer import TextTrainer
+from veomni_lite.examples.vlm_trainer import VLMTrainer
 
 REPO = Path(__file__).resolve().parents[2]
 TRAINERS = {

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_helpers import counting_calls, run_distributed
-from veomni_lite.utils.dist_utils import all_reduce
+from veomni_lite.distributed.collectives import all_reduce
 
 
 def test_without_process_group_returns_local_values():

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from veomni_lite.data.datasets import PAD_ID
+from veomni_lite.examples.synthetic_data import PAD_ID
 from veomni_lite.utils.loss_utils import IGNORE_INDEX
 
 __all__ = ["collate", "is_label_key", "shift_labels"]

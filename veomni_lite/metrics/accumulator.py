@@ -28,9 +28,9 @@ from dataclasses import dataclass, fields
 import torch
 import torch.distributed as dist
 
+from veomni_lite.distributed.collectives import all_reduce, collective_device
 from veomni_lite.distributed.parallel_state import get_parallel_state
 from veomni_lite.metrics.spec import MetricSpec
-from veomni_lite.utils.dist_utils import all_reduce, collective_device
 
 Number = int | float
 Value = Number | torch.Tensor

@@ -36,16 +36,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from veomni_lite.config import Config
+from veomni_lite.data.checks import DataError, validate_micro_batch
 from veomni_lite.data.loader import MicroBatchLoader
+from veomni_lite.distributed.collectives import all_gather_objects, all_reduce
 from veomni_lite.distributed.fsdp import apply_fsdp, resolve_mixed_precision, set_gradient_sync
 from veomni_lite.distributed.parallel_state import ParallelState, init_parallel_state
 from veomni_lite.distributed.sequence_parallel import slice_micro_batch, ulysses_attention
-from veomni_lite.models.attention import causal_attention
-from veomni_lite.models.llm import set_attention_fn
+from veomni_lite.examples.attention import causal_attention
+from veomni_lite.examples.tiny_lm import set_attention_fn
 from veomni_lite.trainer.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
-from veomni_lite.trainer.metrics import TrainMetrics
-from veomni_lite.trainer.validation import DataError, validate_micro_batch
-from veomni_lite.utils.dist_utils import all_gather_objects, all_reduce
+from veomni_lite.trainer.train_metrics import TrainMetrics
 from veomni_lite.utils.loss_utils import (
     LossKeyMismatchError,
     count_loss_token,

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from veomni_lite.utils.dist_utils import all_reduce
+from veomni_lite.distributed.collectives import all_reduce
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 TRAINER_STATE = "trainer_state.pt"

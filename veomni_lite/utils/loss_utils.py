@@ -42,8 +42,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from veomni_lite.distributed.collectives import all_reduce, collective_device, group_size
 from veomni_lite.distributed.parallel_state import get_parallel_state
-from veomni_lite.utils.dist_utils import all_reduce, collective_device, group_size
 
 IGNORE_INDEX = -100
 MAX_LOSS_KEYS = 8

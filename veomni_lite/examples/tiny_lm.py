@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from veomni_lite.models.attention import AttentionFn, causal_attention
+from veomni_lite.examples.attention import AttentionFn, causal_attention
 from veomni_lite.utils.loss_utils import IGNORE_INDEX
 
 __all__ = [

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from veomni_lite.data.collator import collate
-from veomni_lite.data.datasets import SyntheticVLMDataset
-from veomni_lite.models.llm import TinyLMConfig
-from veomni_lite.models.vlm import TinyVLM, TinyVLMConfig
+from veomni_lite.examples.synthetic_data import SyntheticVLMDataset
+from veomni_lite.examples.tiny_lm import TinyLMConfig
+from veomni_lite.examples.tiny_vlm import TinyVLM, TinyVLMConfig
 from veomni_lite.trainer.base import BaseTrainer
 
 

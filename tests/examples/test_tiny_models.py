@@ -6,15 +6,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from veomni_lite.data.collator import collate
-from veomni_lite.data.datasets import SyntheticVLMDataset
-from veomni_lite.models import (
-    TinyCausalLM,
-    TinyLMConfig,
-    TinyVLM,
-    TinyVLMConfig,
-    causal_attention,
-    set_attention_fn,
-)
+from veomni_lite.examples.attention import causal_attention
+from veomni_lite.examples.synthetic_data import SyntheticVLMDataset
+from veomni_lite.examples.tiny_lm import TinyCausalLM, TinyLMConfig, set_attention_fn
+from veomni_lite.examples.tiny_vlm import TinyVLM, TinyVLMConfig
 from veomni_lite.utils.loss_utils import IGNORE_INDEX
 
 LM_CONFIG = TinyLMConfig(vocab_size=32, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64)

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from veomni_lite.data.collator import collate
-from veomni_lite.data.datasets import SyntheticTextDataset
-from veomni_lite.models.llm import TinyCausalLM, TinyLMConfig
+from veomni_lite.examples.synthetic_data import SyntheticTextDataset
+from veomni_lite.examples.tiny_lm import TinyCausalLM, TinyLMConfig
 from veomni_lite.trainer.base import BaseTrainer
 
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from veomni_lite.models.llm import (
+from veomni_lite.examples.tiny_lm import (
     TinyCausalLM,
     TinyLMConfig,
     decoder_flops_per_token,
