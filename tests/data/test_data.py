@@ -19,7 +19,7 @@ from veomni_lite.examples.synthetic_data import (
     SyntheticVLMDataset,
     patch_codes,
 )
-from veomni_lite.utils.loss_utils import IGNORE_INDEX
+from veomni_lite.loss_keys import IGNORE_INDEX
 
 
 def same_sample(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

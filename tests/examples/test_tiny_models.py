@@ -10,7 +10,7 @@ from veomni_lite.examples.attention import causal_attention
 from veomni_lite.examples.synthetic_data import SyntheticVLMDataset
 from veomni_lite.examples.tiny_lm import TinyCausalLM, TinyLMConfig, set_attention_fn
 from veomni_lite.examples.tiny_vlm import TinyVLM, TinyVLMConfig
-from veomni_lite.utils.loss_utils import IGNORE_INDEX
+from veomni_lite.loss_keys import IGNORE_INDEX
 
 LM_CONFIG = TinyLMConfig(vocab_size=32, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64)
 

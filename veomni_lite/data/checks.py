@@ -11,17 +11,11 @@ from typing import Any
 
 import torch
 
-from veomni_lite.utils.loss_utils import IGNORE_INDEX
+from veomni_lite.loss_keys import IGNORE_INDEX, is_labels_key, labels_key, name_of_loss
 
 
 class DataError(ValueError):
     """A micro-batch that violates the data contract."""
-
-
-def labels_key(loss_key: str) -> str:
-    """`foundation_loss` -> `labels`, `<name>_loss` -> `<name>_labels`."""
-    name = loss_key[: -len("_loss")]
-    return "labels" if name == "foundation" else f"{name}_labels"
 
 
 def validate_micro_batch(
@@ -36,7 +30,7 @@ def validate_micro_batch(
     `label_limits` maps a labels key to its number of classes (default: `labels` -> vocab_size).
     """
     limits = {"labels": vocab_size, **(label_limits or {})}
-    required = ["input_ids", "position_ids", *(labels_key(key) for key in loss_keys)]
+    required = ["input_ids", "position_ids", *(labels_key(name_of_loss(key)) for key in loss_keys)]
     missing = [key for key in required if key not in micro_batch]
     if missing:
         raise DataError(f"{where}: missing key(s) {missing}; has {sorted(micro_batch)}")
@@ -44,7 +38,7 @@ def validate_micro_batch(
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise DataError(f"{where}: 'input_ids' must be a 2-D [batch, seq] tensor, got {_describe(input_ids)}")
     for key, value in micro_batch.items():
-        if key not in ("input_ids", "position_ids") and not key.endswith("labels"):
+        if key not in ("input_ids", "position_ids") and not is_labels_key(key):
             continue
         if not isinstance(value, torch.Tensor):
             raise DataError(f"{where}: {key!r} must be a tensor, got {type(value).__name__}")

@@ -14,14 +14,9 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from veomni_lite.examples.synthetic_data import PAD_ID
-from veomni_lite.utils.loss_utils import IGNORE_INDEX
+from veomni_lite.loss_keys import IGNORE_INDEX, is_labels_key
 
-__all__ = ["collate", "is_label_key", "shift_labels"]
-
-
-def is_label_key(key: str) -> bool:
-    return key == "labels" or key.endswith("_labels")
+__all__ = ["collate", "shift_labels"]
 
 
 def shift_labels(labels: Tensor) -> Tensor:
@@ -36,9 +31,7 @@ def _pad(rows: list[Tensor], length: int, value: int) -> Tensor:
     return out
 
 
-def collate(
-    samples: Sequence[Mapping[str, Tensor]], pad_to_multiple_of: int = 1, pad_id: int = PAD_ID
-) -> dict[str, Tensor]:
+def collate(samples: Sequence[Mapping[str, Tensor]], pad_to_multiple_of: int = 1, pad_id: int = 0) -> dict[str, Tensor]:
     """List of sample dicts (1-D `input_ids`, label keys, optional `pixel_values`) -> padded [B, S] micro-batch."""
     if not samples:
         raise ValueError("collate: no samples")
@@ -48,14 +41,14 @@ def collate(
     for i, sample in enumerate(samples):
         if set(sample) != keys:
             raise KeyError(f"collate: sample {i} has keys {sorted(sample)}, sample 0 has {sorted(keys)}")
-    unknown = sorted(k for k in keys if k not in ("input_ids", "pixel_values") and not is_label_key(k))
+    unknown = sorted(k for k in keys if k not in ("input_ids", "pixel_values") and not is_labels_key(k))
     if "input_ids" not in keys or unknown:
         raise KeyError(f"collate: expected input_ids, label keys and optional pixel_values; got {sorted(keys)}")
 
     longest = max(sample["input_ids"].numel() for sample in samples)
     length = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
     batch: dict[str, Tensor] = {"input_ids": _pad([s["input_ids"] for s in samples], length, pad_id)}
-    for key in sorted(k for k in keys if is_label_key(k)):
+    for key in sorted(k for k in keys if is_labels_key(k)):
         batch[key] = _pad([shift_labels(s[key]) for s in samples], length, IGNORE_INDEX)
     batch["position_ids"] = torch.arange(length).expand(len(samples), length).clone()
     if "pixel_values" in keys:

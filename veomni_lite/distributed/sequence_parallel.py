@@ -17,14 +17,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from veomni_lite.utils.loss_utils import IGNORE_INDEX
+from veomni_lite.loss_keys import IGNORE_INDEX, is_labels_key
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def is_sequence_key(key: str) -> bool:
     """Keys whose dim 1 is the token sequence: they are padded and sliced under SP."""
-    return key in ("input_ids", "position_ids", "labels") or key.endswith("_labels")
+    return key in ("input_ids", "position_ids") or is_labels_key(key)
 
 
 def _pad_value(key: str, pad_id: int) -> int:

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from veomni_lite.utils.loss_utils import IGNORE_INDEX
+from veomni_lite.loss_keys import IGNORE_INDEX
 
 __all__ = [
     "BOI_ID",

@@ -17,12 +17,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
+from veomni_lite.distributed.sequence_parallel import ulysses_attention
 from veomni_lite.examples.attention import AttentionFn, causal_attention
-from veomni_lite.utils.loss_utils import IGNORE_INDEX
+from veomni_lite.loss_keys import IGNORE_INDEX
 
 __all__ = [
     "Attention",
@@ -195,6 +197,10 @@ class TinyCausalLM(nn.Module):
     def flops_per_token(self, seq_len: int) -> float:
         """Forward+backward FLOPs per token: 6 x matmul params (all but the embedding) + 12 x layers x hidden x seq."""
         return decoder_flops_per_token(self, self.config, seq_len, exclude=(self.embed_tokens.weight,))
+
+    def enable_sequence_parallel(self, sp_group: dist.ProcessGroup) -> None:
+        """Ulysses attention over `sp_group` in every layer."""
+        set_attention_fn(self, ulysses_attention(causal_attention, sp_group))
 
 
 def decoder_flops_per_token(

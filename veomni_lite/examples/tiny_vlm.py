@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
@@ -116,6 +117,10 @@ class TinyVLM(nn.Module):
     @property
     def loss_keys(self) -> tuple[str, ...]:
         return ("foundation_loss", "image_decoder_loss")
+
+    def enable_sequence_parallel(self, sp_group: dist.ProcessGroup) -> None:
+        """Ulysses attention over `sp_group` in the decoder (the vision encoder sees whole images on every rank)."""
+        self.decoder.enable_sequence_parallel(sp_group)
 
     def image_features(self, pixel_values: Tensor) -> Tensor:
         """[B, C, H, W] -> [B, P, lm hidden]."""

@@ -32,19 +32,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.tensor import DTensor
 
 from veomni_lite.config import Config
 from veomni_lite.data.checks import DataError, validate_micro_batch
 from veomni_lite.data.loader import MicroBatchLoader
 from veomni_lite.distributed.collectives import all_gather_objects, all_reduce
 from veomni_lite.distributed.fsdp import apply_fsdp, resolve_mixed_precision, set_gradient_sync
+from veomni_lite.distributed.grad_norm import clip_global_grad_norm
 from veomni_lite.distributed.parallel_state import ParallelState, init_parallel_state
-from veomni_lite.distributed.sequence_parallel import slice_micro_batch, ulysses_attention
-from veomni_lite.examples.attention import causal_attention
-from veomni_lite.examples.tiny_lm import set_attention_fn
+from veomni_lite.distributed.sequence_parallel import slice_micro_batch
 from veomni_lite.trainer.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
+from veomni_lite.trainer.model import TrainableModel, check_model_contract
 from veomni_lite.trainer.train_metrics import TrainMetrics
 from veomni_lite.utils.loss_utils import (
     LossKeyMismatchError,
@@ -89,33 +87,6 @@ def warmup_cosine(warmup_steps: int, max_steps: int, min_ratio: float) -> Callab
     return factor
 
 
-def clip_global_grad_norm(
-    parameters: Sequence[nn.Parameter], max_norm: float, local_loss: torch.Tensor, group: dist.ProcessGroup | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clip gradients by their norm over ALL shards; return (global norm, number of ranks whose loss is non-finite).
-
-    ONE all-reduce over `group` carries both: this rank's sum of squares of its gradient shards (FSDP2 shards every
-    parameter over the whole dp x sp group, so the sum over ranks is the global squared norm) and whether its own
-    `local_loss` is non-finite. A loss can be non-finite while every gradient is finite (a detached term, a masked
-    head), so the loss must be part of what the ranks agree on.
-    """
-    grads = [p.grad for p in parameters if p.grad is not None]
-    shards = []
-    for grad in grads:
-        if isinstance(grad, DTensor):
-            if not all(placement.is_shard() for placement in grad.placements):
-                raise ValueError(f"clip_global_grad_norm: expected sharded gradients, got {grad.placements}")
-            grad = grad.to_local()
-        shards.append(grad)
-    local_sq = torch.nn.utils.get_total_norm(shards, foreach=True).double().square()
-    bad_loss = (~torch.isfinite(local_loss.detach())).to(device=local_sq.device, dtype=torch.float64)
-    reduced = all_reduce(torch.stack([local_sq, bad_loss.reshape(())]), op="sum", group=group)
-    total = reduced[0].sqrt().float()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
-    return total, reduced[1]
-
-
 class BaseTrainer(ABC):
     """Build everything from a Config, then `train()`. Subclasses implement the three `build_*` hooks."""
 
@@ -133,12 +104,12 @@ class BaseTrainer(ABC):
         torch.manual_seed(train.seed)
 
         self.train_dataset, self.eval_dataset = self.build_datasets()
-        model = self.build_model().to(self.device)
+        model = check_model_contract(self.build_model().to(self.device))
         self.loss_keys: tuple[str, ...] = tuple(model.loss_keys)
         # Called per micro-batch for the FLOPs metric: the parameter count is walked once per sequence length.
         self.flops_per_token = functools.lru_cache(maxsize=None)(model.flops_per_token)
         if self.parallel.sp_enabled:
-            set_attention_fn(model, ulysses_attention(causal_attention, self.parallel.sp_group))
+            model.enable_sequence_parallel(self.parallel.sp_group)
         bf16 = resolve_mixed_precision(train.mixed_precision, self.device)
         self.model = apply_fsdp(model, self.parallel, list(model.layers), bf16=bf16)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train.lr, weight_decay=train.weight_decay)
@@ -160,8 +131,8 @@ class BaseTrainer(ABC):
     # ------------------------------------------------------------------ hooks
 
     @abstractmethod
-    def build_model(self) -> nn.Module:
-        """A model whose forward(**micro_batch) returns {"<name>_loss": local mean} and has `loss_keys`, `layers`."""
+    def build_model(self) -> TrainableModel:
+        """The model to train, on the CPU; it keeps the `TrainableModel` contract."""
 
     @abstractmethod
     def build_datasets(self) -> tuple[Any, Any | None]:

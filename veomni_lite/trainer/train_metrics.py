@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from veomni_lite.loss_keys import name_of_loss, tokens_key
 from veomni_lite.metrics import MetricReporter, MetricSpec, StepEndError, StepEndWorker, new_metrics_group
 
 logger = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ class TrainMetrics:
         micro_batch: Mapping[str, torch.Tensor],
     ) -> None:
         for key in self.loss_names:
-            tokens = micro_batch_token_len[key[: -len("_loss")] + "_tokens"].to(outputs[key].device, non_blocking=True)
+            tokens = micro_batch_token_len[tokens_key(name_of_loss(key))].to(outputs[key].device, non_blocking=True)
             local_mean = torch.where(tokens > 0, outputs[key].detach(), torch.zeros_like(outputs[key]))
             self.reporter.record(key, local_mean.float(), count=tokens)
         input_ids = micro_batch["input_ids"]

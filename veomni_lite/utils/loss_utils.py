@@ -44,8 +44,8 @@ import torch.distributed as dist
 
 from veomni_lite.distributed.collectives import all_reduce, collective_device, group_size
 from veomni_lite.distributed.parallel_state import get_parallel_state
+from veomni_lite.loss_keys import IGNORE_INDEX, labels_key, loss_key, name_of_labels, name_of_loss, tokens_key
 
-IGNORE_INDEX = -100
 MAX_LOSS_KEYS = 8
 _FINGERPRINT_BITS = 16  # f < 2**16: W * sum(f^2) and sum(f)^2 stay exact in int64 up to 2**15 ranks
 
@@ -80,23 +80,16 @@ def _iter_micro_batches(batches: Any, where: str = "batches") -> Iterator[Mappin
         )
 
 
-def _token_key(batch_key: str) -> str | None:
-    if batch_key == "labels":
-        return "foundation_tokens"
-    if batch_key.endswith("_labels"):
-        return batch_key[: -len("_labels")] + "_tokens"
-    return None
-
-
 def count_loss_token(batches: Any) -> dict[str, torch.Tensor]:
     """Valid-token counts per loss key, summed over all micro-batches given (int64 tensors, no host sync)."""
     counts: dict[str, torch.Tensor] = {}
     for batch in _iter_micro_batches(batches):
         padding_flag = batch.get("padding_flag", False)
         for batch_key, labels in batch.items():
-            token_key = _token_key(batch_key)
-            if token_key is None:
+            name = name_of_labels(batch_key)
+            if name is None:
                 continue
+            token_key = tokens_key(name)
             if not isinstance(labels, torch.Tensor):
                 raise TypeError(f"count_loss_token: {batch_key!r} is a {type(labels).__name__}; expected a tensor")
             count = (labels != IGNORE_INDEX).sum(dtype=torch.int64)
@@ -128,11 +121,11 @@ def _as_count(value: TokenCount, key: str, which: str, device: torch.device) -> 
 
 def _token_count(token_len: Mapping[str, TokenCount], name: str, which: str, device: torch.device) -> torch.Tensor:
     """The count of loss `name` in `token_len` as a tensor on `device`."""
-    key = f"{name}_tokens"
+    key = tokens_key(name)
     if key not in token_len:
         raise KeyError(
-            f"mean_global_loss: {which} has no {key!r} for loss {name + '_loss'!r} (has {sorted(token_len)}); "
-            f"the batch needs a {'labels' if name == 'foundation' else name + '_labels'!r} key"
+            f"mean_global_loss: {which} has no {key!r} for loss {loss_key(name)!r} (has {sorted(token_len)}); "
+            f"the batch needs a {labels_key(name)!r} key"
         )
     return _as_count(token_len[key], key, f"mean_global_loss: {which}", device)
 
@@ -306,8 +299,10 @@ def _as_loss_dict(losses: torch.Tensor | Mapping[str, torch.Tensor]) -> dict[str
             "{'<name>_loss': tensor} dict"
         )
     for key, value in losses.items():
-        if not isinstance(key, str) or not key.endswith("_loss"):
-            raise KeyError(f"mean_global_loss: loss key {key!r} must be named '<name>_loss'")
+        try:
+            name_of_loss(key)
+        except KeyError as exc:
+            raise KeyError(f"mean_global_loss: {exc.args[0]}") from None
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"mean_global_loss: {key!r} is a {type(value).__name__}; expected a tensor")
     return dict(losses)
@@ -332,7 +327,7 @@ def mean_global_loss(
     `micro_batches_token_len`; with it (tensors or numbers, e.g. from `reduce_global_loss_token`), T is used as given.
     """
     loss_dict = _as_loss_dict(losses)
-    names = tuple(sorted(key[: -len("_loss")] for key in loss_dict))
+    names = tuple(sorted(name_of_loss(key) for key in loss_dict))
     device = next(iter(loss_dict.values())).device
 
     if global_micro_batches_token_len is None:
@@ -349,7 +344,7 @@ def mean_global_loss(
 
     scaled: dict[str, torch.Tensor] = {}
     for key, loss in loss_dict.items():
-        name = key[: -len("_loss")]
+        name = name_of_loss(key)
         local_tokens = _token_count(micro_batch_token_len, name, "micro_batch_token_len", device)
         # n * W / max(T, 1) is finite even when T == 0, so the masked branch passes an exact zero gradient to the loss.
         factor = (local_tokens * scales[name]).to(torch.promote_types(loss.dtype, torch.float32))

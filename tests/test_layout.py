@@ -1,0 +1,94 @@
+"""The layout's promises: no import cycle inside veomni_lite, no library module imports an example, and the data
+side loads without the loss module or the distributed pieces."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "veomni_lite"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path, modules: set[str]) -> set[str]:
+    """Every veomni_lite module `path` imports anywhere (TYPE_CHECKING blocks and function bodies included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found.update(name for name in names if name in modules)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    modules = set(paths)
+    graph = {name: imports_of(path, modules) - {name} for name, path in paths.items()}
+    for name in modules:  # importing a.b.c runs a/__init__ and a/b/__init__ first
+        parent = name.rpartition(".")[0]
+        if parent and parent != "veomni_lite" and parent in modules and parent != name:
+            graph[name] = graph[name]
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_cycle_inside_the_package():
+    assert find_cycle(import_graph()) is None, find_cycle(import_graph())
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_the_library_never_imports_an_example():
+    graph = import_graph()
+    back_edges = {
+        (name, target)
+        for name, targets in graph.items()
+        if not name.startswith("veomni_lite.examples")
+        for target in targets
+        if target.startswith("veomni_lite.examples")
+    }
+    assert not back_edges
+
+
+def test_the_data_side_loads_without_the_loss_module_or_distributed_pieces():
+    code = (
+        "import sys, veomni_lite.data.collator, veomni_lite.data.loader, veomni_lite.examples.synthetic_data;"
+        "print(sorted(m for m in sys.modules if m.startswith('veomni_lite')))"
+    )
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "veomni_lite.loss_keys" in loaded
+    for heavy in ("veomni_lite.utils.loss_utils", "veomni_lite.distributed", "veomni_lite.trainer"):
+        assert heavy not in loaded, loaded

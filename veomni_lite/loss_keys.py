@@ -1,0 +1,55 @@
+"""The loss-key naming convention, in one place (plain Python: importing it loads neither torch nor the loss state).
+
+A loss head has a name. Its targets are the batch key `<name>_labels`, its valid-token count `<name>_tokens`, its loss
+`<name>_loss`; the text head is named `foundation` and reads the plain `labels` key (VeOmni's convention). Targets equal
+to `IGNORE_INDEX` are not counted and not trained on.
+"""
+
+from __future__ import annotations
+
+IGNORE_INDEX = -100
+FOUNDATION = "foundation"
+
+__all__ = [
+    "FOUNDATION",
+    "IGNORE_INDEX",
+    "is_labels_key",
+    "labels_key",
+    "loss_key",
+    "name_of_labels",
+    "name_of_loss",
+    "tokens_key",
+]
+
+
+def labels_key(name: str) -> str:
+    """`foundation` -> `labels`, `<name>` -> `<name>_labels`."""
+    return "labels" if name == FOUNDATION else f"{name}_labels"
+
+
+def tokens_key(name: str) -> str:
+    return f"{name}_tokens"
+
+
+def loss_key(name: str) -> str:
+    return f"{name}_loss"
+
+
+def name_of_labels(batch_key: str) -> str | None:
+    """`labels` -> `foundation`, `<name>_labels` -> `<name>`, any other batch key -> None."""
+    if batch_key == "labels":
+        return FOUNDATION
+    if batch_key.endswith("_labels") and len(batch_key) > len("_labels"):
+        return batch_key[: -len("_labels")]
+    return None
+
+
+def is_labels_key(batch_key: str) -> bool:
+    return name_of_labels(batch_key) is not None
+
+
+def name_of_loss(key: str) -> str:
+    """`<name>_loss` -> `<name>`; any other key raises KeyError naming it."""
+    if not isinstance(key, str) or not key.endswith("_loss") or key == "_loss":
+        raise KeyError(f"loss key {key!r} must be named '<name>_loss'")
+    return key[: -len("_loss")]
