@@ -1,4 +1,10 @@
-"""Run configuration: dataclasses for `model`, `data`, `train`, read from YAML plus dotted CLI overrides.
+"""Run configuration: one dataclass per concern, read from YAML plus dotted CLI overrides.
+
+Sections: `model` and `data` (the example models and datasets), `train` (steps, batches, eval, outputs), `parallel`
+(layout, precision, collective timeout), `optim` (AdamW and its schedule), `checkpoint`, `logging`. Each field is
+documented where it is declared. The settings that used to live in one flat `train` section keep their old names:
+`train.sp_size` means `parallel.sp_size`, `train.lr` means `optim.lr`, and so on (see `ALIASES`), in YAML and on
+the command line.
 
 `load_config(path, ["--train.max_steps", "7"])` -> Config. Every problem (unknown section or key, a value of the
 wrong type, a layout that does not fit the world size) raises ConfigError naming the key, before any process group
@@ -14,7 +20,7 @@ import os
 import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch.distributed as dist
 import yaml
@@ -26,58 +32,131 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
+    """The example models' sizes (the tiny LM and VLM)."""
+
     hidden_size: int = 64
+    """Width of the decoder."""
     num_layers: int = 2
+    """Decoder blocks (each is one FSDP unit)."""
     num_heads: int = 4
+    """Attention heads; `parallel.sp_size` must divide it (Ulysses splits heads)."""
     intermediate_size: int = 176
+    """Width of the SwiGLU feed-forward."""
     rope_theta: float = 10000.0
+    """Rotary embedding base."""
     image_size: int = 16
+    """VLM: side of the square input image, in pixels."""
     patch_size: int = 4
+    """VLM: side of a square patch; must divide `image_size`."""
 
 
 @dataclass
 class DataConfig:
+    """The example datasets."""
+
     num_samples: int = 4096
+    """Training samples (the loader drops a trailing partial global batch each epoch)."""
     eval_samples: int = 64
+    """Held-out samples; 0 disables eval."""
     generation_ratio: float = 0.5
+    """VLM: fraction of samples that are caption -> image codes (the rest are image -> caption)."""
     pad_to_multiple_of: int = 1
+    """Round each micro-batch's length up to a multiple of this."""
 
 
 @dataclass
 class TrainConfig:
-    sp_size: int = 1
+    """The run: what is trained, for how long, on which batches, and where its outputs go."""
+
     micro_batch_size: int = 4
+    """Samples per micro-batch on each data-parallel rank."""
     global_batch_size: int = 16
+    """Samples per optimizer step over all ranks; gradient accumulation = global / (micro x dp)."""
     max_steps: int = 100
-    log_interval: int = 10
-    save_interval: int = 0
+    """Optimizer steps of the whole run (a resumed run continues to this step)."""
     eval_interval: int = 0
+    """Evaluate every this many steps (0: never)."""
     eval_batches: int = 2
+    """Global batches per evaluation."""
+    nonfinite: Literal["error", "skip"] = "error"
+    """A non-finite loss on any rank or a non-finite global grad norm: raise on every rank, or skip the step on all."""
     output_dir: str = "outputs/run"
-    resume: bool = False
+    """Where metrics.jsonl, tensorboard/, loss_curve.png, checkpoints/ and config.yaml go."""
     seed: int = 42
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 10
-    weight_decay: float = 0.01
-    max_grad_norm: float = 1.0
-    mixed_precision: str = "auto"
-    nonfinite: str = "error"
-    save_on_interrupt: bool = True
-    keep_checkpoints: int = 2
-    async_step_end: bool = True
+    """Seeds the model init and the data order (the same on every layout)."""
+
+
+@dataclass
+class ParallelConfig:
+    """How the world is laid out: dp = world size / sp_size, and how long a collective may wait."""
+
+    sp_size: int = 1
+    """Ulysses sequence-parallel degree; must divide the world size and the attention heads."""
+    mixed_precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """auto: bf16 parameters with fp32 gradient reduction on CUDA, fp32 elsewhere."""
     collective_timeout_s: float = 300.0
+    """Every process group's timeout: a collective one rank never joins fails with CollectiveError after this."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay."""
+
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """The cosine decays to lr x min_lr_ratio at max_steps."""
+    warmup_steps: int = 10
+    """Steps of linear warmup (step s trains with lr x (s / warmup_steps))."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Clip to this global gradient norm (0: no clipping; the norm is still logged)."""
+
+
+@dataclass
+class CheckpointConfig:
+    """DCP checkpoints under output_dir/checkpoints."""
+
+    save_interval: int = 0
+    """Save every this many steps (0: only at the end and on interrupt)."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept (the oldest are deleted)."""
+    save_on_interrupt: bool = True
+    """SIGTERM/SIGINT saves a checkpoint before exiting."""
+    resume: bool = False
+    """Continue from the newest loadable checkpoint."""
+
+
+@dataclass
+class LoggingConfig:
+    """Metric windows and where they are written."""
+
+    log_interval: int = 10
+    """Log every this many steps (the final step is always logged)."""
     progress_bar: bool = True
-    peak_tflops: float = 0.0  # per device, for train/mfu; 0 = look up known GPUs, none on CPU
+    """A tqdm bar on rank 0."""
     tensorboard: bool = True
+    """Write output_dir/tensorboard."""
     plot: bool = True
+    """Redraw output_dir/loss_curve.png at every log."""
+    async_step_end: bool = True
+    """Reduce and write metrics on a worker thread, overlapping the next step."""
+    peak_tflops: float = 0.0
+    """Per-device peak for train/mfu; 0 looks up known GPUs (none on CPU)."""
 
 
 @dataclass
 class Config:
+    """All sections; YAML files and `--section.key VALUE` overrides fill it (see `load_config`)."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     @property
     def world_size(self) -> int:
@@ -88,7 +167,7 @@ class Config:
 
     @property
     def dp_size(self) -> int:
-        return self.world_size // self.train.sp_size
+        return self.world_size // self.parallel.sp_size
 
     @property
     def grad_accum_steps(self) -> int:
@@ -102,16 +181,35 @@ class Config:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
-_SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
-_CHOICES = {"train.mixed_precision": ("auto", "fp32", "bf16"), "train.nonfinite": ("error", "skip")}
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "parallel": ParallelConfig,
+    "optim": OptimConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+}
+# Before the sections were grouped by concern, every run setting lived under `train`: those names keep working.
+ALIASES: dict[str, str] = {
+    f"train.{f.name}": f"{section}.{f.name}"
+    for section in ("parallel", "optim", "checkpoint", "logging")
+    for f in fields(_SECTIONS[section])
+}
 
 
 def _field_type(section_cls: type, name: str) -> Any:
     return typing.get_type_hints(section_cls)[name]
 
 
-def _coerce(key: str, value: Any, expected: type) -> Any:
-    """Check `value` against the field type (bool, int, float or str); strings from the CLI are parsed as YAML."""
+def _coerce(key: str, value: Any, expected: Any) -> Any:
+    """Check `value` against the field type (bool, int, float, str or a Literal of strings); strings from the CLI are
+    parsed as YAML."""
+    if typing.get_origin(expected) is Literal:
+        choices = typing.get_args(expected)
+        if value not in choices:
+            raise ConfigError(f"{key}: {value!r} is not one of {list(choices)}")
+        return value
     if isinstance(value, str) and expected in (int, float):
         with contextlib.suppress(ValueError):
             return expected(value)  # "1e-3" is a float here, although YAML 1.1 reads it as a string
@@ -133,6 +231,7 @@ def _coerce(key: str, value: Any, expected: type) -> Any:
 
 
 def _set(config: Config, dotted: str, value: Any, source: str) -> None:
+    dotted = ALIASES.get(dotted, dotted)
     section, _, name = dotted.partition(".")
     if section not in _SECTIONS or not name:
         raise ConfigError(f"{source}: unknown config key {dotted!r}; sections are {sorted(_SECTIONS)}")
@@ -171,19 +270,14 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
 def validate(config: Config, world_size: int | None = None) -> None:
     """Cross-field checks; raise ConfigError naming the key."""
     world_size = config.world_size if world_size is None else world_size
-    train = config.train
-    for key, choices in _CHOICES.items():
-        section, name = key.split(".")
-        value = getattr(getattr(config, section), name)
-        if value not in choices:
-            raise ConfigError(f"{key}: {value!r} is not one of {list(choices)}")
+    train, parallel = config.train, config.parallel
     positive = {
-        "train.sp_size": train.sp_size,
+        "parallel.sp_size": parallel.sp_size,
         "train.micro_batch_size": train.micro_batch_size,
         "train.global_batch_size": train.global_batch_size,
         "train.max_steps": train.max_steps,
-        "train.log_interval": train.log_interval,
-        "train.keep_checkpoints": train.keep_checkpoints,
+        "logging.log_interval": config.logging.log_interval,
+        "checkpoint.keep_checkpoints": config.checkpoint.keep_checkpoints,
         "model.num_heads": config.model.num_heads,
         "model.num_layers": config.model.num_layers,
         "model.hidden_size": config.model.hidden_size,
@@ -192,29 +286,35 @@ def validate(config: Config, world_size: int | None = None) -> None:
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key}: must be >= 1, got {value}")
-    for key in ("train.save_interval", "train.eval_interval", "train.warmup_steps", "train.eval_batches"):
-        if getattr(train, key.split(".")[1]) < 0:
-            raise ConfigError(f"{key}: must be >= 0, got {getattr(train, key.split('.')[1])}")
-    if train.lr <= 0:
-        raise ConfigError(f"train.lr: must be > 0, got {train.lr}")
+    non_negative = {
+        "checkpoint.save_interval": config.checkpoint.save_interval,
+        "train.eval_interval": train.eval_interval,
+        "train.eval_batches": train.eval_batches,
+        "optim.warmup_steps": config.optim.warmup_steps,
+    }
+    for key, value in non_negative.items():
+        if value < 0:
+            raise ConfigError(f"{key}: must be >= 0, got {value}")
+    if config.optim.lr <= 0:
+        raise ConfigError(f"optim.lr: must be > 0, got {config.optim.lr}")
     if config.model.hidden_size % config.model.num_heads:
         raise ConfigError(
             f"model.hidden_size ({config.model.hidden_size}) is not divisible by model.num_heads "
             f"({config.model.num_heads})"
         )
-    if config.model.num_heads % train.sp_size:
+    if config.model.num_heads % parallel.sp_size:
         raise ConfigError(
-            f"train.sp_size ({train.sp_size}) does not divide model.num_heads ({config.model.num_heads}): "
+            f"parallel.sp_size ({parallel.sp_size}) does not divide model.num_heads ({config.model.num_heads}): "
             "Ulysses attention splits heads across the sp group"
         )
-    if world_size % train.sp_size:
-        raise ConfigError(f"train.sp_size ({train.sp_size}) does not divide the world size ({world_size})")
-    dp_size = world_size // train.sp_size
+    if world_size % parallel.sp_size:
+        raise ConfigError(f"parallel.sp_size ({parallel.sp_size}) does not divide the world size ({world_size})")
+    dp_size = world_size // parallel.sp_size
     per_step = train.micro_batch_size * dp_size
     if train.global_batch_size % per_step:
         raise ConfigError(
             f"train.global_batch_size ({train.global_batch_size}) is not divisible by train.micro_batch_size "
-            f"({train.micro_batch_size}) x dp size ({dp_size} = world {world_size} / sp {train.sp_size})"
+            f"({train.micro_batch_size}) x dp size ({dp_size} = world {world_size} / sp {parallel.sp_size})"
         )
     if config.model.image_size % config.model.patch_size:
         raise ConfigError(

@@ -103,7 +103,7 @@ def test_step_time_excludes_the_wait_for_the_previous_steps_bookkeeping(tmp_path
     reporter_log = trainer.metrics.reporter.log
 
     def slow_log(*args, **kwargs):
-        time.sleep(0.5)
+        time.sleep(1.0)
         return reporter_log(*args, **kwargs)
 
     trainer.metrics.reporter.log = slow_log
@@ -112,5 +112,5 @@ def test_step_time_excludes_the_wait_for_the_previous_steps_bookkeeping(tmp_path
     events = read_events(tmp_path)
     assert events[0]["train/bookkeeping_wait_s"] == pytest.approx(0.0, abs=0.05), "nothing to wait for at step 1"
     for event in events[1:]:
-        assert event["train/bookkeeping_wait_s"] > 0.1
+        assert event["train/bookkeeping_wait_s"] > 0.3
         assert event["train/step_time_s"] < event["train/bookkeeping_wait_s"]

@@ -17,7 +17,7 @@ def resolve_mixed_precision(setting: str, device: torch.device) -> bool:
     if setting == "auto":
         return device.type == "cuda"
     if setting == "bf16" and device.type != "cuda":
-        raise ValueError(f"train.mixed_precision: bf16 needs a CUDA device, this run is on {device.type}")
+        raise ValueError(f"parallel.mixed_precision: bf16 needs a CUDA device, this run is on {device.type}")
     return setting == "bf16"
 
 

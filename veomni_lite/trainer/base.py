@@ -92,11 +92,11 @@ class BaseTrainer(ABC):
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        train = config.train
+        train, optim = config.train, config.optim
         self.output_dir = Path(train.output_dir)
-        self.device = init_distributed(train.collective_timeout_s)
+        self.device = init_distributed(config.parallel.collective_timeout_s)
         self.parallel: ParallelState = init_parallel_state(
-            config.dp_size, train.sp_size, timeout_s=train.collective_timeout_s
+            config.dp_size, config.parallel.sp_size, timeout_s=config.parallel.collective_timeout_s
         )
         self.rank = self.parallel.rank
         self.is_main = self.rank == 0
@@ -110,20 +110,20 @@ class BaseTrainer(ABC):
         self.flops_per_token = functools.lru_cache(maxsize=None)(model.flops_per_token)
         if self.parallel.sp_enabled:
             model.enable_sequence_parallel(self.parallel.sp_group)
-        bf16 = resolve_mixed_precision(train.mixed_precision, self.device)
+        bf16 = resolve_mixed_precision(config.parallel.mixed_precision, self.device)
         self.model = apply_fsdp(model, self.parallel, list(model.layers), bf16=bf16)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train.lr, weight_decay=train.weight_decay)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, warmup_cosine(train.warmup_steps, train.max_steps, train.min_lr_ratio)
+            self.optimizer, warmup_cosine(optim.warmup_steps, train.max_steps, optim.min_lr_ratio)
         )
         self.loader = self._make_loader(self.train_dataset, train.seed)
-        self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", keep=train.keep_checkpoints)
+        self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", keep=config.checkpoint.keep_checkpoints)
         self.metrics = self.build_metrics()
         self.step = 0
         self.epoch = 0  # the epoch of the last trained step (the loader may have fetched the next one)
         self._saved_step = -1
         self._stop_signal: int | None = None
-        if train.resume:
+        if config.checkpoint.resume:
             self._resume()
         if self.is_main:
             config.save(self.output_dir / "config.yaml")
@@ -156,11 +156,11 @@ class BaseTrainer(ABC):
         return {}
 
     def build_metrics(self) -> TrainMetrics:
-        train = self.config.train
+        train, logs = self.config.train, self.config.logging
         return TrainMetrics(
             loss_names=list(self.loss_keys),
             output_dir=self.output_dir,
-            log_interval=train.log_interval,
+            log_interval=logs.log_interval,
             max_steps=train.max_steps,
             is_main=self.is_main,
             device=self.device,
@@ -169,11 +169,11 @@ class BaseTrainer(ABC):
             sp_size=self.parallel.sp_size,
             pad_id=self.pad_id,
             flops_per_token=self.flops_per_token,
-            progress_bar=train.progress_bar,
-            tensorboard=train.tensorboard,
-            plot=train.plot,
-            async_step_end=train.async_step_end,
-            peak_tflops=train.peak_tflops,
+            progress_bar=logs.progress_bar,
+            tensorboard=logs.tensorboard,
+            plot=logs.plot,
+            async_step_end=logs.async_step_end,
+            peak_tflops=logs.peak_tflops,
         )
 
     # ------------------------------------------------------------------ data
@@ -253,7 +253,6 @@ class BaseTrainer(ABC):
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
         """One optimizer step over this rank's micro-batches (already SP-sharded and agreed)."""
-        train = self.config.train
         step_start = time.perf_counter()
         lr = self.scheduler.get_last_lr()[0]  # the rate this step trains with
         micro_batches_token_len = count_loss_token(micro_batches)
@@ -269,7 +268,7 @@ class BaseTrainer(ABC):
             self.metrics.record_micro_batch(outputs, micro_batch_token_len, micro_batch)
 
         grad_norm, bad_loss_ranks = clip_global_grad_norm(
-            list(self.model.parameters()), train.max_grad_norm, step_loss, self.parallel.world_group
+            list(self.model.parameters()), self.config.optim.max_grad_norm, step_loss, self.parallel.world_group
         )
         wait_start = time.perf_counter()
         self.metrics.wait_bookkeeping()  # the previous step's bookkeeping finishes before this update
@@ -306,6 +305,7 @@ class BaseTrainer(ABC):
     def train(self) -> dict[str, float]:
         """Run until `train.max_steps`; returns the last logged metrics. Every exit path flushes the metrics."""
         train = self.config.train
+        save_interval = self.config.checkpoint.save_interval
         previous_handlers = self._install_signal_handlers()
         progress = self._progress_bar()
         try:
@@ -324,7 +324,7 @@ class BaseTrainer(ABC):
                     progress.set_postfix_str(self.metrics.postfix(), refresh=False)
                 if train.eval_interval and self.step % train.eval_interval == 0:
                     self.evaluate()
-                if train.save_interval and self.step % train.save_interval == 0:
+                if save_interval and self.step % save_interval == 0:
                     self.save_checkpoint()
             if self._saved_step != self.step:  # decided from shared state, never from a rank-local file check
                 self.save_checkpoint()
@@ -343,7 +343,7 @@ class BaseTrainer(ABC):
             reset_loss_memo()
 
     def _progress_bar(self) -> Any:
-        if not (self.is_main and self.config.train.progress_bar):
+        if not (self.is_main and self.config.logging.progress_bar):
             return None
         from tqdm.auto import tqdm
 
@@ -351,7 +351,7 @@ class BaseTrainer(ABC):
 
     def _on_interrupt(self) -> None:
         signum = self._stop_signal or signal.SIGTERM
-        if self.config.train.save_on_interrupt and self.step > 0 and self._saved_step != self.step:
+        if self.config.checkpoint.save_on_interrupt and self.step > 0 and self._saved_step != self.step:
             self.save_checkpoint()  # logs the open window first
         self.metrics.finish(self.step, self.epoch)
         raise TrainingInterrupted(128 + int(signum))
@@ -401,12 +401,12 @@ class BaseTrainer(ABC):
     def _resume(self) -> None:
         if not self.checkpoints.has_checkpoint():
             if self.is_main:
-                logger.info("train.resume: no checkpoint under %s, starting fresh", self.checkpoints.root)
+                logger.info("checkpoint.resume: no checkpoint under %s, starting fresh", self.checkpoints.root)
             return
         loaded = self.checkpoints.load_latest(self.model, self.optimizer, on_skip=self._warn)
         if loaded is None:
             raise CheckpointError(
-                f"train.resume: no checkpoint under {self.checkpoints.root} could be loaded "
+                f"checkpoint.resume: no checkpoint under {self.checkpoints.root} could be loaded "
                 f"(tried {[str(p) for _, p in self.checkpoints.complete_checkpoints()]})"
             )
         step, trainer_state, rank_state = loaded

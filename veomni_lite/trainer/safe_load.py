@@ -67,11 +67,11 @@ TORCH_DTYPE_NAMES: frozenset[str] = frozenset(
 )
 _PLAIN_LEAVES = (type(None), bool, int, float, str)
 _HOW_TO_PROCEED = (
-    "nothing in it ran. Resume from another checkpoint or start fresh (train.resume false); if you wrote this file "
-    "yourself and trust it, load it once with torch.load(weights_only=False) and save its contents as plain data"
+    "nothing in it ran. Resume from another checkpoint or start fresh (checkpoint.resume false); if you wrote this "
+    "file yourself and trust it, load it once with torch.load(weights_only=False) and save its contents as plain data"
 )
 _HOW_TO_PROCEED_METADATA = (
-    "nothing in it ran. Resume from another checkpoint or start fresh (train.resume false); a trusted checkpoint "
+    "nothing in it ran. Resume from another checkpoint or start fresh (checkpoint.resume false); a trusted checkpoint "
     "written by another torch version may use DCP metadata types this check does not know yet: add them to "
     "DCP_METADATA_GLOBALS in veomni_lite/trainer/safe_load.py"
 )
