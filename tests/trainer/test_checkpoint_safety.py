@@ -151,7 +151,9 @@ def test_a_raw_pickle_in_place_of_a_torch_file_is_refused(runs, tmp_path):
     marker = tmp_path / "marker"
     # Protocol 2, as torch.save writes (torch.load warns on others).
     (checkpoint / "trainer_state.pt").write_bytes(pickle.dumps(TouchOnLoad(marker), protocol=2))
-    with pytest.raises(RefusedFileError, match=r"refused .*trainer_state\.pt: .*start fresh \(checkpoint\.resume false\)"):
+    with pytest.raises(
+        RefusedFileError, match=r"refused .*trainer_state\.pt: .*start fresh \(checkpoint\.resume false\)"
+    ):
         load_plain(checkpoint / "trainer_state.pt")
     assert not marker.exists()
 

@@ -6,11 +6,13 @@ one element. Lists, dicts, tables, histogram tensors, None and complex numbers a
 
 from __future__ import annotations
 
+import logging
 import numbers
-import warnings
 from collections.abc import Mapping
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 Scalar = int | float
 
@@ -47,10 +49,9 @@ def split_scalars(values: Mapping[str, object], warned: set[str] | None) -> dict
             continue
         if warned is not None and key not in warned:
             warned.add(key)
-            warnings.warn(
-                f"metrics: skipping {key!r}: a {type(value).__name__} is not a scalar (further values of this key "
-                "are skipped silently)",
-                UserWarning,
-                stacklevel=3,
+            logger.warning(
+                "metrics: skipping %r: a %s is not a scalar (further values of this key are skipped silently)",
+                key,
+                type(value).__name__,
             )
     return scalars

@@ -10,10 +10,10 @@ TensorBoard and matplotlib are imported only when their sink first writes.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -21,6 +21,8 @@ from typing import IO, Any
 from veomni_lite.metrics.scalars import Scalar, split_scalars
 from veomni_lite.metrics.series import MetricSeries
 from veomni_lite.metrics.spec import format_value
+
+logger = logging.getLogger(__name__)
 
 Epoch = int | float | None
 
@@ -138,7 +140,7 @@ class JsonlSink(Sink):
                     event = json.loads(line)
                     event_step = event["step"]
                 except (ValueError, KeyError, TypeError):
-                    warnings.warn(f"metrics: dropping unreadable line {number} of {self.path}", UserWarning, 2)
+                    logger.warning("metrics: dropping unreadable line %d of %s", number, self.path)
                     continue
                 if event_step <= step:
                     lines.append(line)

@@ -14,6 +14,7 @@ unpickler). A refused file is named in the warning and its checkpoint is skipped
 
 from __future__ import annotations
 
+import logging
 import random
 import re
 import shutil
@@ -38,6 +39,8 @@ from veomni_lite.trainer.safe_load import (
     load_dcp_metadata,
     load_plain,
 )
+
+logger = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 TRAINER_STATE = "trainer_state.pt"
@@ -209,7 +212,7 @@ class CheckpointManager:
         if on_skip is not None:
             on_skip(message)
         else:
-            warnings.warn(message, stacklevel=3)
+            logger.warning(message)
 
     def has_checkpoint(self) -> bool:
         return bool(self.complete_checkpoints())

@@ -1,10 +1,16 @@
-"""Shared body of the torchrun entry points: parse the config, train, report where the outputs are."""
+"""Shared body of the torchrun entry points: parse the config, set up the logger, train, say where the outputs are.
+
+The usage line, config errors and the final summary are printed (they are the CLI's own output); everything the
+library says goes through the `veomni_lite` logger.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
 
 from veomni_lite.config import ConfigError, load_config
+from veomni_lite.log import setup_logging
 from veomni_lite.trainer.base import BaseTrainer
 
 
@@ -19,6 +25,7 @@ def main(trainer_cls: type[BaseTrainer], argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    setup_logging(int(os.environ.get("RANK", "0")))
     trainer = trainer_cls(config)
     try:
         trainer.train()
