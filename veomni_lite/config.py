@@ -138,6 +138,11 @@ class LoggingConfig:
     """A tqdm bar on rank 0."""
     tensorboard: bool = True
     """Write output_dir/tensorboard."""
+    wandb: bool = False
+    """Also log to Weights & Biases under output_dir/wandb (pip install -e .[wandb]); offline unless WANDB_MODE says
+    otherwise."""
+    wandb_project: str = "veomni_lite"
+    """The W&B project name."""
     plot: bool = True
     """Redraw output_dir/loss_curve.png at every log."""
     async_step_end: bool = True

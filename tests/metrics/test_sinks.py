@@ -2,11 +2,13 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+import types
 
 import pytest
 import torch
 
-from veomni_lite.metrics import ConsoleSink, JsonlSink, LossCurveSink, MetricSeries, TensorBoardSink
+from veomni_lite.metrics import ConsoleSink, JsonlSink, LossCurveSink, MetricSeries, TensorBoardSink, WandbSink
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 NON_SCALARS = {
@@ -128,3 +130,62 @@ def test_loss_curve_plots_loss_keys(tmp_path):
     sink.write(2, 0, {})
     assert path.read_bytes().startswith(PNG_MAGIC)
     assert LossCurveSink(path, series, keys=["train/loss", "missing"]).plot_keys() == ["train/loss"]
+
+
+class FakeWandb:
+    """Stands in for the `wandb` package: records init arguments and logged points."""
+
+    def __init__(self) -> None:
+        self.inits: list[dict] = []
+        self.logged: list[tuple[int, dict]] = []
+        self.util = types.SimpleNamespace(generate_id=lambda: "run123")
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        fake = self
+
+        class Run:
+            def log(self, values, step):
+                fake.logged.append((step, values))
+
+            def finish(self):
+                pass
+
+        return Run()
+
+
+def test_wandb_sink_is_offline_by_default_and_resumes_the_same_run(tmp_path, monkeypatch):
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    sink = WandbSink(tmp_path / "wandb", "proj", {"train": {"max_steps": 4}})
+    sink.write(1, 0, {"train/loss": 2.0, "train/hist": torch.ones(3)})
+    sink.write(2, 0, {"train/loss": 1.5})
+    sink.close()
+    assert fake.inits[0]["mode"] == "offline" and fake.inits[0]["project"] == "proj"
+    assert fake.inits[0]["config"] == {"train": {"max_steps": 4}}
+    assert fake.logged == [(1, {"train/loss": 2.0, "epoch": 0}), (2, {"train/loss": 1.5, "epoch": 0})]
+    resumed = WandbSink(tmp_path / "wandb", "proj")
+    resumed.resume(1, MetricSeries())
+    resumed.write(2, 0, {"train/loss": 1.4})
+    assert fake.inits[1]["id"] == fake.inits[0]["id"] == "run123" and fake.inits[1]["resume"] == "allow"
+    monkeypatch.setenv("WANDB_MODE", "online")
+    WandbSink(tmp_path / "other", "proj").write(1, 0, {"train/loss": 1.0})
+    assert fake.inits[-1]["mode"] == "online"
+
+
+def test_wandb_sink_without_the_package_says_how_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(ImportError, match=r"pip install -e .\[wandb\]"):
+        WandbSink(tmp_path, "proj").write(1, 0, {"train/loss": 1.0})
+
+
+def test_the_trainer_logs_to_wandb_with_train_wandb_true(tmp_path, monkeypatch):
+    from tests.trainer.helpers import run_trainer, tiny_config
+
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    run_trainer("text", tiny_config("text", tmp_path, max_steps=2, wandb=True))
+    assert [step for step, _ in fake.logged] == [1, 2]
+    assert fake.inits[0]["dir"] == str(tmp_path / "wandb")
+    assert fake.inits[0]["config"]["logging"]["wandb"] is True

@@ -10,7 +10,7 @@ from veomni_lite.metrics.async_step import StepEndError, StepEndWorker
 from veomni_lite.metrics.reporter import EVAL_PREFIX, TRAIN_PREFIX, MetricReporter, new_metrics_group
 from veomni_lite.metrics.scalars import as_scalar, split_scalars
 from veomni_lite.metrics.series import MetricSeries
-from veomni_lite.metrics.sinks import ConsoleSink, JsonlSink, LossCurveSink, Sink, TensorBoardSink
+from veomni_lite.metrics.sinks import ConsoleSink, JsonlSink, LossCurveSink, Sink, TensorBoardSink, WandbSink
 from veomni_lite.metrics.spec import REDUCTIONS, MetricSpec, format_value
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "StepEndError",
     "StepEndWorker",
     "TensorBoardSink",
+    "WandbSink",
     "as_scalar",
     "format_value",
     "new_metrics_group",

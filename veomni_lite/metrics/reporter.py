@@ -24,7 +24,7 @@ from veomni_lite.distributed.parallel_state import get_parallel_state
 from veomni_lite.metrics.accumulator import MetricAccumulator, MetricWindow, Value
 from veomni_lite.metrics.scalars import Scalar, split_scalars
 from veomni_lite.metrics.series import MetricSeries
-from veomni_lite.metrics.sinks import ConsoleSink, Epoch, JsonlSink, LossCurveSink, Sink, TensorBoardSink
+from veomni_lite.metrics.sinks import ConsoleSink, Epoch, JsonlSink, LossCurveSink, Sink, TensorBoardSink, WandbSink
 from veomni_lite.metrics.spec import MetricSpec
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,8 @@ class MetricReporter:
     """Ties specs, the train/eval windows, the series and the sinks together (see the module docstring).
 
     `sinks=None` builds the default sinks on the main rank from the flags (console, JSONL, TensorBoard, PNG under
-    `output_dir`; `console_write` replaces the console's print, e.g. `tqdm.write` or a logger); non-main ranks
+    `output_dir`, plus W&B under `output_dir/wandb` when `wandb_project` is given, with `run_config` as the run's
+    config; `console_write` replaces the console's print, e.g. `tqdm.write` or a logger); non-main ranks
     never write, whatever `sinks` says. `is_main_rank=None` means global rank 0. `eval_specs=None` reuses
     `specs` for eval. `group`/`sp_rank` are passed to the accumulators (see `MetricAccumulator`).
     """
@@ -67,6 +68,8 @@ class MetricReporter:
         jsonl: bool = True,
         tensorboard: bool = True,
         loss_curve: bool = True,
+        wandb_project: str | None = None,
+        run_config: Mapping[str, Any] | None = None,
         plot_keys: Sequence[str] | None = None,
         console_write: Callable[[str], None] | None = None,
         group: dist.ProcessGroup | None = None,
@@ -93,6 +96,10 @@ class MetricReporter:
             self.sinks = list(sinks) if is_main_rank else []
         elif is_main_rank:
             self.sinks = self._default_sinks(console, jsonl, tensorboard, loss_curve, plot_keys, console_write)
+            if wandb_project is not None:
+                if self.output_dir is None:
+                    raise ValueError("MetricReporter: output_dir is required for the wandb sink")
+                self.sinks.append(WandbSink(self.output_dir / "wandb", wandb_project, run_config))
         else:
             self.sinks = []
 

@@ -190,6 +190,59 @@ class TensorBoardSink(Sink):
         self._purge_step = step + 1
 
 
+class WandbSink(Sink):
+    """Scalars to Weights & Biases (optional: `pip install -e .[wandb]`), offline unless configured otherwise.
+
+    The run lives under `run_dir` (`WANDB_DIR` is not needed); the mode is `WANDB_MODE` when set, else "offline", so
+    nothing leaves the machine unless the user asks (`wandb sync` uploads an offline run later). The run id is kept in
+    `run_dir/run_id`, so a resumed training run continues the same W&B run; W&B keeps the points it already has, and
+    steps at or before the checkpoint's are not written again.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike[str], project: str, config: Mapping[str, Any] | None = None) -> None:
+        super().__init__()
+        self.run_dir = Path(run_dir)
+        self.project = project
+        self.config = dict(config or {})
+        self._run: Any = None
+        self._min_step = 0
+
+    def _start(self) -> Any:
+        try:
+            import wandb
+        except ImportError as exc:
+            raise ImportError("logging.wandb needs the wandb package: pip install -e .[wandb]") from exc
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        id_file = self.run_dir / "run_id"
+        run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+        id_file.write_text(run_id)
+        return wandb.init(
+            project=self.project,
+            id=run_id,
+            resume="allow",
+            dir=str(self.run_dir),
+            mode=os.environ.get("WANDB_MODE", "offline"),
+            config=self.config,
+        )
+
+    def write(self, step: int, epoch: Epoch, values: Mapping[str, object]) -> None:
+        scalars = self.scalars(values)
+        if step <= self._min_step:
+            return
+        if self._run is None:
+            self._run = self._start()
+        self._run.log({**scalars, "epoch": epoch}, step=step)
+
+    def close(self) -> None:
+        if self._run is not None:
+            self._run.finish()
+            self._run = None
+
+    def resume(self, step: int, series: MetricSeries) -> None:
+        self.close()
+        self._min_step = step
+
+
 class LossCurveSink(Sink):
     """`loss_curve.png`: the chosen keys of a `MetricSeries` against step, redrawn on every event and on flush.
 

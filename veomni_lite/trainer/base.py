@@ -172,6 +172,8 @@ class BaseTrainer(ABC):
             progress_bar=logs.progress_bar,
             tensorboard=logs.tensorboard,
             plot=logs.plot,
+            wandb_project=logs.wandb_project if logs.wandb else None,
+            run_config=self.config.to_dict(),
             async_step_end=logs.async_step_end,
             peak_tflops=logs.peak_tflops,
         )

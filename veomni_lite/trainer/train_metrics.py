@@ -103,6 +103,8 @@ class TrainMetrics:
         progress_bar: bool = False,
         tensorboard: bool = True,
         plot: bool = True,
+        wandb_project: str | None = None,
+        run_config: Mapping[str, Any] | None = None,
         async_step_end: bool = True,
         peak_tflops: float = 0.0,
     ) -> None:
@@ -128,6 +130,8 @@ class TrainMetrics:
             eval_specs=eval_specs,
             tensorboard=tensorboard,
             loss_curve=plot,
+            wandb_project=wandb_project,
+            run_config=run_config,
             plot_keys=["train/loss", *(f"train/{name}" for name in self.loss_names), "eval/loss"],
             console_write=console_write,
             group=new_metrics_group(),
