@@ -44,7 +44,7 @@ from veomni_lite.distributed.sequence_parallel import ulysses_attention
 from veomni_lite.examples.attention import causal_attention
 from veomni_lite.examples.tiny_lm import TinyLMConfig, set_attention_fn
 from veomni_lite.examples.tiny_vlm import TinyVLM, TinyVLMConfig
-from veomni_lite.metrics import MetricSpec
+from veomni_lite.trainer.train_metrics import train_metric_specs
 from veomni_lite.utils import loss_utils
 from veomni_lite.utils.loss_utils import count_loss_token, reset_loss_memo
 
@@ -52,18 +52,10 @@ LOSS_KEYS = ("foundation_loss", "image_decoder_loss")
 MICRO_BATCH_SIZE = 2
 DATA_STEPS = 2  # distinct global batches per config, cycled
 
-METRIC_SPECS = (
-    MetricSpec("foundation_loss", "mean"),
-    MetricSpec("image_decoder_loss", "mean"),
-    MetricSpec("tokens", "sum"),
-    MetricSpec("samples", "sum", sp_dedup=True),
-    MetricSpec("flops", "sum"),
-    MetricSpec("grad_norm", "mean"),
-    MetricSpec("lr", "last"),
-    MetricSpec("step_time_s", "mean"),
-    MetricSpec("skipped_steps", "sum"),
-    MetricSpec("peak_mem_mb", "max"),
-)
+METRIC_SPECS = tuple(train_metric_specs(list(LOSS_KEYS)))  # what the trainer records, in its order
+MODEL_DIMS = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 176}  # configs/vlm_tiny.yaml
+# equal-correctness tolerances (relative): gradients of the VLM step and of the path alone, step loss, logged metrics
+TOLERANCES = {"vlm_grad": 1e-4, "path_grad": 1e-5, "loss": 1e-5, "metrics": 1e-9}
 
 
 # ----------------------------------------------------------------------------------------------------- the model
@@ -74,7 +66,7 @@ def build_model(vocab_size: int, num_image_codes: int, image_token_id: int, sp_s
     torch.manual_seed(0)
     model = TinyVLM(
         TinyVLMConfig(
-            lm=TinyLMConfig(vocab_size=vocab_size, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=176),
+            lm=TinyLMConfig(vocab_size=vocab_size, **MODEL_DIMS),
             num_image_codes=num_image_codes,
             image_token_id=image_token_id,
         )
@@ -208,10 +200,11 @@ def record_micro_batch(
 
 
 def record_step(metrics: MetricStrategy, grad_norm: torch.Tensor, lr: float, step_time: float, peak_mb: float) -> None:
-    """What veomni_lite's TrainMetrics records per step (every rank records skipped_steps here, as 0)."""
+    """What veomni_lite's TrainMetrics records per step (no step-end worker to wait for, no skipped step: zeros)."""
     metrics.record("grad_norm", grad_norm.float())
     metrics.record("lr", lr)
     metrics.record("step_time_s", step_time)
+    metrics.record("bookkeeping_wait_s", 0.0)
     metrics.record("skipped_steps", 0.0)
     metrics.record("peak_mem_mb", peak_mb)
 
@@ -287,7 +280,7 @@ def equal_correctness(
         for key in grads
     }
     for key, check in checks.items():
-        if check["grad_max_rel_diff"] > grad_tol or check["loss_rel_diff"] > 1e-5:
+        if check["grad_max_rel_diff"] > grad_tol or check["loss_rel_diff"] > TOLERANCES["loss"]:
             raise AssertionError(f"strategy {key} differs from veomni_lite ({what}): {check}")
     return checks
 
@@ -378,7 +371,7 @@ def bench_loss(
             optimizer.zero_grad(set_to_none=True)
     optimizer.step()  # AdamW state exists before timing (the check grads are all equal)
     optimizer.zero_grad(set_to_none=True)
-    checks = equal_correctness(grads, losses, grad_tol=1e-4, what=f"VLM step at {layout}")
+    checks = equal_correctness(grads, losses, grad_tol=TOLERANCES["vlm_grad"], what=f"VLM step at {layout}")
 
     def vlm_step(strategy: LossStrategy) -> Callable[[int], Any]:
         return lambda rep: vlm_loss_step(strategy, model, optimizer, data[rep % len(data)], world)
@@ -402,7 +395,7 @@ def bench_loss(
         losses[key], grads[key] = world_sum(step_loss) / world, grad
         for weight in weights.values():
             weight.grad = None
-    checks = equal_correctness(grads, losses, grad_tol=1e-5, what=f"loss path at {layout}")
+    checks = equal_correctness(grads, losses, grad_tol=TOLERANCES["path_grad"], what=f"loss path at {layout}")
 
     steps = {key: path_runner(strategy, weights, data, means) for key, strategy in strategies.items()}
     times, _ = time_strategies(steps, settings.path_budget_s, settings)
@@ -437,7 +430,8 @@ def bench_metrics(
     reference = logged["b"]
     for key, values in logged.items():
         if sorted(values) != sorted(reference) or any(
-            not math.isclose(values[name], reference[name], rel_tol=1e-9, abs_tol=1e-12) for name in reference
+            not math.isclose(values[name], reference[name], rel_tol=TOLERANCES["metrics"], abs_tol=1e-12)
+            for name in reference
         ):
             raise AssertionError(f"metric strategy {key} logs {values}, veomni_lite logs {reference} at {layout}")
     check = {"logged_keys": len(reference), "equal": True}
@@ -600,6 +594,10 @@ def main() -> None:
         out = {
             "world": world,
             "micro_batch_size": MICRO_BATCH_SIZE,
+            "loss_keys": list(LOSS_KEYS),
+            "metric_names": [spec.name for spec in METRIC_SPECS],
+            "model": MODEL_DIMS,
+            "tolerances": TOLERANCES,
             "machine": machine_description(),
             "seconds": time.perf_counter() - started,
             "records": records,

@@ -1,15 +1,17 @@
-"""Turn the merged benchmark results into `benchmarks.md` (tables, machine, command) and `benchmarks.png`.
+"""Write `benchmarks.md` and `benchmarks.png` from the results dict `run_all.py` builds (its results JSON).
 
-Contract: `write_report(results, out_dir)` reads only the dict `run_all.py` builds (worker JSONs by world size, plus
-mode, command, timings and an optional GPU audit) and writes `out_dir/benchmarks.md` and `out_dir/benchmarks.png`.
-Ratios are median step time over veomni_lite's median step time in the same layout and GA (> 1: veomni_lite is
-faster). Counts are per optimizer step, on rank 0, from the untimed counting round.
+Contract: `write_report(results, out_dir)` reads nothing but `results` and writes `out_dir/benchmarks.md` and
+`out_dir/benchmarks.png`. The page is `report_template.md` filled in with `str.format`: the template's prose holds no
+typed-in numbers (a test checks it has no digit outside its {fields}); every number, in tables and sentences alike,
+is computed here from `results`. A ratio is baseline time /
+veomni_lite time paired per repetition (both ran in that repetition, back to back), given as median (IQR); > 1 means
+veomni_lite is faster. Counts are per optimizer step on rank 0, from the untimed counting round.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,704 +21,269 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
 
 Record = dict[str, Any]
-
-LOSS_REFERENCE = "c"
-METRIC_REFERENCE = "b"
-LOSS_NAMES = {
-    "a": "(a) per-micro-batch denominator",
-    "b": "(b) VeOmni 0.1.12 step-start reduce",
-    "c": "(c) veomni_lite",
-}
-METRIC_NAMES = {"a": "(a) reduce every record", "b": "(b) veomni_lite log-time"}
+# bench -> (veomni_lite's strategy key, the counting phase of the path under test)
+BENCHES = {"loss": ("c", "step"), "metrics": ("b", "metrics")}
+KINDS = {"vlm": "VLM step", "path": "path alone"}
 COLORS = {"a": "tab:red", "b": "tab:orange", "c": "tab:blue"}
-METRIC_COLORS = {"a": "tab:red", "b": "tab:blue"}
-HEADLINE_GA = (8, 16)
-
-
-# ------------------------------------------------------------------------------------------------------ accessors
-
-
-def all_records(results: Mapping[str, Any]) -> list[Record]:
-    return [record for run in results["runs"].values() for record in run["records"]]
+TEMPLATE = Path(__file__).with_name("report_template.md")  # the page's prose; its only numbers are {fields}
 
 
 def select(records: Iterable[Record], **where: Any) -> list[Record]:
     return [r for r in records if all(r.get(key) == value for key, value in where.items())]
 
 
-def one(records: Iterable[Record], **where: Any) -> Record | None:
-    found = select(records, **where)
-    return found[0] if found else None
+def reference(records: Iterable[Record], record: Record) -> Record:
+    """veomni_lite's record at `record`'s bench, kind and configuration."""
+    at = {key: record[key] for key in ("bench", "kind", "world", "sp", "ga")}
+    return select(records, strategy=BENCHES[record["bench"]][0], **at)[0]
 
 
-def layouts(records: Iterable[Record]) -> list[tuple[int, int]]:
-    return sorted({(r["world"], r["sp"]) for r in records})
+def distinct(records: Iterable[Record], *keys: str) -> list[Any]:
+    values = sorted({tuple(r[key] for key in keys) for r in records})
+    return values if len(keys) > 1 else [value[0] for value in values]
 
 
-def ga_values(records: Iterable[Record]) -> list[int]:
-    return sorted({r["ga"] for r in records})
+def count(record: Record, what: str) -> float:
+    """`what` ("collectives" or "host_reads") per step in the counting phase of the record's bench."""
+    return record["counts"][what].get(BENCHES[record["bench"]][1], 0.0)
 
 
-def loss_collectives(record: Record) -> float:
-    """Collectives of the loss path (phase "step": everything in the micro-batch loop but the model's all-to-all)."""
-    return record["counts"]["collectives"].get("step", 0.0)
-
-
-def loss_host_reads(record: Record) -> float:
-    return record["counts"]["host_reads"].get("step", 0.0)
-
-
-def metric_collectives(record: Record) -> float:
-    return record["counts"]["collectives"].get("metrics", 0.0)
-
-
-def metric_host_reads(record: Record) -> float:
-    return record["counts"]["host_reads"].get("metrics", 0.0)
+def span(values: Iterable[float], fmt: str = "{:g}") -> str:
+    """ "lo–hi" of `values` formatted with `fmt`, or one value when both ends read the same."""
+    values = list(values)
+    if not values:
+        return "n/a"
+    low, high = fmt.format(min(values)), fmt.format(max(values))
+    return low if low == high else f"{low}–{high}"
 
 
 def ms(seconds: float) -> str:
-    value = seconds * 1e3
-    return f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+    return f"{seconds * 1e3:.1f}" if seconds >= 0.01 else f"{seconds * 1e3:.2f}"
 
 
-def spread(record: Record) -> str:
-    return f"{ms(record['median_s'])} [{ms(record['q1_s'])}–{ms(record['q3_s'])}]"
+def paired(record: Record, ref: Record) -> tuple[float, float, float]:
+    """(median, q1, q3) of the per-repetition ratios record / ref."""
+    ratios = [t / r for t, r in zip(record["times_s"], ref["times_s"]) if r > 0]
+    if len(ratios) < 2:
+        return (ratios[0],) * 3 if ratios else (float("nan"),) * 3
+    q1, median, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return median, q1, q3
 
 
-def paired_ratios(record: Record, reference: Record) -> list[float]:
-    """Per-repetition ratios: both ran in the same repetition, back to back, so machine drift cancels."""
-    return [t / r for t, r in zip(record["times_s"], reference["times_s"]) if r > 0]
-
-
-def ratio_value(record: Record, reference: Record | None) -> float | None:
-    """Median of the paired per-repetition ratios record / reference (None without a reference)."""
-    if reference is None:
-        return None
-    ratios = paired_ratios(record, reference)
-    return statistics.median(ratios) if ratios else None
-
-
-def ratio(record: Record, reference: Record | None, with_spread: bool = True) -> str:
-    """ "1.31x (1.20–1.45)": median [IQR] of the paired per-repetition ratios."""
-    if reference is None:
-        return "n/a"
-    ratios = sorted(paired_ratios(record, reference))
-    if not ratios:
-        return "n/a"
-    median = statistics.median(ratios)
-    if not with_spread or record is reference or len(ratios) < 2:
-        return f"{median:.2f}x"
-    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
-    return f"{median:.2f}x ({q1:.2f}–{q3:.2f})"
-
-
-def count(value: float) -> str:
-    return f"{value:g}"
-
-
-def table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+def table(header: str | Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A Markdown table; `header` is a list of column names or one string of them joined by "|"."""
+    header = header.split("|") if isinstance(header, str) else header
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return lines
+    return "\n".join(lines + ["| " + " | ".join(map(str, row)) + " |" for row in rows]) + "\n"
 
 
-def linear_fit(points: Sequence[tuple[int, float]]) -> str:
-    """ "α + β·GA" through the smallest and largest GA, checked against every point (else the raw values)."""
-    if not points:
-        return "n/a"
+def fit(points: Sequence[tuple[int, float]]) -> str:
+    """ "α + β·GA" through the first and last point when it holds at every point, else the values by GA."""
     (g0, y0), (g1, y1) = points[0], points[-1]
     slope = (y1 - y0) / (g1 - g0) if g1 != g0 else 0.0
-    intercept = y0 - slope * g0
-    if any(abs(intercept + slope * g - y) > 1e-9 for g, y in points):
-        return ", ".join(f"GA {g}: {count(y)}" for g, y in points)
-    if slope == 0:
-        return count(intercept)
-    slope_text = "GA" if slope == 1 else f"{count(slope)}·GA"
-    return slope_text if intercept == 0 else f"{count(intercept)} + {slope_text}"
+    base = y0 - slope * g0
+    if any(abs(base + slope * g - y) > 1e-9 for g, y in points):
+        return ", ".join(f"GA {g}: {y:g}" for g, y in points)
+    term = "" if slope == 0 else "GA" if slope == 1 else f"{slope:g}·GA"
+    return f"{base:g}" if not term else term if base == 0 else f"{base:g} + {term}"
 
 
-# --------------------------------------------------------------------------------------------------------- report
-
-
-def headline_rows(records: list[Record]) -> list[list[str]]:
+def comparison_table(records: list[Record], bench: str, kind: str) -> str:
+    """One row per (world, SP, GA): every strategy's median [IQR] ms, paired ratios to veomni_lite, counts, reps."""
+    found = select(records, bench=bench, kind=kind)
+    ref_key, keys = BENCHES[bench][0], distinct(found, "strategy")
+    others = [key for key in keys if key != ref_key]
     rows = []
-    for world, sp in layouts(select(records, bench="loss")):
-        for ga in HEADLINE_GA:
-            found = {k: one(records, bench="loss", kind="vlm", world=world, sp=sp, ga=ga, strategy=k) for k in "abc"}
-            if any(value is None for value in found.values()):
+    for world, sp, ga in distinct(found, "world", "sp", "ga"):
+        at = {r["strategy"]: r for r in select(found, world=world, sp=sp, ga=ga)}
+        rows.append(
+            [world, sp, ga]
+            + [f"{ms(at[k]['median_s'])} [{ms(at[k]['q1_s'])}–{ms(at[k]['q3_s'])}]" for k in keys]
+            + ["{:.2f}x ({:.2f}–{:.2f})".format(*paired(at[k], at[ref_key])) for k in others]
+            + [" / ".join(f"{count(at[k], what):g}" for k in keys) for what in ("collectives", "host_reads")]
+            + [at[ref_key]["reps"]]
+        )
+    ratios = [f"({k})/({ref_key})" for k in others]
+    counts = [f"collectives {'/'.join(keys)}", f"host reads {'/'.join(keys)}"]
+    header = ["world", "SP", "GA", *(f"({k}) ms" for k in keys), *ratios, *counts, "reps"]
+    return f"**{KINDS[kind]}**\n\n" + table(header, rows)
+
+
+def summary_table(records: list[Record]) -> str:
+    """Per bench, baseline and SP: the range of median ratios over every configuration and at the largest GA."""
+    rows = []
+    for bench, (ref_key, _) in BENCHES.items():
+        found = select(records, bench=bench)
+        top = max(r["ga"] for r in found)
+        for key, sp in distinct(select(found, kind="vlm"), "strategy", "sp"):
+            if key == ref_key:
                 continue
-            reference = found[LOSS_REFERENCE]
-            rows.append(
-                [
-                    f"{world}",
-                    f"{sp}",
-                    f"{ga}",
-                    *(ms(found[k]["median_s"]) for k in "abc"),
-                    ratio(found["a"], reference),
-                    ratio(found["b"], reference),
-                    " / ".join(count(loss_collectives(found[k])) for k in "abc"),
-                    " / ".join(count(loss_host_reads(found[k])) for k in "abc"),
+            cells = []
+            for kind in KINDS:
+                medians = [
+                    (r["ga"], paired(r, reference(records, r))[0])
+                    for r in select(found, kind=kind, strategy=key, sp=sp)
                 ]
-            )
-    return rows
+                top_medians = [median for ga, median in medians if ga == top]
+                cells.append(f"{span((m for _, m in medians), '{:.2f}')}x (GA {top}: {span(top_medians, '{:.2f}')}x)")
+            rows.append([bench, f"({key}) / ({ref_key})", sp, *cells])
+    return table(["bench", "ratio", "SP", *(f"{name}: all (largest GA)" for name in KINDS.values())], rows)
 
 
-def measured(records: list[Record], bench: str, keys: str, reference: str) -> Iterator[tuple]:
-    """(world, sp, ga, key, vlm, path, vlm_ref, path_ref) for every strategy measured in both kinds of step."""
-    for world, sp in layouts(select(records, bench=bench)):
-        for ga in ga_values(select(records, bench=bench, world=world, sp=sp)):
-            at = {"bench": bench, "world": world, "sp": sp, "ga": ga}
-            vlm_ref = one(records, kind="vlm", strategy=reference, **at)
-            path_ref = one(records, kind="path", strategy=reference, **at)
-            for key in keys:
-                vlm = one(records, kind="vlm", strategy=key, **at)
-                path = one(records, kind="path", strategy=key, **at)
-                if vlm is not None and path is not None:
-                    yield world, sp, ga, key, vlm, path, vlm_ref, path_ref
-
-
-def loss_rows(records: list[Record]) -> list[list[str]]:
-    return [
-        [
-            f"{world}",
-            f"{sp}",
-            f"{ga}",
-            LOSS_NAMES[key],
-            spread(vlm),
-            ratio(vlm, vlm_ref),
-            spread(path),
-            ratio(path, path_ref),
-            count(loss_collectives(vlm)),
-            count(loss_host_reads(vlm)),
-            count(vlm["counts"]["collectives"].get("model", 0.0)),
-            f"{vlm['reps']}/{path['reps']}",
-            f"{vlm['check']['grad_max_rel_diff']:.1e}",
-        ]
-        for world, sp, ga, key, vlm, path, vlm_ref, path_ref in measured(records, "loss", "abc", LOSS_REFERENCE)
-    ]
-
-
-def metric_rows(records: list[Record]) -> list[list[str]]:
-    return [
-        [
-            f"{world}",
-            f"{ga}",
-            METRIC_NAMES[key],
-            spread(vlm),
-            ratio(vlm, vlm_ref),
-            spread(path),
-            ratio(path, path_ref),
-            count(metric_collectives(vlm)),
-            count(metric_host_reads(vlm)),
-            f"{vlm['reps']}/{path['reps']}",
-        ]
-        for world, _sp, ga, key, vlm, path, vlm_ref, path_ref in measured(records, "metrics", "ab", METRIC_REFERENCE)
-    ]
-
-
-def growth_rows(records: list[Record]) -> list[list[str]]:
-    """Least-squares growth of collectives and host reads per step with GA, per layout and strategy."""
-    benches = (
-        ("loss", "abc", lambda key: LOSS_NAMES[key], loss_collectives, loss_host_reads),
-        ("metrics", "ab", lambda key: f"metrics {METRIC_NAMES[key]}", metric_collectives, metric_host_reads),
-    )
+def growth_table(records: list[Record]) -> str:
+    """Collectives and host reads per step as a function of GA per bench, SP and strategy (per world if they differ)."""
     rows = []
-    for bench, keys, name, collectives, host_reads in benches:
-        for world, sp in layouts(select(records, bench=bench)):
-            for key in keys:
-                found = sorted(
-                    select(records, bench=bench, kind="vlm", world=world, sp=sp, strategy=key), key=lambda r: r["ga"]
-                )
-                rows.append(
-                    [
-                        f"{world}",
-                        f"{sp}",
-                        name(key),
-                        linear_fit([(r["ga"], collectives(r)) for r in found]),
-                        linear_fit([(r["ga"], host_reads(r)) for r in found]),
-                    ]
-                )
-    return rows
+    for bench in BENCHES:
+        found = select(records, bench=bench, kind="vlm")
+        for sp, key in distinct(found, "sp", "strategy"):
+            fits = {}
+            for world in distinct(found, "world"):
+                points = sorted(select(found, sp=sp, strategy=key, world=world), key=lambda r: r["ga"])
+                fits[world] = [
+                    fit([(r["ga"], count(r, what)) for r in points]) for what in ("collectives", "host_reads")
+                ]
+            first = next(iter(fits.values()))
+            by_world = {"all": first} if all(value == first for value in fits.values()) else fits
+            rows += [[bench, sp, f"({key})", world, *cells] for world, cells in by_world.items()]
+    return table(["bench", "SP", "strategy", "world", "collectives per step", "host reads per step"], rows)
 
 
-def marginal_cost_rows(records: list[Record]) -> list[list[str]]:
-    """Per layout, at the largest GA: extra path-alone time of (a) over (c) per extra collective (with its reads)."""
-    rows = []
-    for world, sp in layouts(select(records, bench="loss")):
-        path = select(records, bench="loss", kind="path", world=world, sp=sp)
-        if not path:
-            continue
-        ga = max(r["ga"] for r in path)
-        a = one(path, ga=ga, strategy="a")
-        c = one(path, ga=ga, strategy="c")
-        if a is None or c is None:
-            continue
-        extra = loss_collectives(a) - loss_collectives(c)
-        if extra <= 0:
-            continue
-        per = (a["median_s"] - c["median_s"]) / extra
-        rows.append([f"{world}", f"{sp}", f"{ga}", count(extra), f"{per * 1e6:.0f}"])
-    return rows
-
-
-def probe_rows(results: Mapping[str, Any]) -> list[list[str]]:
-    rows = []
-    for world, run in sorted(results["runs"].items(), key=lambda item: int(item[0])):
-        for name, summary in (run.get("all_reduce_latency") or {}).items():
-            iqr = f"{summary['q1'] * 1e3:.3f}–{summary['q3'] * 1e3:.3f}"
-            rows.append([f"{world}", name, f"{summary['median'] * 1e3:.3f}", iqr])
-    return rows
-
-
-def single_process_rows(results: Mapping[str, Any]) -> list[list[str]]:
-    found = results.get("single_process") or []
-    rows = []
-    for ga in sorted({r["ga"] for r in found}):
-        by_key = {r["strategy"]: r for r in found if r["ga"] == ga}
-        if set(by_key) != set("abc"):
-            continue
-        rows.append([f"{ga}", *(f"{by_key[k]['median_s'] * 1e6:.0f}" for k in "abc")])
-    return rows
-
-
-def ratio_range(
-    records: list[Record], bench: str, kind: str, sp: int, key: str, min_ga: int
-) -> tuple[float, float] | None:
-    """(lowest, highest) paired ratio of `key` to the bench's reference over worlds and GA >= `min_ga`."""
-    reference_key = LOSS_REFERENCE if bench == "loss" else METRIC_REFERENCE
-    values = []
-    for record in select(records, bench=bench, kind=kind, sp=sp, strategy=key):
-        if record["ga"] < min_ga:
-            continue
-        reference = one(
-            records, bench=bench, kind=kind, world=record["world"], sp=sp, ga=record["ga"], strategy=reference_key
-        )
-        value = ratio_value(record, reference)
-        if value is not None:
-            values.append(value)
-    return (min(values), max(values)) if values else None
-
-
-def caveat(records: list[Record]) -> list[str]:
-    """Why (b) can match or beat veomni_lite without SP on this testbed, with (b)'s counts from the data."""
-    b = one(records, bench="loss", kind="vlm", sp=1, strategy="b")
-    if b is None:
-        return []
-    return [
-        "Where veomni_lite is not faster — SP 1 against (b), which without SP also needs only a fixed number of "
-        f"collectives per step ({count(loss_collectives(b))} one-element all-reduces) — this CPU testbed favours "
-        "(b): those cost less here than veomni_lite's one packed all-reduce (see 'Cost of one all-reduce'), and "
-        "`mean_global_loss` does a little more Python and tensor work per micro-batch (see 'One process, no "
-        f"communication'). What (b) still costs there is {count(loss_host_reads(b))} host reads per step, each a "
-        "device sync on an accelerator, which a CPU run cannot price; the GPU audit is the place for that. With "
-        "SP, (a) and (b) add SP collectives and host reads on every micro-batch; veomni_lite adds none.",
-    ]
-
-
-def findings(results: Mapping[str, Any], records: list[Record]) -> list[str]:
-    """Bullet points computed from the numbers (ranges of paired ratios; the all-reduce probe)."""
-    min_ga = 8
-    lines = []
-
-    def span(value: tuple[float, float] | None) -> str:
-        return "n/a" if value is None else f"{value[0]:.2f}–{value[1]:.2f}x"
-
-    for sp in sorted({r["sp"] for r in select(records, bench="loss")}):
-        for key in "ab":
-            vlm = ratio_range(records, "loss", "vlm", sp, key, min_ga)
-            path = ratio_range(records, "loss", "path", sp, key, min_ga)
-            lines.append(
-                f"- SP {sp}, {LOSS_NAMES[key]} / veomni_lite at GA >= {min_ga}, all world sizes: VLM step {span(vlm)}, "
-                f"loss path alone {span(path)}."
-            )
-    for sp in sorted({r["sp"] for r in select(records, bench="metrics")}):
-        vlm = ratio_range(records, "metrics", "vlm", sp, "a", min_ga)
-        path = ratio_range(records, "metrics", "path", sp, "a", min_ga)
-        lines.append(
-            f"- Metrics, {METRIC_NAMES['a']} / veomni_lite at GA >= {min_ga}: VLM step {span(vlm)}, metric path alone "
-            f"{span(path)}."
-        )
-    for world, run in sorted(results["runs"].items(), key=lambda item: int(item[0])):
-        probe = run.get("all_reduce_latency") or {}
-        if len(probe) == 2:
-            (_, small), (packed_name, packed) = ((name, summary["median"]) for name, summary in probe.items())
-            lines.append(
-                f"- World {world}: one all-reduce of {packed_name} takes {packed * 1e3:.2f} ms, of 1 element "
-                f"{small * 1e3:.2f} ms ({packed / small:.1f}x): gloo's ring "
-                "all-reduce makes 2(N−1) dependent transfers once a buffer has N elements or more, and every "
-                "transfer waits for the peer process to be scheduled on an oversubscribed CPU."
-            )
-    return lines
-
-
-def rss_rows(results: Mapping[str, Any]) -> list[list[str]]:
-    rows = []
-    for world, run in sorted(results["runs"].items(), key=lambda item: int(item[0])):
-        rss = run.get("rss")
-        if not rss:
-            continue
-        samples = rss["rss_kib_samples"]
-        rows.append(
-            [
-                f"{world}",
-                f"{rss['steps']}",
-                f"{rss['grad_accum']}",
-                f"{samples[1][1] / 1024:.1f} (step {samples[1][0]})" if len(samples) > 1 else "n/a",
-                f"{samples[-1][1] / 1024:.1f} (step {samples[-1][0]})",
-                f"{rss['rss_growth_kib_after_first_tenth']:+d}",
-                f"{rss['peak_rss_kib_all_ranks'] / 1024:.1f}",
-                f"{rss['memo_steps_held']}",
-                f"{rss['max_metric_window_slots']} / {rss['metric_specs']}",
-            ]
-        )
-    return rows
-
-
-def check_summary(records: list[Record]) -> str:
-    loss = select(records, bench="loss")
-    worst_grad = max((r["check"]["grad_max_rel_diff"] for r in loss), default=0.0)
-    worst_loss = max((r["check"]["loss_rel_diff"] for r in loss), default=0.0)
-    metric_ok = all(r["check"].get("equal") for r in select(records, bench="metrics"))
+def caveat(records: list[Record]) -> str:
+    """Where (b) beats veomni_lite on the VLM step, and why this testbed can favour it."""
+    b = select(records, bench="loss", kind="vlm", strategy="b")
+    faster = [r for r in b if paired(r, reference(records, r))[0] < 1]
+    if not faster:
+        return f"(b) is slower than veomni_lite in every one of its {len(b)} VLM-step configurations.\n"
+    collectives, reads = (span(count(r, what) for r in faster) for what in ("collectives", "host_reads"))
+    packed = span(count(reference(records, r), "collectives") for r in faster)
     return (
-        f"Across all {len(ga_values(loss))} GA values and {len(layouts(loss))} layouts, the largest relative gradient "
-        f"difference of a baseline from veomni_lite was {worst_grad:.1e} and the largest relative difference of the "
-        f"world-mean step loss {worst_loss:.1e} (float32 rounding; the benchmark fails above 1e-4 / 1e-5). "
-        f"The metric strategies logged {'identical' if metric_ok else 'DIFFERENT'} values (relative 1e-9)."
+        f"(b) is faster than veomni_lite in {len(faster)} of {len(b)} VLM-step configurations (SP "
+        f"{span(r['sp'] for r in faster)}, GA {span(r['ga'] for r in faster)}). There (b) makes {collectives} scalar "
+        f"all-reduces and {reads} host reads per step against veomni_lite's {packed} packed all-reduce(s): on this "
+        "testbed a scalar all-reduce costs less than the packed one (see 'Cost of one all-reduce') and a host read "
+        "costs nothing, while on an accelerator every host read is a device sync, which a CPU run cannot price (the "
+        "GPU audit is the check for that).\n"
     )
 
 
-def gpu_section(results: Mapping[str, Any]) -> list[str]:
-    lines = [
-        "## GPU: host-sync audit",
-        "",
-        "`benchmarks/gpu_sync_audit.py` runs veomni_lite's micro-batch loop on CUDA with NCCL (count_loss_token, the",
-        "tiny VLM's forward, `mean_global_loss`, backward, the trainer's per-micro-batch metric records) under",
-        '`torch.cuda.set_sync_debug_mode("error")`: any host sync inside the loop raises. It first runs the same',
-        'loop in "warn" mode to list every sync by region (count / forward / loss / backward / metrics). Zero syncs',
-        "expected.",
-        "On a machine without CUDA it prints a message and exits 0. On a GPU machine:",
-        "",
-        "```",
-        "torchrun --standalone --nproc_per_node 2 benchmarks/gpu_sync_audit.py --sp 1 \\",
-        "    --out docs/benchmarks_gpu.json",
-        "torchrun --standalone --nproc_per_node 2 benchmarks/gpu_sync_audit.py --sp 2 \\",
-        "    --out docs/benchmarks_gpu_sp2.json",
-        "```",
-        "",
-        "`make bench` picks up `docs/benchmarks_gpu*.json` when it writes this page.",
-        "",
-    ]
+def rss_row(r: Record) -> list[Any]:
+    (early_step, early), (end_step, end) = r["rss_kib_samples"][1], r["rss_kib_samples"][-1]
+    rss = [f"{early / 1024:.1f} (step {early_step})", f"{end / 1024:.1f} (step {end_step})"]
+    growth = [f"{r['rss_growth_kib_after_first_tenth']:+d}", f"{r['peak_rss_kib_all_ranks'] / 1024:.1f}"]
+    slots = f"{r['max_metric_window_slots']} / {r['metric_specs']}"
+    return [r["world"], r["steps"], r["grad_accum"], *rss, *growth, r["memo_steps_held"], slots]
+
+
+def gpu_row(audit: Record) -> list[Any]:
+    syncs = ", ".join(f"{k}: {v}" for k, v in sorted(audit["warn_syncs_by_region"].items())) or "none"
+    verdict = "pass" if audit["error_mode_passed"] else "FAIL"
+    return [audit[key] for key in ("device", "world", "sp", "grad_accum", "steps")] + [syncs, verdict]
+
+
+def page_values(results: Mapping[str, Any], records: list[Record], png: str) -> dict[str, Any]:
+    """The fields of the template that are not top-level keys of `results`, its machine or its settings."""
+    runs = dict(sorted(results["runs"].items(), key=lambda item: int(item[0])))
+    loss, vlm = select(records, bench="loss"), select(records, kind="vlm")
+    c, m = select(vlm, bench="loss", strategy="c"), select(vlm, bench="metrics", strategy="b")
+    single, rss = results.get("single_process") or [], [run["rss"] for run in runs.values() if run.get("rss")]
     audits = [audit for audit in results.get("gpu") or [] if audit.get("audited")]
-    if not audits:
-        lines += ["**Results: not run yet** (no GPU was available where this page was generated).", ""]
-        return lines
-    rows = []
-    for audit in audits:
-        regions = ", ".join(f"{k}: {v}" for k, v in sorted(audit.get("warn_syncs_by_region", {}).items())) or "none"
-        rows.append(
-            [
-                audit.get("device", "?"),
-                f"{audit.get('world', '?')}",
-                f"{audit.get('sp', '?')}",
-                f"{audit.get('grad_accum', '?')}",
-                f"{audit.get('steps', '?')}",
-                regions,
-                "pass" if audit.get("error_mode_passed") else f"FAIL: {audit.get('error', '')[:120]}",
-            ]
-        )
-    lines += table(["device", "world", "SP", "GA", "steps", "syncs by region (warn pass)", '"error" pass'], rows)
-    lines.append("")
-    for audit in audits:
-        for site, calls in sorted((audit.get("warn_sync_sites") or {}).items()):
-            lines.append(f"- world {audit.get('world')}, SP {audit.get('sp')}: `{site}` ({calls} syncs over all ranks)")
-    lines.append("")
-    return lines
-
-
-def write_markdown(results: Mapping[str, Any], out_dir: Path, png_name: str) -> Path:
-    records = all_records(results)
-    machine = results["machine"]
-    worlds = ", ".join(str(w) for w in sorted(int(w) for w in results["runs"]))
-    settings = results["settings"]
-    lines = [
-        "# Benchmarks: loss normalization and metrics, side by side",
-        "",
-        f"Generated by `{results['command']}` ({results['mode']} mode) on {results['generated']}; the whole run took "
-        f"{results['total_seconds']:.0f} s. Raw numbers: `{results['raw_results']}`. Rerun: `make bench` "
-        "(about 6 minutes here) or `make bench QUICK=1` (under 2 minutes; writes to `benchmarks/results/quick/`).",
-        "",
-        "The claim under test: veomni_lite normalizes the loss with **one collective per optimizer step** and "
-        "reduces metrics with **none per micro-batch**, at the same gradients as the schemes users run today. "
-        "Every strategy below runs in the same processes, interleaved, on the same data.",
-        "",
-        "## Headline (tiny VLM optimizer step, gloo on CPU)",
-        "",
-        "Median step time in ms; ratio = baseline / veomni_lite (> 1: veomni_lite faster); loss-path collectives and "
-        "host reads per optimizer step for (a) / (b) / (c) (veomni_lite's one read is a CPU-only check of host "
-        "memory, deferred on accelerators: see 'Loss normalization: all results').",
-        "",
+    over = [world for world in runs if int(world) > results["machine"]["logical_cpus"]]
+    probes = [
+        [world, name, f"{v['median'] * 1e3:.3f}", span((v["q1"] * 1e3, v["q3"] * 1e3), "{:.3f}")]
+        for world, run in runs.items()
+        for name, v in (run.get("all_reduce_latency") or {}).items()
     ]
-    lines += table(
-        ["world", "SP", "GA", "(a) ms", "(b) ms", "(c) ms", "(a)/(c)", "(b)/(c)", "collectives a/b/c", "reads a/b/c"],
-        headline_rows(records),
-    )
-    lines += [
-        "",
-        f"![step time and collectives per step against GA]({png_name})",
-        "",
-        "## Reading the numbers",
-        "",
-        "Ratios are medians of per-repetition paired ratios (each repetition runs every strategy back to back), "
-        "with their interquartile range in parentheses in the tables below; > 1 means veomni_lite is faster.",
-        "",
-        *findings(results, records),
-        "",
-        *caveat(records),
-        "",
-        "## What is compared",
-        "",
-        "Loss normalization (the baselines are small re-implementations of the published schemes, in "
-        "`benchmarks/baselines.py`, not VeOmni's code):",
-        "",
-        "- **(a) per-micro-batch denominator** — VeOmni's `mean_global_loss` before the step denominators were "
-        "reused: on every micro-batch and loss key, the step's token count is read to the host (`.item()`) and "
-        "all-reduced over the world. Under SP, the model loss is also SP-reduced (VeOmni's `ReduceLoss`: two SP "
-        "all-reduces) and the micro-batch count is SP-all-reduced after a host read.",
-        "- **(b) VeOmni 0.1.12** — one all-reduce per token key of the step dict at step start "
-        "(`reduce_global_loss_token`, a host read before and after each); per micro-batch only the SP reductions "
-        "of (a), so nothing per micro-batch without SP.",
-        "- **(c) veomni_lite** — `mean_global_loss`: one packed all-reduce per step dict (denominators of the loss "
-        "keys plus a key-set fingerprint), memoized for the step's later micro-batches.",
-        "",
-        "Metrics (10 metrics as the trainer records them: two loss means weighted by tokens, tokens, samples, FLOPs "
-        "per micro-batch; grad norm, lr, step time, skipped steps, peak memory per step; logged every step, the "
-        "worst case for log-time reduction):",
-        "",
-        "- **(a) reduce every record** — each record is all-reduced over the world and read to the host at once.",
-        "- **(b) veomni_lite** — `MetricAccumulator`: local records, one packed SUM and one packed MAX all-reduce "
-        "per log event (the trainer also moves that off the critical path; here it runs inline).",
-        "",
-        "Two kinds of timed step, each with every strategy interleaved (round-robin, order rotated every repetition, "
-        "an untimed barrier before each step, the time of a step = its slowest rank):",
-        "",
-        "- **VLM step**: the tiny VLM of `configs/vlm_tiny.yaml` (2 layers, hidden 64, two loss heads: "
-        f"`foundation_loss`, `image_decoder_loss`), micro-batch size {results['micro_batch_size']}: per micro-batch "
-        "count_loss_token, forward, loss scaling, backward; then ONE flat gradient all-reduce and AdamW. No FSDP "
-        "(a plain model with a manual gradient average, identical for all strategies) so the only collectives are "
-        "the loss path's, the gradient all-reduce and, under SP, the Ulysses all-to-alls.",
-        "- **path alone**: the same micro-batches and counts with each loss a scalar parameter times a fixed local "
-        "mean, so only normalization (or metric recording and logging) and its communication remain.",
-        "",
-        "Before timing, each strategy runs one untimed counting round: `torch.distributed` collectives and "
-        "`Tensor.item/tolist/numpy/__bool__/__float__/__int__` are wrapped and counted by phase; that round also "
-        "checks equal correctness. Then one untimed warm-up repetition sizes the number of timed repetitions to a "
-        f"time budget ({settings['vlm_budget_s']:g} s per VLM config, {settings['path_budget_s']:g} s per path "
-        f"config, {settings['min_reps']}–{settings['max_reps']} repetitions). Spread = interquartile range.",
-        "",
-        check_summary(records),
-        "",
-        "## Machine",
-        "",
-        f"- CPU: {machine['cpu']}, {machine['logical_cpus']} logical CPUs; {machine['memory_gib']} GiB RAM; "
-        f"{machine['os']}",
-        f"- Python {machine['python']}, torch {machine['torch']}, backend {machine['backend']}, "
-        f"OMP_NUM_THREADS={machine['omp_num_threads']}, torch threads per process {machine['torch_threads']}",
-        f"- world sizes {worlds}, one process per rank: with {machine['logical_cpus']} CPUs, 4 processes are "
-        "oversubscribed, so world-4 numbers include scheduling delay in every collective (which is exactly what a "
-        "collective costs on a loaded host, but larger than on a real cluster).",
-        f"- Exact command: `{results['command']}`, which runs, per world size N, `{results['worker_command']}`.",
-        "",
-        "## Loss normalization: all results",
-        "",
-        "Times are median [IQR] in ms. Collectives and host reads are the loss path's (the micro-batch loop minus "
-        "the model's all-to-alls), per optimizer step; `model a2a` is the Ulysses attention all-to-alls (the same for "
-        "all strategies); every VLM step also has 1 gradient all-reduce. `reps` = timed VLM/path repetitions; "
-        "`grad diff` = max relative gradient difference from veomni_lite on the check step.",
-        "",
+    return {
+        **{f"{bench}_{kind}": comparison_table(records, bench, kind) for bench in BENCHES for kind in KINDS},
+        "labels": {f"{r['bench']}_{r['strategy']}": r["label"] for r in records},
+        "worlds": ", ".join(runs),
+        "sps": span(r["sp"] for r in c),
+        "gas": span(r["ga"] for r in c),
+        "c_collectives": span(count(r, "collectives") for r in c),
+        "c_reads": span(count(r, "host_reads") for r in c),
+        "c_configs": len(c),
+        "m_collectives": span(count(r, "collectives") for r in m),
+        "m_reads": span(count(r, "host_reads") for r in m),
+        "summary": summary_table(records),
+        "caveat": caveat(records),
+        "png": png,
+        "metric_count": len(results["metric_names"]),
+        "metric_names": ", ".join(f"`{name}`" for name in results["metric_names"]),
+        "loss_keys": ", ".join(f"`{key}`" for key in results["loss_keys"]),
+        "vlm_grad": max(r["check"]["grad_max_rel_diff"] for r in select(loss, kind="vlm")),
+        "path_grad": max(r["check"]["grad_max_rel_diff"] for r in select(loss, kind="path")),
+        "loss_diff": max(r["check"]["loss_rel_diff"] for r in loss),
+        "metrics_equal": "equal"
+        if all(r["check"].get("equal") for r in records if r["bench"] == "metrics")
+        else "DIFFERENT",
+        "grad_syncs": span(r["counts"]["collectives"].get("grad_sync", 0.0) for r in select(vlm, bench="loss")),
+        "a2a": span(
+            r["counts"]["collectives"].get("model", 0.0) / r["ga"] for r in select(vlm, bench="loss") if r["sp"] > 1
+        ),
+        "growth": growth_table(records),
+        "single": table(
+            ["GA", *(f"({key}) µs" for key in distinct(single, "strategy"))],
+            ([ga, *(f"{r['median_s'] * 1e6:.0f}" for r in select(single, ga=ga))] for ga in distinct(single, "ga")),
+        ),
+        "log_interval": span(r["log_interval"] for r in rss),
+        "rss": table(
+            "world|steps|GA|RSS MiB early|RSS MiB end|growth KiB|peak MiB|memo steps|metric slots", map(rss_row, rss)
+        ),
+        "gpu": table("device|world|SP|GA|steps|syncs by region (warn pass)|error pass", map(gpu_row, audits))
+        if audits
+        else "**Not run** for this page (no audit results were found).\n",
+        "oversubscribed": f"; {', '.join(over)} processes share {results['machine']['logical_cpus']} CPUs, so those "
+        "collectives include scheduling delay (real on a loaded host, larger than on a cluster)"
+        if over
+        else "",
+        "probe": table("world|buffer|median ms|IQR ms", probes),
+    }
+
+
+def write_plot(results: Mapping[str, Any], records: list[Record], path: Path) -> None:
+    """Per (bench, world, SP) column: median step time with IQR against GA; collectives and host reads per step."""
+    groups = [
+        (bench, world, sp) for bench in BENCHES for world, sp in distinct(select(records, bench=bench), "world", "sp")
     ]
-    lines += table(
-        [
-            "world",
-            "SP",
-            "GA",
-            "strategy",
-            "VLM step ms",
-            "ratio",
-            "path alone ms",
-            "ratio",
-            "collectives",
-            "host reads",
-            "model a2a",
-            "reps",
-            "grad diff",
-        ],
-        loss_rows(records),
-    )
-    lines += [
-        "",
-        "(c)'s one host read per step on CPU is the rank-agreement verdict of `mean_global_loss` (`.numpy()` on a "
-        "CPU tensor, no device involved). On an accelerator that verdict stays on the device and is checked by "
-        "`verify_loss_keys()` at the trainer's existing per-step grad-norm read, so the device path has none; the GPU "
-        "audit below is the check for that.",
-        "",
-        "## Metrics: all results",
-        "",
-        "SP does not change the metric path (records are local in (b); (a) reduces over the world either way), so "
-        "it is measured at SP 1. Collectives and host reads are the metric path's per optimizer step (logging every "
-        "step); the loss path is veomni_lite's in both rows.",
-        "",
-    ]
-    lines += table(
-        [
-            "world",
-            "GA",
-            "strategy",
-            "VLM step ms",
-            "ratio",
-            "path alone ms",
-            "ratio",
-            "collectives",
-            "host reads",
-            "reps",
-        ],
-        metric_rows(records),
-    )
-    lines += [
-        "",
-        "## Growth with GA and world size",
-        "",
-        "Counts per optimizer step on one rank, fitted exactly over all measured GA values (a list where no line "
-        "fits). They do not depend on the world size; what grows with it is the price of each collective:",
-        "",
-    ]
-    lines += table(["world", "SP", "strategy", "collectives per step", "host reads per step"], growth_rows(records))
-    lines += [
-        "",
-        "Marginal cost of one extra loss-path collective (with its host reads), from the path-alone medians at the "
-        "largest GA: ((a) − (c)) / (extra collectives):",
-        "",
-    ]
-    lines += table(["world", "SP", "GA", "extra collectives", "µs each"], marginal_cost_rows(records))
-    lines += [
-        "",
-        "## Cost of one all-reduce",
-        "",
-        "Median [IQR] latency in ms of one int64 all-reduce over the world, interleaved, measured in the same runs:",
-        "",
-    ]
-    lines += table(["world", "buffer", "median ms", "IQR ms"], probe_rows(results))
-    lines += [
-        "",
-        "## One process, no communication",
-        "",
-        "The loss path alone in one process without a process group (every all-reduce is a local no-op): the "
-        "compute and Python cost of each strategy, median µs per optimizer step.",
-        "",
-    ]
-    lines += table(["GA", "(a) µs", "(b) µs", "(c) µs"], single_process_rows(results))
-    lines += [
-        "",
-        "## Memory over a long run",
-        "",
-        "veomni_lite's loss path (one `mean_global_loss` memo per step) and metric recording (log every 10 steps) "
-        "for many small steps on every rank; RSS of rank 0 (VmRSS) after the first tenth of the run and at the end, "
-        "peak RSS over all ranks, steps the memo holds at the end, and the most metric slots a window ever held.",
-        "",
-    ]
-    lines += table(
-        ["world", "steps", "GA", "RSS MiB early", "RSS MiB end", "growth KiB", "peak MiB", "memo steps", "slots"],
-        rss_rows(results),
-    )
-    lines += ["", *gpu_section(results)]
-    path = out_dir / "benchmarks.md"
-    path.write_text("\n".join(lines).rstrip() + "\n")
-    return path
-
-
-# ----------------------------------------------------------------------------------------------------------- plot
-
-
-def _series(records: list[Record], **where: Any) -> tuple[list[int], list[Record]]:
-    found = sorted(select(records, **where), key=lambda r: r["ga"])
-    return [r["ga"] for r in found], found
-
-
-def _ga_axis(ax: Any, records: list[Record]) -> None:
-    gas = ga_values(records)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(gas, [str(ga) for ga in gas])
-    ax.minorticks_off()
-    ax.set_xlabel("GA (micro-batches per step)")
-
-
-def _time_panel(ax: Any, records: list[Record], bench: str, keys: str, names: Mapping[str, str], **where: Any) -> None:
-    colors = COLORS if bench == "loss" else METRIC_COLORS
-    for key in keys:
-        for kind, style in (("vlm", "-"), ("path", "--")):
-            gas, found = _series(records, bench=bench, kind=kind, strategy=key, **where)
-            if not found:
-                continue
-            medians = [r["median_s"] * 1e3 for r in found]
-            low = [(r["median_s"] - r["q1_s"]) * 1e3 for r in found]
-            high = [(r["q3_s"] - r["median_s"]) * 1e3 for r in found]
-            label = f"{names[key]}, {'VLM step' if kind == 'vlm' else 'path alone'}"
-            ax.errorbar(gas, medians, yerr=[low, high], fmt=style, marker="o", ms=3, color=colors[key], label=label)
-    _ga_axis(ax, records)
-    ax.set_yscale("log")
-    ax.set_ylabel("median step time (ms)")
-
-
-def _count_panel(ax: Any, records: list[Record], bench: str, keys: str, names: Mapping[str, str], **where: Any) -> None:
-    colors = COLORS if bench == "loss" else METRIC_COLORS
-    collectives = loss_collectives if bench == "loss" else metric_collectives
-    reads = loss_host_reads if bench == "loss" else metric_host_reads
-    for key in keys:
-        gas, found = _series(records, bench=bench, kind="vlm", strategy=key, **where)
-        if not found:
-            continue
-        ax.plot(gas, [collectives(r) for r in found], "-", marker="o", ms=3, color=colors[key], label=names[key])
-        ax.plot(gas, [reads(r) for r in found], ":", marker="x", ms=3, color=colors[key])
-    _ga_axis(ax, records)
-    ax.set_yscale("log")
-    ax.set_ylabel("per step: collectives (—), host reads (··)")
-
-
-def write_plot(results: Mapping[str, Any], out_dir: Path) -> Path:
-    records = all_records(results)
-    loss_layouts = layouts(select(records, bench="loss"))
-    metric_worlds = sorted({r["world"] for r in select(records, bench="metrics")})
-    columns = max(len(loss_layouts), 2 * len(metric_worlds), 1)
-    fig, axes = plt.subplots(3, columns, figsize=(4.2 * columns, 11), squeeze=False)
-    for col, (world, sp) in enumerate(loss_layouts):
-        _time_panel(axes[0][col], records, "loss", "abc", LOSS_NAMES, world=world, sp=sp)
-        axes[0][col].set_title(f"loss: step time, world {world}, SP {sp}")
-        _count_panel(axes[1][col], records, "loss", "abc", LOSS_NAMES, world=world, sp=sp)
-        axes[1][col].set_title(f"loss path: per step, world {world}, SP {sp}")
-    for index, world in enumerate(metric_worlds):
-        _time_panel(axes[2][2 * index], records, "metrics", "ab", METRIC_NAMES, world=world, sp=1)
-        axes[2][2 * index].set_title(f"metrics: step time, world {world}")
-        _count_panel(axes[2][2 * index + 1], records, "metrics", "ab", METRIC_NAMES, world=world, sp=1)
-        axes[2][2 * index + 1].set_title(f"metrics path: per step, world {world}")
-    for row in axes:
-        for ax in row:
-            if not ax.has_data():
-                ax.set_visible(False)
-            else:
-                ax.grid(True, which="both", alpha=0.3)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    metric_handles, metric_labels = axes[2][0].get_legend_handles_labels() if metric_worlds else ([], [])
-    fig.legend(handles + metric_handles, labels + metric_labels, loc="lower center", ncol=4, fontsize=8)
-    fig.suptitle(f"veomni_lite vs baselines, gloo on CPU ({results['mode']} mode)")
-    fig.tight_layout(rect=(0, 0.07, 1, 0.97))
-    path = out_dir / "benchmarks.png"
+    fig, axes = plt.subplots(2, len(groups), figsize=(3.4 * len(groups), 7.5), squeeze=False)
+    handles: dict[str, Any] = {}
+    for col, (bench, world, sp) in enumerate(groups):
+        found = select(records, bench=bench, world=world, sp=sp)
+        for key in distinct(found, "strategy"):
+            color = "tab:blue" if key == BENCHES[bench][0] else COLORS[key]
+            for kind, style in (("vlm", "-"), ("path", "--")):
+                runs = sorted(select(found, kind=kind, strategy=key), key=lambda r: r["ga"])
+                gas, medians = [r["ga"] for r in runs], [r["median_s"] * 1e3 for r in runs]
+                err = [
+                    [m - r["q1_s"] * 1e3 for m, r in zip(medians, runs)],
+                    [r["q3_s"] * 1e3 - m for m, r in zip(medians, runs)],
+                ]
+                label = f"{bench} {runs[0]['label']}, {KINDS[kind]}"
+                handles[label] = axes[0][col].errorbar(gas, medians, yerr=err, fmt=style, marker="o", ms=3, color=color)
+                if kind == "vlm":
+                    axes[1][col].plot(gas, [count(r, "collectives") for r in runs], "-", marker="o", ms=3, color=color)
+                    axes[1][col].plot(gas, [count(r, "host_reads") for r in runs], ":", marker="x", ms=3, color=color)
+        axes[0][col].set_title(f"{bench}: world {world}, SP {sp}", fontsize=9)
+        axes[0][col].set_ylabel("median step time (ms)", fontsize=8)
+        axes[1][col].set_ylabel("per step: collectives (—), host reads (··)", fontsize=8)
+        for ax in axes[:, col]:
+            ax.set(xscale="log", yscale="log", xlabel="GA")
+            ax.set_xticks(distinct(found, "ga"), [str(ga) for ga in distinct(found, "ga")])
+            ax.minorticks_off()
+            ax.grid(True, alpha=0.3)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=3, fontsize=8)
+    fig.suptitle(f"veomni_lite vs baselines, {results['machine']['backend']} ({results['mode']} mode)")
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(path, dpi=90)
     plt.close(fig)
-    return path
 
 
 def write_report(results: Mapping[str, Any], out_dir: Path) -> tuple[Path, Path]:
     """Write benchmarks.md and benchmarks.png under `out_dir`; returns their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    png = write_plot(results, out_dir)
-    md = write_markdown(results, out_dir, png.name)
+    records = [record for run in results["runs"].values() for record in run["records"]]
+    md, png = out_dir / "benchmarks.md", out_dir / "benchmarks.png"
+    write_plot(results, records, png)
+    values = {**results, **results["machine"], **results["settings"], **page_values(results, records, png.name)}
+    md.write_text(TEMPLATE.read_text().format(**values))
     return md, png

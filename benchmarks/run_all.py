@@ -1,12 +1,14 @@
 """`make bench`: run every side-by-side benchmark and regenerate docs/benchmarks.md and docs/benchmarks.png.
 
 For each world size (2 and 4) this launches `torchrun --standalone --nproc_per_node N benchmarks/bench_worker.py`
-(gloo, OMP_NUM_THREADS=1), merges the workers' JSON, and writes the report.
-- full mode (default, ~6 minutes on 2 CPUs): GA 1, 4, 8, 16, 32; SP 1 and 2; writes docs/benchmarks.md,
-  docs/benchmarks.png and docs/benchmarks_results.json.
-- `--quick` (under 2 minutes): GA 1, 8, 16, fewer repetitions; writes the same files under
+(gloo, OMP_NUM_THREADS=1), merges the workers' JSON into benchmarks/results/<mode>/benchmarks_results.json (ignored
+by git: the page is generated from it, the raw numbers are not committed) and writes the report from that file.
+- full mode (default, ~6 minutes on 2 CPUs): GA 1, 4, 8, 16, 32; SP 1 and 2; writes docs/benchmarks.md and
+  docs/benchmarks.png.
+- `--quick` (under 2 minutes): GA 1, 8, 16, fewer repetitions; writes the page and plot under
   benchmarks/results/quick/ so the committed full-run page is not overwritten (override with `--out-dir`).
-- `--report-only`: rebuild the page and plot (and refresh the GPU audits in the JSON) without running anything.
+- `--report-only`: rebuild the page and plot from the mode's results JSON (refreshing the GPU audits) without
+  running anything.
 GPU audit results (docs/benchmarks_gpu*.json, written by benchmarks/gpu_sync_audit.py) are included when present.
 """
 
@@ -114,17 +116,6 @@ def run_world(world: int, settings: dict[str, Any], out: Path) -> dict[str, Any]
     return json.loads(out.read_text())
 
 
-def compact(value: Any) -> Any:
-    """`value` with every float rounded to 7 decimals (0.1 µs for seconds), so the committed JSON stays small."""
-    if isinstance(value, float):
-        return round(value, 7)
-    if isinstance(value, dict):
-        return {key: compact(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [compact(item) for item in value]
-    return value
-
-
 def gpu_results() -> list[dict[str, Any]]:
     """Every docs/benchmarks_gpu*.json an audit wrote (sorted by name)."""
     return [json.loads(path.read_text()) for path in sorted(DOCS.glob("benchmarks_gpu*.json"))]
@@ -134,8 +125,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the < 2 minute mode (writes to benchmarks/results/quick)")
     parser.add_argument("--worlds", default="2,4", help="comma-separated world sizes")
-    parser.add_argument("--out-dir", type=Path, default=None, help="where benchmarks.md/.png/_results.json go")
-    parser.add_argument("--report-only", action="store_true", help="rebuild the page from the results JSON only")
+    parser.add_argument("--out-dir", type=Path, default=None, help="where benchmarks.md and benchmarks.png go")
+    parser.add_argument("--report-only", action="store_true", help="rebuild the page from the mode's results JSON")
     return parser.parse_args()
 
 
@@ -143,8 +134,10 @@ def main() -> int:
     args = parse_args()
     mode = "quick" if args.quick else "full"
     out_dir = args.out_dir or (BENCH_DIR / "results" / "quick" if args.quick else DOCS)
-    raw_path = out_dir / "benchmarks_results.json"
+    raw_path = BENCH_DIR / "results" / mode / "benchmarks_results.json"
     if args.report_only:
+        if not raw_path.exists():
+            raise SystemExit(f"no results at {raw_path}: run `make bench{' QUICK=1' if args.quick else ''}` first")
         results = json.loads(raw_path.read_text())
         results["gpu"] = gpu_results()
     else:
@@ -168,15 +161,16 @@ def main() -> int:
             "generated": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "total_seconds": time.perf_counter() - started,
             "settings": settings,
-            "machine": first["machine"],
-            "micro_batch_size": first["micro_batch_size"],
+            **{
+                key: first[key]
+                for key in ("machine", "micro_batch_size", "loss_keys", "metric_names", "model", "tolerances")
+            },
             "raw_results": str(raw_path.relative_to(REPO)) if raw_path.is_relative_to(REPO) else str(raw_path),
             "runs": runs,
             "single_process": overhead,
             "gpu": gpu_results(),
         }
-    results = compact(results)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    raw_path.parent.mkdir(parents=True, exist_ok=True)
     raw_path.write_text(json.dumps(results, indent=1) + "\n")
     md, png = write_report(results, out_dir)
     print(f"[bench] wrote {md} and {png} ({results['mode']} mode, {results['total_seconds']:.0f}s of benchmarks)")
