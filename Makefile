@@ -5,7 +5,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NPROC ?= 2
 ARGS ?=
-CONFIG ?= configs/vlm_tiny.yaml
+CONFIG ?= configs/qwen2_vl_digits.yaml
+TEXT_CONFIG ?= configs/qwen2_text.yaml
 PYTEST_ARGS ?=
 QUICK ?=
 
@@ -35,7 +36,7 @@ train: install
 	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) trainers/train_vlm.py $(CONFIG) $(ARGS)
 
 train-text: install
-	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) trainers/train_text.py configs/text_tiny.yaml $(ARGS)
+	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) trainers/train_text.py $(TEXT_CONFIG) $(ARGS)
 
 bench: install
 	$(PY) benchmarks/run_all.py $(if $(QUICK),--quick,)

@@ -1,9 +1,13 @@
-"""torchrun --standalone --nproc_per_node N trainers/train_text.py configs/text_tiny.yaml [--train.max_steps 7]"""
+"""torchrun --standalone --nproc_per_node N trainers/train_text.py configs/qwen2_text.yaml [--parallel.sp_size 2]
+
+`model.arch` picks the model: `qwen2` (a Qwen2 causal LM on Python's help pages) or `tiny` (configs/text_tiny.yaml).
+"""
 
 import sys
 
+from veomni_lite.examples.qwen2_pydoc_text import PydocLMTrainer
 from veomni_lite.examples.text_trainer import TextTrainer
 from veomni_lite.trainer.launch import main
 
 if __name__ == "__main__":
-    sys.exit(main(TextTrainer))
+    sys.exit(main({"qwen2": PydocLMTrainer, "tiny": TextTrainer}))

@@ -15,7 +15,7 @@ the process group when one is already initialized.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import copy
 import os
 import typing
 from dataclasses import asdict, dataclass, field, fields
@@ -32,8 +32,16 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    """The example models' sizes (the tiny LM and VLM)."""
+    """Which model, and its sizes: the tiny example models, or a transformers architecture built from `hf`."""
 
+    arch: Literal["tiny", "qwen2", "qwen2_vl"] = "tiny"
+    """tiny: the example models (the fields below); qwen2: a transformers causal LM; qwen2_vl: Qwen2-VL + image head."""
+    hf: dict[str, Any] = field(default_factory=dict)
+    """transformers config fields for qwen2 / qwen2_vl (`model_type` included for qwen2; `text_config` and
+    `vision_config` for qwen2_vl); the vocabulary and special-token ids come from the run's tokenizer. Override one
+    field as `--model.hf.hidden_size 128`."""
+    pretrained_dir: str = ""
+    """qwen2: a local `from_pretrained` directory to start from instead of `hf` (nothing is downloaded)."""
     hidden_size: int = 64
     """Width of the decoder."""
     num_layers: int = 2
@@ -62,6 +70,12 @@ class DataConfig:
     """VLM: fraction of samples that are caption -> image codes (the rest are image -> caption)."""
     pad_to_multiple_of: int = 1
     """Round each micro-batch's length up to a multiple of this."""
+    seq_len: int = 128
+    """qwen2 text: tokens per sample."""
+    tokenizer_vocab_size: int = 2048
+    """qwen2 text: the BPE vocabulary trained on the corpus (saved as output_dir/tokenizer.json)."""
+    eval_fraction: float = 0.2
+    """qwen2 / qwen2_vl: the held-out share of the corpus or of the images."""
 
 
 @dataclass
@@ -207,9 +221,28 @@ def _field_type(section_cls: type, name: str) -> Any:
     return typing.get_type_hints(section_cls)[name]
 
 
+def _set_nested(target: dict[str, Any], dotted: str, path: list[str], value: Any) -> None:
+    """`--model.hf.text_config.hidden_size 128`: set one field inside a dict-valued config field (YAML-parsed)."""
+    if isinstance(value, str):
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{dotted}: cannot parse {value!r}: {exc}") from None
+    for part in path[:-1]:
+        inner = target.setdefault(part, {})
+        if not isinstance(inner, dict):
+            raise ConfigError(f"{dotted}: {part!r} holds {inner!r}, not a mapping")
+        target = inner
+    target[path[-1]] = value
+
+
 def _coerce(key: str, value: Any, expected: Any) -> Any:
     """Check `value` against the field type (bool, int, float, str or a Literal of strings); strings from the CLI are
     parsed as YAML."""
+    if typing.get_origin(expected) is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r} ({type(value).__name__})")
+        return value
     if typing.get_origin(expected) is Literal:
         choices = typing.get_args(expected)
         if value not in choices:
@@ -242,8 +275,17 @@ def _set(config: Config, dotted: str, value: Any, source: str) -> None:
         raise ConfigError(f"{source}: unknown config key {dotted!r}; sections are {sorted(_SECTIONS)}")
     section_cls = _SECTIONS[section]
     known = {f.name for f in fields(section_cls)}
+    name, *nested = name.split(".")
     if name not in known:
         raise ConfigError(f"{source}: unknown config key {dotted!r}; {section} has {sorted(known)}")
+    if nested:
+        if typing.get_origin(_field_type(section_cls, name)) is not dict:
+            raise ConfigError(f"{source}: unknown config key {dotted!r}; {section}.{name} has no fields")
+        try:
+            _set_nested(getattr(getattr(config, section), name), dotted, nested, value)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+        return
     try:
         coerced = _coerce(dotted, value, _field_type(section_cls, name))
     except ConfigError as exc:
@@ -270,6 +312,17 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
         pairs.append((key, value))
         index += 1
     return pairs
+
+
+def _attention_heads(model: ModelConfig) -> dict[str, int]:
+    """{config key: number} of the attention (and key/value) heads that Ulysses splits."""
+    if model.arch == "tiny":
+        return {"model.num_heads": model.num_heads}
+    prefix, text = (
+        ("model.hf", model.hf) if model.arch == "qwen2" else ("model.hf.text_config", model.hf.get("text_config", {}))
+    )
+    heads = {f"{prefix}.{name}": text[name] for name in ("num_attention_heads", "num_key_value_heads") if name in text}
+    return {key: value for key, value in heads.items() if isinstance(value, int)}
 
 
 def validate(config: Config, world_size: int | None = None) -> None:
@@ -307,11 +360,12 @@ def validate(config: Config, world_size: int | None = None) -> None:
             f"model.hidden_size ({config.model.hidden_size}) is not divisible by model.num_heads "
             f"({config.model.num_heads})"
         )
-    if config.model.num_heads % parallel.sp_size:
-        raise ConfigError(
-            f"parallel.sp_size ({parallel.sp_size}) does not divide model.num_heads ({config.model.num_heads}): "
-            "Ulysses attention splits heads across the sp group"
-        )
+    for key, heads in _attention_heads(config.model).items():
+        if heads % parallel.sp_size:
+            raise ConfigError(
+                f"parallel.sp_size ({parallel.sp_size}) does not divide {key} ({heads}): "
+                "Ulysses attention splits heads across the sp group"
+            )
     if world_size % parallel.sp_size:
         raise ConfigError(f"parallel.sp_size ({parallel.sp_size}) does not divide the world size ({world_size})")
     dp_size = world_size // parallel.sp_size
@@ -356,7 +410,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, wor
 
 def replace(config: Config, **sections: dict[str, Any]) -> Config:
     """A copy of `config` with some section fields replaced, e.g. `replace(cfg, train={"max_steps": 3})`."""
-    new = Config(**{name: dataclasses.replace(getattr(config, name)) for name in _SECTIONS})
+    new = copy.deepcopy(config)
     for section, values in sections.items():
         for name, value in values.items():
             _set(new, f"{section}.{name}", value, "replace")

@@ -44,7 +44,7 @@ def validate_micro_batch(
             raise DataError(f"{where}: {key!r} must be a tensor, got {type(value).__name__}")
         if value.dtype not in (torch.int64, torch.int32):
             raise DataError(f"{where}: {key!r} must be an integer tensor (int64), got dtype {value.dtype}")
-        if value.shape != input_ids.shape:
+        if value.shape[:2] != input_ids.shape or (key != "position_ids" and value.dim() != 2):
             raise DataError(
                 f"{where}: {key!r} has shape {tuple(value.shape)}, 'input_ids' has {tuple(input_ids.shape)}"
             )

@@ -1,8 +1,9 @@
 """Ulysses sequence parallelism: each sp rank holds a contiguous slice of every sequence.
 
 - `slice_micro_batch` cuts a collated micro-batch (labels already shifted once, globally) along the sequence
-  dimension after padding it to a multiple of sp_size (ids with `pad_id`, every labels key with IGNORE_INDEX,
-  positions continuing). Whole-sample tensors such as `pixel_values` stay whole on every rank.
+  dimension (dim 1) after padding it to a multiple of sp_size (ids with `pad_id`, every labels key with IGNORE_INDEX,
+  `image_feature_index` with -1, positions continuing, also when they carry a trailing axis such as Qwen2-VL's
+  [B, S, 3]). Whole-sample tensors such as `pixel_values` stay whole on every rank.
 - `seq_to_heads` / `heads_to_seq` are autograd all-to-alls (`all_to_all_single`) between [B, S/sp, H, D] and
   [B, S, H/sp, D]; each one's backward is the other.
 - `ulysses_attention(fn, group)` wraps an attention function with them, so attention sees whole sequences for
@@ -22,15 +23,18 @@ from veomni_lite.loss_keys import IGNORE_INDEX, is_labels_key
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+_SEQUENCE_PAD = {"input_ids": None, "position_ids": None, "image_feature_index": -1}
+
+
 def is_sequence_key(key: str) -> bool:
     """Keys whose dim 1 is the token sequence: they are padded and sliced under SP."""
-    return key in ("input_ids", "position_ids") or is_labels_key(key)
+    return key in _SEQUENCE_PAD or is_labels_key(key)
 
 
 def _pad_value(key: str, pad_id: int) -> int:
     if key == "input_ids":
         return pad_id
-    return IGNORE_INDEX
+    return _SEQUENCE_PAD.get(key, IGNORE_INDEX)
 
 
 def slice_micro_batch(micro_batch: Mapping[str, Any], sp_rank: int, sp_size: int, pad_id: int = 0) -> dict[str, Any]:
@@ -54,11 +58,11 @@ def slice_micro_batch(micro_batch: Mapping[str, Any], sp_rank: int, sp_size: int
         extra = padded_len - seq_len
         if extra:
             if key == "position_ids":
-                tail = value[:, -1:] + torch.arange(1, extra + 1, device=value.device, dtype=value.dtype)
+                steps = torch.arange(1, extra + 1, device=value.device, dtype=value.dtype)
+                tail = value[:, -1:] + steps.view(1, extra, *[1] * (value.dim() - 2))
             else:
-                tail = torch.full(
-                    (value.shape[0], extra), _pad_value(key, pad_id), dtype=value.dtype, device=value.device
-                )
+                shape = (value.shape[0], extra, *value.shape[2:])
+                tail = torch.full(shape, _pad_value(key, pad_id), dtype=value.dtype, device=value.device)
             value = torch.cat([value, tail], dim=1)
         out[key] = value[:, start:stop].contiguous()
     return out

@@ -24,16 +24,14 @@ from torch import Tensor, nn
 
 from veomni_lite.distributed.sequence_parallel import ulysses_attention
 from veomni_lite.examples.attention import AttentionFn, causal_attention
-from veomni_lite.loss_keys import IGNORE_INDEX
+from veomni_lite.models.heads import decoder_flops_per_token, masked_mean_cross_entropy
 
 __all__ = [
     "Attention",
     "DecoderBlock",
     "TinyCausalLM",
     "TinyLMConfig",
-    "decoder_flops_per_token",
     "init_linear_and_embedding",
-    "masked_mean_cross_entropy",
     "rotary_cos_sin",
     "set_attention_fn",
 ]
@@ -59,15 +57,6 @@ class TinyLMConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
-
-
-def masked_mean_cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
-    """Mean cross-entropy over entries with `labels != IGNORE_INDEX`; an exact graph-keeping 0 when there are none."""
-    total = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-    count = (labels != IGNORE_INDEX).sum()
-    return total / count.clamp(min=1)
 
 
 def rotary_cos_sin(position_ids: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -196,17 +185,10 @@ class TinyCausalLM(nn.Module):
 
     def flops_per_token(self, seq_len: int) -> float:
         """Forward+backward FLOPs per token: 6 x matmul params (all but the embedding) + 12 x layers x hidden x seq."""
-        return decoder_flops_per_token(self, self.config, seq_len, exclude=(self.embed_tokens.weight,))
+        return decoder_flops_per_token(
+            self, self.config.num_layers, self.config.hidden_size, seq_len, exclude=(self.embed_tokens.weight,)
+        )
 
     def enable_sequence_parallel(self, sp_group: dist.ProcessGroup) -> None:
         """Ulysses attention over `sp_group` in every layer."""
         set_attention_fn(self, ulysses_attention(causal_attention, sp_group))
-
-
-def decoder_flops_per_token(
-    model: nn.Module, config: TinyLMConfig, seq_len: int, exclude: tuple[Tensor, ...] = ()
-) -> float:
-    """6N + 12 L d T (the PaLM estimate): N = parameters taking part in matmuls, T = sequence length."""
-    excluded = {id(p) for p in exclude}
-    num_params = sum(p.numel() for p in model.parameters() if id(p) not in excluded)
-    return float(6 * num_params + 12 * config.num_layers * config.hidden_size * seq_len)

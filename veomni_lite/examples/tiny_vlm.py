@@ -24,10 +24,9 @@ from torch import Tensor, nn
 from veomni_lite.examples.tiny_lm import (
     TinyCausalLM,
     TinyLMConfig,
-    decoder_flops_per_token,
     init_linear_and_embedding,
-    masked_mean_cross_entropy,
 )
+from veomni_lite.models.heads import decoder_flops_per_token, masked_mean_cross_entropy
 
 __all__ = ["ImageDecoderHead", "PatchEncoder", "TinyVLM", "TinyVLMConfig"]
 
@@ -161,7 +160,10 @@ class TinyVLM(nn.Module):
 
     def flops_per_token(self, seq_len: int) -> float:
         """6 x matmul params (all but the token embedding, vision counted per token: an upper bound) + attention."""
-        return decoder_flops_per_token(self, self.config.lm, seq_len, exclude=(self.decoder.embed_tokens.weight,))
+        lm = self.config.lm
+        return decoder_flops_per_token(
+            self, lm.num_layers, lm.hidden_size, seq_len, exclude=(self.decoder.embed_tokens.weight,)
+        )
 
 
 def _loss_or_zero(logits: Tensor, labels: Tensor | None) -> Tensor:

@@ -54,6 +54,8 @@ from veomni_lite.utils.loss_utils import (
 
 logger = logging.getLogger(__name__)
 
+MODEL_CONFIG_DIR = "model_config"
+
 
 class NonFiniteError(FloatingPointError):
     """A step produced a non-finite loss or gradient norm (train.nonfinite = "error")."""
@@ -127,6 +129,8 @@ class BaseTrainer(ABC):
             self._resume()
         if self.is_main:
             config.save(self.output_dir / "config.yaml")
+            if hasattr(model, "save_config"):  # what `python -m veomni_lite.export` rebuilds the model from
+                model.save_config(self.output_dir / MODEL_CONFIG_DIR)
 
     # ------------------------------------------------------------------ hooks
 
@@ -379,8 +383,14 @@ class BaseTrainer(ABC):
                 )
                 for key, value in scaled.items():
                     totals[key] = totals.get(key, 0) + value.detach() / self.config.train.eval_batches
+        extra = self.extra_eval_metrics()
         self.model.train(was_training)
-        return self.metrics.log_eval(self.step, self.epoch, totals)
+        return self.metrics.log_eval(self.step, self.epoch, totals, extra)
+
+    def extra_eval_metrics(self) -> dict[str, float]:
+        """Task metrics logged under eval/ next to the eval losses, the same value on every rank (a subclass hook;
+        every rank calls it at the same point, so it may run collectives)."""
+        return {}
 
     # ------------------------------------------------------------------ checkpoints
 

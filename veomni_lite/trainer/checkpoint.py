@@ -207,6 +207,19 @@ class CheckpointManager:
             return step, trainer_state, rank_state
         return None
 
+    def load_model_weights(self, model: nn.Module) -> int:
+        """Load the newest complete checkpoint's model weights into an unsharded `model` in this one process (no
+        process group: DCP reassembles the shards); returns its step. The same safe readers as `load_latest`."""
+        found = self.complete_checkpoints()
+        if not found:
+            raise CheckpointError(f"no complete checkpoint under {self.root}")
+        step, path = found[-1]
+        load_dcp_metadata(path / METADATA)  # refuses a tampered file before DCP reads it
+        state = {"model": model.state_dict()}
+        dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(path))
+        model.load_state_dict(state["model"])
+        return step
+
     def _skip(self, path: Path, problem: str, on_skip: Callable[[str], None] | None) -> None:
         message = f"checkpoint {path} is unusable ({problem}); falling back to the previous complete checkpoint"
         if on_skip is not None:

@@ -8,25 +8,29 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 
 from veomni_lite.config import ConfigError, load_config
 from veomni_lite.log import setup_logging
 from veomni_lite.trainer.base import BaseTrainer
 
 
-def main(trainer_cls: type[BaseTrainer], argv: list[str] | None = None) -> int:
-    """`<entry>.py CONFIG.yaml [--section.key VALUE ...]`; config errors exit 2 before any process group."""
+def main(trainers: Mapping[str, type[BaseTrainer]], argv: list[str] | None = None) -> int:
+    """`<entry>.py CONFIG.yaml [--section.key VALUE ...]`; `trainers` maps each `model.arch` this entry trains to its
+    trainer. Config errors exit 2 before any process group."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0].startswith("--"):
         print(f"usage: {sys.argv[0]} CONFIG.yaml [--section.key VALUE ...]", file=sys.stderr)
         return 2
     try:
         config = load_config(argv[0], argv[1:])
+        if config.model.arch not in trainers:
+            raise ConfigError(f"model.arch: {sys.argv[0]} trains {sorted(trainers)}, not {config.model.arch!r}")
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     setup_logging(int(os.environ.get("RANK", "0")))
-    trainer = trainer_cls(config)
+    trainer = trainers[config.model.arch](config)
     try:
         trainer.train()
         if trainer.is_main:

@@ -16,7 +16,8 @@ class TrainableModel(Protocol):
 
     `layers` are the blocks FSDP shards one by one; `flops_per_token(full_seq_len)` the forward+backward FLOPs per
     token for the throughput metrics; `enable_sequence_parallel(sp_group)` switches the model's attention to Ulysses
-    over `sp_group` (called once, before sharding, only when sp_size > 1).
+    over `sp_group` (called once, before sharding, only when sp_size > 1). A model that can be exported also has
+    `save_config(directory)` (what `veomni_lite.export` needs to rebuild it) and `save_pretrained(directory)`.
     """
 
     @property

@@ -228,8 +228,15 @@ class TrainMetrics:
     def wait_bookkeeping(self) -> None:
         self.worker.wait()
 
-    def log_eval(self, step: int, epoch: int, scaled_totals: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        """`scaled_totals`: per loss key, this rank's summed `mean_global_loss` outputs (sum over ranks / W = mean)."""
+    def log_eval(
+        self,
+        step: int,
+        epoch: int,
+        scaled_totals: Mapping[str, torch.Tensor],
+        extra: Mapping[str, float] | None = None,
+    ) -> dict[str, Any]:
+        """`scaled_totals`: per loss key, this rank's summed `mean_global_loss` outputs (sum over ranks / W = mean);
+        `extra`: values that are already global (e.g. `caption_accuracy`), logged as they are."""
         self.worker.wait()  # eval reduces on the metrics group too: never concurrently with a log task
         total = torch.zeros(())
         for key, value in scaled_totals.items():
@@ -237,7 +244,7 @@ class TrainMetrics:
             self.reporter.record_eval(key, contribution)
             total = total + contribution
         self.reporter.record_eval("loss", total)
-        return self.reporter.log_eval(max(step, 1), epoch)
+        return self.reporter.log_eval(max(step, 1), epoch, extra)
 
     def postfix(self) -> str:
         values = self.last_logged

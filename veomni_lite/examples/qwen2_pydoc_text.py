@@ -1,0 +1,48 @@
+"""A transformers causal LM (Qwen2 family, built from `model.hf` or a local `model.pretrained_dir`) on the Python
+help pages, with a BPE tokenizer trained on them and saved with the run. Only model, data and collate."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from veomni_lite.data.collator import collate
+from veomni_lite.examples.pydoc_text import PydocTextDataset, load_or_train_tokenizer
+from veomni_lite.models.hf_causal_lm import HFCausalLM, hf_config_from_dict
+from veomni_lite.trainer.base import BaseTrainer
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+class PydocLMTrainer(BaseTrainer):
+    def build_datasets(self) -> tuple[Any, Any | None]:
+        data = self.config.data
+        self.tokenizer = load_or_train_tokenizer(
+            self.output_dir / TOKENIZER_FILE, data.tokenizer_vocab_size, save=self.is_main
+        )
+        train = PydocTextDataset(self.tokenizer, data.seq_len, "train", data.eval_fraction)
+        evaluation = PydocTextDataset(self.tokenizer, data.seq_len, "eval", data.eval_fraction)
+        return train, evaluation if data.eval_samples else None
+
+    def build_model(self) -> HFCausalLM:
+        model = self.config.model
+        if model.pretrained_dir:
+            return HFCausalLM.from_pretrained(model.pretrained_dir)
+        data = self.train_dataset
+        settings = {
+            **model.hf,
+            "vocab_size": data.vocab_size,
+            "bos_token_id": data.bos_id,
+            "eos_token_id": data.eos_id,
+            "pad_token_id": data.pad_id,
+        }
+        return HFCausalLM.from_config(hf_config_from_dict(settings))
+
+    @property
+    def pad_id(self) -> int:
+        return self.train_dataset.pad_id
+
+    def collate(self, samples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return collate(samples, pad_to_multiple_of=self.config.data.pad_to_multiple_of, pad_id=self.pad_id)

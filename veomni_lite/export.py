@@ -1,0 +1,83 @@
+"""`python -m veomni_lite.export OUTPUT_DIR EXPORT_DIR`: a training run's latest checkpoint as a directory that
+transformers' `from_pretrained` loads.
+
+EXPORT_DIR gets `config.json` and `model.safetensors` (`AutoModelForCausalLM.from_pretrained` for a causal LM,
+`Qwen2VLForConditionalGeneration.from_pretrained` for Qwen2-VL), the run's tokenizer as a `PreTrainedTokenizerFast`
+(`tokenizer.json`, `tokenizer_config.json`), and, for heads transformers has no class for, their own safetensors
+file (`image_decoder_head.safetensors`: Linear-GELU-Linear on the last hidden states). Only safetensors and JSON are
+written, never a pickle. The model is rebuilt from OUTPUT_DIR/model_config (written by the trainer) and its weights
+are read from the newest complete checkpoint with the same safe readers as a resume, in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from torch import nn
+
+from veomni_lite.trainer.base import MODEL_CONFIG_DIR
+from veomni_lite.trainer.checkpoint import CheckpointManager
+
+TOKENIZER_FILE = "tokenizer.json"
+_SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>"}
+
+
+def build_model(model_config_dir: str | Path) -> nn.Module:
+    """The training wrapper of the architecture saved in `model_config_dir` (randomly initialized)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model_config_dir))
+    if config.model_type == "qwen2_vl":
+        from veomni_lite.models.qwen2_vl import Qwen2VLWithImageHead
+
+        return Qwen2VLWithImageHead.from_config(config)
+    from veomni_lite.models.hf_causal_lm import HFCausalLM
+
+    return HFCausalLM.from_config(config)
+
+
+def save_tokenizer(tokenizer_file: Path, export_dir: Path) -> None:
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = Tokenizer.from_file(str(tokenizer_file)).get_vocab()
+    specials = {name: token for name, token in _SPECIAL_TOKENS.items() if token in vocab}
+    PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), **specials).save_pretrained(str(export_dir))
+
+
+def export(output_dir: str | Path, export_dir: str | Path) -> tuple[int, list[str]]:
+    """Write EXPORT_DIR from OUTPUT_DIR (see the module docstring); returns (checkpoint step, files written)."""
+    output_dir, export_dir = Path(output_dir), Path(export_dir)
+    model_config_dir = output_dir / MODEL_CONFIG_DIR
+    if not (model_config_dir / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{model_config_dir / 'config.json'} not found: export needs a run of a transformers model "
+            "(model.arch qwen2 or qwen2_vl); the tiny example models have no transformers format"
+        )
+    model = build_model(model_config_dir)
+    step = CheckpointManager(output_dir / "checkpoints").load_model_weights(model)
+    export_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(export_dir)
+    if (output_dir / TOKENIZER_FILE).is_file():
+        save_tokenizer(output_dir / TOKENIZER_FILE, export_dir)
+    return step, sorted(p.name for p in export_dir.iterdir())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m veomni_lite.export", description=__doc__.splitlines()[0])
+    parser.add_argument("output_dir", type=Path, help="the run's train.output_dir")
+    parser.add_argument("export_dir", type=Path, help="where the from_pretrained directory goes")
+    args = parser.parse_args(argv)
+    try:
+        step, files = export(args.output_dir, args.export_dir)
+    except (FileNotFoundError, ValueError, RuntimeError) as exc:
+        print(f"export error: {exc}", file=sys.stderr)
+        return 2
+    print(f"exported step {step} of {args.output_dir} to {args.export_dir}: {', '.join(files)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""Ulysses sequence parallelism for transformers models, through their attention registry (no model code edited).
+
+`enable_ulysses(text_config, attention_modules, sp_group, ...)` registers `ulysses_attention_forward` under the name
+`veomni_ulysses` in transformers' `AttentionInterface`, points the decoder's config at it, and tells each attention
+module its sp group. transformers calls the function with this rank's shard: `query` [B, H, s, D] and `key`/`value`
+[B, H_kv, s, D] (rotary already applied from the GLOBAL positions the trainer passes), and expects ([B, s, H, D],
+None). The function swaps sequence for heads with two autograd all-to-alls around causal SDPA over the whole
+sequence, so H and H_kv must be divisible by sp_size. transformers builds no mask for a name it does not know
+(`attention_mask` is None), which is right here: padding is on the right only, so the causal mask suffices.
+A vision tower keeps its own attention: it sees whole images on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from veomni_lite.distributed.sequence_parallel import heads_to_seq, seq_to_heads
+
+ATTENTION_NAME = "veomni_ulysses"
+_GROUP_ATTR = "veomni_sp_group"
+
+
+def ulysses_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **_kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature; see the module docstring for the layouts."""
+    if attention_mask is not None:
+        raise ValueError("veomni_ulysses attention expects no attention mask (right padding, causal)")
+    group = getattr(module, _GROUP_ATTR, None)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, s, H, D]
+    if group is not None:
+        q, k, v = seq_to_heads(q, group), seq_to_heads(k, group), seq_to_heads(v, group)  # [B, S, H/sp, D]
+    repeats = q.shape[2] // k.shape[2]
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if repeats > 1:  # grouped-query attention: transformers hands over the un-expanded key/value heads
+        k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+    out = F.scaled_dot_product_attention(
+        q, k, v, dropout_p=dropout if module.training else 0.0, scale=scaling, is_causal=True
+    ).transpose(1, 2)  # [B, S, H/sp, D]
+    if group is not None:
+        out = heads_to_seq(out.contiguous(), group)
+    return out.contiguous(), None
+
+
+def register_ulysses_attention() -> None:
+    """Make `veomni_ulysses` a valid `attn_implementation` (idempotent; needed before a config names it)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, ulysses_attention_forward)
+
+
+def check_heads_divisible(num_heads: int, num_kv_heads: int, sp_size: int) -> None:
+    """Raise ValueError naming the numbers when Ulysses cannot split the heads over `sp_size` ranks."""
+    for what, value in (("num_attention_heads", num_heads), ("num_key_value_heads", num_kv_heads)):
+        if value % sp_size:
+            raise ValueError(f"sequence parallel: {what} ({value}) is not divisible by sp_size ({sp_size})")
+
+
+def enable_ulysses(text_config: Any, attention_modules: Iterable[nn.Module], sp_group: dist.ProcessGroup) -> None:
+    """Route the decoder's attention through `veomni_ulysses` over `sp_group` (see the module docstring)."""
+    check_heads_divisible(
+        text_config.num_attention_heads,
+        getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads,
+        dist.get_world_size(sp_group),
+    )
+    register_ulysses_attention()
+    text_config._attn_implementation = ATTENTION_NAME
+    for module in attention_modules:
+        setattr(module, _GROUP_ATTR, sp_group)

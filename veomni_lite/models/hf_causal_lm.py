@@ -1,0 +1,95 @@
+"""A transformers causal LM (Qwen2, Llama, ... any `AutoModelForCausalLM`) behind the trainer's model contract.
+
+Built from a config dict (`{"model_type": "qwen2", "hidden_size": 64, ...}`, no download) or a local
+`from_pretrained` directory. `forward(input_ids, position_ids, labels)` takes this rank's (possibly SP-sliced)
+micro-batch with labels already shifted once, and returns `{"foundation_loss": mean cross-entropy over this rank's
+valid targets}` (an exact 0 without targets); without labels it returns `{"logits"}`. The decoder runs with the
+positions it is given (global positions under SP), so no model code changes for Ulysses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from veomni_lite.models.heads import decoder_flops_per_token, masked_mean_cross_entropy
+from veomni_lite.models.hf_attention import enable_ulysses
+
+
+def hf_config_from_dict(settings: Mapping[str, Any]) -> Any:
+    """A transformers config from `{"model_type": ..., **fields}`."""
+    from transformers import AutoConfig
+
+    settings = dict(settings)
+    model_type = settings.pop("model_type", None)
+    if not model_type:
+        raise ValueError(f"model.hf needs a 'model_type' (e.g. 'qwen2'); got keys {sorted(settings)}")
+    return AutoConfig.for_model(model_type, **settings)
+
+
+class HFCausalLM(nn.Module):
+    """`AutoModelForCausalLM` with the loss head of the contract; `hf_model` is the plain transformers model."""
+
+    def __init__(self, hf_model: nn.Module) -> None:
+        super().__init__()
+        self.hf_model = hf_model
+
+    @classmethod
+    def from_config(cls, config: Any) -> HFCausalLM:
+        from transformers import AutoModelForCausalLM
+
+        return cls(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"))
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path) -> HFCausalLM:
+        from transformers import AutoModelForCausalLM
+
+        return cls(AutoModelForCausalLM.from_pretrained(str(directory), attn_implementation="sdpa"))
+
+    @property
+    def config(self) -> Any:
+        return self.hf_model.config
+
+    @property
+    def loss_keys(self) -> tuple[str, ...]:
+        return ("foundation_loss",)
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.hf_model.model.layers
+
+    def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.hf_model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        return self.hf_model.lm_head(hidden.last_hidden_state)
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor | None = None, **_: Any
+    ) -> dict[str, torch.Tensor]:
+        logits = self.logits(input_ids, position_ids)
+        if labels is None:
+            return {"logits": logits}
+        return {"foundation_loss": masked_mean_cross_entropy(logits, labels)}
+
+    def flops_per_token(self, seq_len: int) -> float:
+        embed = self.hf_model.get_input_embeddings().weight
+        return decoder_flops_per_token(
+            self, self.config.num_hidden_layers, self.config.hidden_size, seq_len, exclude=(embed,)
+        )
+
+    def enable_sequence_parallel(self, sp_group: dist.ProcessGroup) -> None:
+        enable_ulysses(self.config, (layer.self_attn for layer in self.layers), sp_group)
+
+    def save_config(self, directory: str | Path) -> None:
+        """`directory/config.json`: the transformers config this model is rebuilt from (see `veomni_lite.export`)."""
+        self.config.save_pretrained(str(directory))
+
+    def save_pretrained(self, directory: str | Path) -> list[str]:
+        """Write a directory `AutoModelForCausalLM.from_pretrained` loads (config + safetensors); returns the files."""
+        self.config._attn_implementation = "sdpa"
+        self.hf_model.save_pretrained(str(directory), safe_serialization=True)
+        return sorted(p.name for p in Path(directory).iterdir())

@@ -1,0 +1,201 @@
+"""Qwen2-VL (transformers) with a second loss head, behind the trainer's model contract and shard-able under SP.
+
+Heads, each this rank's mean over its valid targets (an exact 0 without targets):
+- `foundation_loss`: the language-model head over `labels`;
+- `image_decoder_loss`: an MLP on the backbone's last hidden states over `image_decoder_labels` (image codes).
+
+Inputs (`collate_qwen2_vl` builds them on the FULL sequence, before any SP slicing): `input_ids`, the two label keys
+(shifted once), `position_ids` [B, S, 3] (multimodal rotary positions, sequence on dim 1 so the SP slicer cuts it),
+`image_feature_index` [B, S] (the row of the vision tower's output that fills each image placeholder, -1 elsewhere),
+and, whole on every rank, `pixel_values` [patches, C * temporal_patch * patch^2] with `image_grid_thw` [images, 3]
+in Qwen2-VL's own layout. A sequence shard therefore embeds its tokens, runs the vision tower on all images, and
+places each feature by its global index, with no look at the rest of the sequence. Every rank runs the vision tower
+on every micro-batch (on one zero block when it has no image), because FSDP2 shards the tower and a rank that skipped
+its forward would leave the others waiting in its all-gather.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from veomni_lite.data.collator import shift_labels
+from veomni_lite.loss_keys import IGNORE_INDEX
+from veomni_lite.models.heads import decoder_flops_per_token, masked_mean_cross_entropy
+from veomni_lite.models.hf_attention import enable_ulysses
+
+IMAGE_HEAD_FILE = "image_decoder_head.safetensors"
+_SEQUENCE_PADDING = {"input_ids": None, "labels": IGNORE_INDEX, "image_decoder_labels": IGNORE_INDEX}
+
+
+def mrope_positions(is_image: Sequence[bool], grids: Sequence[Sequence[int]], merge: int) -> Tensor:
+    """[3, S] multimodal rotary positions of one unpadded sequence (what Qwen2-VL's `get_rope_index` computes, without
+    its host reads): text counts up on all three axes; an image of grid (t, h, w) patches gets its (t, h/merge,
+    w/merge) grid coordinates offset by the running position, which then advances by max(h, w) / merge."""
+    pieces, position, start, grid_iter = [], 0, 0, iter(grids)
+    while start < len(is_image):
+        end = start
+        while end < len(is_image) and is_image[end] == is_image[start]:
+            end += 1
+        if not is_image[start]:
+            pieces.append(torch.arange(position, position + end - start).expand(3, -1))
+            position += end - start
+        else:
+            t, h, w = next(grid_iter)
+            h, w = h // merge, w // merge
+            grid = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
+            pieces.append(torch.stack(grid).reshape(3, -1) + position)
+            position += max(h, w)
+        start = end
+    return torch.cat(pieces, dim=1)
+
+
+def collate_qwen2_vl(
+    samples: Sequence[Mapping[str, Tensor]], image_token_id: int, merge: int, pad_id: int, pad_to_multiple_of: int = 1
+) -> dict[str, Tensor]:
+    """Samples (1-D `input_ids`, unshifted `labels` / `image_decoder_labels`, optional `pixel_values` and
+    `image_grid_thw` for the images in order of their placeholders) -> one micro-batch (see the module docstring)."""
+    longest = max(sample["input_ids"].numel() for sample in samples)
+    length = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
+    batch_size = len(samples)
+    batch = {
+        key: torch.full((batch_size, length), pad_id if pad is None else pad, dtype=torch.long)
+        for key, pad in _SEQUENCE_PADDING.items()
+    }
+    batch["position_ids"] = torch.zeros((batch_size, length, 3), dtype=torch.long)
+    batch["image_feature_index"] = torch.full((batch_size, length), -1, dtype=torch.long)
+    pixel_values, grids, offset = [], [], 0
+    for row, sample in enumerate(samples):
+        ids = sample["input_ids"]
+        n = ids.numel()
+        batch["input_ids"][row, :n] = ids
+        for key in ("labels", "image_decoder_labels"):
+            batch[key][row, :n] = shift_labels(sample[key])
+        is_image = (ids == image_token_id).tolist()
+        sample_grids = sample["image_grid_thw"].tolist() if "image_grid_thw" in sample else []
+        positions = mrope_positions(is_image, sample_grids, merge).T  # [n, 3]
+        batch["position_ids"][row, :n] = positions
+        batch["position_ids"][row, n:] = (positions.max() + 1 + torch.arange(length - n)).unsqueeze(-1)
+        if sample_grids:
+            placeholders = torch.nonzero(ids == image_token_id).squeeze(-1)
+            batch["image_feature_index"][row, placeholders] = torch.arange(offset, offset + placeholders.numel())
+            offset += placeholders.numel()
+            pixel_values.append(sample["pixel_values"])
+            grids.append(sample["image_grid_thw"])
+    if pixel_values:
+        batch["pixel_values"] = torch.cat(pixel_values)
+        batch["image_grid_thw"] = torch.cat(grids)
+    return batch
+
+
+class Qwen2VLWithImageHead(nn.Module):
+    """`Qwen2VLForConditionalGeneration` (as `vlm`) plus `image_head`; see the module docstring."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        from transformers import Qwen2VLForConditionalGeneration
+
+        self.vlm = Qwen2VLForConditionalGeneration(config)
+        hidden = config.text_config.hidden_size
+        self.image_head = nn.Sequential(
+            nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, config.image_decoder_classes)
+        )
+
+    @classmethod
+    def from_config(cls, config: Any) -> Qwen2VLWithImageHead:
+        """`config`: a `Qwen2VLConfig` with an extra `image_decoder_classes` (the image head's number of codes)."""
+        config.text_config._attn_implementation = "sdpa"
+        config.vision_config._attn_implementation = "sdpa"
+        return cls(config)
+
+    @property
+    def config(self) -> Any:
+        return self.vlm.config
+
+    @property
+    def loss_keys(self) -> tuple[str, ...]:
+        return ("foundation_loss", "image_decoder_loss")
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        """What FSDP shards one by one: the decoder layers, then the whole vision tower."""
+        return [*self.vlm.model.language_model.layers, self.vlm.model.visual]
+
+    def embed(self, input_ids: Tensor, image_feature_index: Tensor, pixel_values: Tensor | None, grid: Tensor | None):
+        model = self.vlm.model
+        embeds = model.get_input_embeddings()(input_ids)
+        visual = model.visual
+        if pixel_values is None:
+            vision = visual.config
+            merge = vision.spatial_merge_size
+            width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+            dummy = embeds.new_zeros(merge * merge, width)
+            dummy_grid = torch.tensor([[1, merge, merge]], device=embeds.device)
+            return embeds + 0.0 * visual(dummy, grid_thw=dummy_grid).pooler_output.sum()
+        features = visual(pixel_values.to(embeds.dtype), grid_thw=grid).pooler_output  # [image tokens, hidden]
+        placed = features[image_feature_index.clamp(min=0)].to(embeds.dtype)
+        return torch.where((image_feature_index >= 0).unsqueeze(-1), placed, embeds)
+
+    def hidden_states(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        image_feature_index: Tensor,
+        pixel_values: Tensor | None = None,
+        image_grid_thw: Tensor | None = None,
+    ) -> Tensor:
+        embeds = self.embed(input_ids, image_feature_index, pixel_values, image_grid_thw)
+        out = self.vlm.model.language_model(
+            inputs_embeds=embeds, position_ids=position_ids.permute(2, 0, 1), use_cache=False
+        )
+        return out.last_hidden_state
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        image_feature_index: Tensor,
+        labels: Tensor | None = None,
+        image_decoder_labels: Tensor | None = None,
+        pixel_values: Tensor | None = None,
+        image_grid_thw: Tensor | None = None,
+        **_: Any,
+    ) -> dict[str, Tensor]:
+        hidden = self.hidden_states(input_ids, position_ids, image_feature_index, pixel_values, image_grid_thw)
+        logits = self.vlm.lm_head(hidden)
+        if labels is None:
+            return {"logits": logits, "image_logits": self.image_head(hidden)}
+        return {
+            "foundation_loss": masked_mean_cross_entropy(logits, labels),
+            "image_decoder_loss": masked_mean_cross_entropy(self.image_head(hidden), image_decoder_labels),
+        }
+
+    def flops_per_token(self, seq_len: int) -> float:
+        text = self.config.text_config
+        embed = self.vlm.get_input_embeddings().weight
+        return decoder_flops_per_token(self, text.num_hidden_layers, text.hidden_size, seq_len, exclude=(embed,))
+
+    def enable_sequence_parallel(self, sp_group: dist.ProcessGroup) -> None:
+        """Ulysses in the decoder only: the vision tower keeps SDPA over whole images."""
+        layers = self.vlm.model.language_model.layers
+        enable_ulysses(self.config.text_config, (layer.self_attn for layer in layers), sp_group)
+
+    def save_config(self, directory: str | Path) -> None:
+        """`directory/config.json`: the transformers config this model is rebuilt from (see `veomni_lite.export`)."""
+        self.config.save_pretrained(str(directory))
+
+    def save_pretrained(self, directory: str | Path) -> list[str]:
+        """`Qwen2VLForConditionalGeneration.from_pretrained(directory)` loads the backbone and LM head; the image head
+        (no transformers class has it) goes to `image_decoder_head.safetensors`. Returns the files written."""
+        from safetensors.torch import save_file
+
+        self.config.text_config._attn_implementation = "sdpa"
+        self.vlm.save_pretrained(str(directory), safe_serialization=True)
+        head = {key: value.detach().contiguous().cpu() for key, value in self.image_head.state_dict().items()}
+        save_file(head, str(Path(directory) / IMAGE_HEAD_FILE), metadata={"layout": "Linear-GELU-Linear"})
+        return sorted(p.name for p in Path(directory).iterdir())
