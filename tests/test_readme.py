@@ -1,0 +1,44 @@
+"""The README's snippets run as written and do what the README says."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def python_block(heading: str) -> str:
+    text = README.read_text()
+    return re.search(r"```python\n(.*?)```", text[text.index(heading) :], re.S).group(1)
+
+
+def test_the_loss_snippet_trains_on_the_exact_token_mean_of_the_step(monkeypatch):
+    namespace: dict = {}
+    grads: list[torch.Tensor] = []
+    original_step = torch.optim.AdamW.step
+
+    def capture_then_step(self, *args, **kwargs):
+        grads.extend(p.grad.clone() for p in namespace["model"].parameters())
+        return original_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", capture_then_step)
+    exec(compile(python_block("## Use the loss module with your own model"), "README.md", "exec"), namespace)
+    model, batches = namespace["model"], namespace["micro_batches"]
+    assert len(grads) == len(list(model.parameters()))
+
+    torch.manual_seed(0)  # the snippet's initial weights: it seeds, then builds the model before drawing any batch
+    reference = type(model)(model.config)
+    total = sum(
+        F.cross_entropy(
+            reference(input_ids=b["input_ids"]).logits.flatten(0, 1), b["labels"].flatten(), reduction="sum"
+        )
+        for b in batches
+    )
+    count = sum(int((b["labels"] != -100).sum()) for b in batches)
+    (total / count).backward()
+    for p, g in zip(reference.parameters(), grads):
+        torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-6)
