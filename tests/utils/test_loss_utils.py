@@ -102,6 +102,31 @@ def test_count_loss_token_nested_and_padding_flag():
     assert int(count_loss_token(not_padded)["aux_tokens"]) == int((batches[1]["aux_labels"] != IGNORE_INDEX).sum())
 
 
+def test_count_loss_token_of_a_list_equals_the_sum_of_its_micro_batches():
+    """Whatever the shapes and flags: a key first seen in a padded micro-batch, ragged lengths, tensor flags."""
+    gen = torch.Generator().manual_seed(5)
+
+    def labels(seq: int) -> torch.Tensor:
+        out = torch.randint(0, VOCAB, (2, seq), generator=gen)
+        out[torch.rand(out.shape, generator=gen) < 0.4] = IGNORE_INDEX
+        return out
+
+    batches = [
+        {"labels": labels(5), "late_labels": labels(3), "padding_flag": True},
+        {"labels": labels(7), "padding_flag": torch.tensor(False)},
+        {"labels": labels(2).t(), "other_labels": labels(4)},  # non-contiguous
+        {"labels": labels(9), "other_labels": labels(1), "padding_flag": torch.tensor([True])},
+        {"labels": labels(4), "other_labels": labels(6), "padding_flag": False},
+    ]
+    counts = count_loss_token(batches)
+    assert list(counts) == ["foundation_tokens", "late_tokens", "other_tokens"]
+    for key in counts:
+        expected = sum(int(count_loss_token(batch).get(key, 0)) for batch in batches)
+        assert counts[key].dtype == torch.int64 and counts[key].shape == ()
+        assert int(counts[key]) == expected, key
+    assert int(counts["late_tokens"]) == 0
+
+
 def test_count_loss_token_rejects_other_types_naming_them():
     with pytest.raises(TypeError, match=r"batches\[1\] is a str"):
         count_loss_token([make_micro_batches(1)[0], "oops"])

@@ -80,24 +80,50 @@ def _iter_micro_batches(batches: Any, where: str = "batches") -> Iterator[Mappin
         )
 
 
+def _valid_tokens(labels: torch.Tensor) -> torch.Tensor:
+    return torch.count_nonzero(labels != IGNORE_INDEX)  # int64, 0-d
+
+
 def count_loss_token(batches: Any) -> dict[str, torch.Tensor]:
-    """Valid-token counts per loss key, summed over all micro-batches given (int64 tensors, no host sync)."""
-    counts: dict[str, torch.Tensor] = {}
+    """Valid-token counts per loss key, summed over all micro-batches given (int64 tensors, no host sync).
+
+    Each key's labels are counted in one pass over their concatenation, so a list of GA micro-batches costs the ops
+    of one. A count lands on the device of the key's first labels.
+    """
+    first: dict[str, torch.Tensor] = {}  # token key -> its first labels, in order of appearance
+    unpadded: dict[str, list[torch.Tensor]] = {}
+    flagged: dict[str, list[torch.Tensor]] = {}  # counts of micro-batches whose padding_flag is a tensor
     for batch in _iter_micro_batches(batches):
         padding_flag = batch.get("padding_flag", False)
         for batch_key, labels in batch.items():
             name = name_of_labels(batch_key)
             if name is None:
                 continue
-            token_key = tokens_key(name)
             if not isinstance(labels, torch.Tensor):
                 raise TypeError(f"count_loss_token: {batch_key!r} is a {type(labels).__name__}; expected a tensor")
-            count = (labels != IGNORE_INDEX).sum(dtype=torch.int64)
+            token_key = tokens_key(name)
+            first.setdefault(token_key, labels)
             if isinstance(padding_flag, torch.Tensor):
-                count = torch.where(padding_flag.to(count.device).bool().any(), 0, count)
-            elif padding_flag:
-                count = torch.zeros_like(count)
-            counts[token_key] = counts[token_key] + count.to(counts[token_key].device) if token_key in counts else count
+                count = _valid_tokens(labels)
+                padded = padding_flag.to(count.device).bool().any()
+                flagged.setdefault(token_key, []).append(torch.where(padded, 0, count))
+            elif not padding_flag:
+                unpadded.setdefault(token_key, []).append(labels)
+    counts: dict[str, torch.Tensor] = {}
+    for token_key, first_labels in first.items():
+        device = first_labels.device
+        parts = unpadded.get(token_key, [])
+        if not parts:
+            count = torch.zeros((), dtype=torch.int64, device=device)
+        elif len(parts) == 1:
+            count = _valid_tokens(parts[0]).to(device)
+        elif all(part.device == device for part in parts):
+            count = _valid_tokens(torch.cat([part.reshape(-1) for part in parts]))
+        else:
+            count = torch.stack([_valid_tokens(part).to(device) for part in parts]).sum()
+        for extra in flagged.get(token_key, []):
+            count = count + extra.to(device)
+        counts[token_key] = count
     return counts
 
 
