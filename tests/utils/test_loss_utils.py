@@ -302,13 +302,20 @@ def test_counts_beyond_2_pow_24_and_2_pow_40_stay_exact(monkeypatch):
         assert out["foundation_loss"].item() == local * (2 / total)
 
 
-def test_a_new_process_group_agrees_again(monkeypatch):
+class FakeGroup:
+    """Stands for a process group object (weak-referenceable, compared by identity)."""
+
+
+def test_a_new_process_group_agrees_again_and_the_old_one_is_not_kept_alive(monkeypatch):
     sim = SimulatedPeers(monkeypatch, [{"foundation": 4}])
-    state = SimpleNamespace(world_group=object())
+    state = SimpleNamespace(world_group=FakeGroup())
     monkeypatch.setattr(loss_utils, "get_parallel_state", lambda: state)
     run_step(make_micro_batches(2), ("foundation",))
     run_step(make_micro_batches(2, seed=1), ("foundation",))
-    state.world_group = object()
+    old_group = weakref.ref(state.world_group)
+    state.world_group = FakeGroup()
+    gc.collect()
+    assert old_group() is None, "the agreement must not keep a destroyed group alive"
     run_step(make_micro_batches(2, seed=2), ("foundation",))
     assert sim.sizes == [AGREEMENT_SIZE, 1, AGREEMENT_SIZE]
 

@@ -45,8 +45,9 @@ Rank agreement (ranks that pack different key sets would reduce different buffer
 
 from __future__ import annotations
 
+import weakref
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 from typing import Any
@@ -213,7 +214,7 @@ def _read_packed(reduced: torch.Tensor, num_names: int) -> tuple[torch.Tensor, t
 class _Agreement:
     """A key set every rank of `group` sent through the agreement buffer with a matching verdict."""
 
-    group: Any  # strong reference: a new process group (even at a reused id) re-agrees
+    group: Callable[[], Any]  # weak reference: a new group (even at a reused id) re-agrees; a destroyed one is freed
     names: tuple[str, ...]
     world: torch.Tensor  # W from the agreement's 1-per-rank slot, float64 (the group size)
 
@@ -243,6 +244,10 @@ def _world_key(group: dist.ProcessGroup | None) -> Any:
     if group is not None or not (dist.is_available() and dist.is_initialized()):
         return group
     return dist.group.WORLD
+
+
+def _weak(group: Any) -> Callable[[], Any]:
+    return (lambda: None) if group is None else weakref.ref(group)
 
 
 def _stacked(counts: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -290,7 +295,7 @@ def _reduce_agreed(
         return all_reduce(_stacked(counts, device), op="sum", group=group), world
     world_key = _world_key(group)
     agreed = _AGREEMENTS.get(caller)
-    if agreed is not None and agreed.group is world_key:
+    if agreed is not None and agreed.group() is world_key:
         if names == agreed.names:
             local = _stacked(counts, device)
         else:  # this rank cannot send its counts in a buffer of the agreed size: it makes the sum say so instead
@@ -306,7 +311,7 @@ def _reduce_agreed(
         raise _too_many_keys(caller, names)
     world = world.double()
     if names:  # an empty lean buffer could not carry a poisoned sum
-        _AGREEMENTS[caller] = _Agreement(group=world_key, names=names, world=world)
+        _AGREEMENTS[caller] = _Agreement(group=_weak(world_key), names=names, world=world)
     return totals, world
 
 
