@@ -1,9 +1,10 @@
-"""The loss contract on real gloo process groups: DP=4 and DP=2 x SP=2, GA 4, two loss keys.
+"""The loss contract on real gloo process groups: DP=2, DP=4 and DP=2 x SP=2, GA 4, two loss keys.
 
 Each rank trains its dp share, SP-sliced, with the plain local-mean cross-entropy (NaN on all-ignored shards),
 scales it with `mean_global_loss`, backpropagates, and averages gradients over the mesh as FSDP does. The result
 must equal one process's `F.cross_entropy(reduction="mean")` over the whole global batch, both on the memoized path
-and on VeOmni's call sequence (`reduce_global_loss_token` passed as the 4th argument).
+and on VeOmni's call sequence (`reduce_global_loss_token` passed as the 4th argument). Ranks whose loss keys change
+after agreed steps either re-agree (all alike) or all raise (one rank alone), never hang.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from veomni_lite.distributed.parallel_state import get_parallel_state, init_para
 from veomni_lite.distributed.sequence_parallel import slice_micro_batch
 from veomni_lite.utils.loss_utils import (
     IGNORE_INDEX,
+    MAX_LOSS_KEYS,
     LossKeyMismatchError,
     count_loss_token,
     mean_global_loss,
@@ -29,6 +31,7 @@ from veomni_lite.utils.loss_utils import (
 )
 
 VOCAB, HIDDEN, SEQ, GLOBAL_BATCH, GA = 13, 8, 12, 16, 4
+STEPS, EMPTY_STEP = 3, 1
 HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
 
 
@@ -46,6 +49,23 @@ class PerTokenModel(torch.nn.Module):
             logits.reshape(-1, VOCAB), target.reshape(-1), ignore_index=IGNORE_INDEX
         )
         return {"foundation_loss": ce(self.head(hidden), labels), "aux_loss": ce(self.aux_head(hidden), aux_labels)}
+
+
+@contextlib.contextmanager
+def all_reduce_sizes() -> Iterator[list[int]]:
+    """The element count of every `dist.all_reduce` buffer issued inside the block."""
+    sizes: list[int] = []
+    original = dist.all_reduce
+
+    def recorded(tensor: torch.Tensor, *args, **kwargs):
+        sizes.append(tensor.numel())
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = recorded
+    try:
+        yield sizes
+    finally:
+        dist.all_reduce = original
 
 
 @contextlib.contextmanager
@@ -81,7 +101,7 @@ def global_batch(step: int) -> dict[str, torch.Tensor]:
     aux[0:2, SEQ // 2 :] = IGNORE_INDEX
     labels[4:6] = IGNORE_INDEX  # all-ignored micro-batches
     aux[4:8] = IGNORE_INDEX
-    if step == 1:  # a whole step without a single valid token
+    if step == EMPTY_STEP:  # a whole step without a single valid token
         labels.fill_(IGNORE_INDEX)
         aux.fill_(IGNORE_INDEX)
     return {"input_ids": input_ids, "labels": labels, "aux_labels": aux}
@@ -127,10 +147,10 @@ def mesh_mean_grads(model: torch.nn.Module) -> list[torch.Tensor]:
 def _train_steps(rank: int, world_size: int, dp_size: int, sp_size: int) -> dict:
     init_parallel_state(dp_size, sp_size)
     out = {"grads": [], "loss": [], "collectives": [], "host_reads": []}
-    for step in range(2):
+    for step in range(STEPS):
         model = PerTokenModel()
         micro_batches = rank_micro_batches(step)
-        with counting_calls(dist, "all_reduce") as collectives, forbid_host_reads() as host_reads:
+        with all_reduce_sizes() as collectives, forbid_host_reads() as host_reads:
             step_tokens = count_loss_token(micro_batches)
             step_loss = torch.zeros(())
             for micro_batch in micro_batches:
@@ -138,7 +158,7 @@ def _train_steps(rank: int, world_size: int, dp_size: int, sp_size: int) -> dict
                 loss = sum(scaled.values())
                 loss.backward()
                 step_loss = step_loss + loss.detach()
-        out["collectives"].append(len(collectives))
+        out["collectives"].append(collectives)
         out["host_reads"].append(len(host_reads))
         out["grads"].append(mesh_mean_grads(model))
         dist.all_reduce(step_loss)
@@ -148,19 +168,21 @@ def _train_steps(rank: int, world_size: int, dp_size: int, sp_size: int) -> dict
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("dp_size", "sp_size"), [(4, 1), (2, 2)])
+@pytest.mark.parametrize(("dp_size", "sp_size"), [(2, 1), (4, 1), (2, 2)])
 def test_gradients_equal_single_process_global_mean(dp_size: int, sp_size: int):
-    results = run_distributed(_train_steps, 4, dp_size, sp_size)
-    for step in range(2):
+    results = run_distributed(_train_steps, dp_size * sp_size, dp_size, sp_size)
+    for step in range(STEPS):
         expected, expected_loss = reference_grads(step)
         for rank, out in enumerate(results):
-            assert out["collectives"][step] == 1, f"rank {rank} step {step}: {out['collectives'][step]} collectives"
+            # The first step agrees on the key set (8 slots + 5-element trailer); later steps send the 2 counts.
+            sizes = [MAX_LOSS_KEYS + 5] if step == 0 else [2]
+            assert out["collectives"][step] == sizes, f"rank {rank} step {step}: all_reduce sizes"
             assert out["host_reads"][step] == 0, f"rank {rank} step {step}: host reads"
             assert out["loss"][step] == pytest.approx(expected_loss, rel=1e-5, abs=1e-7)
             for got, ref in zip(out["grads"][step], expected):
                 assert torch.isfinite(got).all()
                 torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-7)
-                if step == 1:
+                if step == EMPTY_STEP:
                     assert torch.equal(got, torch.zeros_like(got))
 
 
@@ -252,4 +274,123 @@ def test_ranks_with_different_loss_keys_all_raise_naming_the_keys():
         assert "loss keys differ across ranks" in message
         assert "rank 0: [['foundation_tokens']]" in message
         assert "rank 1: [['aux_tokens', 'foundation_tokens']]" in message
+        assert "_labels" in message
+
+
+SWITCH_WORLD = 3
+HUGE = 2**40  # far beyond float32's 2**24: the counts must stay exact in int64
+
+
+def _switch_batches(rank: int, step: int) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1000 * rank + step)
+    batches = []
+    for _ in range(GA):
+        labels = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
+        aux = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
+        labels[torch.rand(labels.shape, generator=gen) < 0.3] = IGNORE_INDEX
+        aux[torch.rand(aux.shape, generator=gen) < 0.6] = IGNORE_INDEX
+        batches.append({"labels": labels, "aux_labels": aux})
+    return batches
+
+
+def _key_switches(rank: int, world_size: int) -> dict:
+    """Agreed steps on {aux, foundation}; every rank drops aux at step 3 (re-agreement); a step with counts beyond
+    2**40; then rank 1 ALONE returns aux again (every rank must raise). The same for reduce_global_loss_token."""
+    init_parallel_state(world_size, 1)
+    out: dict = {"sizes": [], "scaled": [], "expected": []}
+
+    def step(index: int, names: tuple[str, ...], huge: bool = False) -> None:
+        micro_batches = _switch_batches(rank, index)
+        micro_counts = [count_loss_token(batch) for batch in micro_batches]
+        if huge:
+            micro_counts = [{"foundation_tokens": torch.tensor(HUGE + rank)} for _ in micro_batches]
+        with all_reduce_sizes() as sizes:
+            step_tokens = (
+                count_loss_token(micro_batches) if not huge else {"foundation_tokens": torch.tensor(HUGE + rank)}
+            )
+            scaled = [
+                mean_global_loss(
+                    {f"{name}_loss": torch.tensor(1.0, dtype=torch.float64) for name in names}, counts, step_tokens
+                )
+                for counts in micro_counts
+            ]
+        out["sizes"].append(sizes)
+        totals = {name: step_tokens[f"{name}_tokens"].clone() for name in names}
+        for total in totals.values():
+            dist.all_reduce(total)  # the reference T, outside the measured block
+        out["scaled"].append([{key: float(value) for key, value in s.items()} for s in scaled])
+        out["expected"].append(
+            [
+                {f"{n}_loss": int(c[f"{n}_tokens"]) * world_size / max(int(totals[n]), 1) for n in names}
+                for c in micro_counts
+            ]
+        )
+
+    for index in range(3):
+        step(index, ("aux", "foundation"))
+    step(3, ("foundation",))  # every rank changes its keys at the same step
+    step(4, ("foundation",), huge=True)
+    start = time.monotonic()
+    try:
+        step(5, ("aux", "foundation") if rank == 1 else ("foundation",))
+        out["mismatch"] = "returned a value"
+    except LossKeyMismatchError as exc:
+        out["mismatch"] = str(exc)
+    out["mismatch_s"] = time.monotonic() - start
+
+    token_calls = []
+    for call in range(2):
+        with all_reduce_sizes() as sizes:
+            token_calls.append(reduce_global_loss_token({"foundation_tokens": HUGE + rank, "aux_tokens": call}))
+        out["sizes"].append(sizes)
+    out["token_totals"] = token_calls
+    start = time.monotonic()
+    try:
+        extra = {"image_tokens": 1} if rank == 1 else {}
+        reduce_global_loss_token({"foundation_tokens": 1, "aux_tokens": 1, **extra})
+        out["token_mismatch"] = "returned a value"
+    except LossKeyMismatchError as exc:
+        out["token_mismatch"] = str(exc)
+    out["token_mismatch_s"] = time.monotonic() - start
+    return out
+
+
+@pytest.fixture(scope="module")
+def key_switches() -> list[dict]:
+    start = time.monotonic()
+    results = run_distributed(_key_switches, SWITCH_WORLD, timeout_s=120, pg_timeout_s=30)
+    assert time.monotonic() - start < 100
+    return results
+
+
+@pytest.mark.slow
+def test_all_ranks_changing_keys_together_re_agree_with_exact_denominators(key_switches):
+    agreement = MAX_LOSS_KEYS + 5
+    for rank, out in enumerate(key_switches):
+        assert out["sizes"][:5] == [[agreement], [2], [2], [2, agreement], [1]], f"rank {rank}"
+        for step in range(5):
+            for got, expected in zip(out["scaled"][step], out["expected"][step], strict=True):
+                assert got.keys() == expected.keys()
+                for key in got:
+                    assert got[key] == pytest.approx(expected[key], rel=1e-12), f"rank {rank} step {step} {key}"
+        huge_total = SWITCH_WORLD * HUGE + sum(range(SWITCH_WORLD))
+        assert out["scaled"][4][0]["foundation_loss"] == (HUGE + rank) * (SWITCH_WORLD / huge_total)
+        # reduce_global_loss_token: its own agreement, then exactly its 2 keys; totals exact beyond 2**40
+        assert out["sizes"][5:] == [[agreement], [2]]
+        assert out["token_totals"][1] == {"foundation_tokens": float(huge_total), "aux_tokens": float(SWITCH_WORLD)}
+
+
+@pytest.mark.slow
+def test_one_rank_changing_keys_after_agreement_raises_on_every_rank_without_a_hang(key_switches):
+    for rank, out in enumerate(key_switches):
+        for field in ("mismatch", "token_mismatch"):
+            message = out[field]
+            assert "loss keys differ across ranks" in message, f"rank {rank}: {message}"
+            assert out[f"{field}_s"] < 5, f"rank {rank}: {field} took {out[f'{field}_s']:.1f}s"
+        message = out["mismatch"]
+        assert "rank 0: [['foundation']]" in message and "rank 2: [['foundation']]" in message
+        assert "rank 1: [['aux', 'foundation']]" in message
+        message = out["token_mismatch"]
+        assert "rank 0: [['aux_tokens', 'foundation_tokens']]" in message
+        assert "rank 1: [['aux_tokens', 'foundation_tokens', 'image_tokens']]" in message
         assert "_labels" in message

@@ -24,24 +24,28 @@ from veomni_lite.utils.loss_utils import (
 VOCAB = 11
 
 
+AGREEMENT_SIZE = MAX_LOSS_KEYS + 5
+
+
 @pytest.fixture(autouse=True)
 def _fresh_memo():
     loss_utils.reset_loss_memo()
+    loss_utils._forget_agreements()
     yield
     loss_utils.reset_loss_memo()
+    loss_utils._forget_agreements()
 
 
 class CountingAllReduce:
-    """Records every all_reduce the loss path issues; behaves as a world of one (or adds `other_ranks`)."""
+    """Records every all_reduce the loss path issues; behaves as a world of one."""
 
-    def __init__(self, other_ranks: list[torch.Tensor] | None = None) -> None:
+    def __init__(self) -> None:
         self.buffers: list[torch.Tensor] = []
-        self.other_ranks = other_ranks or []
 
     def __call__(self, data, op="sum", group=None):
         assert op == "sum"
         self.buffers.append(data.clone())
-        return data + sum(self.other_ranks) if self.other_ranks else data.clone()
+        return data.clone()
 
     @property
     def calls(self) -> int:
@@ -53,6 +57,46 @@ def counting(monkeypatch) -> CountingAllReduce:
     counter = CountingAllReduce()
     monkeypatch.setattr(loss_utils, "all_reduce", counter)
     return counter
+
+
+class SimulatedPeers:
+    """`all_reduce` over this rank and simulated peer ranks that follow the same protocol (a world of 1 + peers).
+
+    Each peer is `{name: count}`: its key set and counts. It sends the agreement buffer when this rank does (the
+    buffer size says so), else its counts when its names are the agreed ones, else the poison. Every buffer this rank
+    sends is recorded.
+    """
+
+    def __init__(self, monkeypatch, peers: list[dict[str, int]], caller: str = "mean_global_loss") -> None:
+        self.peers = peers
+        self.caller = caller
+        self.buffers: list[torch.Tensor] = []
+        monkeypatch.setattr(loss_utils, "all_reduce", self)
+        monkeypatch.setattr(loss_utils, "group_size", lambda group=None: 1 + len(self.peers))
+
+    def __call__(self, data, op="sum", group=None):
+        assert op == "sum" and data.dtype == torch.int64
+        self.buffers.append(data.clone())
+        total = data.clone()
+        for peer in self.peers:
+            total += self._peer_buffer(peer, data.numel())
+        return total
+
+    def _peer_buffer(self, peer: dict[str, int], numel: int) -> torch.Tensor:
+        names = tuple(sorted(peer))
+        if numel == AGREEMENT_SIZE:
+            buffer = torch.zeros(AGREEMENT_SIZE, dtype=torch.int64)
+            if len(names) <= MAX_LOSS_KEYS:
+                buffer[: len(names)] = torch.tensor([peer[name] for name in names], dtype=torch.int64)
+            buffer[MAX_LOSS_KEYS:] = loss_utils._trailer(names, torch.device("cpu"))
+            return buffer
+        if names == loss_utils._AGREEMENTS[self.caller].names:
+            return torch.tensor([peer[name] for name in names], dtype=torch.int64)
+        return torch.full((numel,), loss_utils._poison(1 + len(self.peers)), dtype=torch.int64)
+
+    @property
+    def sizes(self) -> list[int]:
+        return [buffer.numel() for buffer in self.buffers]
 
 
 def make_micro_batches(num: int, seq: int = 6, seed: int = 0, ignore_p: float = 0.3) -> list[dict[str, torch.Tensor]]:
@@ -102,6 +146,31 @@ def test_count_loss_token_nested_and_padding_flag():
     assert int(count_loss_token(not_padded)["aux_tokens"]) == int((batches[1]["aux_labels"] != IGNORE_INDEX).sum())
 
 
+def test_count_loss_token_of_a_list_equals_the_sum_of_its_micro_batches():
+    """Whatever the shapes and flags: a key first seen in a padded micro-batch, ragged lengths, tensor flags."""
+    gen = torch.Generator().manual_seed(5)
+
+    def labels(seq: int) -> torch.Tensor:
+        out = torch.randint(0, VOCAB, (2, seq), generator=gen)
+        out[torch.rand(out.shape, generator=gen) < 0.4] = IGNORE_INDEX
+        return out
+
+    batches = [
+        {"labels": labels(5), "late_labels": labels(3), "padding_flag": True},
+        {"labels": labels(7), "padding_flag": torch.tensor(False)},
+        {"labels": labels(2).t(), "other_labels": labels(4)},  # non-contiguous
+        {"labels": labels(9), "other_labels": labels(1), "padding_flag": torch.tensor([True])},
+        {"labels": labels(4), "other_labels": labels(6), "padding_flag": False},
+    ]
+    counts = count_loss_token(batches)
+    assert list(counts) == ["foundation_tokens", "late_tokens", "other_tokens"]
+    for key in counts:
+        expected = sum(int(count_loss_token(batch).get(key, 0)) for batch in batches)
+        assert counts[key].dtype == torch.int64 and counts[key].shape == ()
+        assert int(counts[key]) == expected, key
+    assert int(counts["late_tokens"]) == 0
+
+
 def test_count_loss_token_rejects_other_types_naming_them():
     with pytest.raises(TypeError, match=r"batches\[1\] is a str"):
         count_loss_token([make_micro_batches(1)[0], "oops"])
@@ -113,17 +182,15 @@ def test_count_loss_token_rejects_other_types_naming_them():
 
 
 def test_one_all_reduce_per_step_carrying_both_keys(counting):
+    """One rank: nobody to agree with, so every step sends exactly its k loss keys' counts."""
     batches = make_micro_batches(4)
     step_tokens = count_loss_token(batches)
     for batch in batches:
         losses = {"foundation_loss": torch.tensor(1.0), "aux_loss": torch.tensor(2.0)}
         mean_global_loss(losses, count_loss_token(batch), step_tokens)
     assert counting.calls == 1
-    packed = counting.buffers[0]
     # sorted loss keys: aux, foundation
-    assert int(packed[0]) == int(step_tokens["aux_tokens"])
-    assert int(packed[1]) == int(step_tokens["foundation_tokens"])
-    assert packed.shape == (MAX_LOSS_KEYS + 5,)
+    assert counting.buffers[0].tolist() == [int(step_tokens["aux_tokens"]), int(step_tokens["foundation_tokens"])]
 
     next_step = count_loss_token(make_micro_batches(4, seed=1))
     mean_global_loss({"foundation_loss": torch.tensor(1.0), "aux_loss": torch.tensor(2.0)}, next_step, next_step)
@@ -134,9 +201,148 @@ def test_token_keys_without_a_loss_are_not_reduced(counting):
     batches = make_micro_batches(2)
     step_tokens = count_loss_token(batches)
     mean_global_loss(torch.tensor(1.0), count_loss_token(batches[0]), step_tokens)
-    packed = counting.buffers[0]
-    assert int(packed[0]) == int(step_tokens["foundation_tokens"])
-    assert packed[1:MAX_LOSS_KEYS].eq(0).all(), "aux_tokens has no loss and must not be packed"
+    assert counting.buffers[0].tolist() == [int(step_tokens["foundation_tokens"])], "aux_tokens has no loss"
+
+
+def run_step(batches: list[dict[str, torch.Tensor]], names: tuple[str, ...], mean: float = 1.0) -> list[dict]:
+    """One step of GA = len(batches) micro-batches with fixed local means for `names`; the scaled losses."""
+    step_tokens = count_loss_token(batches)
+    return [
+        mean_global_loss({f"{name}_loss": torch.tensor(mean) for name in names}, count_loss_token(batch), step_tokens)
+        for batch in batches
+    ]
+
+
+@pytest.mark.parametrize("names", [("foundation",), ("aux", "foundation")], ids=["1 key", "2 keys"])
+def test_steady_state_sends_one_int64_per_loss_key_after_one_agreement(monkeypatch, names):
+    """W = 2: the first step agrees through the 13-element buffer; later steps send k elements; one collective each."""
+    peer = {name: 7 for name in names}
+    sim = SimulatedPeers(monkeypatch, [peer])
+    for step in range(4):
+        batches = make_micro_batches(4, seed=step)
+        scaled = run_step(batches, names)
+        assert len(sim.buffers) == step + 1, "one collective per step, whatever the GA"
+        expected_size = AGREEMENT_SIZE if step == 0 else len(names)
+        assert sim.sizes[-1] == expected_size
+        step_tokens = count_loss_token(batches)
+        for batch, out in zip(batches, scaled):
+            for name in names:
+                n = int(count_loss_token(batch)[f"{name}_tokens"])
+                total = int(step_tokens[f"{name}_tokens"]) + 7
+                assert out[f"{name}_loss"].item() == pytest.approx(n / total * 2, rel=1e-6)
+
+
+def test_a_peer_switching_keys_after_agreement_makes_this_rank_raise(monkeypatch):
+    """The peer's keys change after agreed steps: its poison makes the lean sum negative here too, so all re-agree."""
+    peer = {"aux": 3, "foundation": 5}
+    sim = SimulatedPeers(monkeypatch, [peer])
+    run_step(make_micro_batches(2), ("aux", "foundation"))
+    run_step(make_micro_batches(2, seed=1), ("aux", "foundation"))
+    assert sim.sizes == [AGREEMENT_SIZE, 2]
+    sim.peers[0] = {"foundation": 5}
+    with pytest.raises(LossKeyMismatchError, match=r"\['aux', 'foundation'\]"):
+        run_step(make_micro_batches(2, seed=2), ("aux", "foundation"))
+    assert sim.sizes == [AGREEMENT_SIZE, 2, 2, AGREEMENT_SIZE]
+    assert (sim.buffers[2] >= 0).all(), "this rank's keys did not change: it sent its counts"
+    # The mismatch forgets the agreement on every rank: the next step agrees again.
+    sim.peers[0] = {"aux": 3, "foundation": 5}
+    run_step(make_micro_batches(2, seed=3), ("aux", "foundation"))
+    assert sim.sizes[-1] == AGREEMENT_SIZE
+
+
+def test_this_rank_switching_keys_alone_poisons_the_lean_sum_and_raises(monkeypatch):
+    sim = SimulatedPeers(monkeypatch, [{"aux": 3, "foundation": 5}])
+    run_step(make_micro_batches(2), ("aux", "foundation"))
+    with pytest.raises(LossKeyMismatchError, match=r"\['foundation'\]"):
+        run_step(make_micro_batches(2, seed=1), ("foundation",))
+    assert sim.sizes == [AGREEMENT_SIZE, 2, AGREEMENT_SIZE], "the agreed size, poisoned, then the agreement buffer"
+    assert sim.buffers[1].tolist() == [loss_utils._poison(2)] * 2
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_all_ranks_switching_keys_together_re_agree_silently(monkeypatch, world):
+    peers = [{"aux": 3, "foundation": 5} for _ in range(world - 1)]
+    sim = SimulatedPeers(monkeypatch, peers)
+    run_step(make_micro_batches(2), ("aux", "foundation"))
+    run_step(make_micro_batches(2, seed=1), ("aux", "foundation"))
+    sim.peers[:] = [{"foundation": 11} for _ in range(world - 1)]
+    batches = make_micro_batches(3, seed=2)
+    scaled = run_step(batches, ("foundation",))
+    assert sim.sizes == [AGREEMENT_SIZE, 2, 2, AGREEMENT_SIZE], "poisoned lean sum, then one agreement"
+    total = int(count_loss_token(batches)["foundation_tokens"]) + 11 * (world - 1)
+    for batch, out in zip(batches, scaled):
+        n = int(count_loss_token(batch)["foundation_tokens"])
+        assert out["foundation_loss"].item() == pytest.approx(n / total * world, rel=1e-6)
+    run_step(make_micro_batches(2, seed=3), ("foundation",))
+    assert sim.sizes[-1] == 1, "the new key set is the agreed one"
+
+
+@pytest.mark.parametrize("world", [2, 3, 5, 1024, 2**15, 2**20])
+def test_the_poison_is_exact_in_int64_and_cannot_be_masked_by_valid_counts(world):
+    poison = loss_utils._poison(world)
+    largest_valid_total = loss_utils._POISON_BUDGET // world - 1
+    for poisoned_ranks in (1, 2, world):
+        if poisoned_ranks > world:
+            continue
+        worst_high = torch.tensor(largest_valid_total) + torch.tensor(poison) * poisoned_ranks
+        worst_low = torch.tensor(poison) * poisoned_ranks
+        assert worst_high.item() < 0, "a poisoned sum is negative whatever the valid counts"
+        assert worst_low.item() >= -(2**62), "no int64 overflow"
+        assert worst_low.item() == poison * poisoned_ranks
+
+
+def test_counts_beyond_2_pow_24_and_2_pow_40_stay_exact(monkeypatch):
+    sim = SimulatedPeers(monkeypatch, [{"foundation": 2**40 + 5}])
+    for step, local in enumerate([2**24 + 1, 2**40 + 3]):
+        step_tokens = {"foundation_tokens": torch.tensor(local)}
+        out = mean_global_loss(torch.tensor(1.0, dtype=torch.float64), step_tokens, step_tokens)
+        assert sim.sizes[-1] == (AGREEMENT_SIZE if step == 0 else 1)
+        total = local + 2**40 + 5
+        assert loss_utils._MEMO.scales.tolist() == [2 / total], "T summed exactly in int64"
+        assert out["foundation_loss"].item() == local * (2 / total)
+
+
+class FakeGroup:
+    """Stands for a process group object (weak-referenceable, compared by identity)."""
+
+
+def test_a_new_process_group_agrees_again_and_the_old_one_is_not_kept_alive(monkeypatch):
+    sim = SimulatedPeers(monkeypatch, [{"foundation": 4}])
+    state = SimpleNamespace(world_group=FakeGroup())
+    monkeypatch.setattr(loss_utils, "get_parallel_state", lambda: state)
+    run_step(make_micro_batches(2), ("foundation",))
+    run_step(make_micro_batches(2, seed=1), ("foundation",))
+    old_group = weakref.ref(state.world_group)
+    state.world_group = FakeGroup()
+    gc.collect()
+    assert old_group() is None, "the agreement must not keep a destroyed group alive"
+    run_step(make_micro_batches(2, seed=2), ("foundation",))
+    assert sim.sizes == [AGREEMENT_SIZE, 1, AGREEMENT_SIZE]
+
+
+def test_reset_loss_memo_is_local_and_keeps_the_agreement(monkeypatch):
+    sim = SimulatedPeers(monkeypatch, [{"foundation": 4}])
+    run_step(make_micro_batches(2), ("foundation",))
+    loss_utils.reset_loss_memo()
+    run_step(make_micro_batches(2, seed=1), ("foundation",))
+    assert sim.sizes == [AGREEMENT_SIZE, 1]
+
+
+def test_accelerator_path_sends_the_agreement_buffer_and_defers_the_verdict(monkeypatch):
+    """Where a verdict read would be a device sync: the self-checking buffer every step, NaN denominators on a
+    mismatch, and `verify_loss_keys` raises at the step's host read."""
+    sim = SimulatedPeers(monkeypatch, [{"foundation": 4}])
+    monkeypatch.setattr(loss_utils, "_verdict_on_host", lambda device: False)
+    for seed in range(2):
+        scaled = run_step(make_micro_batches(2, seed=seed), ("foundation",))
+        loss_utils.verify_loss_keys()
+        assert all(torch.isfinite(out["foundation_loss"]) for out in scaled)
+    assert sim.sizes == [AGREEMENT_SIZE, AGREEMENT_SIZE]
+    sim.peers[0] = {"aux": 1, "foundation": 4}
+    scaled = run_step(make_micro_batches(2, seed=2), ("foundation",))
+    assert all(torch.isnan(out["foundation_loss"]) for out in scaled), "no usable value before the verdict is read"
+    with pytest.raises(LossKeyMismatchError, match=r"\['foundation'\]"):
+        loss_utils.verify_loss_keys()
 
 
 def test_explicit_global_counts_skip_the_collective(counting):
@@ -288,29 +494,44 @@ def test_no_host_reads_in_the_loss_path(monkeypatch):
         mean_global_loss(losses, count_loss_token(batch), step_tokens, global_numbers)
 
 
+def test_no_host_reads_in_the_agreement_protocol_on_cpu(monkeypatch):
+    """With peers: agreement, lean steps, a re-agreement and a mismatch; verdicts come from host memory (numpy)."""
+
+    def forbidden(*_args, **_kwargs):
+        raise AssertionError("host read in the loss path")
+
+    sim = SimulatedPeers(monkeypatch, [{"aux": 3, "foundation": 5}])
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    run_step(make_micro_batches(2), ("aux", "foundation"))
+    run_step(make_micro_batches(2, seed=1), ("aux", "foundation"))
+    sim.peers[0] = {"foundation": 5}
+    run_step(make_micro_batches(2, seed=2), ("foundation",))
+    sim.peers[0] = {"aux": 1, "foundation": 5}
+    with pytest.raises(LossKeyMismatchError):
+        run_step(make_micro_batches(2, seed=3), ("foundation",))
+    monkeypatch.undo()
+    assert sim.sizes == [AGREEMENT_SIZE, 2, 2, AGREEMENT_SIZE, 1, AGREEMENT_SIZE]
+
+
 # ---------------------------------------------------------------- rank agreement
 
 
 def test_a_rank_with_other_loss_keys_is_detected(monkeypatch):
-    """Simulate a second rank whose buffer carries a different key-set fingerprint."""
-    other = torch.zeros(MAX_LOSS_KEYS + 5, dtype=torch.int64)
-    fp_a, fp_b = loss_utils._fingerprints(("aux", "foundation"))
-    other[MAX_LOSS_KEYS:] = torch.tensor([1, fp_a, fp_a * fp_a, fp_b, fp_b * fp_b])
-    monkeypatch.setattr(loss_utils, "all_reduce", CountingAllReduce(other_ranks=[other]))
+    """A peer whose key set differs from the first step on: the agreement buffer's fingerprints disagree."""
+    SimulatedPeers(monkeypatch, [{"aux": 1, "foundation": 2}])
     batch = make_micro_batches(1)[0]
     with pytest.raises(LossKeyMismatchError, match=r"\['foundation'\]"):
         mean_global_loss(torch.tensor(1.0), count_loss_token(batch), count_loss_token(batch))
 
 
 def test_same_keys_on_every_rank_pass_the_check(monkeypatch):
-    other = torch.zeros(MAX_LOSS_KEYS + 5, dtype=torch.int64)
-    fp_a, fp_b = loss_utils._fingerprints(("foundation",))
-    other[0] = 7
-    other[MAX_LOSS_KEYS:] = torch.tensor([1, fp_a, fp_a * fp_a, fp_b, fp_b * fp_b])
-    monkeypatch.setattr(loss_utils, "all_reduce", CountingAllReduce(other_ranks=[other]))
+    sim = SimulatedPeers(monkeypatch, [{"foundation": 7}])
     batch = {"labels": torch.tensor([[1, 2, IGNORE_INDEX]])}
-    out = mean_global_loss(torch.tensor(1.0), count_loss_token(batch), count_loss_token(batch))
-    assert out["foundation_loss"].item() == pytest.approx(1.0 * 2 / 9 * 2)  # n=2, T=2+7, W=2
+    for _ in range(2):  # the agreement, then the lean buffer: W = 2 both times
+        out = mean_global_loss(torch.tensor(1.0), count_loss_token(batch), count_loss_token(batch))
+        assert out["foundation_loss"].item() == pytest.approx(1.0 * 2 / 9 * 2)  # n=2, T=2+7, W=2
+    assert sim.sizes == [AGREEMENT_SIZE, 1]
 
 
 # ---------------------------------------------------------------- VeOmni compatibility
@@ -393,38 +614,57 @@ def test_reduce_global_loss_token_packs_exactly_the_given_keys_in_one_all_reduce
     assert list(reduced) == list(step_tokens), "VeOmni's return: the same keys, in order"
     assert reduced == {key: float(value) for key, value in step_tokens.items()}
     assert all(type(value) is float for value in reduced.values())
-    packed = counting.buffers[0]
-    assert packed.shape == (MAX_LOSS_KEYS + 5,), "the memoized path's buffer: one layout, one agreement check"
     # sorted keys: aux, extra, foundation
-    assert packed[:3].tolist() == [int(step_tokens["aux_tokens"]), 5, int(step_tokens["foundation_tokens"])]
-    assert packed[3:MAX_LOSS_KEYS].eq(0).all()
-
-
-def _other_rank(names: tuple[str, ...], counts: list[int]) -> torch.Tensor:
-    other = torch.zeros(MAX_LOSS_KEYS + 5, dtype=torch.int64)
-    fp_a, fp_b = loss_utils._fingerprints(names)
-    other[: len(counts)] = torch.tensor(counts)
-    other[MAX_LOSS_KEYS:] = torch.tensor([1, fp_a, fp_a * fp_a, fp_b, fp_b * fp_b])
-    return other
+    assert counting.buffers[0].tolist() == [int(step_tokens["aux_tokens"]), 5, int(step_tokens["foundation_tokens"])]
 
 
 def test_reduce_global_loss_token_sums_over_ranks_and_detects_other_keys(monkeypatch):
     local = {"foundation_tokens": torch.tensor(3), "aux_tokens": torch.tensor(1)}
-    agreeing = _other_rank(("aux_tokens", "foundation_tokens"), [10, 20])
-    monkeypatch.setattr(loss_utils, "all_reduce", CountingAllReduce(other_ranks=[agreeing]))
-    assert reduce_global_loss_token(local) == {"foundation_tokens": 23.0, "aux_tokens": 11.0}
+    sim = SimulatedPeers(monkeypatch, [{"aux_tokens": 10, "foundation_tokens": 20}], caller="reduce_global_loss_token")
+    for _ in range(2):
+        assert reduce_global_loss_token(local) == {"foundation_tokens": 23.0, "aux_tokens": 11.0}
+    assert sim.sizes == [AGREEMENT_SIZE, 2], "agreed once, then exactly the given keys"
 
-    disagreeing = _other_rank(("foundation_tokens",), [10])
-    monkeypatch.setattr(loss_utils, "all_reduce", CountingAllReduce(other_ranks=[disagreeing]))
+    sim.peers[0] = {"foundation_tokens": 10}  # the peer's batches lost a `<name>_labels` key
     with pytest.raises(LossKeyMismatchError, match=r"\['aux_tokens', 'foundation_tokens'\].*_labels"):
         reduce_global_loss_token(local)
+    assert sim.sizes == [AGREEMENT_SIZE, 2, 2, AGREEMENT_SIZE]
+
+    sim.peers[0] = {"foundation_tokens": 10}
+    assert reduce_global_loss_token({"foundation_tokens": torch.tensor(3)}) == {"foundation_tokens": 13.0}
 
 
-def test_reduce_global_loss_token_with_too_many_keys_raises_after_the_collective(counting):
-    """Keys come from the data, so the limit is checked after the (same-size) all-reduce, on every rank alike."""
+def test_reduce_global_loss_token_and_mean_global_loss_keep_separate_agreements(monkeypatch):
+    """VeOmni's sequence calls both every step with different key sets: each is lean after its own agreement."""
+    sim = SimulatedPeers(monkeypatch, [])
+    peers = {
+        "reduce_global_loss_token": [{"aux_tokens": 1, "foundation_tokens": 2}],
+        "mean_global_loss": [{"foundation": 2}],
+    }
+    for seed in range(3):
+        batches = make_micro_batches(2, seed=seed)
+        sim.caller, sim.peers = "reduce_global_loss_token", peers["reduce_global_loss_token"]
+        reduce_global_loss_token(count_loss_token(batches))
+        sim.caller, sim.peers = "mean_global_loss", peers["mean_global_loss"]
+        run_step(batches, ("foundation",))
+    assert sim.sizes == [AGREEMENT_SIZE, AGREEMENT_SIZE, 2, 1, 2, 1]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_reduce_global_loss_token_with_too_many_keys_raises_on_every_rank(monkeypatch, world):
+    """Keys come from the data: with peers, the limit is checked after the agreement, so every rank raises alike."""
+    keys = {f"k{i}_tokens": i for i in range(MAX_LOSS_KEYS + 1)}
+    sim = SimulatedPeers(monkeypatch, [dict(keys)] * (world - 1), caller="reduce_global_loss_token")
     with pytest.raises(ValueError, match="exceed MAX_LOSS_KEYS"):
-        reduce_global_loss_token({f"k{i}_tokens": torch.tensor(i) for i in range(MAX_LOSS_KEYS + 1)})
-    assert counting.calls == 1
+        reduce_global_loss_token({key: torch.tensor(value) for key, value in keys.items()})
+    assert sim.sizes == ([] if world == 1 else [AGREEMENT_SIZE])
+
+
+def test_an_empty_key_set_is_never_agreed(monkeypatch):
+    sim = SimulatedPeers(monkeypatch, [{}], caller="reduce_global_loss_token")
+    assert reduce_global_loss_token({}) == {}
+    assert reduce_global_loss_token({}) == {}
+    assert sim.sizes == [AGREEMENT_SIZE, AGREEMENT_SIZE], "an empty lean buffer could not carry a poisoned sum"
 
 
 def test_explicit_counts_reject_other_types_naming_the_key():
