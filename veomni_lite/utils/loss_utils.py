@@ -55,7 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from veomni_lite.distributed.collectives import all_reduce, collective_device, group_size
+from veomni_lite.distributed.collectives import all_gather_objects, all_reduce, collective_device, group_size
 from veomni_lite.distributed.parallel_state import get_parallel_state
 from veomni_lite.loss_keys import IGNORE_INDEX, labels_key, loss_key, name_of_labels, name_of_loss, tokens_key
 
@@ -427,14 +427,9 @@ def _step_denominators(
 def _key_mismatch_error(local_key_sets: set[tuple[str, ...]], hint: str = _LOSS_KEYS_HINT) -> LossKeyMismatchError:
     """Every rank reaches this together (the verdict is global), so gathering the key sets cannot hang."""
     mine = sorted(list(keys) for keys in local_key_sets)
-    state = get_parallel_state()
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine, group=state.world_group)
-        detail = "; ".join(f"rank {rank}: {keys}" for rank, keys in enumerate(gathered))
-        rank = dist.get_rank()
-    else:
-        detail, rank = f"rank 0: {mine}", 0
+    gathered = all_gather_objects(mine, get_parallel_state().world_group)
+    detail = "; ".join(f"rank {rank}: {keys}" for rank, keys in enumerate(gathered))
+    rank = dist.get_rank() if len(gathered) > 1 else 0
     return LossKeyMismatchError(f"loss keys differ across ranks (seen on rank {rank}): {detail}. {hint}")
 
 
