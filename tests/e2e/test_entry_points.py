@@ -102,3 +102,34 @@ def test_sigterm_saves_flushes_and_resume_matches_an_uninterrupted_run(tmp_path)
     assert [e["step"] for e in got] == [e["step"] for e in expected]
     for a, b in zip(got, expected):
         assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-5), a["step"]
+
+
+@pytest.mark.slow
+def test_sigterm_right_after_a_checkpoint_counts_every_window_once(tmp_path):
+    """The reported case: save every 2, log every 3, 7 steps, SIGTERM as soon as checkpoints/step_00000004 appears."""
+    common = ["--train.max_steps", "7", "--logging.log_interval", "3", "--checkpoint.save_interval", "2"]
+    common += ["--train.global_batch_size", "16", "--logging.async_step_end", "true"]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    reference = run(torchrun("train_vlm.py", "vlm_tiny.yaml", 2, *common, "--train.output_dir", str(full)))
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    proc = subprocess.Popen(
+        torchrun("train_vlm.py", "vlm_tiny.yaml", 2, *common, "--train.output_dir", str(cut)),
+        cwd=REPO,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (cut / "checkpoints" / "step_00000004").exists():
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=120)
+    resume = ["--train.output_dir", str(cut), "--checkpoint.resume", "true"]
+    resumed = run(torchrun("train_vlm.py", "vlm_tiny.yaml", 2, *common, *resume))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    got, expected = events(cut), events(full)
+    steps = [e["step"] for e in got]
+    assert steps == sorted(set(steps)), steps
+    assert sum(e.get("train/tokens", 0) for e in got) == sum(e.get("train/tokens", 0) for e in expected)
+    assert got[-1]["train/tokens_seen"] == expected[-1]["train/tokens_seen"]
