@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.models.small_hf import REPO
 from veomni_lite.examples import pydoc_text
 from veomni_lite.examples.pydoc_text import (
     PydocTextDataset,
@@ -85,3 +86,31 @@ def test_decoding_gives_back_the_corpus(tokenizer, splits):
     ends = [index for index, token in enumerate(ids) if token == train.eos_id]
     assert len(ends) >= 3
     assert train.decode(ids[: ends[2] + 1]) == "".join(docs[:3]), "documents in sorted order, <eos> between them"
+
+
+@pytest.mark.slow
+def test_tokenizers_are_identical_in_other_processes(tokenizer):
+    """Every rank of a fresh run trains its own tokenizer (only rank 0 saves it): ids must not depend on the process
+    or its thread count (hash seeds, parallel BPE counting)."""
+    import hashlib
+    import os
+    import subprocess
+    import sys
+
+    from veomni_lite.examples.digits import train_tokenizer as train_digits_tokenizer
+
+    script = (
+        "import hashlib\n"
+        "from veomni_lite.examples.pydoc_text import train_tokenizer\n"
+        "from veomni_lite.examples.digits import train_tokenizer as digits\n"
+        f"print(hashlib.sha256(train_tokenizer({VOCAB}).to_str().encode()).hexdigest(),"
+        " hashlib.sha256(digits().to_str().encode()).hexdigest())\n"
+    )
+    expected = " ".join(hashlib.sha256(t.to_str().encode()).hexdigest() for t in (tokenizer, train_digits_tokenizer()))
+    for threads in ("1", "3"):
+        env = dict(os.environ, RAYON_NUM_THREADS=threads, PYTHONHASHSEED=threads)
+        result = subprocess.run(
+            [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, env=env, timeout=120
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.stdout.strip() == expected

@@ -13,9 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-from tests.models.small_hf import REPO, train_small
+from tests.models.small_hf import REPO, small_config, train_small
 from tests.trainer.helpers import run_trainer, tiny_config
 from veomni_lite import export as export_module
+from veomni_lite.examples.qwen2_pydoc_text import PydocLMTrainer
 from veomni_lite.export import export
 from veomni_lite.loss_keys import is_labels_key
 from veomni_lite.models.qwen2_vl import IMAGE_HEAD_FILE
@@ -173,3 +174,16 @@ def test_export_cli(text_run, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"exported step 2 of {root / 'run'} to {tmp_path / 'cli'}: {', '.join(files)}" in result.stdout
     assert sorted(p.name for p in (tmp_path / "cli").iterdir()) == files
+
+
+def test_a_run_from_the_export_as_pretrained_dir_starts_at_the_trained_weights(text_run):
+    trainer, root, _, _ = text_run
+    again = PydocLMTrainer(small_config("text", root / "again", "--model.pretrained_dir", str(root / "export")))
+    try:
+        batch = trainer.collate([trainer.eval_dataset[i] for i in range(2)])
+        inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+        with torch.no_grad():
+            assert max_diff(again.model.eval()(**inputs)["logits"], trainer.model.eval()(**inputs)["logits"]) == 0.0
+        assert again.tokenizer.get_vocab() == trainer.tokenizer.get_vocab()
+    finally:
+        again.close()
