@@ -187,3 +187,17 @@ def test_a_run_from_the_export_as_pretrained_dir_starts_at_the_trained_weights(t
         assert again.tokenizer.get_vocab() == trainer.tokenizer.get_vocab()
     finally:
         again.close()
+
+
+def test_a_pretrained_dir_with_a_smaller_vocabulary_is_a_clear_error(text_run):
+    _, root, _, _ = text_run
+    config = small_config(
+        "text",
+        root / "bigger_vocab",
+        "--model.pretrained_dir",
+        str(root / "export"),
+        "--data.tokenizer_vocab_size",
+        "400",
+    )
+    with pytest.raises(ValueError, match=r"has a vocabulary of 300 tokens, fewer than the run's tokenizer \(400"):
+        PydocLMTrainer(config)
