@@ -240,6 +240,11 @@ def _coerce(key: str, value: Any, expected: Any) -> Any:
     """Check `value` against the field type (bool, int, float, str or a Literal of strings); strings from the CLI are
     parsed as YAML."""
     if typing.get_origin(expected) is dict:
+        if isinstance(value, str):  # `--model.hf '{model_type: qwen2, hidden_size: 64}'`
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError as exc:
+                raise ConfigError(f"{key}: cannot parse {value!r}: {exc}") from None
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r} ({type(value).__name__})")
         return value

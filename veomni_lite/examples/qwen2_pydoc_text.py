@@ -28,9 +28,15 @@ class PydocLMTrainer(BaseTrainer):
 
     def build_model(self) -> HFCausalLM:
         model = self.config.model
-        if model.pretrained_dir:
-            return HFCausalLM.from_pretrained(model.pretrained_dir)
         data = self.train_dataset
+        if model.pretrained_dir:
+            pretrained = HFCausalLM.from_pretrained(model.pretrained_dir)
+            if pretrained.config.vocab_size < data.vocab_size:
+                raise ValueError(
+                    f"model.pretrained_dir {model.pretrained_dir} has a vocabulary of {pretrained.config.vocab_size} "
+                    f"tokens, fewer than the run's tokenizer ({data.vocab_size}, data.tokenizer_vocab_size)"
+                )
+            return pretrained
         settings = {
             **model.hf,
             "vocab_size": data.vocab_size,
