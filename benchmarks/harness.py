@@ -7,7 +7,7 @@ Contract:
   the phase. Counting is only switched on for the untimed
   counting round: timed steps run unpatched, so the counter costs them nothing.
 - `interleaved_times` runs every strategy once per repetition in a rotated order, each step preceded by an untimed
-  barrier, and returns per-strategy step times (the max over ranks of each step).
+  barrier, and returns per-strategy step times (the max over ranks of each step), optionally CPU times too.
 - `summarize` gives median, quartiles, min and max of a list of seconds.
 """
 
@@ -159,22 +159,31 @@ def summarize(seconds: Sequence[float]) -> dict[str, float]:
 
 
 def interleaved_times(
-    steps: Mapping[str, Callable[[int], None]], reps: int, rotate_offset: int = 0
+    steps: Mapping[str, Callable[[int], None]],
+    reps: int,
+    rotate_offset: int = 0,
+    cpu_times: dict[str, list[float]] | None = None,
 ) -> dict[str, list[float]]:
     """Run `steps[name](rep)` for every name, `reps` times, rotating the order each repetition.
 
     Each call is preceded by an untimed barrier so all ranks start together; returns, per name, the max over ranks
-    of each call's wall time in seconds. Every rank must pass the same names and `reps`.
+    of each call's wall time in seconds. Every rank must pass the same names and `reps`. With `cpu_times`, it also
+    fills in, per name, the max over ranks of each call's process CPU time (all threads; time spent waiting or
+    descheduled does not count, so it is less sensitive to other load on the machine).
     """
     names = list(steps)
     local: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(reps):
         shift = (rep + rotate_offset) % len(names)
         for name in names[shift:] + names[:shift]:
             barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             steps[name](rep)
             local[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
+    if cpu_times is not None:
+        cpu_times.update({name: max_over_ranks(values) for name, values in cpu.items()})
     return {name: max_over_ranks(values) for name, values in local.items()}
 
 

@@ -291,10 +291,13 @@ def trainer_section(records: list[Record], targets: Sequence[Mapping[str, Any]])
             for op in ops
         )
         reads = "/".join(f"{r['counts']['host_reads'].get('step', 0):g}" for r in (trainer, bare))
+        cpu = "—"
+        if trainer.get("cpu_times_s") and bare.get("cpu_times_s"):
+            cpu = ratio_text(spread({"times_s": trainer["cpu_times_s"]}, {"times_s": bare["cpu_times_s"]}))
         rows.append(
             [world, ga]
             + [f"{ms(r['median_s'])} [{ms(r['q1_s'])}–{ms(r['q3_s'])}]" for r in (trainer, bare)]
-            + [f"{ratio_text(values, with_range=True)} {word}".strip(), by_op, reads, trainer["reps"]]
+            + [f"{ratio_text(values, with_range=True)} {word}".strip(), cpu, by_op, reads, trainer["reps"]]
         )
         for r in (trainer, bare):
             for name, value in r["breakdown_ms"].items():
@@ -306,6 +309,7 @@ def trainer_section(records: list[Record], targets: Sequence[Mapping[str, Any]])
             "trainer ms",
             "bare ms",
             "trainer/bare",
+            "CPU time trainer/bare",
             "collectives trainer/bare",
             "host reads trainer/bare",
             "reps",

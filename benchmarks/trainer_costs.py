@@ -295,7 +295,8 @@ def bench_trainer(
                     counts[name] = counter.snapshot(steps=1)
                 warm = interleaved_times(steps, reps=1)
                 reps = reps_for(sum(values[0] for values in warm.values()))
-                times = interleaved_times(steps, reps=reps, rotate_offset=1)
+                cpu: dict[str, list[float]] = {}
+                times = interleaved_times(steps, reps=reps, rotate_offset=1, cpu_times=cpu)
                 watch = Stopwatch()
 
                 def watched_trainer(rep: int, d: list[list[MicroBatch]] = data, w: Stopwatch = watch) -> None:
@@ -321,6 +322,7 @@ def bench_trainer(
                             "times_s": times[name],
                             "reps": len(times[name]),
                             **{f"{k}_s": v for k, v in summarize(times[name]).items()},
+                            "cpu_times_s": cpu[name],
                             "counts": counts[name],
                             "check": check,
                             "log_interval": log_interval,

@@ -95,7 +95,7 @@ def results(worlds: list[int], sps: list[int], gas: list[int], free: dict[str, A
                 }
                 parts = {"control all-reduce": free["part"], "rest": free["part"] * 3, "step": free["ms"]}
                 records.append(
-                    record("trainer", "step", world, 1, ga, key, times, counts=counts)
+                    record("trainer", "step", world, 1, ga, key, times, counts=counts, cpu_times_s=times)
                     | {"check": {"grad_norm_rel_diff": free["diff"] / 3}, "log_interval": free["log"] + 1}
                     | {"breakdown_ms": parts if key == "trainer" else {"rest": free["part"] * 2, "step": free["ms"]}}
                 )
