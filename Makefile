@@ -10,7 +10,7 @@ TEXT_CONFIG ?= configs/qwen2_text.yaml
 PYTEST_ARGS ?=
 QUICK ?=
 
-.PHONY: install test test-quick quality train train-text bench clean
+.PHONY: install test test-quick test-gpu quality train train-text bench clean
 
 install: $(STAMP)
 
@@ -27,6 +27,11 @@ test: install
 
 test-quick: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# CUDA-only tests (tests/gpu): the NCCL/bf16 host-sync audit with step times, a short GPU training run.
+# Without a GPU they skip; results land in benchmarks/results/gpu/, which make bench puts on its page.
+test-gpu: install
+	$(PY) -m pytest -q -s -m cuda $(PYTEST_ARGS)
 
 quality: install
 	$(VENV)/bin/ruff check .

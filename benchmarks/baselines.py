@@ -13,6 +13,17 @@ Loss normalization (every strategy returns, per loss key, the tensor to sum and 
   (`reduce_global_loss_token`, a host read before and after each), then per micro-batch only the SP reductions of
   (a) (none without SP).
 - `VeOmniLite` (c): `veomni_lite.utils.loss_utils.mean_global_loss` (one packed all-reduce per step, memoized).
+- `HFTrainerScheme` (d): the Hugging Face Trainer's `average_tokens_across_devices`: once per step the `labels`
+  count is all-gathered over the world and read to the host (`.item()`); each micro-batch's `foundation_loss`
+  becomes its token sum / that count x world size. It has a global count for `labels` only: any other head stays a
+  micro-batch mean (here divided by GA, the mean of micro-batch means), which is NOT the global token mean, so (d)
+  is equal-gradient on the foundation head only (`global_heads`) and is checked there only.
+- `Oracle` (o): the floor (torchtitan's scheme for one label key): ONE device all-reduce of the step's counts, no
+  host read, no key check, then `loss * n * W / T`. On the VLM step it all-reduces the step's counts of every loss
+  key in one buffer (equal gradients); for the loss path alone (`path_count`) it is exactly one bare 1-element
+  all-reduce of the step's `labels` count and no scaling work at all: a lower bound, not a scheme to check.
+
+Every strategy gets `start_step(step_token_len, grad_accum)` once per step, then `scale(...)` per micro-batch.
 
 Metrics (what a trainer does with per-micro-batch and per-step values it logs):
 - `EagerMetrics` (a): every record is reduced at once: one all-reduce and one host read per metric per record.
@@ -30,6 +41,7 @@ import torch.distributed as dist
 
 from veomni_lite.distributed.collectives import all_reduce
 from veomni_lite.distributed.parallel_state import get_parallel_state
+from veomni_lite.loss_keys import IGNORE_INDEX
 from veomni_lite.metrics import MetricAccumulator, MetricSpec
 from veomni_lite.utils.loss_utils import mean_global_loss
 
@@ -37,9 +49,11 @@ __all__ = [
     "LOSS_STRATEGIES",
     "METRIC_STRATEGIES",
     "EagerMetrics",
+    "HFTrainerScheme",
     "LogTimeMetrics",
     "LossStrategy",
     "MetricStrategy",
+    "Oracle",
     "PerMicroBatchDenominator",
     "StepStartDenominator",
     "VeOmniLite",
@@ -50,11 +64,18 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------- loss normalization
 
 
+def _all_gather_tensor(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """accelerate's `gather` of a tensor: all_gather_into_tensor (named all_gather_single in newer torch), looked
+    up at call time so the benchmark's counter sees it."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, tensor, group=group)
+
+
 class LossStrategy(Protocol):
     key: str
     label: str
 
-    def start_step(self, step_token_len: Mapping[str, torch.Tensor]) -> None: ...
+    def start_step(self, step_token_len: Mapping[str, torch.Tensor], grad_accum: int) -> None: ...
 
     def scale(
         self,
@@ -130,7 +151,7 @@ class PerMicroBatchDenominator:
     key = "a"
     label = "(a) per-micro-batch denominator (VeOmni before reuse)"
 
-    def start_step(self, step_token_len: Mapping[str, torch.Tensor]) -> None:
+    def start_step(self, step_token_len: Mapping[str, torch.Tensor], grad_accum: int) -> None:
         pass
 
     def scale(
@@ -151,7 +172,7 @@ class StepStartDenominator:
     def __init__(self) -> None:
         self._denominator: dict[str, int | float] = {}
 
-    def start_step(self, step_token_len: Mapping[str, torch.Tensor]) -> None:
+    def start_step(self, step_token_len: Mapping[str, torch.Tensor], grad_accum: int) -> None:
         self._denominator = {key: all_reduce(value.item(), op="sum") for key, value in step_token_len.items()}
 
     def scale(
@@ -169,7 +190,7 @@ class VeOmniLite:
     key = "c"
     label = "(c) veomni_lite"
 
-    def start_step(self, step_token_len: Mapping[str, torch.Tensor]) -> None:
+    def start_step(self, step_token_len: Mapping[str, torch.Tensor], grad_accum: int) -> None:
         pass
 
     def scale(
@@ -181,7 +202,91 @@ class VeOmniLite:
         return mean_global_loss(losses, micro_token_len, step_token_len)
 
 
-LOSS_STRATEGIES: tuple[type[LossStrategy], ...] = (PerMicroBatchDenominator, StepStartDenominator, VeOmniLite)
+class HFTrainerScheme:
+    """(d) HF Trainer: the step's `labels` count all-gathered and read to the host once per step; labels only."""
+
+    key = "d"
+    label = "(d) HF Trainer: all-gather of the labels count + host read per step (labels only)"
+    global_heads = ("foundation_loss",)  # the heads it normalizes by a global count; the others are not comparable
+
+    def __init__(self) -> None:
+        self._total = 1
+        self._grad_accum = 1
+        self._world = 1
+
+    def start_step(self, step_token_len: Mapping[str, torch.Tensor], grad_accum: int) -> None:
+        count = step_token_len["foundation_tokens"].reshape(1)
+        state = get_parallel_state()
+        gathered = count
+        if dist.is_initialized() and state.world_size > 1:
+            gathered = count.new_empty(state.world_size)
+            _all_gather_tensor(gathered, count, group=state.world_group)
+        self._total = max(gathered.sum().item(), 1)  # the step's host read (`num_items_in_batch`)
+        self._grad_accum = grad_accum
+        self._world = state.world_size
+
+    def scale(
+        self,
+        losses: Mapping[str, torch.Tensor],
+        micro_token_len: Mapping[str, torch.Tensor],
+        step_token_len: Mapping[str, torch.Tensor],
+    ) -> dict[str, torch.Tensor]:
+        scaled = {}
+        for key, loss in losses.items():
+            if key == "foundation_loss":  # token sum / global count, times W (the gradient average divides by W)
+                scaled[key] = loss * micro_token_len["foundation_tokens"] / self._total * self._world
+            else:  # no global count for this head: the micro-batch mean, averaged over the step's micro-batches
+                scaled[key] = loss / self._grad_accum
+        return scaled
+
+
+class Oracle:
+    """(o) The floor: one device all-reduce of the step's counts, no host read, then `loss * n * W / T`."""
+
+    key = "o"
+    label = "(o) oracle: one device all-reduce of the step's counts, no host read (torchtitan)"
+
+    def __init__(self) -> None:
+        self._scales: dict[str, torch.Tensor] = {}
+
+    def start_step(self, step_token_len: Mapping[str, torch.Tensor], grad_accum: int) -> None:
+        names = sorted(step_token_len)
+        totals = torch.stack([step_token_len[name] for name in names])
+        if dist.is_initialized():
+            dist.all_reduce(totals, group=get_parallel_state().world_group)
+        scales = get_parallel_state().world_size / totals.clamp(min=1).double()
+        self._scales = dict(zip(names, scales.unbind()))
+
+    def scale(
+        self,
+        losses: Mapping[str, torch.Tensor],
+        micro_token_len: Mapping[str, torch.Tensor],
+        step_token_len: Mapping[str, torch.Tensor],
+    ) -> dict[str, torch.Tensor]:
+        scaled = {}
+        for key, loss in losses.items():
+            tokens = key[: -len("_loss")] + "_tokens"
+            factor = micro_token_len[tokens] * self._scales[tokens]
+            scaled[key] = loss * factor.to(torch.promote_types(loss.dtype, torch.float32))
+        return scaled
+
+    @staticmethod
+    def path_count(micro_batches: Iterable[Mapping[str, torch.Tensor]]) -> torch.Tensor:
+        """The loss path alone: the step's `labels` count, then ONE bare 1-element all-reduce of it; nothing else."""
+        labels = torch.cat([micro_batch["labels"].reshape(-1) for micro_batch in micro_batches])
+        count = (labels != IGNORE_INDEX).sum().reshape(1)
+        if dist.is_initialized():
+            dist.all_reduce(count)
+        return count
+
+
+LOSS_STRATEGIES: tuple[type[LossStrategy], ...] = (
+    PerMicroBatchDenominator,
+    StepStartDenominator,
+    VeOmniLite,
+    HFTrainerScheme,
+    Oracle,
+)
 
 
 # --------------------------------------------------------------------------------------------------------- metrics

@@ -5,14 +5,19 @@ For every SP size and GA value it times two kinds of optimizer step, strategies 
 - "vlm": the tiny VLM (count_loss_token, forward, loss scaling, backward per micro-batch; then ONE flat gradient
   all-reduce and AdamW, identical for every strategy; no FSDP, so the gradient sync is one counted collective);
 - "path": the loss (or metric) path alone: the same micro-batches, labels and counts, with each loss a scalar
-  parameter times a fixed local mean, so only normalization, its collectives and host reads remain.
-Before timing, one untimed round per strategy counts collectives and host reads by phase and checks that every
-strategy gives the same gradients and world-summed loss as veomni_lite. Rank 0 writes the JSON given by `--out`.
+  parameter times a fixed local mean, so only normalization, its collectives and host reads remain (the oracle's
+  path is its floor: the same losses and backward, one bare 1-element all-reduce, no scaling).
+Before timing, one untimed round per strategy counts collectives (and the elements they send) and host reads by
+phase and checks that every strategy gives the same gradients and world-summed loss as veomni_lite, on the heads it
+normalizes globally (all of them, except for the HF Trainer's scheme: `labels` only). Then, at SP 1, the real
+`BaseTrainer` step against a bare FSDP2 loop (benchmarks/trainer_costs.py), and the all-reduce latency probe. Rank
+0 writes the JSON given by `--out`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -24,7 +29,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from baselines import LOSS_STRATEGIES, METRIC_STRATEGIES, LogTimeMetrics, LossStrategy, MetricStrategy, VeOmniLite
+from baselines import (
+    LOSS_STRATEGIES,
+    METRIC_STRATEGIES,
+    LogTimeMetrics,
+    LossStrategy,
+    MetricStrategy,
+    Oracle,
+    VeOmniLite,
+)
 from harness import (
     MicroBatch,
     OpCounter,
@@ -38,6 +51,7 @@ from harness import (
     summarize,
     vlm_dataset,
 )
+from trainer_costs import bench_trainer
 
 from veomni_lite.distributed.parallel_state import destroy_parallel_state, init_parallel_state
 from veomni_lite.distributed.sequence_parallel import ulysses_attention
@@ -99,22 +113,24 @@ def vlm_loss_step(
     micro_batches: list[MicroBatch],
     world: int,
     counter: OpCounter | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step of the VLM with `strategy`'s loss scaling; (this rank's step loss, flat synced grads).
+    heads: tuple[str, ...] = LOSS_KEYS,
+) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
+    """One optimizer step of the VLM with `strategy`'s loss scaling; (every micro-batch's scaled losses, flat grads).
 
-    `optimizer=None` leaves the gradients in place (the check round).
+    Only `heads` are backpropagated (a check round may compare one head); `optimizer=None` leaves the gradients in
+    place (the check round).
     """
     with maybe(counter, "step"):
         step_tokens = count_loss_token(micro_batches)
-        strategy.start_step(step_tokens)
-        step_loss = torch.zeros(())
+        strategy.start_step(step_tokens, len(micro_batches))
+        parts = []
         for micro_batch in micro_batches:
             micro_tokens = count_loss_token(micro_batch)
             outputs = model(**micro_batch)
-            scaled = strategy.scale({key: outputs[key] for key in LOSS_KEYS}, micro_tokens, step_tokens)
+            scaled = strategy.scale({key: outputs[key] for key in heads}, micro_tokens, step_tokens)
             loss = sum(scaled.values())
             loss.backward()
-            step_loss = step_loss + loss.detach()
+            parts.append(scaled)
     params = list(model.parameters())
     with maybe(counter, "grad_sync"):
         flat = sync_gradients(params, world)
@@ -122,7 +138,12 @@ def vlm_loss_step(
         with maybe(counter, "optimizer"):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    return step_loss, flat
+    return parts, flat
+
+
+def head_totals(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """{head: sum over micro-batches} of the scaled losses a step kept (summed after the step, outside its work)."""
+    return {key: sum(part[key].detach() for part in parts) for key in parts[0]}
 
 
 def path_loss_step(
@@ -131,19 +152,27 @@ def path_loss_step(
     micro_batches: list[MicroBatch],
     local_means: list[dict[str, torch.Tensor]],
     counter: OpCounter | None = None,
-) -> torch.Tensor:
-    """The loss path alone: per micro-batch, `loss_k = w_k * local_mean_k`, scaled by `strategy`, backpropagated."""
+) -> list[dict[str, torch.Tensor]]:
+    """The loss path alone: per micro-batch, `loss_k = w_k * local_mean_k`, scaled by `strategy`, backpropagated.
+
+    The oracle's path is its floor: the same losses and backward, one bare 1-element all-reduce, no scaling.
+    Returns the scaled losses of every micro-batch (`head_totals` sums them per head).
+    """
     with maybe(counter, "step"):
-        step_tokens = count_loss_token(micro_batches)
-        strategy.start_step(step_tokens)
-        step_loss = torch.zeros(())
+        floor = isinstance(strategy, Oracle)
+        if floor:
+            strategy.path_count(micro_batches)
+        else:
+            step_tokens = count_loss_token(micro_batches)
+            strategy.start_step(step_tokens, len(micro_batches))
+        parts = []
         for micro_batch, means in zip(micro_batches, local_means):
-            micro_tokens = count_loss_token(micro_batch)
-            scaled = strategy.scale({key: weights[key] * means[key] for key in LOSS_KEYS}, micro_tokens, step_tokens)
+            losses = {key: weights[key] * means[key] for key in LOSS_KEYS}
+            scaled = losses if floor else strategy.scale(losses, count_loss_token(micro_batch), step_tokens)
             loss = sum(scaled.values())
             loss.backward()
-            step_loss = step_loss + loss.detach()
-    return step_loss
+            parts.append(scaled)
+    return parts
 
 
 def path_runner(
@@ -267,22 +296,30 @@ def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / scale)
 
 
-def equal_correctness(
-    grads: dict[str, torch.Tensor], losses: dict[str, float], grad_tol: float, what: str
-) -> dict[str, dict[str, float]]:
-    """Each strategy's gradient and loss against veomni_lite ("c"); AssertionError beyond the tolerances."""
-    checks = {
-        key: {
-            "grad_max_rel_diff": relative_difference(grads[key], grads["c"]),
-            "loss": losses[key],
-            "loss_rel_diff": abs(losses[key] - losses["c"]) / max(abs(losses["c"]), 1e-30),
-        }
-        for key in grads
+def check_against_reference(
+    grad: torch.Tensor,
+    losses: Mapping[str, float],
+    ref_grad: torch.Tensor,
+    ref_losses: Mapping[str, float],
+    heads: tuple[str, ...],
+) -> dict[str, Any]:
+    """A strategy's gradient and its world-mean step loss over `heads` against veomni_lite's ("c")."""
+    loss, ref = sum(losses[h] for h in heads), sum(ref_losses[h] for h in heads)
+    return {
+        "heads": list(heads),
+        "grad_max_rel_diff": relative_difference(grad, ref_grad),
+        "loss": loss,
+        "loss_rel_diff": abs(loss - ref) / max(abs(ref), 1e-30),
     }
+
+
+def assert_within(checks: Mapping[str, Mapping[str, Any]], grad_tol: float, what: str) -> None:
+    """AssertionError naming the strategy when a compared gradient or loss is beyond the tolerances."""
     for key, check in checks.items():
+        if "grad_max_rel_diff" not in check:
+            continue
         if check["grad_max_rel_diff"] > grad_tol or check["loss_rel_diff"] > TOLERANCES["loss"]:
             raise AssertionError(f"strategy {key} differs from veomni_lite ({what}): {check}")
-    return checks
 
 
 def world_sum(value: torch.Tensor) -> float:
@@ -353,25 +390,42 @@ def bench_loss(
     settings: Settings,
     counter: OpCounter,
 ) -> list[dict[str, Any]]:
-    """VLM-step and loss-path-alone timings of the three loss strategies at one (world, sp, ga)."""
+    """VLM-step and loss-path-alone timings of every loss strategy at one (world, sp, ga).
+
+    Equal correctness against veomni_lite ("c"): every head for the full schemes; a strategy with `global_heads`
+    (the HF Trainer's) on those heads only, from an extra check step that backpropagates only them; the oracle's
+    path alone is a floor without scaling and is not compared.
+    """
     world = layout["world"]
     strategies = {cls.key: cls() for cls in LOSS_STRATEGIES}
     records: list[dict[str, Any]] = []
 
-    # ---- VLM optimizer step: counting + equality round (no optimizer update), then interleaved timing
-    counts, losses, grads = {}, {}, {}
-    for key, strategy in strategies.items():
+    def vlm_check(strategy: LossStrategy, heads: tuple[str, ...], count: bool) -> tuple[dict[str, float], Any]:
         reset_loss_memo()
         counter.reset()
-        with counter.active():
-            step_loss, flat = vlm_loss_step(strategy, model, None, data[0], world, counter)
+        with counter.active() if count else contextlib.nullcontext():
+            parts, flat = vlm_loss_step(strategy, model, None, data[0], world, counter, heads=heads)
+        optimizer.zero_grad(set_to_none=True)
+        return {k: world_sum(v) / world for k, v in head_totals(parts).items()}, flat.clone()
+
+    # ---- VLM optimizer step: counting + equality round (no optimizer update), then interleaved timing
+    counts, checks = {}, {}
+    ref_losses, ref_grad = vlm_check(strategies["c"], LOSS_KEYS, count=False)
+    partial: dict[tuple[str, ...], tuple[dict[str, float], torch.Tensor]] = {}
+    for key, strategy in strategies.items():
+        step_losses, flat = vlm_check(strategy, LOSS_KEYS, count=True)
         counts[key] = counter.snapshot(steps=1)
-        losses[key], grads[key] = world_sum(step_loss) / world, flat.clone()
-        if key != "c":
-            optimizer.zero_grad(set_to_none=True)
-    optimizer.step()  # AdamW state exists before timing (the check grads are all equal)
-    optimizer.zero_grad(set_to_none=True)
-    checks = equal_correctness(grads, losses, grad_tol=TOLERANCES["vlm_grad"], what=f"VLM step at {layout}")
+        heads = getattr(strategy, "global_heads", LOSS_KEYS)
+        if heads == LOSS_KEYS:
+            checks[key] = check_against_reference(flat, step_losses, ref_grad, ref_losses, heads)
+            continue
+        if heads not in partial:
+            partial[heads] = vlm_check(strategies["c"], heads, count=False)
+        step_losses, flat = vlm_check(strategy, heads, count=False)
+        checks[key] = check_against_reference(flat, step_losses, partial[heads][1], partial[heads][0], heads)
+        checks[key]["not_global"] = [h for h in LOSS_KEYS if h not in heads]
+    assert_within(checks, TOLERANCES["vlm_grad"], f"VLM step at {layout}")
+    vlm_loss_step(strategies["c"], model, optimizer, data[0], world)  # AdamW state exists before timing
 
     def vlm_step(strategy: LossStrategy) -> Callable[[int], Any]:
         return lambda rep: vlm_loss_step(strategy, model, optimizer, data[rep % len(data)], world)
@@ -388,14 +442,25 @@ def bench_loss(
         reset_loss_memo()
         counter.reset()
         with counter.active():
-            step_loss = path_loss_step(strategy, weights, data[0], means[0], counter)
+            step_losses = head_totals(path_loss_step(strategy, weights, data[0], means[0], counter))
         counts[key] = counter.snapshot(steps=1)
         grad = torch.stack([weights[k].grad.double() for k in LOSS_KEYS])
         dist.all_reduce(grad)
-        losses[key], grads[key] = world_sum(step_loss) / world, grad
+        losses[key] = {k: world_sum(v) / world for k, v in step_losses.items()}
+        grads[key] = dict(zip(LOSS_KEYS, grad.unbind()))
         for weight in weights.values():
             weight.grad = None
-    checks = equal_correctness(grads, losses, grad_tol=TOLERANCES["path_grad"], what=f"loss path at {layout}")
+    checks = {}
+    for key, strategy in strategies.items():
+        if isinstance(strategy, Oracle):
+            checks[key] = {"heads": [], "not_compared": "the floor: one bare all-reduce, no scaling"}
+            continue
+        heads = getattr(strategy, "global_heads", LOSS_KEYS)
+        grad, ref_grad = (torch.stack([g[h] for h in heads]) for g in (grads[key], grads["c"]))
+        checks[key] = check_against_reference(grad, losses[key], ref_grad, losses["c"], heads)
+        if heads != LOSS_KEYS:
+            checks[key]["not_global"] = [h for h in LOSS_KEYS if h not in heads]
+    assert_within(checks, TOLERANCES["path_grad"], f"loss path at {layout}")
 
     steps = {key: path_runner(strategy, weights, data, means) for key, strategy in strategies.items()}
     times, _ = time_strategies(steps, settings.path_budget_s, settings)
@@ -471,7 +536,7 @@ def long_run_rss(data: list[list[MicroBatch]], steps: int, log_interval: int, sp
     start = time.perf_counter()
     for step in range(1, steps + 1):
         micro_batches = data[step % len(data)]
-        step_loss = path_loss_step(strategy, weights, micro_batches, means[step % len(data)])
+        step_loss = sum(head_totals(path_loss_step(strategy, weights, micro_batches, means[step % len(data)])).values())
         for micro_batch, mean in zip(micro_batches, means[step % len(data)]):
             record_micro_batch(metrics, mean, micro_batch, 1.0e6)
         record_step(metrics, step_loss, 1e-3, 0.01, 1.0)
@@ -482,7 +547,7 @@ def long_run_rss(data: list[list[MicroBatch]], steps: int, log_interval: int, sp
             weight.grad = None
         if step % sample_every == 0 or step == 1:
             samples.append((step, rss_kib()))
-    memo = loss_utils._MEMO
+    memo = getattr(loss_utils, "_MEMO", None)
     return {
         "steps": steps,
         "grad_accum": len(data[0]),
@@ -517,16 +582,24 @@ def single_process_overhead(ga_values: list[int], reps: int) -> list[dict[str, A
     return out
 
 
-def probe_all_reduce(reps: int) -> dict[str, dict[str, float]]:
-    """Latency of one int64 all-reduce over the world: 1 element (a baseline's count) vs veomni_lite's packed buffer.
-
-    The packed buffer has `MAX_LOSS_KEYS` count slots plus a 5-element trailer whatever the number of loss keys.
-    """
-    packed = loss_utils.MAX_LOSS_KEYS + 5
-    sizes = {"1 element": 1, f"{packed} elements (veomni_lite's packed buffer)": packed}
+def probe_all_reduce(reps: int, elements: int) -> dict[str, dict[str, float]]:
+    """Latency of one int64 all-reduce over the world: 1 element (a count) vs `elements` (what veomni_lite's loss
+    path sent per all-reduce in the counting round)."""
+    sizes = {"1 element": 1}
+    if elements != 1:
+        sizes[f"{elements} elements (veomni_lite's loss-path all-reduce, as counted)"] = elements
     steps = {name: (lambda rep, n=n: dist.all_reduce(torch.zeros(n, dtype=torch.int64))) for name, n in sizes.items()}
     interleaved_times(steps, reps=10)
     return {name: summarize(times) for name, times in interleaved_times(steps, reps=reps).items()}
+
+
+def counted_elements(records: list[dict[str, Any]]) -> int:
+    """Elements per all-reduce of veomni_lite's loss path alone, from the counting round (the same on every rank)."""
+    for record in records:
+        if (record["bench"], record["kind"], record["strategy"]) == ("loss", "path", "c"):
+            calls = record["counts"]["collectives"].get("step", 0.0)
+            return round(record["counts"]["elements"].get("step", 0.0) / calls) if calls else 1
+    return 1
 
 
 # ---------------------------------------------------------------------------------------------------------- main
@@ -542,6 +615,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--path-budget-s", type=float, default=2.0, help="timed seconds per path-alone config")
     parser.add_argument("--min-reps", type=int, default=5)
     parser.add_argument("--max-reps", type=int, default=30)
+    parser.add_argument("--trainer-ga", default="1,8", help="GA values of the trainer-vs-bare benchmark ('': skip)")
+    parser.add_argument("--trainer-budget-s", type=float, default=10.0, help="timed seconds per trainer GA (both)")
+    parser.add_argument("--trainer-log-interval", type=int, default=10, help="the benchmarked trainer's log_interval")
     parser.add_argument("--rss-steps", type=int, default=0, help="long-run RSS steps (0: skip)")
     parser.add_argument("--rss-ga", type=int, default=4)
     parser.add_argument("--probe-reps", type=int, default=200, help="all-reduce latency probe repetitions (0: skip)")
@@ -560,7 +636,6 @@ def main() -> None:
     metrics_sp = {int(v) for v in args.metrics_sp.split(",") if v}
     records: list[dict[str, Any]] = []
     started = time.perf_counter()
-    probe = probe_all_reduce(args.probe_reps) if args.probe_reps else None
     for sp in (int(v) for v in args.sp.split(",") if v):
         if world % sp:
             continue
@@ -581,6 +656,21 @@ def main() -> None:
         reset_loss_memo()
         destroy_parallel_state()
 
+    trainer_ga = [int(v) for v in args.trainer_ga.split(",") if v]
+    if trainer_ga:
+        trainer_start = time.perf_counter()
+        data_by_ga = {ga: make_steps(dataset, MICRO_BATCH_SIZE, ga, world, rank, 1, 0, DATA_STEPS) for ga in trainer_ga}
+        records += bench_trainer(
+            world,
+            data_by_ga,
+            MICRO_BATCH_SIZE,
+            args.trainer_log_interval,
+            lambda seconds: choose_reps(seconds, args.trainer_budget_s, settings.min_reps, settings.max_reps),
+            counter,
+        )
+        if rank == 0:
+            print(f"[bench] world {world} trainer vs bare: {time.perf_counter() - trainer_start:.1f}s", flush=True)
+    probe = probe_all_reduce(args.probe_reps, counted_elements(records)) if args.probe_reps else None
     rss = None
     if args.rss_steps:
         state = init_parallel_state(world, 1)

@@ -2,11 +2,12 @@
 
 Contract:
 - `OpCounter` patches `torch.distributed` collectives and the `torch.Tensor` host-read methods while it is
-  `active()`, and files every call under the current `phase(...)` name. `all_to_all_single` is always filed under
-  "model" (the Ulysses attention all-to-all), whatever the phase. Counting is only switched on for the untimed
+  `active()`, and files every call under the current `phase(...)` name, with the elements each collective sends
+  from this rank. `all_to_all_single` is always filed under "model" (the Ulysses attention all-to-all), whatever
+  the phase. Counting is only switched on for the untimed
   counting round: timed steps run unpatched, so the counter costs them nothing.
 - `interleaved_times` runs every strategy once per repetition in a rotated order, each step preceded by an untimed
-  barrier, and returns per-strategy step times (the max over ranks of each step).
+  barrier, and returns per-strategy step times (the max over ranks of each step), optionally CPU times too.
 - `summarize` gives median, quartiles, min and max of a list of seconds.
 """
 
@@ -37,13 +38,24 @@ COLLECTIVES = (
     "all_reduce",
     "all_gather",
     "all_gather_into_tensor",
+    "all_gather_single",
     "all_gather_object",
     "all_to_all_single",
     "broadcast",
     "reduce_scatter_tensor",
+    "reduce_scatter_single",
 )
 HOST_READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__")
 MODEL_COLLECTIVES = ("all_to_all_single",)
+# collectives whose positional argument 1 (not 0) is the tensor this rank sends
+SEND_ARG_1 = (
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_to_all_single",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+)
 
 
 class OpCounter:
@@ -52,6 +64,7 @@ class OpCounter:
     def __init__(self) -> None:
         self.collectives: Counter[tuple[str, str]] = Counter()  # (phase, op) -> calls
         self.host_reads: Counter[tuple[str, str]] = Counter()
+        self.elements: Counter[tuple[str, str]] = Counter()  # (phase, op) -> elements sent by this rank
         self._phase = "step"
         self._active = False
 
@@ -67,7 +80,7 @@ class OpCounter:
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         """Patch the collectives and host-read methods for the duration of the block."""
-        saved_dist = {name: getattr(dist, name) for name in COLLECTIVES}
+        saved_dist = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
         saved_tensor = {name: getattr(torch.Tensor, name) for name in HOST_READS}
         own = {name for name in HOST_READS if name in vars(torch.Tensor)}  # the rest are inherited C methods
         for name, original in saved_dist.items():
@@ -91,6 +104,8 @@ class OpCounter:
         def counted(*args: Any, **kwargs: Any) -> Any:
             phase = "model" if name in MODEL_COLLECTIVES else self._phase
             self.collectives[(phase, name)] += 1
+            sent = args[1] if name in SEND_ARG_1 and len(args) > 1 else args[0] if args else None
+            self.elements[(phase, name)] += sent.numel() if isinstance(sent, torch.Tensor) else 0
             return original(*args, **kwargs)
 
         return counted
@@ -105,9 +120,10 @@ class OpCounter:
     def reset(self) -> None:
         self.collectives.clear()
         self.host_reads.clear()
+        self.elements.clear()
 
     def snapshot(self, steps: int) -> dict[str, Any]:
-        """Per-step counts: {"collectives": {phase: n}, "host_reads": {phase: n}, "by_op": {...}} over `steps`."""
+        """Per-step counts over `steps`: {"collectives" | "host_reads" | "elements": {phase: n}, "*_by_op": {...}}."""
 
         def per_phase(counter: Counter[tuple[str, str]]) -> dict[str, float]:
             out: dict[str, float] = {}
@@ -121,6 +137,7 @@ class OpCounter:
         return {
             "collectives": per_phase(self.collectives),
             "host_reads": per_phase(self.host_reads),
+            "elements": per_phase(self.elements),
             "collectives_by_op": by_op(self.collectives),
             "host_reads_by_op": by_op(self.host_reads),
         }
@@ -142,22 +159,31 @@ def summarize(seconds: Sequence[float]) -> dict[str, float]:
 
 
 def interleaved_times(
-    steps: Mapping[str, Callable[[int], None]], reps: int, rotate_offset: int = 0
+    steps: Mapping[str, Callable[[int], None]],
+    reps: int,
+    rotate_offset: int = 0,
+    cpu_times: dict[str, list[float]] | None = None,
 ) -> dict[str, list[float]]:
     """Run `steps[name](rep)` for every name, `reps` times, rotating the order each repetition.
 
     Each call is preceded by an untimed barrier so all ranks start together; returns, per name, the max over ranks
-    of each call's wall time in seconds. Every rank must pass the same names and `reps`.
+    of each call's wall time in seconds. Every rank must pass the same names and `reps`. With `cpu_times`, it also
+    fills in, per name, the max over ranks of each call's process CPU time (all threads; time spent waiting or
+    descheduled does not count, so it is less sensitive to other load on the machine).
     """
     names = list(steps)
     local: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(reps):
         shift = (rep + rotate_offset) % len(names)
         for name in names[shift:] + names[:shift]:
             barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             steps[name](rep)
             local[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
+    if cpu_times is not None:
+        cpu_times.update({name: max_over_ranks(values) for name, values in cpu.items()})
     return {name: max_over_ranks(values) for name, values in local.items()}
 
 

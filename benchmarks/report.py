@@ -3,9 +3,12 @@
 Contract: `write_report(results, out_dir)` reads nothing but `results` and writes `out_dir/benchmarks.md` and
 `out_dir/benchmarks.png`. The page is `report_template.md` filled in with `str.format`: the template's prose holds no
 typed-in numbers (a test checks it has no digit outside its {fields}); every number, in tables and sentences alike,
-is computed here from `results`. A ratio is baseline time /
-veomni_lite time paired per repetition (both ran in that repetition, back to back), given as median (IQR); > 1 means
-veomni_lite is faster. Counts are per optimizer step on rank 0, from the untimed counting round.
+is computed here from `results`, the targets included (`results["targets"]`, which run_all.py writes). A ratio is
+one strategy's time / another's, paired per repetition (both ran in that repetition, back to back), given as median
+(IQR) or median (IQR) [min–max]. Against veomni_lite a ratio is baseline / veomni_lite (> 1: veomni_lite faster);
+against a floor (the oracle) it is veomni_lite / floor (> 1: slower than the floor); the trainer's is trainer / bare
+loop. Counts are per optimizer step on rank 0, from the untimed counting round. What `results` lacks (no trainer
+benchmark, no GPU results, no targets) is reported as not run.
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
 Record = dict[str, Any]
 # bench -> (veomni_lite's strategy key, the counting phase of the path under test)
 BENCHES = {"loss": ("c", "step"), "metrics": ("b", "metrics")}
+FLOORS = {"loss": "o"}  # bench -> its lower-bound strategy: that ratio column is veomni_lite / floor
 KINDS = {"vlm": "VLM step", "path": "path alone"}
-COLORS = {"a": "tab:red", "b": "tab:orange", "c": "tab:blue"}
+COLORS = {"a": "tab:red", "b": "tab:orange", "c": "tab:blue", "d": "tab:green", "o": "tab:gray"}
+PASSES = {"<=": lambda value, bound: value <= bound, ">=": lambda value, bound: value >= bound}
 TEMPLATE = Path(__file__).with_name("report_template.md")  # the page's prose; its only numbers are {fields}
 
 
@@ -44,8 +49,8 @@ def distinct(records: Iterable[Record], *keys: str) -> list[Any]:
 
 
 def count(record: Record, what: str) -> float:
-    """`what` ("collectives" or "host_reads") per step in the counting phase of the record's bench."""
-    return record["counts"][what].get(BENCHES[record["bench"]][1], 0.0)
+    """`what` ("collectives", "host_reads", "elements") per step in the counting phase of the record's bench."""
+    return record["counts"].get(what, {}).get(BENCHES[record["bench"]][1], 0.0)
 
 
 def span(values: Iterable[float], fmt: str = "{:g}") -> str:
@@ -61,13 +66,29 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}" if seconds >= 0.01 else f"{seconds * 1e3:.2f}"
 
 
-def paired(record: Record, ref: Record) -> tuple[float, float, float]:
-    """(median, q1, q3) of the per-repetition ratios record / ref."""
+def spread(record: Record, ref: Record) -> tuple[float, float, float, float, float]:
+    """(median, q1, q3, min, max) of the per-repetition ratios record / ref."""
     ratios = [t / r for t, r in zip(record["times_s"], ref["times_s"]) if r > 0]
     if len(ratios) < 2:
-        return (ratios[0],) * 3 if ratios else (float("nan"),) * 3
+        return (ratios[0],) * 5 if ratios else (float("nan"),) * 5
     q1, median, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
-    return median, q1, q3
+    return median, q1, q3, min(ratios), max(ratios)
+
+
+def paired(record: Record, ref: Record) -> tuple[float, float, float]:
+    """(median, q1, q3) of the per-repetition ratios record / ref."""
+    return spread(record, ref)[:3]
+
+
+def ratio_text(values: Sequence[float], with_range: bool = False) -> str:
+    text = "{:.2f}x ({:.2f}–{:.2f})".format(*values[:3])
+    return text + " [{:.2f}–{:.2f}]".format(*values[3:5]) if with_range else text
+
+
+def oriented(bench: str, key: str) -> tuple[str, str]:
+    """(numerator, denominator) of `key`'s ratio column: baseline / veomni_lite, or veomni_lite / floor."""
+    ref = BENCHES[bench][0]
+    return (ref, key) if FLOORS.get(bench) == key else (key, ref)
 
 
 def table(header: str | Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
@@ -88,29 +109,36 @@ def fit(points: Sequence[tuple[int, float]]) -> str:
     return f"{base:g}" if not term else term if base == 0 else f"{base:g} + {term}"
 
 
+# ------------------------------------------------------------------------------------------------ side by side
+
+
 def comparison_table(records: list[Record], bench: str, kind: str) -> str:
-    """One row per (world, SP, GA): every strategy's median [IQR] ms, paired ratios to veomni_lite, counts, reps."""
+    """One row per (world, SP, GA): every strategy's median [IQR] ms, paired ratios, counts, reps."""
     found = select(records, bench=bench, kind=kind)
     ref_key, keys = BENCHES[bench][0], distinct(found, "strategy")
     others = [key for key in keys if key != ref_key]
     rows = []
     for world, sp, ga in distinct(found, "world", "sp", "ga"):
         at = {r["strategy"]: r for r in select(found, world=world, sp=sp, ga=ga)}
+        ratios = []
+        for key in others:
+            num, den = oriented(bench, key)
+            ratios.append(ratio_text(paired(at[num], at[den])))
         rows.append(
             [world, sp, ga]
             + [f"{ms(at[k]['median_s'])} [{ms(at[k]['q1_s'])}–{ms(at[k]['q3_s'])}]" for k in keys]
-            + ["{:.2f}x ({:.2f}–{:.2f})".format(*paired(at[k], at[ref_key])) for k in others]
+            + ratios
             + [" / ".join(f"{count(at[k], what):g}" for k in keys) for what in ("collectives", "host_reads")]
             + [at[ref_key]["reps"]]
         )
-    ratios = [f"({k})/({ref_key})" for k in others]
+    ratio_names = ["({})/({})".format(*oriented(bench, key)) for key in others]
     counts = [f"collectives {'/'.join(keys)}", f"host reads {'/'.join(keys)}"]
-    header = ["world", "SP", "GA", *(f"({k}) ms" for k in keys), *ratios, *counts, "reps"]
+    header = ["world", "SP", "GA", *(f"({k}) ms" for k in keys), *ratio_names, *counts, "reps"]
     return f"**{KINDS[kind]}**\n\n" + table(header, rows)
 
 
 def summary_table(records: list[Record]) -> str:
-    """Per bench, baseline and SP: the range of median ratios over every configuration and at the largest GA."""
+    """Per bench, ratio and SP: the range of median ratios over every configuration and at the largest GA."""
     rows = []
     for bench, (ref_key, _) in BENCHES.items():
         found = select(records, bench=bench)
@@ -118,20 +146,23 @@ def summary_table(records: list[Record]) -> str:
         for key, sp in distinct(select(found, kind="vlm"), "strategy", "sp"):
             if key == ref_key:
                 continue
+            num, den = oriented(bench, key)
             cells = []
             for kind in KINDS:
-                medians = [
-                    (r["ga"], paired(r, reference(records, r))[0])
-                    for r in select(found, kind=kind, strategy=key, sp=sp)
-                ]
+                medians = []
+                for r in select(found, kind=kind, strategy=key, sp=sp):
+                    at = {k: reference(records, r) if k == ref_key else r for k in (num, den)}
+                    medians.append((r["ga"], paired(at[num], at[den])[0]))
                 top_medians = [median for ga, median in medians if ga == top]
                 cells.append(f"{span((m for _, m in medians), '{:.2f}')}x (GA {top}: {span(top_medians, '{:.2f}')}x)")
-            rows.append([bench, f"({key}) / ({ref_key})", sp, *cells])
+            rows.append([bench, f"({num}) / ({den})", sp, *cells])
     return table(["bench", "ratio", "SP", *(f"{name}: all (largest GA)" for name in KINDS.values())], rows)
 
 
 def growth_table(records: list[Record]) -> str:
-    """Collectives and host reads per step as a function of GA per bench, SP and strategy (per world if they differ)."""
+    """Collectives, host reads and elements sent per step against GA per bench, SP and strategy (per world if they
+    differ)."""
+    whats = ("collectives", "host_reads", "elements")
     rows = []
     for bench in BENCHES:
         found = select(records, bench=bench, kind="vlm")
@@ -139,31 +170,194 @@ def growth_table(records: list[Record]) -> str:
             fits = {}
             for world in distinct(found, "world"):
                 points = sorted(select(found, sp=sp, strategy=key, world=world), key=lambda r: r["ga"])
-                fits[world] = [
-                    fit([(r["ga"], count(r, what)) for r in points]) for what in ("collectives", "host_reads")
-                ]
+                fits[world] = [fit([(r["ga"], count(r, what)) for r in points]) for what in whats]
             first = next(iter(fits.values()))
             by_world = {"all": first} if all(value == first for value in fits.values()) else fits
             rows += [[bench, sp, f"({key})", world, *cells] for world, cells in by_world.items()]
-    return table(["bench", "SP", "strategy", "world", "collectives per step", "host reads per step"], rows)
+    header = ["bench", "SP", "strategy", "world", "collectives per step", "host reads per step", "elements sent"]
+    return table(header, rows)
 
 
-def caveat(records: list[Record]) -> str:
-    """Where (b) beats veomni_lite on the VLM step, and why this testbed can favour it."""
+def caveat(records: list[Record], probes: Mapping[str, Mapping[str, Any]]) -> str:
+    """Where (b) beats veomni_lite on the VLM step, with both schemes' counts there."""
     b = select(records, bench="loss", kind="vlm", strategy="b")
     faster = [r for r in b if paired(r, reference(records, r))[0] < 1]
     if not faster:
         return f"(b) is slower than veomni_lite in every one of its {len(b)} VLM-step configurations.\n"
     collectives, reads = (span(count(r, what) for r in faster) for what in ("collectives", "host_reads"))
-    packed = span(count(reference(records, r), "collectives") for r in faster)
+    ours = span(count(reference(records, r), "collectives") for r in faster)
+    elements = span(
+        count(reference(records, r), "elements") / max(count(reference(records, r), "collectives"), 1) for r in faster
+    )
+    # the probe's first buffer is a count alone, the second veomni_lite's (absent when it is the same size)
+    dearer = {
+        world: next(iter(run))
+        for world, run in probes.items()
+        if len(run) > 1 and list(run.values())[-1]["median"] > next(iter(run.values()))["median"]
+    }
+    why = (
+        f"on this testbed one all-reduce of veomni_lite's buffer costs more than one of {next(iter(dearer.values()))} "
+        f"at world {', '.join(dearer)} (see 'Cost of one all-reduce') and "
+        if dearer
+        else "on this testbed "
+    )
     return (
         f"(b) is faster than veomni_lite in {len(faster)} of {len(b)} VLM-step configurations (SP "
         f"{span(r['sp'] for r in faster)}, GA {span(r['ga'] for r in faster)}). There (b) makes {collectives} scalar "
-        f"all-reduces and {reads} host reads per step against veomni_lite's {packed} packed all-reduce(s): on this "
-        "testbed a scalar all-reduce costs less than the packed one (see 'Cost of one all-reduce') and a host read "
-        "costs nothing, while on an accelerator every host read is a device sync, which a CPU run cannot price (the "
-        "GPU audit is the check for that).\n"
+        f"all-reduces and {reads} host reads per step against veomni_lite's {ours} all-reduce(s) of {elements} "
+        f"elements: {why}a host read costs nothing, while on an accelerator every host read is a device sync, which "
+        "a CPU run cannot price (the GPU section is the check for that).\n"
     )
+
+
+# ----------------------------------------------------------------------------------------------------- targets
+
+
+def target_records(records: list[Record], target: Mapping[str, Any]) -> list[tuple[Record, Record]]:
+    """(numerator, denominator) record pairs of `target` at every configuration measured."""
+    pairs = []
+    for num in select(records, bench=target["bench"], kind=target["kind"], strategy=target["num"]):
+        at = {key: num[key] for key in ("world", "sp", "ga")}
+        den = select(records, bench=target["bench"], kind=target["kind"], strategy=target["den"], **at)
+        if den and (not target.get("sp") or num["sp"] in target["sp"]):
+            pairs.append((num, den[0]))
+    return pairs
+
+
+def verdict(values: Sequence[float], op: str, bound: float) -> str:
+    """ "met" when the whole IQR passes, "median only" when the median does, else "missed"."""
+    median, q1, q3 = values[:3]
+    if PASSES[op](q1, bound) and PASSES[op](q3, bound):
+        return "met"
+    return "median only" if PASSES[op](median, bound) else "missed"
+
+
+def targets_section(records: list[Record], targets: Sequence[Mapping[str, Any]]) -> str:
+    """One row per target, world and SP; a cell per GA: paired ratio median (IQR) [min–max] and its verdict where
+    the target applies (`ga` lists the GA values it is set at; none: every GA)."""
+    if not targets:
+        return "**No targets** in these results.\n"
+    gas = distinct([num for target in targets for num, _ in target_records(records, target)], "ga")
+    rows, tally = [], {"met": 0, "median only": 0, "missed": 0}
+    for target in targets:
+        pairs = target_records(records, target)
+        for world, sp in distinct([num for num, _ in pairs], "world", "sp"):
+            cells = []
+            for ga in gas:
+                found = [(n, d) for n, d in pairs if (n["world"], n["sp"], n["ga"]) == (world, sp, ga)]
+                if not found:
+                    cells.append("—")
+                    continue
+                values = spread(*found[0])
+                applies = not target.get("ga") or ga in target["ga"]
+                word = verdict(values, target["op"], target["bound"]) if applies else "not a target"
+                if applies:
+                    tally[word] += 1
+                cells.append(f"{ratio_text(values, with_range=True)} {word}")
+            rows.append(
+                [
+                    target["name"],
+                    f"({target['num']})/({target['den']}) {target['op']} {target['bound']:g}",
+                    world,
+                    sp,
+                    *cells,
+                ]
+            )
+    header = ["target", "ratio", "world", "SP", *(f"GA {ga}" for ga in gas)]
+    tally_table = table(["configurations a target is set at", *tally], [[sum(tally.values()), *tally.values()]])
+    return table(header, rows) + "\n" + tally_table
+
+
+# ------------------------------------------------------------------------------------------------------ trainer
+
+
+def trainer_section(records: list[Record], targets: Sequence[Mapping[str, Any]]) -> str:
+    """Trainer step vs bare loop: times, paired ratio with spread, counts, and the per-component breakdown."""
+    found = select(records, bench="trainer")
+    if not found:
+        return "**Not run** for this page (the results hold no trainer benchmark).\n"
+    bound = next((t for t in targets if t["bench"] == "trainer"), None)
+    rows, parts_rows = [], {}
+    configs = distinct(found, "world", "ga")
+    for world, ga in configs:
+        at = {r["strategy"]: r for r in select(found, world=world, ga=ga)}
+        trainer, bare = at["trainer"], at["bare"]
+        values = spread(trainer, bare)
+        word = verdict(values, bound["op"], bound["bound"]) if bound and ga in (bound.get("ga") or [ga]) else ""
+        ops = sorted(set(trainer["counts"]["collectives_by_op"]) | set(bare["counts"]["collectives_by_op"]))
+        by_op = ", ".join(
+            f"{op.split('/')[-1]} {trainer['counts']['collectives_by_op'].get(op, 0):g}/"
+            f"{bare['counts']['collectives_by_op'].get(op, 0):g}"
+            for op in ops
+        )
+        reads = "/".join(f"{r['counts']['host_reads'].get('step', 0):g}" for r in (trainer, bare))
+        cpu = "—"
+        if trainer.get("cpu_times_s") and bare.get("cpu_times_s"):
+            cpu = ratio_text(spread({"times_s": trainer["cpu_times_s"]}, {"times_s": bare["cpu_times_s"]}))
+        rows.append(
+            [world, ga]
+            + [f"{ms(r['median_s'])} [{ms(r['q1_s'])}–{ms(r['q3_s'])}]" for r in (trainer, bare)]
+            + [f"{ratio_text(values, with_range=True)} {word}".strip(), cpu, by_op, reads, trainer["reps"]]
+        )
+        for r in (trainer, bare):
+            for name, value in r["breakdown_ms"].items():
+                parts_rows.setdefault(name, {})[(world, ga, r["strategy"])] = value
+    times = table(
+        [
+            "world",
+            "GA",
+            "trainer ms",
+            "bare ms",
+            "trainer/bare",
+            "CPU time trainer/bare",
+            "collectives trainer/bare",
+            "host reads trainer/bare",
+            "reps",
+        ],
+        rows,
+    )
+    header = ["component (median ms per step)"] + [f"world {w}, GA {g}: trainer / bare" for w, g in configs]
+    breakdown_rows = []
+    for name, cells in parts_rows.items():
+        if not any(cells.values()):
+            continue
+        row = [name]
+        for world, ga in configs:
+            pair = [cells.get((world, ga, who)) for who in ("trainer", "bare")]
+            row.append(" / ".join("—" if value is None or value == 0 else f"{value:.2f}" for value in pair))
+        breakdown_rows.append(row)
+    return times + "\n" + table(header, breakdown_rows)
+
+
+# ------------------------------------------------------------------------------------------------------ GPU
+
+
+def gpu_section(audits: Sequence[Record]) -> str:
+    """Every GPU result found: the sync audit's verdict by region and the step time with and without normalization."""
+    audited = [audit for audit in audits if audit.get("audited")]
+    if not audited:
+        return "**Not run** for this page (no GPU results were found).\n"
+    rows = []
+    for audit in audited:
+        syncs = ", ".join(f"{k}: {v}" for k, v in sorted(audit["warn_syncs_by_region"].items())) or "none"
+        verdict_text = "pass" if audit["error_mode_passed"] else "FAIL"
+        step = audit.get("step_time_s") or {}
+        times = " / ".join(f"{step[mode]['median'] * 1e3:.2f}" if mode in step else "—" for mode in GPU_MODES)
+        ratio = audit.get("normalization_ratio")
+        rows.append(
+            [audit[key] for key in ("device", "backend", "world", "sp", "grad_accum")]
+            + [audit.get("precision", "—"), syncs, verdict_text, times]
+            + ["—" if ratio is None else "{:.2f}x ({:.2f}–{:.2f})".format(*ratio)]
+        )
+    header = "device|backend|world|SP|GA|precision|syncs by region (warn pass)|error pass|"
+    header += f"step ms {' / '.join(GPU_MODES)}|veomni_lite / none"
+    return table(header, rows)
+
+
+GPU_MODES = ("none", "oracle", "veomni_lite")  # the loss normalizations the GPU step is timed with
+
+
+# --------------------------------------------------------------------------------------------------------- page
 
 
 def rss_row(r: Record) -> list[Any]:
@@ -174,10 +368,9 @@ def rss_row(r: Record) -> list[Any]:
     return [r["world"], r["steps"], r["grad_accum"], *rss, *growth, r["memo_steps_held"], slots]
 
 
-def gpu_row(audit: Record) -> list[Any]:
-    syncs = ", ".join(f"{k}: {v}" for k, v in sorted(audit["warn_syncs_by_region"].items())) or "none"
-    verdict = "pass" if audit["error_mode_passed"] else "FAIL"
-    return [audit[key] for key in ("device", "world", "sp", "grad_accum", "steps")] + [syncs, verdict]
+def checked(records: Iterable[Record], field: str) -> float:
+    values = [r["check"][field] for r in records if field in r["check"]]
+    return max(values) if values else float("nan")
 
 
 def page_values(results: Mapping[str, Any], records: list[Record], png: str) -> dict[str, Any]:
@@ -186,33 +379,46 @@ def page_values(results: Mapping[str, Any], records: list[Record], png: str) -> 
     loss, vlm = select(records, bench="loss"), select(records, kind="vlm")
     c, m = select(vlm, bench="loss", strategy="c"), select(vlm, bench="metrics", strategy="b")
     single, rss = results.get("single_process") or [], [run["rss"] for run in runs.values() if run.get("rss")]
-    audits = [audit for audit in results.get("gpu") or [] if audit.get("audited")]
     over = [world for world in runs if int(world) > results["machine"]["logical_cpus"]]
+    latency = {world: run.get("all_reduce_latency") or {} for world, run in runs.items()}
     probes = [
         [world, name, f"{v['median'] * 1e3:.3f}", span((v["q1"] * 1e3, v["q3"] * 1e3), "{:.3f}")]
-        for world, run in runs.items()
-        for name, v in (run.get("all_reduce_latency") or {}).items()
+        for world, run in latency.items()
+        for name, v in run.items()
     ]
+    partial = [r for r in loss if r["check"].get("not_global")]
+    trainer = select(records, bench="trainer")
+    targets = results.get("targets") or []
+    labels = {f"{r['bench']}_{r['strategy']}": r["label"] for r in records}
     return {
         **{f"{bench}_{kind}": comparison_table(records, bench, kind) for bench in BENCHES for kind in KINDS},
-        "labels": {f"{r['bench']}_{r['strategy']}": r["label"] for r in records},
+        "labels": labels,
         "worlds": ", ".join(runs),
         "sps": span(r["sp"] for r in c),
         "gas": span(r["ga"] for r in c),
         "c_collectives": span(count(r, "collectives") for r in c),
         "c_reads": span(count(r, "host_reads") for r in c),
+        "c_reads_note": f"(c)'s {span(count(r, 'host_reads') for r in c)} host read(s) per step on CPU is the "
+        "rank-agreement verdict of `mean_global_loss`, read from host memory; on an accelerator it stays on the device "
+        "until the trainer's per-step grad-norm read (`verify_loss_keys()`), which the GPU audit checks. "
+        if any(count(r, "host_reads") for r in c)
+        else "(c) reads nothing to the host on the loss path. ",
         "c_configs": len(c),
         "m_collectives": span(count(r, "collectives") for r in m),
         "m_reads": span(count(r, "host_reads") for r in m),
+        "targets_table": targets_section(records, targets),
         "summary": summary_table(records),
-        "caveat": caveat(records),
+        "caveat": caveat(records, latency),
         "png": png,
         "metric_count": len(results["metric_names"]),
         "metric_names": ", ".join(f"`{name}`" for name in results["metric_names"]),
         "loss_keys": ", ".join(f"`{key}`" for key in results["loss_keys"]),
-        "vlm_grad": max(r["check"]["grad_max_rel_diff"] for r in select(loss, kind="vlm")),
-        "path_grad": max(r["check"]["grad_max_rel_diff"] for r in select(loss, kind="path")),
-        "loss_diff": max(r["check"]["loss_rel_diff"] for r in loss),
+        "partial_heads": ", ".join(f"`{h}`" for h in sorted({h for r in partial for h in r["check"]["heads"]})) or "—",
+        "not_global": ", ".join(f"`{h}`" for h in sorted({h for r in partial for h in r["check"]["not_global"]}))
+        or "—",
+        "vlm_grad": checked(select(loss, kind="vlm"), "grad_max_rel_diff"),
+        "path_grad": checked(select(loss, kind="path"), "grad_max_rel_diff"),
+        "loss_diff": checked(loss, "loss_rel_diff"),
         "metrics_equal": "equal"
         if all(r["check"].get("equal") for r in records if r["bench"] == "metrics")
         else "DIFFERENT",
@@ -229,9 +435,10 @@ def page_values(results: Mapping[str, Any], records: list[Record], png: str) -> 
         "rss": table(
             "world|steps|GA|RSS MiB early|RSS MiB end|growth KiB|peak MiB|memo steps|metric slots", map(rss_row, rss)
         ),
-        "gpu": table("device|world|SP|GA|steps|syncs by region (warn pass)|error pass", map(gpu_row, audits))
-        if audits
-        else "**Not run** for this page (no audit results were found).\n",
+        "trainer": trainer_section(records, targets),
+        "trainer_log_interval": span(r["log_interval"] for r in trainer),
+        "trainer_norm_diff": checked(trainer, "grad_norm_rel_diff"),
+        "gpu": gpu_section(results.get("gpu") or []),
         "oversubscribed": f"; {', '.join(over)} processes share {results['machine']['logical_cpus']} CPUs, so those "
         "collectives include scheduling delay (real on a loaded host, larger than on a cluster)"
         if over
@@ -273,7 +480,7 @@ def write_plot(results: Mapping[str, Any], records: list[Record], path: Path) ->
             ax.grid(True, alpha=0.3)
     fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=3, fontsize=8)
     fig.suptitle(f"veomni_lite vs baselines, {results['machine']['backend']} ({results['mode']} mode)")
-    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    fig.tight_layout(rect=(0, 0.14, 1, 1))
     fig.savefig(path, dpi=90)
     plt.close(fig)
 

@@ -3,13 +3,15 @@
 For each world size (2 and 4) this launches `torchrun --standalone --nproc_per_node N benchmarks/bench_worker.py`
 (gloo, OMP_NUM_THREADS=1), merges the workers' JSON into benchmarks/results/<mode>/benchmarks_results.json (ignored
 by git: the page is generated from it, the raw numbers are not committed) and writes the report from that file.
-- full mode (default, ~6 minutes on 2 CPUs): GA 1, 4, 8, 16, 32; SP 1 and 2; writes docs/benchmarks.md and
-  docs/benchmarks.png.
-- `--quick` (under 2 minutes): GA 1, 8, 16, fewer repetitions; writes the page and plot under
+- full mode (default, under 8 minutes on 2 CPUs): GA 1, 8, 16; SP 1 and 2; the trainer against a bare loop at GA 1
+  and 8; writes docs/benchmarks.md and docs/benchmarks.png.
+- `--quick` (about 2 minutes): GA 1 and 8, fewer repetitions; writes the page and plot under
   benchmarks/results/quick/ so the committed full-run page is not overwritten (override with `--out-dir`).
-- `--report-only`: rebuild the page and plot from the mode's results JSON (refreshing the GPU audits) without
+- `--report-only`: rebuild the page and plot from the mode's results JSON (refreshing the GPU results) without
   running anything.
-GPU audit results (docs/benchmarks_gpu*.json, written by benchmarks/gpu_sync_audit.py) are included when present.
+GPU results (benchmarks/results/gpu/*.json, written by benchmarks/gpu_sync_audit.py, e.g. through `make test-gpu`)
+are included when present. The targets (`TARGETS`) travel in the results JSON, so the page computes every verdict
+from it.
 """
 
 from __future__ import annotations
@@ -32,9 +34,26 @@ REPO = BENCH_DIR.parent
 DOCS = REPO / "docs"
 WORKER = BENCH_DIR / "bench_worker.py"
 
+# What the page checks, as paired ratios num / den of one bench and kind (see report.targets_section); `sp` and
+# `ga` restrict where a target is set (absent: everywhere measured).
+TARGETS: list[dict[str, Any]] = [
+    {"name": "loss path alone vs the oracle", "bench": "loss", "kind": "path", "num": "c", "den": "o"}
+    | {"op": "<=", "bound": 1.3, "ga": [8]},
+    {"name": "loss path alone vs VeOmni 0.1.12, SP 1", "bench": "loss", "kind": "path", "num": "b", "den": "c"}
+    | {"op": ">=", "bound": 1.0, "sp": [1]},
+    {"name": "VLM step vs VeOmni 0.1.12, SP 1", "bench": "loss", "kind": "vlm", "num": "b", "den": "c"}
+    | {"op": ">=", "bound": 1.0, "sp": [1]},
+    {"name": "loss path alone vs VeOmni 0.1.12, SP 2", "bench": "loss", "kind": "path", "num": "b", "den": "c"}
+    | {"op": ">=", "bound": 4.0, "sp": [2]},
+    {"name": "trainer step vs the bare loop", "bench": "trainer", "kind": "step", "num": "trainer", "den": "bare"}
+    | {"op": "<=", "bound": 1.1, "ga": [8]},
+]
+
 MODES: dict[str, dict[str, Any]] = {
     "full": {
-        "ga": "1,4,8,16,32",
+        "ga": "1,8,16",
+        "trainer_ga": "1,8",
+        "trainer_budget_s": 10.0,
         "sp": "1,2",
         "vlm_budget_s": 5.5,
         "path_budget_s": 1.5,
@@ -45,7 +64,9 @@ MODES: dict[str, dict[str, Any]] = {
         "timeout_s": 420,
     },
     "quick": {
-        "ga": "1,8,16",
+        "ga": "1,8",
+        "trainer_ga": "1,8",
+        "trainer_budget_s": 2.0,
         "sp": "1,2",
         "vlm_budget_s": 0.8,
         "path_budget_s": 0.3,
@@ -53,7 +74,7 @@ MODES: dict[str, dict[str, Any]] = {
         "max_reps": 10,
         "rss_steps": 300,
         "overhead_reps": 60,
-        "timeout_s": 90,
+        "timeout_s": 150,
     },
 }
 
@@ -76,6 +97,10 @@ def worker_args(settings: dict[str, Any], out: Path) -> list[str]:
         str(settings["max_reps"]),
         "--rss-steps",
         str(settings["rss_steps"]),
+        "--trainer-ga",
+        settings["trainer_ga"],
+        "--trainer-budget-s",
+        str(settings["trainer_budget_s"]),
     ]
 
 
@@ -116,9 +141,12 @@ def run_world(world: int, settings: dict[str, Any], out: Path) -> dict[str, Any]
     return json.loads(out.read_text())
 
 
+GPU_RESULTS = BENCH_DIR / "results" / "gpu"
+
+
 def gpu_results() -> list[dict[str, Any]]:
-    """Every docs/benchmarks_gpu*.json an audit wrote (sorted by name)."""
-    return [json.loads(path.read_text()) for path in sorted(DOCS.glob("benchmarks_gpu*.json"))]
+    """Every benchmarks/results/gpu/*.json that gpu_sync_audit.py wrote (sorted by name)."""
+    return [json.loads(path.read_text()) for path in sorted(GPU_RESULTS.glob("*.json"))]
 
 
 def parse_args() -> argparse.Namespace:
@@ -140,6 +168,7 @@ def main() -> int:
             raise SystemExit(f"no results at {raw_path}: run `make bench{' QUICK=1' if args.quick else ''}` first")
         results = json.loads(raw_path.read_text())
         results["gpu"] = gpu_results()
+        results["targets"] = TARGETS
     else:
         settings = MODES[mode]
         started = time.perf_counter()
@@ -168,6 +197,7 @@ def main() -> int:
             "raw_results": str(raw_path.relative_to(REPO)) if raw_path.is_relative_to(REPO) else str(raw_path),
             "runs": runs,
             "single_process": overhead,
+            "targets": TARGETS,
             "gpu": gpu_results(),
         }
     raw_path.parent.mkdir(parents=True, exist_ok=True)

@@ -16,8 +16,9 @@ report = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(report)
 
 NUMBER = re.compile(r"\d+(?:[.,]\d+)*(?:e[-+]?\d+)?")
-# digits the template may hold: a command flag, the meaning of a ratio, a rank's name (none of them a measurement)
-LITERALS = ("make bench QUICK=1", "(> 1:", "rank 0")
+# digits the template may hold: a command flag, the meaning of a ratio, a rank's name, API and dtype names (none of
+# them a measurement)
+LITERALS = ("make bench QUICK=1", "(> 1:", "rank 0", "FSDP2", "bf16")
 
 
 def without_literals(text: str) -> str:
@@ -26,9 +27,33 @@ def without_literals(text: str) -> str:
     return text
 
 
+def record(bench: str, kind: str, world: int, sp: int, ga: int, key: str, times: list[float], **extra: Any) -> Any:
+    return {
+        "bench": bench,
+        "kind": kind,
+        "world": world,
+        "sp": sp,
+        "ga": ga,
+        "strategy": key,
+        "label": f"({key}) strategy {key} of {bench}",
+        "times_s": times,
+        "reps": len(times),
+        "median_s": times[len(times) // 2],
+        "q1_s": times[1],
+        "q3_s": times[-2],
+        **extra,
+    }
+
+
 def results(worlds: list[int], sps: list[int], gas: list[int], free: dict[str, Any]) -> dict[str, Any]:
     """Results for `worlds` x `sps` x `gas`; every other number comes from `free` (so two inputs can share none)."""
-    coll = {"a": lambda ga: free["a"] * ga, "b": lambda ga: free["b"], "c": lambda ga: free["c"]}
+    coll = {
+        "a": lambda ga: free["a"] * ga,
+        "b": lambda ga: free["b"],
+        "c": lambda ga: free["c"],
+        "d": lambda ga: free["d"],
+        "o": lambda ga: free["o"],
+    }
     runs = {}
     for world in worlds:
         records = []
@@ -37,37 +62,43 @@ def results(worlds: list[int], sps: list[int], gas: list[int], free: dict[str, A
                 base = free["ms"] * ga * 1e-3
                 # (b) beats (c) at the first SP size only, so the page has its caveat
                 speed = {"a": free["slow"], "b": 0.9 if sp == sps[0] else free["slow"], "c": 1.0}
-                benches = [("loss", "abc", "step")] + ([("metrics", "ab", "metrics")] if sp == sps[0] else [])
+                speed |= {"d": free["hf"], "o": 1 / free["floor"]}
+                benches = [("loss", "abcdo", "step")] + ([("metrics", "ab", "metrics")] if sp == sps[0] else [])
                 for bench, keys, phase in benches:
                     for kind in ("vlm", "path"):
                         for key in keys:
                             times = [base * speed[key] * (1 + 0.01 * i) for i in range(free["reps"])]
                             extra = {"grad_sync": free["grad"], "model": free["a2a"] * ga if sp > 1 else 0.0}
-                            records.append(
-                                {
-                                    "bench": bench,
-                                    "kind": kind,
-                                    "world": world,
-                                    "sp": sp,
-                                    "ga": ga,
-                                    "strategy": key,
-                                    "label": f"({key}) strategy {key} of {bench}",
-                                    "times_s": times,
-                                    "reps": len(times),
-                                    "median_s": times[len(times) // 2],
-                                    "q1_s": times[1],
-                                    "q3_s": times[-2],
-                                    "counts": {
-                                        "collectives": {phase: float(coll[key](ga)), **extra},
-                                        "host_reads": {phase: float(coll[key](ga) * free["reads"])},
-                                    },
-                                    "check": {
-                                        "grad_max_rel_diff": free["diff"],
-                                        "loss_rel_diff": free["diff"] / free["reads"],
-                                        "equal": True,
-                                    },
-                                }
-                            )
+                            check = {
+                                "heads": ["foundation_loss", "image_decoder_loss"],
+                                "grad_max_rel_diff": free["diff"],
+                                "loss_rel_diff": free["diff"] / free["reads"],
+                                "equal": True,
+                            }
+                            if key == "d":
+                                check |= {"heads": ["foundation_loss"], "not_global": ["image_decoder_loss"]}
+                            if key == "o" and kind == "path":
+                                check = {"heads": [], "not_compared": "the floor"}
+                            counts = {
+                                "collectives": {phase: float(coll[key](ga)), **extra},
+                                "host_reads": {phase: float(coll[key](ga) * free["reads"])},
+                                "elements": {phase: float(coll[key](ga) * free["elements"])},
+                            }
+                            records.append(record(bench, kind, world, sp, ga, key, times, counts=counts, check=check))
+        for ga in gas[:2]:
+            for key, speed in (("trainer", free["trainer"]), ("bare", 1.0)):
+                times = [free["ms"] * ga * 1e-3 * speed * (1 + 0.01 * i) for i in range(free["reps"])]
+                counts = {
+                    "collectives": {"step": free["c"] + free["grad"]},
+                    "host_reads": {"step": free["reads"]},
+                    "collectives_by_op": {"step/all_reduce": free["c"], "step/all_gather_single": free["grad"]},
+                }
+                parts = {"control all-reduce": free["part"], "rest": free["part"] * 3, "step": free["ms"]}
+                records.append(
+                    record("trainer", "step", world, 1, ga, key, times, counts=counts, cpu_times_s=times)
+                    | {"check": {"grad_norm_rel_diff": free["diff"] / 3}, "log_interval": free["log"] + 1}
+                    | {"breakdown_ms": parts if key == "trainer" else {"rest": free["part"] * 2, "step": free["ms"]}}
+                )
         kib = free["rss"]
         runs[str(world)] = {
             "records": records,
@@ -88,6 +119,29 @@ def results(worlds: list[int], sps: list[int], gas: list[int], free: dict[str, A
                 "the packed buffer": {"median": free["probe"] * 3, "q1": free["probe"], "q3": free["probe"] * 4},
             },
         }
+    targets = [
+        {"name": "path vs floor", "bench": "loss", "kind": "path", "num": "c", "den": "o", "op": "<="}
+        | {"bound": free["floor"] * 1.01, "ga": gas[1:2]},
+        {"name": "VLM vs (b)", "bench": "loss", "kind": "vlm", "num": "b", "den": "c", "op": ">="}
+        | {"bound": free["bound"], "sp": sps[:1]},
+        {"name": "trainer vs bare", "bench": "trainer", "kind": "step", "num": "trainer", "den": "bare", "op": "<="}
+        | {"bound": free["trainer"] * 0.99, "ga": gas[1:2]},
+    ]
+    gpu = [
+        {
+            "audited": True,
+            "device": "Some GPU",
+            "backend": "nccl",
+            "world": worlds[0],
+            "sp": sps[0],
+            "grad_accum": free["rss_ga"],
+            "precision": "bf16",
+            "warn_syncs_by_region": {},
+            "error_mode_passed": True,
+            "step_time_s": {mode: {"median": free["probe"] * (i + 2)} for i, mode in enumerate(report.GPU_MODES)},
+            "normalization_ratio": [free["slow"], free["slow"] / 2, free["slow"] * 2],
+        }
+    ]
     return {
         "mode": "full",
         "command": "make bench",
@@ -118,9 +172,10 @@ def results(worlds: list[int], sps: list[int], gas: list[int], free: dict[str, A
         "single_process": [
             {"ga": ga, "strategy": key, "median_s": free["ms"] * ga * 1e-6 * (i + 3)}
             for ga in gas
-            for i, key in enumerate("abc")
+            for i, key in enumerate("abcdo")
         ],
-        "gpu": [],
+        "targets": targets,
+        "gpu": gpu if free["gpu"] else [],
     }
 
 
@@ -128,6 +183,15 @@ FREE_A = {
     "a": 2,
     "b": 2,
     "c": 1,
+    "d": 1,
+    "o": 1,
+    "elements": 3,
+    "hf": 0.8,
+    "floor": 1.25,
+    "bound": 1.0,
+    "trainer": 1.05,
+    "part": 0.5,
+    "gpu": False,
     "reads": 1,
     "grad": 1,
     "a2a": 4,
@@ -160,6 +224,15 @@ FREE_B = {
     "a": 17,
     "b": 19,
     "c": 23,
+    "d": 47,
+    "o": 53,
+    "elements": 59,
+    "hf": 0.71,
+    "floor": 2.3,
+    "bound": 0.85,
+    "trainer": 1.37,
+    "part": 2.9,
+    "gpu": True,
     "reads": 29,
     "grad": 31,
     "a2a": 37,
@@ -207,14 +280,37 @@ def prose_numbers(text: str) -> set[str]:
 
 def test_page_has_every_table_and_the_plot(tmp_path: Path) -> None:
     text = page(tmp_path, A)
-    for heading in ("## Summary", "## Loss normalization", "## Metrics", "## Counts per step against GA"):
+    for heading in ("## Targets", "## Summary", "## Loss normalization", "## The trainer's own per-step costs"):
         assert heading in text
-    assert text.count("| world | SP | GA | (a) ms | (b) ms | (c) ms | (a)/(c) | (b)/(c) |") == 2
+    for heading in ("## Metrics", "## Counts per step against GA", "## GPU"):
+        assert heading in text
+    loss_header = (
+        "| world | SP | GA | (a) ms | (b) ms | (c) ms | (d) ms | (o) ms | (a)/(c) | (b)/(c) | (d)/(c) | (c)/(o) |"
+    )
+    assert text.count(loss_header) == 2
     assert text.count("| world | SP | GA | (a) ms | (b) ms | (a)/(b) |") == 2
     assert "![step time and collectives per step against GA](benchmarks.png)" in text
-    assert "| loss | 2 | (a) | all | 2·GA | 2·GA |" in text  # the exact fit of counts against GA
-    assert "1.50x" in text and "0.90x" in text  # paired ratios of the synthetic times
-    assert "**Not run**" in text
+    assert "| loss | 2 | (a) | all | 2·GA | 2·GA | 6·GA |" in text  # the exact fit of counts against GA
+    assert "1.50x" in text and "0.90x" in text and "0.80x" in text  # paired ratios of the synthetic times
+    assert "1.25x (1.25–1.25) [1.25–1.25] met" in text  # (c)/(o) at the target's GA, under its bound
+    assert "not a target" in text  # the same ratio at a GA the target is not set at
+    assert "1.05x (1.05–1.05) [1.05–1.05] missed" in text  # trainer / bare above its bound
+    assert "`image_decoder_loss`" in text.split("## What is compared")[1].split("Metrics:")[0]  # (d)'s 2nd head
+    assert "**Not run** for this page (no GPU results" in text
+
+
+def test_gpu_results_and_missing_parts(tmp_path: Path) -> None:
+    text = page(tmp_path, B)
+    assert "| Some GPU | nccl |" in text and "| bf16 | none | pass |" in text
+    bare = results(*A)
+    for run in bare["runs"].values():
+        run["records"] = [r for r in run["records"] if r["bench"] != "trainer"]
+    del bare["targets"]
+    out = tmp_path / "bare"
+    md, _ = report.write_report(bare, out)
+    text = md.read_text()
+    assert "**Not run** for this page (the results hold no trainer benchmark)" in text
+    assert "**No targets** in these results." in text
 
 
 def test_template_prose_types_in_no_number() -> None:

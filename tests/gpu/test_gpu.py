@@ -1,0 +1,75 @@
+"""CUDA-only checks, run by `make test-gpu` (and by `make test`, where they skip without a GPU).
+
+- The micro-batch loop makes zero host syncs under `torch.cuda.set_sync_debug_mode("error")`: the tiny VLM under
+  FSDP2 with the trainer's bf16 mixed-precision policy, NCCL, SP 1 and (with 2 GPUs) SP 2, through
+  `benchmarks/gpu_sync_audit.py`, which also times the step with no loss normalization, the oracle's and
+  veomni_lite's. Its JSON lands in benchmarks/results/gpu/, where `make bench` puts it on the page; the test prints
+  the step times.
+- `trainers/train_vlm.py` trains the tiny VLM on the GPU(s) (NCCL, bf16) and its loss falls.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+REPO = Path(__file__).resolve().parents[2]
+AUDIT = REPO / "benchmarks" / "gpu_sync_audit.py"
+RESULTS = REPO / "benchmarks" / "results" / "gpu"
+
+
+def world_size() -> int:
+    """One process per GPU, at most two."""
+    return min(torch.cuda.device_count(), 2)
+
+
+def torchrun(nproc: int, script: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    command += [str(script), *args]
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("sp", [1, 2])
+def test_micro_batch_loop_makes_no_host_sync(sp: int) -> None:
+    world = world_size()
+    if world % sp:
+        pytest.skip(f"SP {sp} needs {sp} GPUs, {world} visible")
+    out = RESULTS / f"gpu_sync_audit_world{world}_sp{sp}.json"
+    done = torchrun(world, AUDIT, "--sp", str(sp), "--ga", "4", "--steps", "3", "--time-reps", "20", "--out", str(out))
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-6000:]
+    result: dict[str, Any] = json.loads(out.read_text())
+    assert result["audited"] and result["backend"] == "nccl" and result["precision"] == "bf16"
+    assert result["warn_syncs_by_region"] == {}, result["warn_sync_sites"]
+    assert result["error_mode_passed"], result["error"]
+    times = {mode: result["step_time_s"][mode]["median"] for mode in ("none", "oracle", "veomni_lite")}
+    assert all(value > 0 for value in times.values())
+    ratio = result["normalization_ratio"]
+    print(
+        f"\n{result['device']} x{world}, SP {sp}, GA {result['grad_accum']}: median step ms "
+        + ", ".join(f"{mode} {value * 1e3:.2f}" for mode, value in times.items())
+        + f"; veomni_lite / none {ratio[0]:.2f}x (IQR {ratio[1]:.2f}-{ratio[2]:.2f}); written to {out}"
+    )
+
+
+def test_trainer_trains_on_gpu(tmp_path: Path) -> None:
+    world = world_size()
+    overrides = ["--train.max_steps", "40", "--train.eval_interval", "0", "--train.output_dir", str(tmp_path)]
+    overrides += ["--checkpoint.save_interval", "0", "--logging.log_interval", "10", "--logging.progress_bar", "false"]
+    overrides += ["--logging.plot", "false", "--logging.tensorboard", "false"]
+    done = torchrun(world, REPO / "trainers" / "train_vlm.py", str(REPO / "configs" / "vlm_tiny.yaml"), *overrides)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-6000:]
+    events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    losses = [event["train/loss"] for event in events if "train/loss" in event]
+    assert len(losses) >= 2 and all(math.isfinite(loss) for loss in losses)
+    assert losses[-1] < losses[0], losses
