@@ -61,9 +61,13 @@ def layout_config(kind: str, output_dir: Path, pad_to_multiple_of: int = 1, **tr
     )
 
 
+COUNTS = ("train/tokens", "train/samples", "train/tokens_seen", "eval/caption_accuracy")
+
+
 def compared_keys(events: list[dict[str, Any]]) -> list[str]:
+    """Every loss (train and eval, per head), the grad norm, and the layout-independent counts."""
     keys = {key for event in events for key in event}
-    return sorted(key for key in keys if key.endswith("loss") or key in ("train/grad_norm", "eval/caption_accuracy"))
+    return sorted(key for key in keys if key.endswith("loss") or key == "train/grad_norm" or key in COUNTS)
 
 
 def max_rel_diffs(got: list[dict[str, Any]], expected: list[dict[str, Any]]) -> dict[str, float]:
