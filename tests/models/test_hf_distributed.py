@@ -265,7 +265,10 @@ def test_vl_dp2_sp2_equals_sp1_with_a_shard_without_targets(single_process, four
 @pytest.mark.slow
 def test_one_loss_collective_per_step_on_every_rank(two_ranks, four_ranks):
     """The contract: the loss normalization costs exactly ONE collective per optimizer step (loss_utils' packed
-    all-reduce), on every rank, under DP, SP and DP x SP alike: none per micro-batch, none per SP shard."""
+    all-reduce, counted as calls of `loss_utils.all_reduce` inside `train_step`), on every rank, under DP, SP and
+    DP x SP alike (GA 2 under SP=2): none per micro-batch, none per SP shard. A change to loss_utils that adds a
+    collective (say, a one-off agreement on the first step) changes this contract: restate it here, step by step."""
+    assert {"qwen2_vl/sp2", "qwen2_vl/dp2", "qwen2_text/sp2"} <= set(two_ranks[1])
     for world in (two_ranks, four_ranks):
         for rank, rank_runs in enumerate(world):
             for name, run in rank_runs.items():
@@ -273,4 +276,3 @@ def test_one_loss_collective_per_step_on_every_rank(two_ranks, four_ranks):
                     f"{name}, rank {rank}: loss collectives per optimizer step {run['step_collectives']}, "
                     f"the contract is {LOSS_COLLECTIVES_PER_STEP} per step"
                 )
-    assert "qwen2_vl/sp2" in two_ranks[1]
