@@ -1,24 +1,55 @@
-"""Small trainer runs for tests: tiny configs, in-process (single rank) or on spawned gloo ranks."""
+"""Small trainer runs for tests: tiny configs, in-process (single rank) or on spawned gloo ranks.
+
+Kinds: "text" and "vlm" (the tiny example models), "qwen2_text" (PydocLMTrainer, a transformers Qwen2 causal LM)
+and "qwen2_vl" (DigitsVLTrainer, Qwen2-VL with the image head). transformers is imported when a qwen2 model is built.
+"""
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from veomni_lite.config import Config, load_config, replace
+from veomni_lite.examples.qwen2_pydoc_text import TOKENIZER_FILE, PydocLMTrainer
+from veomni_lite.examples.qwen2_vl_digits import DigitsVLTrainer
 from veomni_lite.examples.text_trainer import TextTrainer
 from veomni_lite.examples.vlm_trainer import VLMTrainer
+from veomni_lite.trainer.base import BaseTrainer
 
 REPO = Path(__file__).resolve().parents[2]
 TRAINERS = {
     "text": (TextTrainer, REPO / "configs" / "text_tiny.yaml"),
     "vlm": (VLMTrainer, REPO / "configs" / "vlm_tiny.yaml"),
+    "qwen2_text": (PydocLMTrainer, REPO / "configs" / "qwen2_text.yaml"),
+    "qwen2_vl": (DigitsVLTrainer, REPO / "configs" / "qwen2_vl_digits.yaml"),
+}
+_TINY_MODEL = {"model": {"hidden_size": 32, "intermediate_size": 64}, "data": {"num_samples": 256}}
+# The shipped transformers configs are already small; the text samples are shortened, and the digits' held-out
+# split is cut to 17 images (eval/caption_accuracy runs a forward pass per 2 held-out images).
+SHRINK: dict[str, dict[str, dict[str, Any]]] = {
+    "text": _TINY_MODEL,
+    "vlm": _TINY_MODEL,
+    "qwen2_text": {"data": {"seq_len": 32}},
+    "qwen2_vl": {"data": {"eval_fraction": 0.01}},
 }
 
 
-def tiny_config(kind: str, output_dir: str | Path, **train: Any) -> Config:
-    """The shipped config shrunk for tests; `train` overrides train.* fields."""
+@functools.cache
+def _pydoc_tokenizer_json(vocab_size: int) -> str:
+    from veomni_lite.examples.pydoc_text import train_tokenizer
+
+    return train_tokenizer(vocab_size).to_str()
+
+
+def tiny_config(kind: str, output_dir: str | Path, data: dict[str, Any] | None = None, **train: Any) -> Config:
+    """The shipped config shrunk for tests; `data` overrides data.* fields, `train` overrides train.* fields.
+
+    For "qwen2_text" the BPE tokenizer (trained once per test process) is written to `output_dir/tokenizer.json`,
+    which the trainer loads as a resumed run would, instead of training it again in every run and on every rank.
+    """
     _, path = TRAINERS[kind]
     config = load_config(path, world_size=1)
     settings = {
@@ -35,15 +66,29 @@ def tiny_config(kind: str, output_dir: str | Path, **train: Any) -> Config:
         "output_dir": str(output_dir),
     }
     settings.update(train)
-    return replace(
-        config, model={"hidden_size": 32, "intermediate_size": 64}, data={"num_samples": 256}, train=settings
+    shrink = SHRINK[kind]
+    config = replace(
+        config, model=shrink.get("model", {}), data={**shrink.get("data", {}), **(data or {})}, train=settings
     )
+    if kind == "qwen2_text":
+        tokenizer = Path(output_dir) / TOKENIZER_FILE
+        tokenizer.parent.mkdir(parents=True, exist_ok=True)
+        tokenizer.write_text(_pydoc_tokenizer_json(config.data.tokenizer_vocab_size))
+    return config
 
 
-def run_trainer(kind: str, config: Config, stop_after: int | None = None) -> list[dict[str, Any]]:
-    """Train; return the JSONL events. `stop_after=k` requests a stop (as SIGTERM would) after step k."""
+def run_trainer(
+    kind: str,
+    config: Config,
+    stop_after: int | None = None,
+    setup: Callable[[BaseTrainer], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Train; return the JSONL events. `stop_after=k` requests a stop (as SIGTERM would) after step k; `setup` is
+    called with the built trainer before training (to wrap its methods for a test)."""
     trainer_cls, _ = TRAINERS[kind]
     trainer = trainer_cls(config)
+    if setup is not None:
+        setup(trainer)
     if stop_after is not None:
         original = trainer.train_step
 
