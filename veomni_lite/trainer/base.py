@@ -1,4 +1,4 @@
-"""The one train loop. Text and VLM trainers only supply the model, the datasets and the collate function.
+"""The one train loop. Each job's trainer only supplies the model, the datasets and the collate function.
 
 Per optimizer step:
   1. the loader yields this rank's GA micro-batches; under SP each is sliced to this rank's sequence shard;
@@ -6,8 +6,9 @@ Per optimizer step:
      group agrees, across ranks, on stop requests (SIGTERM), bad data and the micro-batch count, before any
      collective that could hang;
   3. `micro_batches_token_len = count_loss_token(micro_batches)`; per micro-batch: `preforward` (to device) ->
-     model -> `postforward` (`mean_global_loss`, keys summed) -> backward. Loss normalization costs one packed
-     all-reduce per step, inside `mean_global_loss`; metrics are recorded locally (no collective, no host read);
+     model -> `postforward` (`mean_global_loss`, keys summed) -> backward. Loss normalization costs one small
+     all-reduce per step (one int64 per loss key), inside `mean_global_loss`; metrics are recorded locally (no
+     collective, no host read);
   4. gradient clipping with the true global norm over FSDP shards: its one all-reduce also counts the ranks whose
      loss is non-finite, so after the step's one host read every rank takes the same decision (step, skip or raise);
      AdamW + warmup/cosine LR;
