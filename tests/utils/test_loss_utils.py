@@ -30,10 +30,10 @@ AGREEMENT_SIZE = MAX_LOSS_KEYS + 5
 @pytest.fixture(autouse=True)
 def _fresh_memo():
     loss_utils.reset_loss_memo()
-    loss_utils._forget_agreements()
+    loss_utils.forget_loss_agreements()
     yield
     loss_utils.reset_loss_memo()
-    loss_utils._forget_agreements()
+    loss_utils.forget_loss_agreements()
 
 
 class CountingAllReduce:

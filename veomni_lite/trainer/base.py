@@ -48,6 +48,7 @@ from veomni_lite.trainer.train_metrics import TrainMetrics
 from veomni_lite.utils.loss_utils import (
     LossKeyMismatchError,
     count_loss_token,
+    forget_loss_agreements,
     mean_global_loss,
     reset_loss_memo,
     verify_loss_keys,
@@ -104,6 +105,7 @@ class BaseTrainer(ABC):
         self.rank = self.parallel.rank
         self.is_main = self.rank == 0
         self.control_group = self.parallel.new_group("gloo")
+        forget_loss_agreements()  # a new run agrees on its loss keys afresh (every rank constructs its trainer here)
         torch.manual_seed(train.seed)
 
         self.train_dataset, self.eval_dataset = self.build_datasets()

@@ -40,7 +40,8 @@ Rank agreement (ranks that pack different key sets would reduce different buffer
   step's denominators are NaN until `verify_loss_keys()` reads the verdict at the step's existing host read (the
   trainer calls it with its grad-norm read). With one rank there is nothing to agree: the k counts, no verdict.
 - The agreement changes only on a verdict that every rank reads from the same sum, so it is the same on every rank;
-  `reset_loss_memo()` keeps it (a local call cannot desynchronize ranks).
+  `reset_loss_memo()` keeps it (a local call cannot desynchronize ranks); `forget_loss_agreements()`, called by every
+  rank at the same point (the trainer does at construction), makes the next step agree afresh.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ __all__ = [
     "count_loss_token",
     "mean_global_loss",
     "reduce_global_loss_token",
+    "forget_loss_agreements",
     "reset_loss_memo",
     "verify_loss_keys",
 ]
@@ -234,8 +236,12 @@ _TOKEN_KEYS_HINT = (
 _HINTS = {"mean_global_loss": _LOSS_KEYS_HINT, "reduce_global_loss_token": _TOKEN_KEYS_HINT}
 
 
-def _forget_agreements() -> None:
-    """Drop every agreement (tests only: every rank of a group must do it at the same point, or none)."""
+def forget_loss_agreements() -> None:
+    """Drop every agreed key set, so the next step agrees afresh (one agreement all-reduce instead of a lean one).
+
+    Collective in effect: every rank of a group must call it at the same point or none, e.g. when a new training run
+    starts in the same processes (the trainer does it at construction).
+    """
     _AGREEMENTS.clear()
 
 
