@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,17 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
 def run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def sigterm_when(command: list[str], ready: Callable[[], bool], timeout: float = 120) -> tuple[int, str]:
+    """Start `command`, send it SIGTERM as soon as `ready()` (or after `timeout`); its (exit code, stderr)."""
+    proc = subprocess.Popen(command, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not ready():
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=timeout)
+    return proc.returncode, stderr
 
 
 def events(output_dir: Path) -> list[dict]:
@@ -72,22 +84,13 @@ def test_sigterm_saves_flushes_and_resume_matches_an_uninterrupted_run(tmp_path)
     reference = run(torchrun("train_vlm.py", "vlm_tiny.yaml", 2, *common, "--train.output_dir", str(full)))
     assert reference.returncode == 0, reference.stderr[-3000:]
 
-    proc = subprocess.Popen(
-        torchrun("train_vlm.py", "vlm_tiny.yaml", 2, *common, "--train.output_dir", str(cut)),
-        cwd=REPO,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    def five_lines() -> bool:
+        return (cut / "metrics.jsonl").exists() and len((cut / "metrics.jsonl").read_text().splitlines()) >= 5
+
+    returncode, stderr = sigterm_when(
+        torchrun("train_vlm.py", "vlm_tiny.yaml", 2, *common, "--train.output_dir", str(cut)), five_lines
     )
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if (cut / "metrics.jsonl").exists() and len((cut / "metrics.jsonl").read_text().splitlines()) >= 5:
-            break
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode != 0, "an interrupted run exits non-zero"
+    assert returncode != 0, "an interrupted run exits non-zero"
     checkpoints = sorted((cut / "checkpoints").glob("step_*"))
     assert checkpoints, stderr[-3000:]
     stopped_at = int(checkpoints[-1].name.split("_")[1])
@@ -112,19 +115,8 @@ def test_sigterm_right_after_a_checkpoint_counts_every_window_once(tmp_path):
     full, cut = tmp_path / "full", tmp_path / "cut"
     reference = run(torchrun("train_vlm.py", "vlm_tiny.yaml", 2, *common, "--train.output_dir", str(full)))
     assert reference.returncode == 0, reference.stderr[-3000:]
-    proc = subprocess.Popen(
-        torchrun("train_vlm.py", "vlm_tiny.yaml", 2, *common, "--train.output_dir", str(cut)),
-        cwd=REPO,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (cut / "checkpoints" / "step_00000004").exists():
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=120)
+    command = torchrun("train_vlm.py", "vlm_tiny.yaml", 2, *common, "--train.output_dir", str(cut))
+    sigterm_when(command, (cut / "checkpoints" / "step_00000004").exists)
     resume = ["--train.output_dir", str(cut), "--checkpoint.resume", "true"]
     resumed = run(torchrun("train_vlm.py", "vlm_tiny.yaml", 2, *common, *resume))
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+from veomni_lite.examples.tokenizer_file import load_or_train
 from veomni_lite.loss_keys import IGNORE_INDEX
 
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
@@ -39,16 +40,7 @@ def train_tokenizer() -> Tokenizer:
 
 def load_or_train_tokenizer(path: str | Path, save: bool = True) -> Tokenizer:
     """The tokenizer saved at `path` (a resumed run keeps its ids), else a new one, saved there when `save`."""
-    path = Path(path)
-    if path.is_file():
-        return Tokenizer.from_file(str(path))
-    tokenizer = train_tokenizer()
-    if save:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tokenizer.save(str(tmp))
-        tmp.replace(path)
-    return tokenizer
+    return load_or_train(path, train_tokenizer, save)
 
 
 def patchify(image: torch.Tensor, patch: int, temporal_patch: int, merge: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from veomni_lite.examples.tokenizer_file import load_or_train
 from veomni_lite.loss_keys import IGNORE_INDEX
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
@@ -46,21 +47,12 @@ def train_tokenizer(vocab_size: int) -> Tokenizer:
 def load_or_train_tokenizer(path: str | Path, vocab_size: int, save: bool = True) -> Tokenizer:
     """The tokenizer saved at `path` (a resumed run keeps its tokenizer), else a new one, saved there when `save`
     (training is deterministic, so every rank builds the same one and only rank 0 writes it)."""
-    path = Path(path)
-    if path.is_file():
-        tokenizer = Tokenizer.from_file(str(path))
-        if tokenizer.get_vocab_size() != vocab_size:
-            raise ValueError(
-                f"{path} has a vocabulary of {tokenizer.get_vocab_size()} tokens, the config asks for {vocab_size}; "
-                "delete it or use another train.output_dir"
-            )
-        return tokenizer
-    tokenizer = train_tokenizer(vocab_size)
-    if save:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tokenizer.save(str(tmp))
-        tmp.replace(path)
+    tokenizer = load_or_train(path, lambda: train_tokenizer(vocab_size), save)
+    if tokenizer.get_vocab_size() != vocab_size:
+        raise ValueError(
+            f"{path} has a vocabulary of {tokenizer.get_vocab_size()} tokens, the config asks for {vocab_size}; "
+            "delete it or use another train.output_dir"
+        )
     return tokenizer
 
 
