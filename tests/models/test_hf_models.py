@@ -150,6 +150,29 @@ def test_collate_places_image_features_by_global_index():
     assert batch["pixel_values"].shape == (16 + 32, 4)
 
 
+def test_a_later_sp_shard_embeds_its_image_tokens_by_global_index():
+    """Images after a long text run land in sp rank 1's shard: its embeddings equal that slice of the full sequence's,
+    image features included, and its positions are the full sequence's (so rotary embeddings match too)."""
+    from veomni_lite.distributed.sequence_parallel import slice_micro_batch
+
+    samples = [image_sample([(1, 4, 4)], [20, 1]), image_sample([(1, 4, 4), (1, 4, 4)], [18, 1, 1], seed=3)]
+    batch = collate_qwen2_vl(samples, IMAGE, merge=2, pad_id=PAD)
+    model = make_vl()
+    with torch.no_grad():
+        full = model.embed(
+            batch["input_ids"], batch["image_feature_index"], batch["pixel_values"], batch["image_grid_thw"]
+        )
+        shard = slice_micro_batch(batch, sp_rank=1, sp_size=2, pad_id=PAD)
+        start = shard["input_ids"].shape[1]
+        assert (shard["input_ids"] == IMAGE).sum() == 12, "every image token sits in the second half"
+        local = model.embed(
+            shard["input_ids"], shard["image_feature_index"], batch["pixel_values"], batch["image_grid_thw"]
+        )
+    assert full.shape[1] == 2 * start, "no SP padding: the shard is exactly the second half"
+    assert torch.equal(local, full[:, start:])
+    assert torch.equal(shard["position_ids"], batch["position_ids"][:, start:])
+
+
 def test_causal_lm_loss_without_targets_is_exact_zero_with_zero_gradient():
     model = make_lm()
     input_ids = torch.randint(0, VOCAB, (2, 7))
