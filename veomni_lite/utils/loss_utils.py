@@ -16,10 +16,17 @@ Names and signatures follow VeOmni's `veomni.utils.loss_utils`, so VeOmni caller
 
 Cost: without a 4th argument, T is computed once per step dict (the object `micro_batches_token_len`) by ONE
 all-reduce over the dp x sp group of only the consumed loss keys, and memoized; later micro-batches of the step issue
-no collective and no value is read to the host. The memo serves only the same dict with the same count objects at
-the same tensor versions (an in-place `+=`/`copy_` gets new denominators) and holds one step. `count_loss_token` of
-a list counts each key once over the concatenated labels. `reduce_global_loss_token` reduces exactly the keys given
-(ONE all-reduce once agreed) and reads the result to the host once: VeOmni's contract is numbers out.
+no collective and nothing is read from a device. The memo serves only the same dict with the same count objects at
+the same tensor versions (an in-place `+=`/`copy_` gets new denominators) and holds one step. `reduce_global_loss_token`
+reduces exactly the keys given (ONE all-reduce once agreed) and reads the result to the host once: VeOmni's contract
+is numbers out.
+
+Per micro-batch, two paths with bit-identical values and gradients:
+- host numbers, where the labels were counted from host memory (`token_counts`: the trainer counts its CPU
+  micro-batches) and the reduced buffer lies in host memory (gloo, or one rank): n and W / max(T, 1) are Python
+  numbers, so each loss costs ONE multiply (a zero count: an exact-zero `where`); no count is redone per micro-batch.
+- tensors otherwise (an NCCL reduce, counts on a device, counts the caller made): `where(n > 0, L, 0) * (n * scale)`
+  on the loss device, four small ops per loss and no device sync.
 
 Rank agreement (ranks that pack different key sets would reduce different buffers: garbage on gloo, a hang on NCCL):
 - The agreement buffer: `MAX_LOSS_KEYS` = 8 count slots, then [1, f_a, f_a^2, f_b, f_b^2], two 16-bit fingerprints of
@@ -46,9 +53,10 @@ Rank agreement (ranks that pack different key sets would reduce different buffer
 
 from __future__ import annotations
 
+import ctypes
 import weakref
 import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 from typing import Any
@@ -58,7 +66,8 @@ import torch.distributed as dist
 
 from veomni_lite.distributed.collectives import all_gather_objects, all_reduce, collective_device, group_size
 from veomni_lite.distributed.parallel_state import get_parallel_state
-from veomni_lite.loss_keys import IGNORE_INDEX, labels_key, loss_key, name_of_labels, name_of_loss, tokens_key
+from veomni_lite.loss_keys import IGNORE_INDEX, labels_key, loss_key, name_of_loss, tokens_key
+from veomni_lite.utils.token_counts import CountedStep, count_loss_token, counted_step, forget_counted_step
 
 MAX_LOSS_KEYS = 8
 _FINGERPRINT_BITS = 16  # f < 2**16: W * sum(f^2) and sum(f)^2 stay exact in int64 up to 2**15 ranks
@@ -83,66 +92,6 @@ class LossKeyMismatchError(RuntimeError):
     """Ranks consumed different loss keys in the same step."""
 
 
-def _iter_micro_batches(batches: Any, where: str = "batches") -> Iterator[Mapping[str, Any]]:
-    if isinstance(batches, Mapping):
-        yield batches
-    elif isinstance(batches, (list, tuple)):
-        for index, item in enumerate(batches):
-            yield from _iter_micro_batches(item, f"{where}[{index}]")
-    else:
-        raise TypeError(
-            f"count_loss_token: {where} is a {type(batches).__name__}; expected a dict micro-batch "
-            "or a (nested) list/tuple of them"
-        )
-
-
-def _valid_tokens(labels: torch.Tensor) -> torch.Tensor:
-    return torch.count_nonzero(labels != IGNORE_INDEX)  # int64, 0-d
-
-
-def count_loss_token(batches: Any) -> dict[str, torch.Tensor]:
-    """Valid-token counts per loss key, summed over all micro-batches given (int64 tensors, no host sync).
-
-    Each key's labels are counted in one pass over their concatenation, so a list of GA micro-batches costs the ops
-    of one. A count lands on the device of the key's first labels.
-    """
-    first: dict[str, torch.Tensor] = {}  # token key -> its first labels, in order of appearance
-    unpadded: dict[str, list[torch.Tensor]] = {}
-    flagged: dict[str, list[torch.Tensor]] = {}  # counts of micro-batches whose padding_flag is a tensor
-    for batch in _iter_micro_batches(batches):
-        padding_flag = batch.get("padding_flag", False)
-        for batch_key, labels in batch.items():
-            name = name_of_labels(batch_key)
-            if name is None:
-                continue
-            if not isinstance(labels, torch.Tensor):
-                raise TypeError(f"count_loss_token: {batch_key!r} is a {type(labels).__name__}; expected a tensor")
-            token_key = tokens_key(name)
-            first.setdefault(token_key, labels)
-            if isinstance(padding_flag, torch.Tensor):
-                count = _valid_tokens(labels)
-                padded = padding_flag.to(count.device).bool().any()
-                flagged.setdefault(token_key, []).append(torch.where(padded, 0, count))
-            elif not padding_flag:
-                unpadded.setdefault(token_key, []).append(labels)
-    counts: dict[str, torch.Tensor] = {}
-    for token_key, first_labels in first.items():
-        device = first_labels.device
-        parts = unpadded.get(token_key, [])
-        if not parts:
-            count = torch.zeros((), dtype=torch.int64, device=device)
-        elif len(parts) == 1:
-            count = _valid_tokens(parts[0]).to(device)
-        elif all(part.device == device for part in parts):
-            count = _valid_tokens(torch.cat([part.reshape(-1) for part in parts]))
-        else:
-            count = torch.stack([_valid_tokens(part).to(device) for part in parts]).sum()
-        for extra in flagged.get(token_key, []):
-            count = count + extra.to(device)
-        counts[token_key] = count
-    return counts
-
-
 def _fingerprints(names: tuple[str, ...]) -> tuple[int, int]:
     text = "\x1f".join(names).encode()
     mask = (1 << _FINGERPRINT_BITS) - 1
@@ -163,14 +112,20 @@ def _as_count(value: TokenCount, key: str, which: str, device: torch.device) -> 
     raise TypeError(f"{which}[{key!r}] is a {type(value).__name__}; expected a tensor or a number")
 
 
-def _token_count(token_len: Mapping[str, TokenCount], name: str, which: str, device: torch.device) -> torch.Tensor:
-    """The count of loss `name` in `token_len` as a tensor on `device`."""
+def _token_key_in(token_len: Mapping[str, TokenCount], name: str, which: str) -> str:
+    """`<name>_tokens`, which `token_len` must hold (a KeyError names it otherwise)."""
     key = tokens_key(name)
     if key not in token_len:
         raise KeyError(
             f"mean_global_loss: {which} has no {key!r} for loss {loss_key(name)!r} (has {sorted(token_len)}); "
             f"the batch needs a {labels_key(name)!r} key"
         )
+    return key
+
+
+def _token_count(token_len: Mapping[str, TokenCount], name: str, which: str, device: torch.device) -> torch.Tensor:
+    """The count of loss `name` in `token_len` as a tensor on `device`."""
+    key = _token_key_in(token_len, name, which)
     return _as_count(token_len[key], key, f"mean_global_loss: {which}", device)
 
 
@@ -188,17 +143,16 @@ def _trailer(names: tuple[str, ...], device: torch.device) -> torch.Tensor:
     return _TRAILERS[key]
 
 
-def _all_reduce_packed(names: tuple[str, ...], counts: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """ONE SUM all-reduce over the dp x sp group of `counts` (one per name) in the agreement buffer.
+def _all_reduce_packed(names: tuple[str, ...], local: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """ONE SUM all-reduce over the dp x sp group of `local` (int64, one count per name) in the agreement buffer.
 
     The buffer has the same size on every rank whatever its keys: `MAX_LOSS_KEYS` count slots, then the trailer.
     More names than slots pack no counts (the caller raises after the verdict, so every rank raises together).
     """
-    fits = len(names) <= MAX_LOSS_KEYS
-    slots = [count.to(torch.int64).reshape(1) for count in counts] if fits else []
-    padding = torch.zeros(MAX_LOSS_KEYS - len(slots), dtype=torch.int64, device=device)
-    local = torch.cat([*slots, padding, _trailer(names, device)])
-    return all_reduce(local, op="sum", group=get_parallel_state().world_group)
+    slots = local if len(names) <= MAX_LOSS_KEYS else local[:0]
+    padding = torch.zeros(MAX_LOSS_KEYS - slots.numel(), dtype=torch.int64, device=device)
+    packed = torch.cat([slots, padding, _trailer(names, device)])
+    return all_reduce(packed, op="sum", group=get_parallel_state().world_group)
 
 
 def _read_packed(reduced: torch.Tensor, num_names: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -281,10 +235,23 @@ def _verdict_on_host(device: torch.device) -> bool:
     return device.type == "cpu" or group_size(get_parallel_state().world_group) == 1
 
 
-def _reduce_agreed(
-    caller: str, names: tuple[str, ...], counts: Sequence[torch.Tensor], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(totals per name, W as float64) over the dp x sp group, the rank-agreement verdicts read on the host.
+@dataclass
+class _Reduced:
+    """The step totals of an agreed reduce."""
+
+    totals: torch.Tensor  # int64, one per name
+    world: torch.Tensor  # W, float64
+    world_size: int  # W
+    host_totals: list[int] | None  # the totals as ints where they were read from host memory (else None)
+
+
+def _host_ints(reduced: torch.Tensor) -> list[int] | None:
+    """`reduced` as ints where it lies in host memory (no device involved); else None."""
+    return reduced.numpy().tolist() if reduced.device.type == "cpu" else None
+
+
+def _reduce_agreed(caller: str, names: tuple[str, ...], local: torch.Tensor, device: torch.device) -> _Reduced:
+    """The totals of `local` (int64, one count per name) over the dp x sp group, verdicts read on the host.
 
     Agreed key set: ONE all-reduce of len(names) int64. A rank whose names differ from the agreed ones sends
     `_poison` in every slot instead, so the sum is negative on EVERY rank; every rank then re-agrees through the
@@ -298,19 +265,20 @@ def _reduce_agreed(
         if len(names) > MAX_LOSS_KEYS:
             raise _too_many_keys(caller, names)
         world = torch.ones((), dtype=torch.float64, device=device)  # filled there: a host-to-device copy would sync
-        return all_reduce(_stacked(counts, device), op="sum", group=group), world
+        reduced = all_reduce(local, op="sum", group=group)
+        return _Reduced(reduced, world, 1, _host_ints(reduced))
     world_key = _world_key(group)
     agreed = _AGREEMENTS.get(caller)
     if agreed is not None and agreed.group() is world_key:
-        if names == agreed.names:
-            local = _stacked(counts, device)
-        else:  # this rank cannot send its counts in a buffer of the agreed size: it makes the sum say so instead
-            local = torch.full((len(agreed.names),), _poison(size), dtype=torch.int64, device=device)
-        reduced = all_reduce(local, op="sum", group=group)
-        if not (reduced.cpu().numpy() < 0).any():
-            return reduced, agreed.world
+        lean = local
+        if names != agreed.names:  # this rank cannot send its counts in a buffer of the agreed size: it poisons the sum
+            lean = torch.full((len(agreed.names),), _poison(size), dtype=torch.int64, device=device)
+        reduced = all_reduce(lean, op="sum", group=group)
+        host_totals = reduced.cpu().numpy().tolist()
+        if min(host_totals) >= 0:
+            return _Reduced(reduced, agreed.world, size, host_totals)
     _AGREEMENTS.pop(caller, None)
-    totals, world, keys_match = _read_packed(_all_reduce_packed(names, counts, device), len(names))
+    totals, world, keys_match = _read_packed(_all_reduce_packed(names, local, device), len(names))
     if not keys_match.cpu().numpy():
         raise _key_mismatch_error({names}, _HINTS[caller])
     if len(names) > MAX_LOSS_KEYS:  # the verdict passed, so every rank has these keys and raises here
@@ -318,7 +286,7 @@ def _reduce_agreed(
     world = world.double()
     if names:  # an empty lean buffer could not carry a poisoned sum
         _AGREEMENTS[caller] = _Agreement(group=_weak(world_key), names=names, world=world)
-    return totals, world
+    return _Reduced(totals, world, size, totals.cpu().numpy().tolist())
 
 
 # ---------------------------------------------------------------- the memoized step denominators
@@ -337,9 +305,20 @@ class _StepDenominators:
     token_values: tuple[TokenCount, ...]  # the dict's values at reduce time: replacing one invalidates
     token_versions: tuple[int | None, ...]  # their version counters: an in-place edit invalidates (no host read)
     names: tuple[str, ...]
-    scales: torch.Tensor  # W / max(T, 1) per name, float64 on the loss device (NaN on a device-side key mismatch)
+    device: torch.device
+    device_scales: torch.Tensor | None  # W / max(T, 1) per name, float64 (NaN on a device-side key mismatch)
     keys_match: torch.Tensor | None  # None: checked on the host already
+    host_scales: dict[str, float] | None = None  # W / max(T, 1) per name where T was read from host memory
     by_dtype: dict[torch.dtype, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def scales(self) -> torch.Tensor:
+        """W / max(T, 1) per name as a float64 tensor on the loss device (built from the host scales if need be)."""
+        if self.device_scales is None:
+            assert self.host_scales is not None
+            values = [self.host_scales[name] for name in self.names]
+            self.device_scales = torch.tensor(values, dtype=torch.float64, device=self.device)
+        return self.device_scales
 
     def scales_in(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The scales cast once per step to the loss's compute dtype, so each micro-batch skips that cast."""
@@ -371,39 +350,53 @@ _PENDING: _PendingKeyCheck | None = None
 
 
 def reset_loss_memo() -> None:
-    """Drop the memoized step denominators and any pending key check (local: the agreed key sets are kept)."""
+    """Drop the memoized step denominators, the kept step counts and any pending key check (local: the agreed key
+    sets are kept)."""
     global _MEMO, _PENDING
     _MEMO = None
     _PENDING = None
+    forget_counted_step()
 
 
 def _reduce_step_denominators(
     names: tuple[str, ...], token_len: Mapping[str, TokenCount], device: torch.device
 ) -> _StepDenominators:
     values = tuple(token_len.values())
-    counts = [_token_count(token_len, name, "micro_batches_token_len", device) for name in names]
-    keys_match = None
-    if _verdict_on_host(device):
-        totals, world = _reduce_agreed("mean_global_loss", names, counts, device)
-    else:
-        # Reading a verdict here would be a device sync, so every step sends the self-checking agreement buffer
-        # (one small kernel whatever its size) and the verdict is read at the step's existing host read.
-        # The model's loss keys are the same on every rank by contract, so this raises on all ranks together.
-        if len(names) > MAX_LOSS_KEYS:
-            raise _too_many_keys("mean_global_loss", names)
-        totals, world, keys_match = _read_packed(_all_reduce_packed(names, counts, device), len(names))
-        world = world.double()
-    scales = world.to(device) / totals.clamp(min=1).double()
-    if keys_match is not None:  # meanwhile no usable value leaves here
-        scales = torch.where(keys_match, scales, torch.full_like(scales, float("nan")))
-    return _StepDenominators(
+    memo = _StepDenominators(
         token_len=token_len,
         token_values=values,
         token_versions=_tensor_versions(values),
         names=names,
-        scales=scales,
-        keys_match=keys_match,
+        device=device,
+        device_scales=None,
+        keys_match=None,
     )
+    if _verdict_on_host(device):
+        counted = counted_step()
+        which = "micro_batches_token_len"
+        if device.type == "cpu" and counted is not None and counted.describes(token_len):
+            # The counts are ints already: the buffer is built from them, with no op per count.
+            local = torch.tensor([counted.totals[_token_key_in(token_len, name, which)] for name in names])
+        else:
+            local = _stacked([_token_count(token_len, name, which, device) for name in names], device)
+        reduced = _reduce_agreed("mean_global_loss", names, local, device)
+        if reduced.host_totals is not None:  # scale in host numbers: one multiply per loss and micro-batch
+            size = reduced.world_size
+            memo.host_scales = {name: size / max(total, 1) for name, total in zip(names, reduced.host_totals)}
+        else:
+            memo.device_scales = reduced.world.to(device) / reduced.totals.clamp(min=1).double()
+        return memo
+    # Reading a verdict here would be a device sync, so every step sends the self-checking agreement buffer
+    # (one small kernel whatever its size) and the verdict is read at the step's existing host read.
+    # The model's loss keys are the same on every rank by contract, so this raises on all ranks together.
+    if len(names) > MAX_LOSS_KEYS:
+        raise _too_many_keys("mean_global_loss", names)
+    local = _stacked([_token_count(token_len, name, "micro_batches_token_len", device) for name in names], device)
+    totals, world, keys_match = _read_packed(_all_reduce_packed(names, local, device), len(names))
+    scales = world.double().to(device) / totals.clamp(min=1).double()
+    memo.device_scales = torch.where(keys_match, scales, torch.full_like(scales, float("nan")))  # no usable value
+    memo.keys_match = keys_match  # leaves here before the verdict is read
+    return memo
 
 
 def _step_denominators(
@@ -451,6 +444,9 @@ def verify_loss_keys() -> None:
         raise _key_mismatch_error(pending.key_sets)
 
 
+_LOSS_NAMES: dict[str, str] = {}  # `<name>_loss` -> `<name>`, parsed once per key
+
+
 def _as_loss_items(losses: torch.Tensor | Mapping[str, torch.Tensor]) -> list[tuple[str, str, torch.Tensor]]:
     """(loss key, name, loss) per entry of `losses`, validated."""
     if isinstance(losses, torch.Tensor):
@@ -462,25 +458,59 @@ def _as_loss_items(losses: torch.Tensor | Mapping[str, torch.Tensor]) -> list[tu
         )
     items = []
     for key, value in losses.items():
-        try:
-            name = name_of_loss(key)
-        except KeyError as exc:
-            raise KeyError(f"mean_global_loss: {exc.args[0]}") from None
+        name = _LOSS_NAMES.get(key) if isinstance(key, str) else None
+        if name is None:
+            try:
+                name = _LOSS_NAMES[key] = name_of_loss(key)
+            except KeyError as exc:
+                raise KeyError(f"mean_global_loss: {exc.args[0]}") from None
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"mean_global_loss: {key!r} is a {type(value).__name__}; expected a tensor")
         items.append((key, name, value))
     return items
 
 
-_ZEROS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+_CONSTANTS: dict[tuple[bool | int, torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def _zero(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A 0-d zero, built once per dtype and device (`torch.where` is cheaper with it than with a Python 0.0)."""
-    key = (dtype, device)
-    if key not in _ZEROS:
-        _ZEROS[key] = torch.zeros((), dtype=dtype, device=device)
-    return _ZEROS[key]
+def _constant(value: bool | int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 0-d constant, built once per value, dtype and device (`torch.where` is cheaper with it than with a Python
+    number)."""
+    key = (value, dtype, device)
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = torch.full((), value, dtype=dtype, device=device)
+    return _CONSTANTS[key]
+
+
+_HOST_SCALED_DTYPES = (torch.float32, torch.float64)  # dtypes the generic path would not promote
+
+
+def _host_count(token_len: Mapping[str, TokenCount], name: str, counted: CountedStep | None) -> int | None:
+    """This micro-batch's count of `name` as an int where it is known without a read (a count `counted` handed out,
+    or an int); else None."""
+    value = token_len[_token_key_in(token_len, name, "micro_batch_token_len")]
+    if isinstance(value, torch.Tensor):
+        return counted.host_count(value) if counted is not None else None
+    return value if type(value) is int else None
+
+
+def _float32(value: float) -> float:
+    """`value` rounded to the nearest float32."""
+    return ctypes.c_float(value).value
+
+
+def _scale_by_host_numbers(loss: torch.Tensor, count: int, scale: float) -> torch.Tensor:
+    """`loss * count * scale` in ONE op, bit-identical to the generic path's `where(n > 0, loss, 0) * (n * scale)`.
+
+    The factor is rounded as the generic path rounds it in the loss dtype (float32: n and the scale each rounded,
+    then their product). A zero count gives an exact zero that keeps the graph, whatever the loss (NaN included).
+    """
+    if count == 0:
+        return torch.where(_constant(False, torch.bool, loss.device), loss, _constant(0, loss.dtype, loss.device))
+    if loss.dtype == torch.float32:
+        exact_count = count if count < 2**24 else _float32(count)  # every int below 2**24 is a float32
+        return loss * _float32(exact_count * _float32(scale))
+    return loss * (float(count) * scale)
 
 
 def _fsdp_size() -> int:
@@ -507,8 +537,15 @@ def mean_global_loss(
     if global_micro_batches_token_len is None:
         memo = _step_denominators(tuple(sorted(name for _, name, _ in items)), micro_batches_token_len, device)
 
+    host_scales = memo.host_scales if memo is not None else None
+    counted = counted_step()
     scaled: dict[str, torch.Tensor] = {}
     for key, name, loss in items:
+        if host_scales is not None and loss.dtype in _HOST_SCALED_DTYPES:
+            count = _host_count(micro_batch_token_len, name, counted)
+            if count is not None:
+                scaled[key] = _scale_by_host_numbers(loss, count, host_scales[name])
+                continue
         dtype = torch.promote_types(loss.dtype, torch.float32)
         if memo is not None:
             scale = memo.scales_in(dtype)[name]
@@ -520,7 +557,7 @@ def mean_global_loss(
         factor = local_tokens * scale
         if factor.dtype != dtype:  # counts given as floats
             factor = factor.to(dtype)
-        scaled[key] = torch.where(local_tokens > 0, loss, _zero(dtype, device)) * factor
+        scaled[key] = torch.where(local_tokens > 0, loss, _constant(0, dtype, device)) * factor
     return scaled
 
 
@@ -538,6 +575,7 @@ def reduce_global_loss_token(micro_batches_token_len: Mapping[str, TokenCount]) 
         _as_count(micro_batches_token_len[name], name, "reduce_global_loss_token: micro_batches_token_len", device)
         for name in names
     ]
-    totals, _ = _reduce_agreed("reduce_global_loss_token", names, counts, device)
-    by_name = dict(zip(names, totals.cpu().tolist()))
+    reduced = _reduce_agreed("reduce_global_loss_token", names, _stacked(counts, device), device)
+    totals = reduced.host_totals if reduced.host_totals is not None else reduced.totals.cpu().tolist()
+    by_name = dict(zip(names, totals))
     return {key: float(by_name[key]) for key in micro_batches_token_len}
