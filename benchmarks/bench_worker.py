@@ -562,8 +562,45 @@ def long_run_rss(data: list[list[MicroBatch]], steps: int, log_interval: int, sp
     }
 
 
+MULTIPLY_FLOOR = "o+"  # the oracle's path plus the one multiply per loss and micro-batch an exact scheme needs
+
+
+def multiply_floor_runner(
+    weights: Mapping[str, torch.nn.Parameter],
+    data: list[list[MicroBatch]],
+    means: list[list[dict[str, torch.Tensor]]],
+) -> Callable[[int], None]:
+    """(o+): the oracle's path with each loss multiplied by its exact factor n * W / T, the factors worked out before
+    the step (no counting is timed): what any exact per-key normalization adds to the oracle at the least."""
+    factors = []  # per step, per micro-batch: {loss key: n / T} (one process: W = 1)
+    for micro_batches in data:
+        step_tokens = count_loss_token(micro_batches)
+        names = {key: key[: -len("_loss")] + "_tokens" for key in LOSS_KEYS}
+        factors.append(
+            [
+                {key: int(tokens[name]) / max(int(step_tokens[name]), 1) for key, name in names.items()}
+                for tokens in map(count_loss_token, micro_batches)
+            ]
+        )
+    oracle = Oracle()
+
+    def run(rep: int) -> None:
+        micro_batches = data[rep % len(data)]
+        oracle.path_count(micro_batches)
+        for mean, factor in zip(means[rep % len(data)], factors[rep % len(data)]):
+            losses = {key: weights[key] * mean[key] for key in LOSS_KEYS}
+            scaled = {key: losses[key] * factor[key] for key in LOSS_KEYS}  # the step's one extra op per loss
+            loss = sum(scaled.values())
+            loss.backward()
+        for weight in weights.values():
+            weight.grad = None
+
+    return run
+
+
 def single_process_overhead(ga_values: list[int], reps: int) -> list[dict[str, Any]]:
-    """The loss path alone in ONE process without a process group: each strategy's compute and Python cost only.
+    """The loss path alone in ONE process without a process group: each strategy's compute and Python cost only,
+    and (o+), the oracle plus one multiply per loss and micro-batch.
 
     Call it without an initialized process group (every all-reduce is then a local no-op).
     """
@@ -575,6 +612,7 @@ def single_process_overhead(ga_values: list[int], reps: int) -> list[dict[str, A
         data = make_steps(dataset, MICRO_BATCH_SIZE, ga, 1, 0, 1, 0, DATA_STEPS)
         means = [fixed_local_means(step, seed=i) for i, step in enumerate(data)]
         steps = {cls.key: path_runner(cls(), weights, data, means) for cls in LOSS_STRATEGIES}
+        steps[MULTIPLY_FLOOR] = multiply_floor_runner(weights, data, means)
         interleaved_times(steps, reps=max(1, reps // 10))
         for key, times in interleaved_times(steps, reps=reps).items():
             out.append({"ga": ga, "strategy": key, "reps": reps, **{f"{k}_s": v for k, v in summarize(times).items()}})

@@ -373,6 +373,17 @@ def checked(records: Iterable[Record], field: str) -> float:
     return max(values) if values else float("nan")
 
 
+def single_floor_table(single: list[Record]) -> str:
+    """Per GA: veomni_lite and (o+), the oracle plus one multiply per loss, over the oracle, one process."""
+    ratios = (("c", "o"), ("o+", "o"), ("c", "o+"))
+    rows = []
+    for ga in distinct(single, "ga"):
+        median = {r["strategy"]: r["median_s"] for r in select(single, ga=ga)}
+        if {"c", "o", "o+"} <= set(median):
+            rows.append([ga, *(f"{median[num] / median[den]:.2f}x" for num, den in ratios)])
+    return table(["GA", *(f"({num}) / ({den})" for num, den in ratios)], rows) if rows else ""
+
+
 def page_values(results: Mapping[str, Any], records: list[Record], png: str) -> dict[str, Any]:
     """The fields of the template that are not top-level keys of `results`, its machine or its settings."""
     runs = dict(sorted(results["runs"].items(), key=lambda item: int(item[0])))
@@ -431,6 +442,7 @@ def page_values(results: Mapping[str, Any], records: list[Record], png: str) -> 
             ["GA", *(f"({key}) µs" for key in distinct(single, "strategy"))],
             ([ga, *(f"{r['median_s'] * 1e6:.0f}" for r in select(single, ga=ga))] for ga in distinct(single, "ga")),
         ),
+        "single_floor": single_floor_table(single),
         "log_interval": span(r["log_interval"] for r in rss),
         "rss": table(
             "world|steps|GA|RSS MiB early|RSS MiB end|growth KiB|peak MiB|memo steps|metric slots", map(rss_row, rss)
