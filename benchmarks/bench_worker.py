@@ -216,7 +216,9 @@ def fixed_local_means(micro_batches: list[MicroBatch], seed: int) -> list[dict[s
 def record_micro_batch(
     metrics: MetricStrategy, losses: Mapping[str, torch.Tensor], micro_batch: MicroBatch, flops_per_token: float
 ) -> None:
-    """What veomni_lite's TrainMetrics records per micro-batch: token-weighted loss means, tokens, samples, FLOPs."""
+    """The values veomni_lite's TrainMetrics records for a micro-batch (token-weighted loss means, tokens, samples,
+    FLOPs), one record each, so both metric strategies see every micro-batch's records (TrainMetrics itself folds a
+    step's micro-batches into one record per metric)."""
     tokens = count_loss_token(micro_batch)
     for key in LOSS_KEYS:
         count = tokens[key[: -len("_loss")] + "_tokens"]

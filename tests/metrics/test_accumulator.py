@@ -54,6 +54,19 @@ def test_mean_is_window_weighted():
     assert acc.reduce()["loss"] == pytest.approx(1.2)
 
 
+def test_record_total_adds_a_weighted_total_and_its_count():
+    acc = MetricAccumulator(SPECS)
+    acc.record_total("loss", torch.tensor(3.0 * 1 + 1.0 * 9, dtype=torch.float64), torch.tensor(10))
+    acc.record("loss", 2.0, count=10)
+    assert acc.reduce()["loss"] == pytest.approx((12.0 + 20.0) / 20)
+    acc.record_total("loss", 5.0, 0)  # no tokens: recorded, omitted
+    assert acc.reduce() == {}
+    with pytest.raises(ValueError, match="only 'mean' metrics take a weighted total"):
+        acc.record_total("tokens", 5, 1)
+    with pytest.raises(KeyError, match="'typo' was not declared"):
+        acc.record_total("typo", 5, 1)
+
+
 def test_every_reduction_single_process():
     acc = MetricAccumulator(SPECS)
     for step, value in enumerate([2.0, -1.5, 4.0], start=1):

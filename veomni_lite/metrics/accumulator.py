@@ -135,15 +135,11 @@ class MetricAccumulator:
         metrics (default 1: e.g. pass the token count a loss was averaged over); other reductions take no count.
         Raises KeyError for an undeclared name.
         """
-        spec = self.by_name.get(name)
-        if spec is None:
-            raise KeyError(f"metric {name!r} was not declared; declared metrics: {list(self.by_name)}")
+        spec = self._spec(name)
         if count is not None and spec.reduce != "mean":
             raise ValueError(f"metric {name!r} reduces by {spec.reduce!r}; only 'mean' metrics take a count")
         value = _as_float64(value, "value", name)
-        slot = self._window.slots.get(name)
-        if slot is None:
-            slot = self._window.slots[name] = _Slot()
+        slot = self._slot(name)
         if spec.reduce == "mean":
             weight = 1.0 if count is None else _as_float64(count, "count", name)
             slot.total = slot.total + value * weight
@@ -157,6 +153,29 @@ class MetricAccumulator:
         else:
             slot.last = value
         slot.records += 1
+
+    def record_total(self, name: str, total: Value, count: Value) -> None:
+        """Add to `mean` metric `name` a total already weighted by its counts and the sum of those counts, e.g. a
+        step's sum of (local mean x tokens) over its micro-batches and its tokens: one record for many values."""
+        spec = self._spec(name)
+        if spec.reduce != "mean":
+            raise ValueError(f"metric {name!r} reduces by {spec.reduce!r}; only 'mean' metrics take a weighted total")
+        slot = self._slot(name)
+        slot.total = slot.total + _as_float64(total, "total", name)
+        slot.count = slot.count + _as_float64(count, "count", name)
+        slot.records += 1
+
+    def _spec(self, name: str) -> MetricSpec:
+        spec = self.by_name.get(name)
+        if spec is None:
+            raise KeyError(f"metric {name!r} was not declared; declared metrics: {list(self.by_name)}")
+        return spec
+
+    def _slot(self, name: str) -> _Slot:
+        slot = self._window.slots.get(name)
+        if slot is None:
+            slot = self._window.slots[name] = _Slot()
+        return slot
 
     @property
     def is_empty(self) -> bool:

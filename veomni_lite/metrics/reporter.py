@@ -133,6 +133,10 @@ class MetricReporter:
         """Record a train metric into the open window (no collective, no host read; see `MetricAccumulator`)."""
         self.train.record(name, value, count)
 
+    def record_total(self, name: str, total: Value, count: Value) -> None:
+        """Record a count-weighted total of a `mean` train metric (see `MetricAccumulator.record_total`)."""
+        self.train.record_total(name, total, count)
+
     def record_eval(self, name: str, value: Value, count: Value | None = None) -> None:
         """Record an eval metric into the open eval window."""
         self.eval.record(name, value, count)

@@ -1,9 +1,9 @@
 """What the trainer logs, and when: the bridge between the train loop and `veomni_lite.metrics`.
 
-Per micro-batch (local, no collective, no host read): each loss key's local mean weighted by its local valid tokens,
-tokens and samples seen, model FLOPs. Per step (local): grad norm, the lr the step trained with, the step's own time,
-the time it waited for the previous step's bookkeeping, skipped steps, peak memory. Each value is labelled with the
-step that produced it.
+Kept per micro-batch and recorded once per step (local, no collective, no host read): each loss key's local mean
+weighted by its local valid tokens, tokens and samples seen, model FLOPs. Per step (local): grad norm, the lr the
+step trained with, the step's own time, the time it waited for the previous step's bookkeeping, skipped steps, peak
+memory. Each value is labelled with the step that produced it; a step that does not finish records nothing.
 At a log step the open window is handed to the `StepEndWorker`, which reduces it (one SUM + one MAX all-reduce on a
 dedicated gloo group, so it never interleaves with training collectives) and writes the sinks while the next step
 computes; the next optimizer update waits for it. Hence a console line for step s may print after the progress bar
@@ -29,6 +29,7 @@ import resource
 import sys
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,17 @@ def train_metric_specs(loss_names: list[str]) -> list[MetricSpec]:
     ]
 
 
+@dataclass
+class _StepRecords:
+    """What the current step's micro-batches handed to `record_micro_batch`."""
+
+    loss_means: list[torch.Tensor] = field(default_factory=list)  # per micro-batch, then per loss key
+    loss_counts: list[torch.Tensor] = field(default_factory=list)  # their valid-token counts, in the same order
+    seen: list[torch.Tensor] = field(default_factory=list)  # non-padding tokens per micro-batch
+    flops_per_token: list[float] = field(default_factory=list)
+    samples: int = 0
+
+
 def _drop(_batches: Any) -> None:
     """Runs on the worker: the last reference to the step's batches goes away here."""
 
@@ -109,6 +121,8 @@ class TrainMetrics:
         peak_tflops: float = 0.0,
     ) -> None:
         self.loss_names = list(loss_names)
+        self._loss_token_keys = [(key, tokens_key(name_of_loss(key))) for key in self.loss_names]
+        self._step = _StepRecords()  # this step's micro-batch records, until `record_step`
         self.is_main = is_main
         self.device = device
         self.world_size = world_size
@@ -160,21 +174,41 @@ class TrainMetrics:
         micro_batch_token_len: Mapping[str, torch.Tensor],
         micro_batch: Mapping[str, torch.Tensor],
     ) -> None:
-        for key in self.loss_names:
-            tokens = micro_batch_token_len[tokens_key(name_of_loss(key))].to(outputs[key].device, non_blocking=True)
-            local_mean = torch.where(tokens > 0, outputs[key].detach(), torch.zeros_like(outputs[key]))
-            self.reporter.record(key, local_mean.float(), count=tokens)
+        """Keep this micro-batch's loss means, their token counts and the tokens it saw; `record_step` records the
+        step's sums, so a micro-batch costs two ops whatever the number of metrics."""
+        step = self._step
+        for key, token_key in self._loss_token_keys:
+            step.loss_means.append(outputs[key].detach())
+            step.loss_counts.append(micro_batch_token_len[token_key])
         input_ids = micro_batch["input_ids"]
-        seen = (input_ids != self.pad_id).sum()
-        self.reporter.record("tokens", seen)
-        self.reporter.record("samples", float(input_ids.shape[0]))
-        full_seq_len = input_ids.shape[1] * self.sp_size
-        self.reporter.record("flops", seen.double() * self.flops_per_token(full_seq_len))
+        step.seen.append((input_ids != self.pad_id).sum())
+        step.samples += input_ids.shape[0]
+        step.flops_per_token.append(self.flops_per_token(input_ids.shape[1] * self.sp_size))
+
+    def _record_micro_batches(self) -> None:
+        """The kept micro-batches' sums into the window: per loss key sum(local mean x tokens) and sum(tokens) (a
+        shard without tokens adds exactly 0, its NaN mean included), tokens seen, samples, FLOPs."""
+        step, self._step = self._step, _StepRecords()
+        if not step.seen:
+            return
+        if self.loss_names:
+            means = torch.stack(step.loss_means).view(-1, len(self.loss_names)).double()
+            counts = torch.stack(step.loss_counts).view(-1, len(self.loss_names)).to(means.device, non_blocking=True)
+            weighted = torch.where(counts > 0, means, 0.0) * counts
+            for key, total, count in zip(self.loss_names, weighted.sum(0).unbind(), counts.sum(0).unbind()):
+                self.reporter.record_total(key, total, count)
+        seen = torch.stack(step.seen)
+        self.reporter.record("tokens", seen.sum())
+        self.reporter.record("samples", float(step.samples))
+        flops_per_token = torch.tensor(step.flops_per_token, dtype=torch.float64, device=seen.device)
+        self.reporter.record("flops", seen.double() @ flops_per_token)
 
     def record_step(
         self, grad_norm: torch.Tensor, *, lr: float, skipped: bool, step_time: float, bookkeeping_wait: float
     ) -> None:
-        """One optimizer step's values: `lr` is the rate the step trained with; `skipped` is agreed by every rank."""
+        """One optimizer step's values: `lr` is the rate the step trained with; `skipped` is agreed by every rank.
+        The step's micro-batch records go into the window here, with them."""
+        self._record_micro_batches()
         self.reporter.record("grad_norm", grad_norm.float())
         self.reporter.record("lr", lr)
         self.reporter.record("step_time_s", step_time)
@@ -253,8 +287,10 @@ class TrainMetrics:
 
     def finish(self, step: int, epoch: int) -> dict[str, Any]:
         """Collective: log what the window still holds at `step` (the last trained step, of `epoch`), drain the
-        worker, flush the sinks; returns the last logged values."""
+        worker, flush the sinks; returns the last logged values. A step that raised on every rank after its
+        micro-batches (a non-finite verdict) has its records logged too."""
         self.worker.wait()
+        self._record_micro_batches()
         if step > 0 and not self.reporter.train.is_empty:
             self.end_step(step, epoch, force=True)
         self.worker.wait()
