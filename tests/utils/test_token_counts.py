@@ -207,3 +207,16 @@ def test_the_host_path_matches_a_single_process_cross_entropy_reference():
     assert total.item() == pytest.approx(reference.item(), rel=1e-6)
     for g, p in zip(got, head.parameters()):
         torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("local", [0, -3])
+def test_a_count_of_zero_or_below_contributes_an_exact_zero_on_the_host_path(local):
+    batches = make_batches(2)
+    step = count_loss_token(batches)
+    logits = torch.randn(4, VOCAB, requires_grad=True)
+    nan_loss = F.cross_entropy(logits, torch.full((4,), IGNORE_INDEX), ignore_index=IGNORE_INDEX)  # NaN
+    scaled = mean_global_loss(nan_loss, {"foundation_tokens": local}, step)["foundation_loss"]
+    assert loss_utils._MEMO.host_scales is not None, "the host path ran"
+    assert scaled.item() == 0.0
+    scaled.backward()
+    assert torch.equal(logits.grad, torch.zeros_like(logits))

@@ -503,9 +503,9 @@ def _scale_by_host_numbers(loss: torch.Tensor, count: int, scale: float) -> torc
     """`loss * count * scale` in ONE op, bit-identical to the generic path's `where(n > 0, loss, 0) * (n * scale)`.
 
     The factor is rounded as the generic path rounds it in the loss dtype (float32: n and the scale each rounded,
-    then their product). A zero count gives an exact zero that keeps the graph, whatever the loss (NaN included).
+    then their product). A count <= 0 gives an exact zero that keeps the graph, whatever the loss (NaN included).
     """
-    if count == 0:
+    if count <= 0:
         return torch.where(_constant(False, torch.bool, loss.device), loss, _constant(0, loss.dtype, loss.device))
     if loss.dtype == torch.float32:
         exact_count = count if count < 2**24 else _float32(count)  # every int below 2**24 is a float32

@@ -24,7 +24,14 @@ import torch
 
 from veomni_lite.loss_keys import IGNORE_INDEX, name_of_labels, tokens_key
 
-__all__ = ["CountedStep", "count_loss_token", "counted_step", "forget_counted_step"]
+__all__ = [
+    "CountedStep",
+    "count_loss_token",
+    "count_on_device",
+    "count_on_host",
+    "counted_step",
+    "forget_counted_step",
+]
 
 _TOKEN_KEYS: dict[str, str | None] = {}  # batch key -> its `<name>_tokens` key, or None for a non-labels key
 
