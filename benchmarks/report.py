@@ -409,9 +409,11 @@ def page_values(results: Mapping[str, Any], records: list[Record], png: str) -> 
         "gas": span(r["ga"] for r in c),
         "c_collectives": span(count(r, "collectives") for r in c),
         "c_reads": span(count(r, "host_reads") for r in c),
-        "c_reads_note": f"(c)'s {span(count(r, 'host_reads') for r in c)} host read(s) per step on CPU is the "
-        "rank-agreement verdict of `mean_global_loss`, read from host memory; on an accelerator it stays on the device "
-        "until the trainer's per-step grad-norm read (`verify_loss_keys()`), which the GPU audit checks. "
+        "c_reads_note": f"(c)'s {span(count(r, 'host_reads') for r in c)} host read(s) per step on CPU are reads of "
+        "host memory (`numpy`, no device involved): the step's per-micro-batch label counts in `count_loss_token` "
+        "(every strategy but the oracle counts with it, so each has that read) and the rank-agreement verdict of "
+        "`mean_global_loss`. On an accelerator the verdict stays on the device until the trainer's per-step grad-norm "
+        "read (`verify_loss_keys()`) and labels counted there stay there, which the GPU audit checks. "
         if any(count(r, "host_reads") for r in c)
         else "(c) reads nothing to the host on the loss path. ",
         "c_configs": len(c),
