@@ -292,9 +292,13 @@ def _reduce_agreed(caller: str, names: tuple[str, ...], local: torch.Tensor, dev
 # ---------------------------------------------------------------- the memoized step denominators
 
 
-def _tensor_versions(values: Sequence[TokenCount]) -> tuple[int | None, ...]:
+def _tensor_version(value: TokenCount) -> int | None:
     # Inference tensors keep no version counter (and cannot be edited in place outside inference mode).
-    return tuple(v._version if isinstance(v, torch.Tensor) and not v.is_inference() else None for v in values)
+    return value._version if isinstance(value, torch.Tensor) and not value.is_inference() else None
+
+
+def _tensor_versions(values: Sequence[TokenCount]) -> tuple[int | None, ...]:
+    return tuple(_tensor_version(value) for value in values)
 
 
 @dataclass
@@ -329,12 +333,12 @@ class _StepDenominators:
     def serves(self, token_len: Mapping[str, TokenCount]) -> bool:
         if self.token_len is not token_len:
             return False
-        values = tuple(token_len.values())
-        return (
-            len(values) == len(self.token_values)
-            and all(a is b for a, b in zip(self.token_values, values))
-            and _tensor_versions(values) == self.token_versions
-        )
+        if len(token_len) != len(self.token_values):
+            return False
+        for value, kept, version in zip(token_len.values(), self.token_values, self.token_versions):
+            if value is not kept or _tensor_version(value) != version:
+                return False
+        return True
 
 
 @dataclass
@@ -405,7 +409,7 @@ def _step_denominators(
     global _MEMO, _PENDING
     memo = _MEMO
     if memo is not None and memo.serves(token_len):
-        missing = [name for name in names if name not in memo.names]
+        missing = [] if names == memo.names else [name for name in names if name not in memo.names]
         if missing:
             raise ValueError(
                 f"mean_global_loss: loss keys {missing} appeared mid-step (the step started with {list(memo.names)}); "
