@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,6 +73,44 @@ def test_non_finite_loss_on_one_rank_raises_on_every_rank_naming_it(tmp_path):
         message = results[rank]["outcome"]
         assert re.search(rf"rank {rank}, step 2: non-finite values: .*loss non-finite on rank\(s\) \[1\]", message)
         assert results[rank]["scheduler_steps"] == 1, "neither rank stepped at step 2"
+
+
+# ---------------------------------------------------------------- a stop signal on one rank, just after the agreement
+
+
+def _signal_after_the_control_all_reduce_on_rank_zero(rank: int, world_size: int, config) -> dict:
+    """Rank 0's SIGTERM lands between its step-2 control all-reduce (which said "go on") and the stop check."""
+    trainer = TextTrainer(config)
+    original = trainer._agree
+
+    def agree(micro_batches):
+        agreed_stop = original(micro_batches)
+        if rank == 0 and trainer.step == 1:
+            trainer._stop_signal = 15
+        return agreed_stop
+
+    trainer._agree = agree
+    outcome = "trained"
+    try:
+        trainer.train()
+    except SystemExit as exc:
+        outcome = f"exit {exc.code}"
+    finally:
+        trainer.metrics.close()
+    checkpoints = sorted(p.name for p in (Path(config.train.output_dir) / "checkpoints").iterdir())
+    return {"outcome": outcome, "step": trainer.step, "checkpoints": checkpoints}
+
+
+@pytest.mark.slow
+def test_a_stop_signal_on_one_rank_after_the_agreement_stops_every_rank_at_the_next_step(tmp_path):
+    config = tiny_config("text", tmp_path, max_steps=6, save_interval=0)
+    outcomes = run_ranks(_signal_after_the_control_all_reduce_on_rank_zero, 2, config, timeout_s=120, pg_timeout_s=20)
+    results = {rank: value for rank, (status, value) in outcomes.items()}
+    assert all(status == "ok" for status, _ in outcomes.values()), results
+    for rank in (0, 1):
+        assert results[rank]["outcome"] == "exit 143", results
+        assert results[rank]["step"] == 2, "step 2 was agreed on before the signal: both train it, then stop"
+    assert results[0]["checkpoints"] == ["step_00000002"]
 
 
 # ---------------------------------------------------------------- every group honours the timeout

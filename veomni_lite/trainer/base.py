@@ -222,8 +222,11 @@ class BaseTrainer(ABC):
 
     # ------------------------------------------------------------------ control plane
 
-    def _agree(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
-        """Validate this rank's data, then one MAX all-reduce on the CPU control group (stop, bad data, counts)."""
+    def _agree(self, micro_batches: list[dict[str, torch.Tensor]]) -> bool:
+        """Validate this rank's data, then one MAX all-reduce on the CPU control group (stop, bad data, counts).
+
+        Returns whether every rank stops now: the agreed value, never this rank's own flag, which a signal may set
+        after the all-reduce (that stop is agreed at the next step)."""
         problem: str | None = None
         try:
             for index, micro_batch in enumerate(micro_batches):
@@ -247,6 +250,7 @@ class BaseTrainer(ABC):
             )
         if flags[0] and self._stop_signal is None:
             self._stop_signal = signal.SIGTERM
+        return bool(flags[0])
 
     def _install_signal_handlers(self) -> dict[int, Any]:
         def request_stop(signum: int, _frame: Any) -> None:
@@ -321,8 +325,7 @@ class BaseTrainer(ABC):
             while self.step < train.max_steps:
                 micro_batches = [self.shard(mb) for mb in self.loader.next_step()]
                 epoch = self.loader.epoch
-                self._agree(micro_batches)
-                if self._stop_signal is not None:
+                if self._agree(micro_batches):
                     self._on_interrupt()
                 self.train_step(micro_batches)
                 self.epoch = epoch
