@@ -573,14 +573,15 @@ def multiply_floor_runner(
     means: list[list[dict[str, torch.Tensor]]],
 ) -> Callable[[int], None]:
     """(o+): the oracle's path with each loss multiplied by its exact factor n * W / T, the factors worked out before
-    the step (no counting is timed): what any exact per-key normalization adds to the oracle at the least."""
+    the step as 0-d tensors (the cheapest multiply: a Python number costs more, backward included; no counting is
+    timed): what any exact per-key normalization adds to the oracle at the least."""
     factors = []  # per step, per micro-batch: {loss key: n / T} (one process: W = 1)
     for micro_batches in data:
         step_tokens = count_loss_token(micro_batches)
         names = {key: key[: -len("_loss")] + "_tokens" for key in LOSS_KEYS}
         factors.append(
             [
-                {key: int(tokens[name]) / max(int(step_tokens[name]), 1) for key, name in names.items()}
+                {key: torch.tensor(int(tokens[name]) / max(int(step_tokens[name]), 1)) for key, name in names.items()}
                 for tokens in map(count_loss_token, micro_batches)
             ]
         )

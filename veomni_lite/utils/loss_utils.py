@@ -314,6 +314,27 @@ class _StepDenominators:
     keys_match: torch.Tensor | None  # None: checked on the host already
     host_scales: dict[str, float] | None = None  # W / max(T, 1) per name where T was read from host memory
     by_dtype: dict[torch.dtype, dict[str, torch.Tensor]] = field(default_factory=dict)
+    host_factors: dict[tuple[str, int, torch.dtype, torch.device], torch.Tensor] = field(default_factory=dict)
+
+    def host_factor(self, name: str, count: int, loss: torch.Tensor) -> torch.Tensor:
+        """n * W / max(T, 1) for a count known on the host, as a 0-d tensor of the loss dtype (a tensor multiplies
+        faster than a Python number, backward included), built once per count and dtype in the step.
+
+        Rounded as the tensor path rounds `n * scale` in the loss dtype (float32: n and the scale each rounded, then
+        their product), so `loss * factor` is bit-identical to it.
+        """
+        key = (name, count, loss.dtype, loss.device)
+        factor = self.host_factors.get(key)
+        if factor is None:
+            assert self.host_scales is not None
+            scale = self.host_scales[name]
+            if loss.dtype == torch.float32:
+                exact_count = count if count < 2**24 else _float32(count)  # every int below 2**24 is a float32
+                value = _float32(exact_count * _float32(scale))
+            else:
+                value = float(count) * scale
+            factor = self.host_factors[key] = torch.scalar_tensor(value, dtype=loss.dtype, device=loss.device)
+        return factor
 
     @property
     def scales(self) -> torch.Tensor:
@@ -503,18 +524,9 @@ def _float32(value: float) -> float:
     return ctypes.c_float(value).value
 
 
-def _scale_by_host_numbers(loss: torch.Tensor, count: int, scale: float) -> torch.Tensor:
-    """`loss * count * scale` in ONE op, bit-identical to the generic path's `where(n > 0, loss, 0) * (n * scale)`.
-
-    The factor is rounded as the generic path rounds it in the loss dtype (float32: n and the scale each rounded,
-    then their product). A count <= 0 gives an exact zero that keeps the graph, whatever the loss (NaN included).
-    """
-    if count <= 0:
-        return torch.where(_constant(False, torch.bool, loss.device), loss, _constant(0, loss.dtype, loss.device))
-    if loss.dtype == torch.float32:
-        exact_count = count if count < 2**24 else _float32(count)  # every int below 2**24 is a float32
-        return loss * _float32(exact_count * _float32(scale))
-    return loss * (float(count) * scale)
+def _exact_zero(loss: torch.Tensor) -> torch.Tensor:
+    """0 in the loss dtype that keeps the graph, with an exact zero gradient whatever the loss (NaN included)."""
+    return torch.where(_constant(False, torch.bool, loss.device), loss, _constant(0, loss.dtype, loss.device))
 
 
 def _fsdp_size() -> int:
@@ -547,8 +559,8 @@ def mean_global_loss(
     for key, name, loss in items:
         if host_scales is not None and loss.dtype in _HOST_SCALED_DTYPES:
             count = _host_count(micro_batch_token_len, name, counted)
-            if count is not None:
-                scaled[key] = _scale_by_host_numbers(loss, count, host_scales[name])
+            if count is not None:  # ONE multiply, bit-identical to the tensor path below
+                scaled[key] = loss * memo.host_factor(name, count, loss) if count > 0 else _exact_zero(loss)
                 continue
         dtype = torch.promote_types(loss.dtype, torch.float32)
         if memo is not None:
