@@ -565,16 +565,22 @@ def long_run_rss(data: list[list[MicroBatch]], steps: int, log_interval: int, sp
 
 
 MULTIPLY_FLOOR = "o+"  # the oracle's path plus the one multiply per loss and micro-batch an exact scheme needs
+COUNTED_FLOOR = "o+n"  # (o+) counting through count_loss_token, per step and per micro-batch, as VeOmni's API does
 
 
 def multiply_floor_runner(
     weights: Mapping[str, torch.nn.Parameter],
     data: list[list[MicroBatch]],
     means: list[list[dict[str, torch.Tensor]]],
+    count_with_api: bool = False,
 ) -> Callable[[int], None]:
     """(o+): the oracle's path with each loss multiplied by its exact factor n * W / T, the factors worked out before
     the step as 0-d tensors (the cheapest multiply: a Python number costs more, backward included; no counting is
-    timed): what any exact per-key normalization adds to the oracle at the least."""
+    timed): what any exact per-key normalization adds to the oracle at the least.
+
+    `count_with_api` (o+n): the step counted by `count_loss_token(micro_batches)` instead of the oracle's count, and
+    `count_loss_token(micro_batch)` called per micro-batch: (o+) plus the counting calls of VeOmni's API, which every
+    strategy but the oracle makes."""
     factors = []  # per step, per micro-batch: {loss key: n / T} (one process: W = 1)
     for micro_batches in data:
         step_tokens = count_loss_token(micro_batches)
@@ -589,8 +595,13 @@ def multiply_floor_runner(
 
     def run(rep: int) -> None:
         micro_batches = data[rep % len(data)]
-        oracle.path_count(micro_batches)
-        for mean, factor in zip(means[rep % len(data)], factors[rep % len(data)]):
+        if count_with_api:
+            count_loss_token(micro_batches)
+        else:
+            oracle.path_count(micro_batches)
+        for micro_batch, mean, factor in zip(micro_batches, means[rep % len(data)], factors[rep % len(data)]):
+            if count_with_api:
+                count_loss_token(micro_batch)
             losses = {key: weights[key] * mean[key] for key in LOSS_KEYS}
             scaled = {key: losses[key] * factor[key] for key in LOSS_KEYS}  # the step's one extra op per loss
             loss = sum(scaled.values())
@@ -603,7 +614,7 @@ def multiply_floor_runner(
 
 def single_process_overhead(ga_values: list[int], reps: int) -> list[dict[str, Any]]:
     """The loss path alone in ONE process without a process group: each strategy's compute and Python cost only,
-    and (o+), the oracle plus one multiply per loss and micro-batch.
+    (o+), the oracle plus one multiply per loss and micro-batch, and (o+n), (o+) counting through VeOmni's API.
 
     Call it without an initialized process group (every all-reduce is then a local no-op).
     """
@@ -616,6 +627,7 @@ def single_process_overhead(ga_values: list[int], reps: int) -> list[dict[str, A
         means = [fixed_local_means(step, seed=i) for i, step in enumerate(data)]
         steps = {cls.key: path_runner(cls(), weights, data, means) for cls in LOSS_STRATEGIES}
         steps[MULTIPLY_FLOOR] = multiply_floor_runner(weights, data, means)
+        steps[COUNTED_FLOOR] = multiply_floor_runner(weights, data, means, count_with_api=True)
         interleaved_times(steps, reps=max(1, reps // 10))
         for key, times in interleaved_times(steps, reps=reps).items():
             out.append({"ga": ga, "strategy": key, "reps": reps, **{f"{k}_s": v for k, v in summarize(times).items()}})

@@ -374,12 +374,13 @@ def checked(records: Iterable[Record], field: str) -> float:
 
 
 def single_floor_table(single: list[Record]) -> str:
-    """Per GA: veomni_lite and (o+), the oracle plus one multiply per loss, over the oracle, one process."""
-    ratios = (("c", "o"), ("o+", "o"), ("c", "o+"))
+    """Per GA, one process: veomni_lite, (o+) (the oracle plus one multiply per loss) and (o+n) ((o+) counting
+    through VeOmni's API) over the oracle, and veomni_lite over (o+n)."""
+    ratios = (("c", "o"), ("o+", "o"), ("o+n", "o"), ("c", "o+n"))
     rows = []
     for ga in distinct(single, "ga"):
         median = {r["strategy"]: r["median_s"] for r in select(single, ga=ga)}
-        if {"c", "o", "o+"} <= set(median):
+        if {"c", "o", "o+", "o+n"} <= set(median):
             rows.append([ga, *(f"{median[num] / median[den]:.2f}x" for num, den in ratios)])
     return table(["GA", *(f"({num}) / ({den})" for num, den in ratios)], rows) if rows else ""
 

@@ -172,7 +172,7 @@ def results(worlds: list[int], sps: list[int], gas: list[int], free: dict[str, A
         "single_process": [
             {"ga": ga, "strategy": key, "median_s": free["ms"] * ga * 1e-6 * (i + 3)}
             for ga in gas
-            for i, key in enumerate(["a", "b", "c", "d", "o", "o+"])
+            for i, key in enumerate(["a", "b", "c", "d", "o", "o+", "o+n"])
         ],
         "targets": targets,
         "gpu": gpu if free["gpu"] else [],
@@ -297,8 +297,9 @@ def test_page_has_every_table_and_the_plot(tmp_path: Path) -> None:
     assert "1.05x (1.05–1.05) [1.05–1.05] missed" in text  # trainer / bare above its bound
     assert "`image_decoder_loss`" in text.split("## What is compared")[1].split("Metrics:")[0]  # (d)'s 2nd head
     assert "**Not run** for this page (no GPU results" in text
-    # one process: medians 5, 7 and 8 x GA x ms for (c), (o) and (o+)
-    assert "| GA | (c) / (o) | (o+) / (o) | (c) / (o+) |" in text and "| 0.71x | 1.14x | 0.62x |" in text
+    # one process: medians 5, 7, 8 and 9 x GA x ms for (c), (o), (o+) and (o+n)
+    assert "| GA | (c) / (o) | (o+) / (o) | (o+n) / (o) | (c) / (o+n) |" in text
+    assert "| 0.71x | 1.14x | 1.29x | 0.56x |" in text
 
 
 def test_gpu_results_and_missing_parts(tmp_path: Path) -> None:

@@ -220,3 +220,47 @@ def test_a_count_of_zero_or_below_contributes_an_exact_zero_on_the_host_path(loc
     assert scaled.item() == 0.0
     scaled.backward()
     assert torch.equal(logits.grad, torch.zeros_like(logits))
+
+
+def test_labels_of_any_shape_are_counted_per_micro_batch():
+    """Ragged leading dimensions, 1-D and 3-D labels and an empty tensor: each count is the direct one."""
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(2, 5), (1, 7), (6,), (2, 2, 3), (0, 4), (2, 5)]
+    batches = []
+    for shape in shapes:
+        labels = torch.randint(0, VOCAB, shape, generator=gen)
+        labels[torch.rand(shape, generator=gen) < 0.5] = IGNORE_INDEX
+        batches.append({"labels": labels})
+    step = count_loss_token(batches)
+    expected = [int((batch["labels"] != IGNORE_INDEX).sum()) for batch in batches]
+    assert int(step["foundation_tokens"]) == sum(expected)
+    assert [int(count_loss_token(batch)["foundation_tokens"]) for batch in batches] == expected
+    assert token_counts.counted_step() is not None, "counted from host memory, not on the device path"
+
+
+def test_later_micro_batches_skip_validation_until_anything_differs(monkeypatch):
+    """After a step's first call, a micro-batch with the same loss keys and kept counts takes the short path (no
+    re-validation); a count the step did not hand out, or other keys, go through the full path again."""
+    batches = make_batches(3)
+    step = count_loss_token(batches)
+    weight = torch.ones((), requires_grad=True)
+
+    def losses() -> dict[str, torch.Tensor]:
+        return {"foundation_loss": weight * 2.0, "aux_loss": weight * 3.0}
+
+    first = mean_global_loss(losses(), count_loss_token(batches[0]), step)
+
+    def full_path(_losses):
+        raise AssertionError("full path")
+
+    monkeypatch.setattr(loss_utils, "_as_loss_items", full_path)
+    second = mean_global_loss(losses(), count_loss_token(batches[1]), step)
+    expected = {key: 2.0 + (key == "aux_loss") for key in second}
+    for key, value in second.items():
+        count = direct_counts(batches[1])[key.replace("_loss", "_tokens")]
+        assert value.item() == pytest.approx(expected[key] * count / int(step[key.replace("_loss", "_tokens")]))
+    assert set(first) == set(second)
+    with pytest.raises(AssertionError, match="full path"):
+        mean_global_loss(losses(), {key: value.clone() for key, value in count_loss_token(batches[2]).items()}, step)
+    with pytest.raises(AssertionError, match="full path"):
+        mean_global_loss({"foundation_loss": weight * 2.0}, count_loss_token(batches[2]), step)

@@ -536,6 +536,37 @@ def _fsdp_size() -> int:
     return size if size != 1 else group_size()
 
 
+# The loss keys of a dict as given -> ((loss key, name, token key) per loss, sorted names): validated by the full path.
+_LOSS_PLANS: dict[tuple[Any, ...], tuple[tuple[tuple[str, str, str], ...], tuple[str, ...]]] = {}
+
+
+def _scale_in_host_numbers(
+    memo: _StepDenominators,
+    losses: Any,
+    micro_batch_token_len: Any,
+    micro_batches_token_len: Mapping[str, TokenCount],
+) -> dict[str, torch.Tensor] | None:
+    """The common micro-batch of a host-scaled step, in its fewest steps: the same loss keys as validated before, the
+    step dict the memo serves, counts this step handed out, float32/float64 losses. Bit-identical to the full path;
+    None (the full path then decides, errors included) on anything else."""
+    if type(losses) is not dict or type(micro_batch_token_len) is not dict:
+        return None
+    plan = _LOSS_PLANS.get(tuple(losses))
+    if plan is None or plan[1] != memo.names or not memo.serves(micro_batches_token_len):
+        return None
+    counted = counted_step()
+    if counted is None:
+        return None
+    scaled = {}
+    for key, name, token_key in plan[0]:
+        loss = losses[key]
+        count = counted.host_count(micro_batch_token_len.get(token_key))
+        if count is None or type(loss) is not torch.Tensor or loss.dtype not in _HOST_SCALED_DTYPES:
+            return None
+        scaled[key] = loss * memo.host_factor(name, count, loss) if count > 0 else _exact_zero(loss)
+    return scaled
+
+
 def mean_global_loss(
     losses: torch.Tensor | Mapping[str, torch.Tensor],
     micro_batch_token_len: Mapping[str, TokenCount],
@@ -547,11 +578,18 @@ def mean_global_loss(
     Without `global_micro_batches_token_len`, T comes from the memoized all-reduce of `micro_batches_token_len`;
     with it (tensors or numbers, e.g. from `reduce_global_loss_token`), T is used as given.
     """
+    memo = _MEMO
+    if global_micro_batches_token_len is None and memo is not None and memo.host_scales is not None:
+        scaled = _scale_in_host_numbers(memo, losses, micro_batch_token_len, micro_batches_token_len)
+        if scaled is not None:
+            return scaled
     items = _as_loss_items(losses)
     device = items[0][2].device
     memo = None
     if global_micro_batches_token_len is None:
         memo = _step_denominators(tuple(sorted(name for _, name, _ in items)), micro_batches_token_len, device)
+        if isinstance(losses, dict):
+            _LOSS_PLANS[tuple(losses)] = (tuple((key, name, tokens_key(name)) for key, name, _ in items), memo.names)
 
     host_scales = memo.host_scales if memo is not None else None
     counted = counted_step()

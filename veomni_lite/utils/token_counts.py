@@ -20,6 +20,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy
 import torch
 
 from veomni_lite.loss_keys import IGNORE_INDEX, name_of_labels, tokens_key
@@ -113,10 +114,11 @@ def _int64(value: int) -> torch.Tensor:
     return torch.scalar_tensor(value, dtype=torch.int64)
 
 
-@dataclass
+@dataclass(slots=True, eq=False)
 class _CountedMicroBatch:
     """One micro-batch's counts; its labels are held (not the batch), so the record is valid while they are."""
 
+    keys: tuple[str, ...]  # the batch's keys when counted
     labels: tuple[tuple[str, torch.Tensor, int], ...]  # (batch key, labels, version when counted)
     padding_flag: Any
     counts: dict[str, int]  # token key -> valid tokens (0 when padded)
@@ -126,12 +128,10 @@ class _CountedMicroBatch:
         """`batch` holds exactly these labels, unedited, under the same padding flag."""
         if batch.get("padding_flag", False) is not self.padding_flag:
             return False
-        labels_keys = 0
-        for batch_key in batch:
-            if _token_key_of(batch_key) is not None:
-                labels_keys += 1
-        if labels_keys != len(self.labels):
-            return False
+        if tuple(batch) != self.keys:  # keys changed: exact only if no labels key came or went
+            labels_keys = sum(1 for batch_key in batch if _token_key_of(batch_key) is not None)
+            if labels_keys != len(self.labels):
+                return False
         for batch_key, labels, version in self.labels:
             if batch.get(batch_key) is not labels or labels._version != version:
                 return False
@@ -149,10 +149,7 @@ class CountedStep:
 
     def __post_init__(self) -> None:
         for key, tensor in self.token_len.items():
-            self._issue(tensor, self.totals[key])
-
-    def _issue(self, tensor: torch.Tensor, count: int) -> None:
-        self._issued[id(tensor)] = (tensor, tensor._version, count)
+            self._issued[id(tensor)] = (tensor, tensor._version, self.totals[key])
 
     def describes(self, token_len: Mapping[str, Any]) -> bool:
         """`token_len` is the step dict this count returned, with the same values at the same versions."""
@@ -176,11 +173,26 @@ class CountedStep:
             return None
         handed_out = record.handed_out
         if handed_out is None or any(self.host_count(t) is None for t in handed_out.values()):
-            handed_out = {key: _int64(count) for key, count in record.counts.items()}
-            for key, tensor in handed_out.items():
-                self._issue(tensor, record.counts[key])
+            handed_out = {}
+            for key, count in record.counts.items():
+                tensor = handed_out[key] = _int64(count)
+                self._issued[id(tensor)] = (tensor, 0, count)  # a new tensor is at version 0
             record.handed_out = handed_out
         return dict(handed_out)
+
+
+def _count_runs(parts: list[torch.Tensor]) -> list[int]:
+    """The valid tokens of each (non-empty, host-memory) labels tensor, from ONE concatenation and one read of host
+    memory: along the last dimension where the parts allow it (no flattening copy), else flattened."""
+    try:
+        joined = torch.cat(parts, dim=-1)
+        sizes = [part.shape[-1] for part in parts]
+    except (RuntimeError, IndexError):  # other leading dimensions, or 0-d labels
+        joined = torch.cat([part.reshape(-1) for part in parts])
+        sizes = [part.numel() for part in parts]
+    valid = joined.numpy() != IGNORE_INDEX  # the one read
+    running = numpy.cumsum(valid.reshape(-1, valid.shape[-1]).sum(0))[numpy.cumsum(sizes) - 1].tolist()
+    return [after - before for before, after in zip([0, *running[:-1]], running)]
 
 
 def count_on_host(micro_batches: list[Mapping[str, Any]]) -> CountedStep | None:
@@ -189,37 +201,30 @@ def count_on_host(micro_batches: list[Mapping[str, Any]]) -> CountedStep | None:
     None (count on the device instead) when a labels tensor is not in host memory or a padding flag is a tensor.
     """
     records: list[_CountedMicroBatch] = []
-    totals: dict[str, int] = {}  # token key -> step total, in order of first appearance
-    flat_parts: list[torch.Tensor] = []  # every counted labels tensor, flattened
-    last: list[int] = []  # the index of each part's last element in their concatenation
+    parts: list[torch.Tensor] = []  # every labels tensor with tokens to count
     owners: list[tuple[dict[str, int], str]] = []  # each part's (micro-batch counts, token key)
-    end = 0
     for batch in micro_batches:
         padding_flag = batch.get("padding_flag", False)
         if isinstance(padding_flag, torch.Tensor):
             return None
-        found = _labels_of(batch)
         counts: dict[str, int] = {}
-        for _, token_key, labels in found:
+        found = []
+        for batch_key, token_key, labels in _labels_of(batch):
             if not labels.is_cpu:
                 return None
             counts[token_key] = 0
-            totals.setdefault(token_key, 0)
-            size = labels.numel()
-            if size and not padding_flag:
-                flat_parts.append(labels.reshape(-1))
-                end += size
-                last.append(end - 1)
+            found.append((batch_key, labels, labels._version))
+            if not padding_flag and labels.numel():
+                parts.append(labels)
                 owners.append((counts, token_key))
-        versioned = tuple((batch_key, labels, labels._version) for batch_key, _, labels in found)
-        records.append(_CountedMicroBatch(labels=versioned, padding_flag=padding_flag, counts=counts))
-    if flat_parts:
-        running_counts = (torch.cat(flat_parts) != IGNORE_INDEX).cumsum(0).numpy()[last].tolist()  # the one read
-        previous = 0
-        for (counts, token_key), running in zip(owners, running_counts):
-            counts[token_key] += running - previous  # `+=`: `labels` and `foundation_labels` share a key
-            totals[token_key] += running - previous
-            previous = running
+        records.append(_CountedMicroBatch(tuple(batch), tuple(found), padding_flag, counts))
+    if parts:
+        for (counts, token_key), count in zip(owners, _count_runs(parts)):
+            counts[token_key] += count  # `+=`: `labels` and `foundation_labels` share a key
+    totals: dict[str, int] = {}  # token key -> step total, in order of first appearance
+    for record in records:
+        for token_key, count in record.counts.items():
+            totals[token_key] = totals.get(token_key, 0) + count
     return CountedStep(
         token_len={key: _int64(total) for key, total in totals.items()},
         totals=totals,
@@ -250,7 +255,10 @@ def count_loss_token(batches: Any) -> dict[str, torch.Tensor]:
         counted = _COUNTED
         kept = counted.micro_batch_counts(batches) if counted is not None else None
         return kept if kept is not None else count_on_device([batches])
-    micro_batches = list(_iter_micro_batches(batches))
+    if type(batches) is list and all(type(batch) is dict for batch in batches):
+        micro_batches = batches  # the usual flat list: nothing to unnest
+    else:
+        micro_batches = list(_iter_micro_batches(batches))
     counted = count_on_host(micro_batches)
     if counted is None:
         return count_on_device(micro_batches)
