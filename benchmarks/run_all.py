@@ -60,7 +60,7 @@ MODES: dict[str, dict[str, Any]] = {
         "min_reps": 6,
         "max_reps": 40,
         "rss_steps": 2000,
-        "overhead_reps": 200,
+        "overhead_reps": 600,
         "timeout_s": 420,
     },
     "quick": {
