@@ -24,7 +24,9 @@ is numbers out.
 Per micro-batch, two paths with bit-identical values and gradients:
 - host numbers, where the labels were counted from host memory (`token_counts`: the trainer counts its CPU
   micro-batches) and the reduced buffer lies in host memory (gloo, or one rank): n and W / max(T, 1) are Python
-  numbers, so each loss costs ONE multiply (a zero count: an exact-zero `where`); no count is redone per micro-batch.
+  numbers, so each loss costs ONE multiply, by a 0-d factor made once per count in the step (a zero count: an
+  exact-zero `where`); no count is redone per micro-batch. The step's later micro-batches with loss keys already
+  validated skip re-validation (`_scale_in_host_numbers`).
 - tensors otherwise (an NCCL reduce, counts on a device, counts the caller made): `where(n > 0, L, 0) * (n * scale)`
   on the loss device, four small ops per loss and no device sync.
 
