@@ -27,15 +27,6 @@ VOCAB = 11
 AGREEMENT_SIZE = MAX_LOSS_KEYS + 5
 
 
-@pytest.fixture(autouse=True)
-def _fresh_memo():
-    loss_utils.reset_loss_memo()
-    loss_utils.forget_loss_agreements()
-    yield
-    loss_utils.reset_loss_memo()
-    loss_utils.forget_loss_agreements()
-
-
 class CountingAllReduce:
     """Records every all_reduce the loss path issues; behaves as a world of one."""
 

@@ -16,15 +16,6 @@ from veomni_lite.utils.loss_utils import IGNORE_INDEX, count_loss_token, mean_gl
 VOCAB = 7
 
 
-@pytest.fixture(autouse=True)
-def _fresh_state():
-    loss_utils.reset_loss_memo()
-    loss_utils.forget_loss_agreements()
-    yield
-    loss_utils.reset_loss_memo()
-    loss_utils.forget_loss_agreements()
-
-
 def make_batches(num: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     """Ragged micro-batches (lengths 3..3+num) with two loss keys, some all-ignored."""
     gen = torch.Generator().manual_seed(seed)

@@ -187,7 +187,7 @@ def _count_runs(parts: list[torch.Tensor]) -> list[int]:
     try:
         joined = torch.cat(parts, dim=-1)
         sizes = [part.shape[-1] for part in parts]
-    except (RuntimeError, IndexError):  # other leading dimensions, or 0-d labels
+    except RuntimeError:  # other leading dimensions, or 0-d labels
         joined = torch.cat([part.reshape(-1) for part in parts])
         sizes = [part.numel() for part in parts]
     valid = joined.numpy() != IGNORE_INDEX  # the one read
