@@ -1,10 +1,10 @@
 """Run configuration: one dataclass per concern, read from YAML plus dotted CLI overrides.
 
 Sections: `model` and `data` (the example models and datasets), `train` (steps, batches, eval, outputs), `parallel`
-(layout, precision, collective timeout), `optim` (AdamW and its schedule), `checkpoint`, `logging`. Each field is
-documented where it is declared. The settings that used to live in one flat `train` section keep their old names:
-`train.sp_size` means `parallel.sp_size`, `train.lr` means `optim.lr`, and so on (see `ALIASES`), in YAML and on
-the command line.
+(layout, precision, collective timeout), `optim` (AdamW and its schedule), `checkpoint`, `logging`, `loss` (modes).
+Each field is documented where it is declared. The settings that used to live in one flat `train` section keep their
+old names: `train.sp_size` means `parallel.sp_size`, `train.lr` means `optim.lr`, and so on (see `ALIASES`), in YAML
+and on the command line.
 
 `load_config(path, ["--train.max_steps", "7"])` -> Config. Every problem (unknown section or key, a value of the
 wrong type, a layout that does not fit the world size) raises ConfigError naming the key, before any process group
@@ -24,6 +24,8 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 import yaml
+
+from veomni_lite.utils.loss_utils import LossModes
 
 
 class ConfigError(ValueError):
@@ -165,6 +167,29 @@ class LoggingConfig:
     """Per-device peak for train/mfu; 0 looks up known GPUs (none on CPU)."""
 
 
+LossModeName = Literal[
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum"
+]
+
+
+@dataclass
+class LossConfig:
+    """How each loss head is normalized over the optimizer step (see `veomni_lite.utils.loss_utils`)."""
+
+    mode: LossModeName = "token-mean"
+    """Every head's mode: token-mean (sum / valid tokens), seq-mean-token-mean (mean over sequences of each sequence's
+    token mean), seq-mean-token-sum (mean over sequences of each sequence's sum), seq-mean-token-sum-norm (sum /
+    (sequences x scale_factor)), token-sum (sum)."""
+    modes: dict[str, Any] = field(default_factory=dict)
+    """One head's mode, overriding `mode`: `--loss.modes.image_decoder token-sum`."""
+    scale_factor: float = 0.0
+    """C of seq-mean-token-sum-norm (required there, never taken from the batch); 0 = unset."""
+
+    def resolved(self) -> LossModes:
+        """The `LossModes` the loss module takes (raises ValueError on a bad mode or a missing scale factor)."""
+        return LossModes(self.mode, dict(self.modes), self.scale_factor or None)
+
+
 @dataclass
 class Config:
     """All sections; YAML files and `--section.key VALUE` overrides fill it (see `load_config`)."""
@@ -176,6 +201,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
 
     @property
     def world_size(self) -> int:
@@ -208,6 +234,7 @@ _SECTIONS: dict[str, type] = {
     "optim": OptimConfig,
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
+    "loss": LossConfig,
 }
 # Before the sections were grouped by concern, every run setting lived under `train`: those names keep working.
 ALIASES: dict[str, str] = {
@@ -380,6 +407,10 @@ def validate(config: Config, world_size: int | None = None) -> None:
             f"train.global_batch_size ({train.global_batch_size}) is not divisible by train.micro_batch_size "
             f"({train.micro_batch_size}) x dp size ({dp_size} = world {world_size} / sp {parallel.sp_size})"
         )
+    try:
+        config.loss.resolved()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if config.model.image_size % config.model.patch_size:
         raise ConfigError(
             f"model.image_size ({config.model.image_size}) is not divisible by model.patch_size "

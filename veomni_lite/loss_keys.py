@@ -3,21 +3,31 @@
 A loss head has a name. Its targets are the batch key `<name>_labels`, its valid-token count `<name>_tokens`, its loss
 `<name>_loss`; the text head is named `foundation` and reads the plain `labels` key (VeOmni's convention). Targets equal
 to `IGNORE_INDEX` are not counted and not trained on.
+
+Sequences: the batch key `sequence_ids` marks which sequence (sample) each position belongs to (-1: none), written by
+the collator before any SP slicing; without it each row is one sequence. For the per-sequence loss modes,
+`mark_sequences` derives per head `<name>_seq_starts` (True at the first valid target of each sequence, counted as
+`<name>_sequences`) and `<name>_loss_weights` (1 / the sequence's valid targets, for `seq-mean-token-mean`).
 """
 
 from __future__ import annotations
 
 IGNORE_INDEX = -100
 FOUNDATION = "foundation"
+SEQUENCE_IDS = "sequence_ids"
 
 __all__ = [
     "FOUNDATION",
     "IGNORE_INDEX",
+    "SEQUENCE_IDS",
     "is_labels_key",
     "labels_key",
     "loss_key",
+    "loss_weights_key",
     "name_of_labels",
     "name_of_loss",
+    "seq_starts_key",
+    "sequences_key",
     "tokens_key",
 ]
 
@@ -33,6 +43,19 @@ def tokens_key(name: str) -> str:
 
 def loss_key(name: str) -> str:
     return f"{name}_loss"
+
+
+def sequences_key(name: str) -> str:
+    """The count of sequences with a valid target of head `name`."""
+    return f"{name}_sequences"
+
+
+def seq_starts_key(name: str) -> str:
+    return f"{name}_seq_starts"
+
+
+def loss_weights_key(name: str) -> str:
+    return f"{name}_loss_weights"
 
 
 def name_of_labels(batch_key: str) -> str | None:

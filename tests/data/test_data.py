@@ -67,6 +67,8 @@ def test_collate_shifts_once_and_pads() -> None:
         # label t is the token at t + 1; the last real position and the padding are ignored
         assert torch.equal(batch["labels"][row, : n - 1], sample["input_ids"][1:])
         assert (batch["labels"][row, n - 1 :] == IGNORE_INDEX).all()
+        # each sample's positions carry its row, the padding -1 (the sequences the loss modes read)
+        assert (batch["sequence_ids"][row, :n] == row).all() and (batch["sequence_ids"][row, n:] == -1).all()
     assert torch.equal(samples[0]["labels"], dataset[0]["labels"])  # inputs are not modified
 
 
@@ -74,7 +76,7 @@ def test_collate_vlm_keys_and_errors() -> None:
     dataset = SyntheticVLMDataset(num_samples=8)
     samples = [dataset[i] for i in range(3)]
     batch = collate(samples)
-    assert set(batch) == {"input_ids", "labels", "image_decoder_labels", "position_ids", "pixel_values"}
+    assert set(batch) == {"input_ids", "labels", "image_decoder_labels", "position_ids", "sequence_ids", "pixel_values"}
     assert batch["pixel_values"].shape == (3, 3, 16, 16)
     for row, sample in enumerate(samples):
         unshifted = sample["image_decoder_labels"]

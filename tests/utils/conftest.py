@@ -1,4 +1,4 @@
-"""Every test here starts and ends with no memoized step, kept counts or agreed key sets."""
+"""Every test here starts and ends with no memoized step or pending verdict."""
 
 import pytest
 
@@ -8,7 +8,5 @@ from veomni_lite.utils import loss_utils
 @pytest.fixture(autouse=True)
 def _fresh_loss_state():
     loss_utils.reset_loss_memo()
-    loss_utils.forget_loss_agreements()
     yield
     loss_utils.reset_loss_memo()
-    loss_utils.forget_loss_agreements()

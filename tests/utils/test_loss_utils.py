@@ -14,29 +14,52 @@ from veomni_lite.distributed.parallel_state import ParallelState
 from veomni_lite.utils import loss_utils
 from veomni_lite.utils.loss_utils import (
     IGNORE_INDEX,
+    LOSS_MODES,
     MAX_LOSS_KEYS,
     LossKeyMismatchError,
+    LossMemoError,
+    LossModes,
     count_loss_token,
+    mark_sequences,
     mean_global_loss,
     reduce_global_loss_token,
+    verify_loss_keys,
 )
 
 VOCAB = 11
-
-
 AGREEMENT_SIZE = MAX_LOSS_KEYS + 5
+HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu")
 
 
-class CountingAllReduce:
-    """Records every all_reduce the loss path issues; behaves as a world of one."""
+class Peers:
+    """`all_reduce` over this rank and simulated peers, each sending the agreement buffer of its own plan and counts
+    (`{plan entry: count}`, counts in plan order). Every buffer this rank sends is recorded."""
 
-    def __init__(self) -> None:
+    def __init__(self, monkeypatch, peers: list[dict[str, int]]) -> None:
+        self.peers = peers
         self.buffers: list[torch.Tensor] = []
+        self.gathered: list = []
+        monkeypatch.setattr(loss_utils, "all_reduce", self)
+        monkeypatch.setattr(loss_utils, "group_size", lambda group=None: 1 + len(peers))
+        monkeypatch.setattr(loss_utils, "all_gather_objects", self.gather)
 
     def __call__(self, data, op="sum", group=None):
-        assert op == "sum"
+        assert op == "sum" and data.dtype == torch.int64 and data.numel() == AGREEMENT_SIZE
         self.buffers.append(data.clone())
-        return data.clone()
+        total = data.clone()
+        for peer in self.peers:
+            plan = tuple(peer)
+            counts = [count for count in peer.values() if count is not None]
+            f, g = loss_utils._fingerprints(plan)
+            buffer = torch.zeros(AGREEMENT_SIZE, dtype=torch.int64)
+            buffer[: len(counts)] = torch.tensor(counts, dtype=torch.int64)
+            buffer[MAX_LOSS_KEYS:] = torch.tensor([1, f, f * f, g, g * g])
+            total += buffer
+        return total
+
+    def gather(self, obj, group=None):
+        self.gathered.append(obj)
+        return [obj, *([list(peer)] for peer in self.peers)]
 
     @property
     def calls(self) -> int:
@@ -44,50 +67,9 @@ class CountingAllReduce:
 
 
 @pytest.fixture
-def counting(monkeypatch) -> CountingAllReduce:
-    counter = CountingAllReduce()
-    monkeypatch.setattr(loss_utils, "all_reduce", counter)
-    return counter
-
-
-class SimulatedPeers:
-    """`all_reduce` over this rank and simulated peer ranks that follow the same protocol (a world of 1 + peers).
-
-    Each peer is `{name: count}`: its key set and counts. It sends the agreement buffer when this rank does (the
-    buffer size says so), else its counts when its names are the agreed ones, else the poison. Every buffer this rank
-    sends is recorded.
-    """
-
-    def __init__(self, monkeypatch, peers: list[dict[str, int]], caller: str = "mean_global_loss") -> None:
-        self.peers = peers
-        self.caller = caller
-        self.buffers: list[torch.Tensor] = []
-        monkeypatch.setattr(loss_utils, "all_reduce", self)
-        monkeypatch.setattr(loss_utils, "group_size", lambda group=None: 1 + len(self.peers))
-
-    def __call__(self, data, op="sum", group=None):
-        assert op == "sum" and data.dtype == torch.int64
-        self.buffers.append(data.clone())
-        total = data.clone()
-        for peer in self.peers:
-            total += self._peer_buffer(peer, data.numel())
-        return total
-
-    def _peer_buffer(self, peer: dict[str, int], numel: int) -> torch.Tensor:
-        names = tuple(sorted(peer))
-        if numel == AGREEMENT_SIZE:
-            buffer = torch.zeros(AGREEMENT_SIZE, dtype=torch.int64)
-            if len(names) <= MAX_LOSS_KEYS:
-                buffer[: len(names)] = torch.tensor([peer[name] for name in names], dtype=torch.int64)
-            buffer[MAX_LOSS_KEYS:] = loss_utils._trailer(names, torch.device("cpu"))
-            return buffer
-        if names == loss_utils._AGREEMENTS[self.caller].names:
-            return torch.tensor([peer[name] for name in names], dtype=torch.int64)
-        return torch.full((numel,), loss_utils._poison(1 + len(self.peers)), dtype=torch.int64)
-
-    @property
-    def sizes(self) -> list[int]:
-        return [buffer.numel() for buffer in self.buffers]
+def counting(monkeypatch) -> Peers:
+    """A world of one whose all-reduces are recorded."""
+    return Peers(monkeypatch, [])
 
 
 def make_micro_batches(num: int, seq: int = 6, seed: int = 0, ignore_p: float = 0.3) -> list[dict[str, torch.Tensor]]:
@@ -104,425 +86,310 @@ def make_micro_batches(num: int, seq: int = 6, seed: int = 0, ignore_p: float = 
     return batches
 
 
-def local_mean_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The plain model loss: F.cross_entropy mean over the valid labels (NaN when there are none)."""
-    return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=IGNORE_INDEX)
-
-
-# ---------------------------------------------------------------- count_loss_token
+# ---------------------------------------------------------------- count_loss_token and mark_sequences
 
 
 def test_count_loss_token_sums_every_labels_key_over_micro_batches():
     batches = make_micro_batches(3)
     counts = count_loss_token(batches)
     assert set(counts) == {"foundation_tokens", "aux_tokens"}
-    assert counts["foundation_tokens"].dtype == torch.int64
-    expected_f = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
-    expected_a = sum(int((b["aux_labels"] != IGNORE_INDEX).sum()) for b in batches)
-    assert int(counts["foundation_tokens"]) == expected_f  # summed, not the last micro-batch's count
-    assert int(counts["aux_tokens"]) == expected_a
-    assert int(count_loss_token(batches[1])["foundation_tokens"]) == int((batches[1]["labels"] != IGNORE_INDEX).sum())
+    for key, name in (("foundation_tokens", "labels"), ("aux_tokens", "aux_labels")):
+        assert counts[key].dtype == torch.int64
+        assert int(counts[key]) == sum(int((b[name] != IGNORE_INDEX).sum()) for b in batches)
 
 
-def test_count_loss_token_nested_and_padding_flag():
-    batches = make_micro_batches(4)
-    flat = count_loss_token(batches)
-    nested = count_loss_token([[batches[0], batches[1]], (batches[2], [batches[3]])])
-    assert int(nested["foundation_tokens"]) == int(flat["foundation_tokens"])
-    padded = dict(batches[0], padding_flag=True)
-    tensor_padded = dict(batches[1], padding_flag=torch.tensor(True))
-    counts = count_loss_token([padded, tensor_padded, batches[2]])
-    assert int(counts["foundation_tokens"]) == int((batches[2]["labels"] != IGNORE_INDEX).sum())
-    not_padded = dict(batches[1], padding_flag=torch.tensor(False))
-    assert int(count_loss_token(not_padded)["aux_tokens"]) == int((batches[1]["aux_labels"] != IGNORE_INDEX).sum())
-
-
-def test_count_loss_token_of_a_list_equals_the_sum_of_its_micro_batches():
-    """Whatever the shapes and flags: a key first seen in a padded micro-batch, ragged lengths, tensor flags."""
-    gen = torch.Generator().manual_seed(5)
-
-    def labels(seq: int) -> torch.Tensor:
-        out = torch.randint(0, VOCAB, (2, seq), generator=gen)
-        out[torch.rand(out.shape, generator=gen) < 0.4] = IGNORE_INDEX
-        return out
-
-    batches = [
-        {"labels": labels(5), "late_labels": labels(3), "padding_flag": True},
-        {"labels": labels(7), "padding_flag": torch.tensor(False)},
-        {"labels": labels(2).t(), "other_labels": labels(4)},  # non-contiguous
-        {"labels": labels(9), "other_labels": labels(1), "padding_flag": torch.tensor([True])},
-        {"labels": labels(4), "other_labels": labels(6), "padding_flag": False},
-    ]
-    counts = count_loss_token(batches)
-    assert list(counts) == ["foundation_tokens", "late_tokens", "other_tokens"]
-    for key in counts:
-        expected = sum(int(count_loss_token(batch).get(key, 0)) for batch in batches)
-        assert counts[key].dtype == torch.int64 and counts[key].shape == ()
-        assert int(counts[key]) == expected, key
-    assert int(counts["late_tokens"]) == 0
+def test_count_loss_token_nested_lists_and_padding_flag():
+    a, b, c = make_micro_batches(3)
+    nested = count_loss_token([a, [b, (c,)]])
+    assert {k: int(v) for k, v in nested.items()} == {k: int(v) for k, v in count_loss_token([a, b, c]).items()}
+    flagged = count_loss_token([a, {**b, "padding_flag": True}, {**c, "padding_flag": torch.tensor([True])}])
+    assert {k: int(v) for k, v in flagged.items()} == {k: int(v) for k, v in count_loss_token(a).items()}
+    only_padding = count_loss_token({**a, "padding_flag": True})
+    assert set(only_padding) == {"foundation_tokens", "aux_tokens"} and all(int(v) == 0 for v in only_padding.values())
 
 
 def test_count_loss_token_rejects_other_types_naming_them():
     with pytest.raises(TypeError, match=r"batches\[1\] is a str"):
-        count_loss_token([make_micro_batches(1)[0], "oops"])
+        count_loss_token([{"labels": torch.zeros(1, 2, dtype=torch.long)}, "oops"])
     with pytest.raises(TypeError, match="'labels' is a list"):
-        count_loss_token({"labels": [1, 2, 3]})
+        count_loss_token({"labels": [1, 2]})
 
 
-# ---------------------------------------------------------------- collectives per step
+def test_mark_sequences_marks_the_first_valid_target_and_weights_by_the_whole_sequence():
+    # Row 0 holds two packed sequences (ids 0 and 1) and padding; row 1 one sequence whose first target is late.
+    labels = torch.tensor([[5, 6, IGNORE_INDEX, 7, 8, 9, IGNORE_INDEX], [IGNORE_INDEX] * 4 + [1, 2, 3]])
+    ids = torch.tensor([[0, 0, 0, 1, 1, 1, -1], [2, 2, 2, 2, 2, 2, 2]])
+    aux = torch.full_like(labels, IGNORE_INDEX)
+    aux[0, 4] = 3  # only sequence 1 has an aux target
+    batch = {"labels": labels, "aux_labels": aux, "sequence_ids": ids}
+    marked = mark_sequences(batch, LossModes("seq-mean-token-mean", {"aux": "seq-mean-token-sum"}))
+    assert marked["foundation_seq_starts"].tolist() == [
+        [True, False, False, True, False, False, False],
+        [False, False, False, False, True, False, False],
+    ]
+    weights = marked["foundation_loss_weights"]
+    assert weights[0, :2].tolist() == [0.5, 0.5] and weights[0, 3:6].tolist() == [1 / 3] * 3
+    assert weights[1, 4:].tolist() == [1 / 3] * 3 and weights[labels == IGNORE_INDEX].eq(0).all()
+    assert marked["aux_seq_starts"].nonzero().tolist() == [[0, 4]]
+    assert "aux_loss_weights" not in marked, "seq-mean-token-sum weights every token 1"
+    counts = count_loss_token(marked)
+    assert (int(counts["foundation_sequences"]), int(counts["aux_sequences"])) == (3, 1)
 
 
-def test_one_all_reduce_per_step_carrying_both_keys(counting):
-    """One rank: nobody to agree with, so every step sends exactly its k loss keys' counts."""
-    batches = make_micro_batches(4)
+def test_mark_sequences_without_sequence_ids_takes_rows_and_leaves_token_modes_alone():
+    labels = torch.tensor([[1, 2, IGNORE_INDEX], [IGNORE_INDEX] * 3, [IGNORE_INDEX, IGNORE_INDEX, 4]])
+    marked = mark_sequences({"labels": labels}, "seq-mean-token-sum")
+    assert marked["foundation_seq_starts"].tolist() == [[True, False, False], [False] * 3, [False, False, True]]
+    assert int(count_loss_token(marked)["foundation_sequences"]) == 2, "a row without targets is no sequence"
+    assert mark_sequences({"labels": labels}, "token-mean").keys() == {"labels"}
+    with pytest.raises(ValueError, match="sequence_ids"):
+        mark_sequences({"labels": labels, "sequence_ids": torch.zeros(3, 2, dtype=torch.long)}, "seq-mean-token-sum")
+
+
+def test_loss_modes_reject_bad_modes_and_a_norm_mode_without_its_constant():
+    with pytest.raises(ValueError, match="loss.scale_factor must be set"):
+        LossModes("token-mean", {"aux": "seq-mean-token-sum-norm"})
+    with pytest.raises(ValueError, match="loss.modes.aux: unknown loss mode 'mean'"):
+        LossModes("token-mean", {"aux": "mean"})
+    with pytest.raises(ValueError, match="must be > 0"):
+        LossModes("seq-mean-token-sum-norm", scale_factor=-1.0)
+
+
+# ---------------------------------------------------------------- the math, every mode, against a hand reference
+
+
+def _per_token(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none")
+
+
+@pytest.mark.parametrize("mode", LOSS_MODES)
+def test_every_mode_equals_its_hand_written_reference_with_empty_micro_batches(counting, mode):
+    batches = make_micro_batches(4, seed=3)
+    batches[1]["labels"].fill_(IGNORE_INDEX)  # a micro-batch without targets
+    batches[2]["labels"][0].fill_(IGNORE_INDEX)  # a sequence without targets
+    weight = torch.randn(VOCAB, VOCAB, dtype=torch.float64, requires_grad=True)
+    modes = LossModes(mode, scale_factor=2.5)
+    marked = [mark_sequences(batch, modes) for batch in batches]
+    step_tokens = count_loss_token(marked)
+    total = 0
+    for batch in marked:
+        per_token = _per_token(weight[batch["input_ids"]], batch["labels"])
+        if "foundation_loss_weights" in batch:
+            per_token = per_token * batch["foundation_loss_weights"].reshape(-1)
+        local_mean = per_token.sum() / (batch["labels"] != IGNORE_INDEX).sum().clamp(min=1)
+        total = (
+            total + mean_global_loss(local_mean, count_loss_token(batch), step_tokens, modes=modes)["foundation_loss"]
+        )
+    assert counting.calls == 1, "one all-reduce per step (token-sum sends only the agreement slots)"
+    (grad,) = torch.autograd.grad(total, weight)
+
+    sequences = []
+    for batch in batches:
+        for row in range(batch["labels"].shape[0]):
+            labels = batch["labels"][row]
+            if (labels != IGNORE_INDEX).any():
+                sequences.append(_per_token(weight[batch["input_ids"][row]], labels)[labels != IGNORE_INDEX])
+    tokens, count = sum(s.numel() for s in sequences), len(sequences)
+    reference = {
+        "token-mean": sum(s.sum() for s in sequences) / tokens,
+        "seq-mean-token-mean": sum(s.mean() for s in sequences) / count,
+        "seq-mean-token-sum": sum(s.sum() for s in sequences) / count,
+        "seq-mean-token-sum-norm": sum(s.sum() for s in sequences) / (count * 2.5),
+        "token-sum": sum(s.sum() for s in sequences),
+    }[mode]
+    (reference_grad,) = torch.autograd.grad(reference, weight)
+    torch.testing.assert_close(total.detach(), reference.detach(), rtol=1e-13, atol=0)
+    torch.testing.assert_close(grad, reference_grad, rtol=1e-12, atol=1e-14)
+
+
+def test_a_whole_step_without_tokens_gives_exact_zero_value_and_gradient(counting):
+    labels = torch.full((2, 4), IGNORE_INDEX)
+    logits = torch.randn(2, 4, VOCAB, requires_grad=True)
+    nan_mean = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=IGNORE_INDEX)
+    assert nan_mean.isnan()
+    tokens = count_loss_token({"labels": labels})
+    for mode in LOSS_MODES:
+        modes = LossModes(mode, scale_factor=1.0)
+        marked = count_loss_token(mark_sequences({"labels": labels}, modes))
+        scaled = mean_global_loss(nan_mean, marked, {**marked}, modes=modes)["foundation_loss"]
+        (grad,) = torch.autograd.grad(scaled, logits, retain_graph=True)
+        assert scaled.item() == 0.0 and torch.equal(grad, torch.zeros_like(grad)), mode
+    assert tokens["foundation_tokens"].item() == 0
+
+
+# ---------------------------------------------------------------- one all-reduce per step, only the consumed keys
+
+
+def test_one_all_reduce_per_step_of_only_the_consumed_counts(counting):
+    batches = make_micro_batches(4)  # carries aux_labels, but the model has no aux loss
+    step_tokens = count_loss_token(batches)
+    for batch in batches:
+        mean_global_loss({"foundation_loss": torch.tensor(1.0)}, count_loss_token(batch), step_tokens)
+    assert counting.calls == 1
+    (buffer,) = counting.buffers
+    assert buffer[:MAX_LOSS_KEYS].tolist() == [int(step_tokens["foundation_tokens"])] + [0] * (MAX_LOSS_KEYS - 1)
+
+
+def test_two_heads_in_different_modes_share_the_one_all_reduce(counting):
+    modes = LossModes("seq-mean-token-mean", {"aux": "token-mean"})
+    batches = [mark_sequences(batch, modes) for batch in make_micro_batches(3)]
     step_tokens = count_loss_token(batches)
     for batch in batches:
         losses = {"foundation_loss": torch.tensor(1.0), "aux_loss": torch.tensor(2.0)}
-        mean_global_loss(losses, count_loss_token(batch), step_tokens)
+        mean_global_loss(losses, count_loss_token(batch), step_tokens, modes=modes)
     assert counting.calls == 1
-    # sorted loss keys: aux, foundation
-    assert counting.buffers[0].tolist() == [int(step_tokens["aux_tokens"]), int(step_tokens["foundation_tokens"])]
-
-    next_step = count_loss_token(make_micro_batches(4, seed=1))
-    mean_global_loss({"foundation_loss": torch.tensor(1.0), "aux_loss": torch.tensor(2.0)}, next_step, next_step)
-    assert counting.calls == 2
+    sent = counting.buffers[0][:2].tolist()  # sorted head names: aux (tokens), foundation (sequences)
+    assert sent == [int(step_tokens["aux_tokens"]), int(step_tokens["foundation_sequences"])]
 
 
-def test_token_keys_without_a_loss_are_not_reduced(counting):
-    batches = make_micro_batches(2)
-    step_tokens = count_loss_token(batches)
-    mean_global_loss(torch.tensor(1.0), count_loss_token(batches[0]), step_tokens)
-    assert counting.buffers[0].tolist() == [int(step_tokens["foundation_tokens"])], "aux_tokens has no loss"
-
-
-def run_step(batches: list[dict[str, torch.Tensor]], names: tuple[str, ...], mean: float = 1.0) -> list[dict]:
-    """One step of GA = len(batches) micro-batches with fixed local means for `names`; the scaled losses."""
-    step_tokens = count_loss_token(batches)
-    return [
-        mean_global_loss({f"{name}_loss": torch.tensor(mean) for name in names}, count_loss_token(batch), step_tokens)
-        for batch in batches
-    ]
-
-
-@pytest.mark.parametrize("names", [("foundation",), ("aux", "foundation")], ids=["1 key", "2 keys"])
-def test_steady_state_sends_one_int64_per_loss_key_after_one_agreement(monkeypatch, names):
-    """W = 2: the first step agrees through the 13-element buffer; later steps send k elements; one collective each."""
-    peer = {name: 7 for name in names}
-    sim = SimulatedPeers(monkeypatch, [peer])
-    for step in range(4):
-        batches = make_micro_batches(4, seed=step)
-        scaled = run_step(batches, names)
-        assert len(sim.buffers) == step + 1, "one collective per step, whatever the GA"
-        expected_size = AGREEMENT_SIZE if step == 0 else len(names)
-        assert sim.sizes[-1] == expected_size
-        step_tokens = count_loss_token(batches)
-        for batch, out in zip(batches, scaled):
-            for name in names:
-                n = int(count_loss_token(batch)[f"{name}_tokens"])
-                total = int(step_tokens[f"{name}_tokens"]) + 7
-                assert out[f"{name}_loss"].item() == pytest.approx(n / total * 2, rel=1e-6)
-
-
-def test_a_peer_switching_keys_after_agreement_makes_this_rank_raise(monkeypatch):
-    """The peer's keys change after agreed steps: its poison makes the lean sum negative here too, so all re-agree."""
-    peer = {"aux": 3, "foundation": 5}
-    sim = SimulatedPeers(monkeypatch, [peer])
-    run_step(make_micro_batches(2), ("aux", "foundation"))
-    run_step(make_micro_batches(2, seed=1), ("aux", "foundation"))
-    assert sim.sizes == [AGREEMENT_SIZE, 2]
-    sim.peers[0] = {"foundation": 5}
-    with pytest.raises(LossKeyMismatchError, match=r"\['aux', 'foundation'\]"):
-        run_step(make_micro_batches(2, seed=2), ("aux", "foundation"))
-    assert sim.sizes == [AGREEMENT_SIZE, 2, 2, AGREEMENT_SIZE]
-    assert (sim.buffers[2] >= 0).all(), "this rank's keys did not change: it sent its counts"
-    # The mismatch forgets the agreement on every rank: the next step agrees again.
-    sim.peers[0] = {"aux": 3, "foundation": 5}
-    run_step(make_micro_batches(2, seed=3), ("aux", "foundation"))
-    assert sim.sizes[-1] == AGREEMENT_SIZE
-
-
-def test_this_rank_switching_keys_alone_poisons_the_lean_sum_and_raises(monkeypatch):
-    sim = SimulatedPeers(monkeypatch, [{"aux": 3, "foundation": 5}])
-    run_step(make_micro_batches(2), ("aux", "foundation"))
-    with pytest.raises(LossKeyMismatchError, match=r"\['foundation'\]"):
-        run_step(make_micro_batches(2, seed=1), ("foundation",))
-    assert sim.sizes == [AGREEMENT_SIZE, 2, AGREEMENT_SIZE], "the agreed size, poisoned, then the agreement buffer"
-    assert sim.buffers[1].tolist() == [loss_utils._poison(2)] * 2
-
-
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_all_ranks_switching_keys_together_re_agree_silently(monkeypatch, world):
-    peers = [{"aux": 3, "foundation": 5} for _ in range(world - 1)]
-    sim = SimulatedPeers(monkeypatch, peers)
-    run_step(make_micro_batches(2), ("aux", "foundation"))
-    run_step(make_micro_batches(2, seed=1), ("aux", "foundation"))
-    sim.peers[:] = [{"foundation": 11} for _ in range(world - 1)]
-    batches = make_micro_batches(3, seed=2)
-    scaled = run_step(batches, ("foundation",))
-    assert sim.sizes == [AGREEMENT_SIZE, 2, 2, AGREEMENT_SIZE], "poisoned lean sum, then one agreement"
-    total = int(count_loss_token(batches)["foundation_tokens"]) + 11 * (world - 1)
-    for batch, out in zip(batches, scaled):
-        n = int(count_loss_token(batch)["foundation_tokens"])
-        assert out["foundation_loss"].item() == pytest.approx(n / total * world, rel=1e-6)
-    run_step(make_micro_batches(2, seed=3), ("foundation",))
-    assert sim.sizes[-1] == 1, "the new key set is the agreed one"
-
-
-@pytest.mark.parametrize("world", [2, 3, 5, 1024, 2**15, 2**20])
-def test_the_poison_is_exact_in_int64_and_cannot_be_masked_by_valid_counts(world):
-    poison = loss_utils._poison(world)
-    largest_valid_total = loss_utils._POISON_BUDGET // world - 1
-    for poisoned_ranks in (1, 2, world):
-        if poisoned_ranks > world:
-            continue
-        worst_high = torch.tensor(largest_valid_total) + torch.tensor(poison) * poisoned_ranks
-        worst_low = torch.tensor(poison) * poisoned_ranks
-        assert worst_high.item() < 0, "a poisoned sum is negative whatever the valid counts"
-        assert worst_low.item() >= -(2**62), "no int64 overflow"
-        assert worst_low.item() == poison * poisoned_ranks
-
-
-def test_counts_beyond_2_pow_24_and_2_pow_40_stay_exact(monkeypatch):
-    sim = SimulatedPeers(monkeypatch, [{"foundation": 2**40 + 5}])
-    for step, local in enumerate([2**24 + 1, 2**40 + 3]):
-        step_tokens = {"foundation_tokens": torch.tensor(local)}
-        out = mean_global_loss(torch.tensor(1.0, dtype=torch.float64), step_tokens, step_tokens)
-        assert sim.sizes[-1] == (AGREEMENT_SIZE if step == 0 else 1)
-        total = local + 2**40 + 5
-        assert loss_utils._MEMO.scales.tolist() == [2 / total], "T summed exactly in int64"
-        assert out["foundation_loss"].item() == local * (2 / total)
-
-
-class FakeGroup:
-    """Stands for a process group object (weak-referenceable, compared by identity)."""
-
-
-def test_a_new_process_group_agrees_again_and_the_old_one_is_not_kept_alive(monkeypatch):
-    sim = SimulatedPeers(monkeypatch, [{"foundation": 4}])
-    state = SimpleNamespace(world_group=FakeGroup())
-    monkeypatch.setattr(loss_utils, "get_parallel_state", lambda: state)
-    run_step(make_micro_batches(2), ("foundation",))
-    run_step(make_micro_batches(2, seed=1), ("foundation",))
-    old_group = weakref.ref(state.world_group)
-    state.world_group = FakeGroup()
-    gc.collect()
-    assert old_group() is None, "the agreement must not keep a destroyed group alive"
-    run_step(make_micro_batches(2, seed=2), ("foundation",))
-    assert sim.sizes == [AGREEMENT_SIZE, 1, AGREEMENT_SIZE]
-
-
-def test_reset_loss_memo_is_local_and_keeps_the_agreement(monkeypatch):
-    sim = SimulatedPeers(monkeypatch, [{"foundation": 4}])
-    run_step(make_micro_batches(2), ("foundation",))
-    loss_utils.reset_loss_memo()
-    run_step(make_micro_batches(2, seed=1), ("foundation",))
-    assert sim.sizes == [AGREEMENT_SIZE, 1]
-
-
-def test_accelerator_path_sends_the_agreement_buffer_and_defers_the_verdict(monkeypatch):
-    """Where a verdict read would be a device sync: the self-checking buffer every step, NaN denominators on a
-    mismatch, and `verify_loss_keys` raises at the step's host read."""
-    sim = SimulatedPeers(monkeypatch, [{"foundation": 4}])
-    monkeypatch.setattr(loss_utils, "_verdict_on_host", lambda device: False)
-    for seed in range(2):
-        scaled = run_step(make_micro_batches(2, seed=seed), ("foundation",))
-        loss_utils.verify_loss_keys()
-        assert all(torch.isfinite(out["foundation_loss"]) for out in scaled)
-    assert sim.sizes == [AGREEMENT_SIZE, AGREEMENT_SIZE]
-    sim.peers[0] = {"aux": 1, "foundation": 4}
-    scaled = run_step(make_micro_batches(2, seed=2), ("foundation",))
-    assert all(torch.isnan(out["foundation_loss"]) for out in scaled), "no usable value before the verdict is read"
-    with pytest.raises(LossKeyMismatchError, match=r"\['foundation'\]"):
-        loss_utils.verify_loss_keys()
-
-
-def test_explicit_global_counts_skip_the_collective(counting):
-    batches = make_micro_batches(2)
-    step_tokens = count_loss_token(batches)
-    out = mean_global_loss(torch.tensor(3.0), count_loss_token(batches[0]), step_tokens, step_tokens)
-    assert counting.calls == 0
-    n = int(count_loss_token(batches[0])["foundation_tokens"])
-    assert out["foundation_loss"].item() == pytest.approx(3.0 * n / int(step_tokens["foundation_tokens"]))
-
-
-def test_a_new_dict_always_gets_new_denominators(counting):
-    """Equal contents, new object -> new reduce; freed dicts cannot alias through id() reuse."""
-    batches = make_micro_batches(2)
-    for index in range(20):
-        step_tokens = count_loss_token(batches)
-        mean_global_loss(torch.tensor(1.0), count_loss_token(batches[0]), step_tokens)
-        assert counting.calls == index + 1
-        del step_tokens
-        gc.collect()
-
-
-def test_in_place_edit_of_the_step_dict_is_not_served_stale(counting):
-    batches = make_micro_batches(2)
-    step_tokens = count_loss_token(batches)
-    mean_global_loss(torch.tensor(1.0), count_loss_token(batches[0]), step_tokens)
-    step_tokens["foundation_tokens"] = torch.tensor(5)
-    out = mean_global_loss(torch.tensor(1.0), {"foundation_tokens": torch.tensor(5)}, step_tokens)
-    assert counting.calls == 2
-    assert out["foundation_loss"].item() == pytest.approx(1.0)
-
-
-@pytest.mark.parametrize("edit", ["iadd", "copy_"])
-def test_in_place_change_of_a_step_count_gets_fresh_denominators(counting, edit):
-    batches = make_micro_batches(2)
-    step_tokens = count_loss_token(batches)
-    local = count_loss_token(batches[0])
-    n = int(local["foundation_tokens"])
-    mean_global_loss(torch.tensor(1.0), local, step_tokens)
-    mean_global_loss(torch.tensor(1.0), local, step_tokens)
-    assert counting.calls == 1
-    count = step_tokens["foundation_tokens"]
-    if edit == "iadd":
-        count += 4
-    else:
-        count.copy_(torch.tensor(40))
-    new_total = int(count)
-    out = mean_global_loss(torch.tensor(1.0), local, step_tokens)
-    assert step_tokens["foundation_tokens"] is count, "the same tensor object, edited in place"
-    assert counting.calls == 2
-    assert out["foundation_loss"].item() == pytest.approx(n / new_total)
-    mean_global_loss(torch.tensor(1.0), local, step_tokens)
-    assert counting.calls == 2, "the refreshed memo serves the rest of the step"
-
-
-def test_memo_holds_at_most_one_step(counting):
-    first = count_loss_token(make_micro_batches(2))
-    probe = weakref.ref(first["foundation_tokens"])
-    mean_global_loss(torch.tensor(1.0), first, first)
-    del first
-    second = count_loss_token(make_micro_batches(2, seed=3))
-    mean_global_loss(torch.tensor(1.0), second, second)
-    gc.collect()
-    assert probe() is None, "the previous step's counts must be released once the next step starts"
-
-
-def test_a_loss_key_appearing_mid_step_is_an_error(counting):
-    batches = make_micro_batches(2)
-    step_tokens = count_loss_token(batches)
-    mean_global_loss(torch.tensor(1.0), count_loss_token(batches[0]), step_tokens)
-    with pytest.raises(ValueError, match="appeared mid-step"):
-        mean_global_loss(
-            {"foundation_loss": torch.tensor(1.0), "aux_loss": torch.tensor(1.0)},
-            count_loss_token(batches[1]),
-            step_tokens,
-        )
-
-
-def test_missing_token_key_names_the_key():
-    with pytest.raises(KeyError, match="aux_tokens"):
-        mean_global_loss(
-            {"aux_loss": torch.tensor(1.0)}, {"foundation_tokens": torch.tensor(1)}, {"aux_tokens": torch.tensor(1)}
-        )
-    with pytest.raises(KeyError, match="must be named"):
-        mean_global_loss({"aux": torch.tensor(1.0)}, {}, {})
-
-
-# ---------------------------------------------------------------- math
-
-
-def test_fallback_math_equals_the_global_token_mean_with_zero_token_micro_batches():
-    torch.manual_seed(0)
-    batches = make_micro_batches(4, ignore_p=0.4)
-    batches[1]["labels"].fill_(IGNORE_INDEX)  # an all-ignored micro-batch: the plain CE mean is NaN there
-    batches[2]["aux_labels"].fill_(IGNORE_INDEX)
-    head = torch.nn.Linear(4, VOCAB)
-    aux_head = torch.nn.Linear(4, VOCAB)
-    features = [torch.randn(2, 6, 4) for _ in batches]
-
-    step_tokens = count_loss_token(batches)
-    total = torch.zeros(())
-    for feats, batch in zip(features, batches):
-        losses = {
-            "foundation_loss": local_mean_ce(head(feats), batch["labels"]),
-            "aux_loss": local_mean_ce(aux_head(feats), batch["aux_labels"]),
-        }
-        scaled = mean_global_loss(losses, count_loss_token(batch), step_tokens)
-        assert all(torch.isfinite(v) for v in scaled.values())
-        total = total + sum(scaled.values())
-    total.backward()
-    got = [p.grad.clone() for p in (*head.parameters(), *aux_head.parameters())]
-
-    head.zero_grad()
-    aux_head.zero_grad()
-    all_feats = torch.cat(features)
-    reference = local_mean_ce(head(all_feats), torch.cat([b["labels"] for b in batches])) + local_mean_ce(
-        aux_head(all_feats), torch.cat([b["aux_labels"] for b in batches])
+def test_counts_beyond_2_pow_40_stay_exact(counting):
+    huge = 2**40 + 3
+    scaled = mean_global_loss(
+        torch.tensor(1.0, dtype=torch.float64), {"foundation_tokens": huge}, {"foundation_tokens": huge}
     )
-    reference.backward()
-    assert total.item() == pytest.approx(reference.item(), rel=1e-6)
-    for g, r in zip(got, (*[p.grad for p in head.parameters()], *[p.grad for p in aux_head.parameters()])):
-        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
+    assert counting.buffers[0][0].item() == huge
+    assert scaled["foundation_loss"].item() == pytest.approx(1.0, rel=1e-15)
 
 
-def test_a_whole_step_without_tokens_gives_exact_zero_value_and_gradient():
-    logits = torch.randn(2, 6, VOCAB, requires_grad=True)
-    labels = torch.full((2, 6), IGNORE_INDEX)
-    step_tokens = count_loss_token([{"labels": labels}])
-    scaled = mean_global_loss(local_mean_ce(logits, labels), count_loss_token({"labels": labels}), step_tokens)
-    loss = scaled["foundation_loss"]
-    assert loss.item() == 0.0
-    loss.backward()
-    assert torch.equal(logits.grad, torch.zeros_like(logits))
+def test_the_4th_argument_skips_the_collective(counting):
+    scaled = mean_global_loss(
+        torch.tensor(2.0), {"foundation_tokens": 3}, {"foundation_tokens": 3}, {"foundation_tokens": 6}
+    )
+    assert counting.calls == 0 and scaled["foundation_loss"].item() == pytest.approx(1.0)
 
 
-def test_no_host_reads_in_the_loss_path(monkeypatch):
-    def forbidden(*_args, **_kwargs):
-        raise AssertionError("host read in the loss path")
+def test_a_mode_needing_sequences_without_them_names_mark_sequences(counting):
+    tokens = count_loss_token(make_micro_batches(1))
+    with pytest.raises(KeyError, match="mark_sequences"):
+        mean_global_loss(torch.tensor(1.0), tokens, tokens, modes="seq-mean-token-sum")
+    with pytest.raises(KeyError, match="has no 'aux_tokens'"):
+        mean_global_loss({"aux_loss": torch.tensor(1.0)}, tokens, {"foundation_tokens": 1})
 
-    batches = make_micro_batches(3)
-    global_numbers = {key: float(value) for key, value in count_loss_token(batches).items()}
-    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
-        monkeypatch.setattr(torch.Tensor, name, forbidden)
-    step_tokens = count_loss_token(batches)
-    for batch in batches:
+
+# ---------------------------------------------------------------- the memo: by identity, never stale, edits refused
+
+
+def test_a_new_dict_reduces_again_and_the_same_dict_does_not(counting):
+    batch = make_micro_batches(1)[0]
+    first = count_loss_token(batch)
+    for _ in range(3):
+        mean_global_loss(torch.tensor(1.0), count_loss_token(batch), first)
+    assert counting.calls == 1
+    mean_global_loss(torch.tensor(1.0), count_loss_token(batch), dict(first))
+    assert counting.calls == 2
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda d: d["foundation_tokens"].add_(1),
+        lambda d: d.__setitem__("foundation_tokens", torch.tensor(99)),
+        lambda d: d.__setitem__("extra_tokens", torch.tensor(1)),
+        lambda d: d.pop("aux_tokens"),
+    ],
+    ids=["in-place", "replaced", "added", "removed"],
+)
+def test_editing_the_step_dict_after_its_first_use_is_refused_before_any_collective(counting, edit):
+    batch = make_micro_batches(1)[0]
+    step_tokens = count_loss_token(batch)
+    mean_global_loss(torch.tensor(1.0), count_loss_token(batch), step_tokens)
+    edit(step_tokens)
+    with pytest.raises(LossMemoError, match="edited after its first use"):
+        mean_global_loss(torch.tensor(1.0), count_loss_token(batch), step_tokens)
+    assert counting.calls == 1, "the refusal issues no collective"
+
+
+def test_an_int_count_reassigned_an_equal_value_is_no_edit(counting):
+    step_tokens = {"foundation_tokens": 1000}
+    mean_global_loss(torch.tensor(1.0), {"foundation_tokens": 3}, step_tokens)
+    step_tokens["foundation_tokens"] = int("1000")  # a different int object, the same value
+    mean_global_loss(torch.tensor(1.0), {"foundation_tokens": 3}, step_tokens)
+    assert counting.calls == 1
+
+
+def test_the_memo_holds_at_most_one_step(counting):
+    batch = make_micro_batches(1)[0]
+    first = count_loss_token(batch)
+    mean_global_loss(torch.tensor(1.0), count_loss_token(batch), first)
+    ref = weakref.ref(first["foundation_tokens"])
+    mean_global_loss(torch.tensor(1.0), count_loss_token(batch), count_loss_token(batch))
+    del first
+    gc.collect()
+    assert ref() is None
+
+
+def test_another_plan_mid_step_is_an_error(counting):
+    batch = make_micro_batches(1)[0]
+    step_tokens = count_loss_token(batch)
+    mean_global_loss({"foundation_loss": torch.tensor(1.0)}, count_loss_token(batch), step_tokens)
+    with pytest.raises(ValueError, match="same loss keys with the same modes"):
         losses = {"foundation_loss": torch.tensor(1.0), "aux_loss": torch.tensor(1.0)}
         mean_global_loss(losses, count_loss_token(batch), step_tokens)
-        mean_global_loss(losses, count_loss_token(batch), step_tokens, step_tokens)
-        mean_global_loss(losses, count_loss_token(batch), step_tokens, global_numbers)
 
 
-def test_no_host_reads_in_the_agreement_protocol_on_cpu(monkeypatch):
-    """With peers: agreement, lean steps, a re-agreement and a mismatch; verdicts come from host memory (numpy)."""
+# ---------------------------------------------------------------- rank agreement (simulated peers)
 
-    def forbidden(*_args, **_kwargs):
-        raise AssertionError("host read in the loss path")
 
-    sim = SimulatedPeers(monkeypatch, [{"aux": 3, "foundation": 5}])
-    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
-        monkeypatch.setattr(torch.Tensor, name, forbidden)
-    run_step(make_micro_batches(2), ("aux", "foundation"))
-    run_step(make_micro_batches(2, seed=1), ("aux", "foundation"))
-    sim.peers[0] = {"foundation": 5}
-    run_step(make_micro_batches(2, seed=2), ("foundation",))
-    sim.peers[0] = {"aux": 1, "foundation": 5}
+def test_a_peer_with_other_loss_keys_makes_this_rank_raise_naming_both(monkeypatch):
+    peers = Peers(monkeypatch, [{"aux:token-mean": 4, "foundation:token-mean": 5}])
+    with pytest.raises(LossKeyMismatchError, match=r"rank 0: \[\['foundation:token-mean'\]\]; rank 1: \[\['aux"):
+        mean_global_loss(torch.tensor(1.0), {"foundation_tokens": 2}, {"foundation_tokens": 2})
+    assert peers.calls == 1
+
+
+def test_a_peer_with_another_mode_for_the_same_keys_is_caught(monkeypatch):
+    Peers(monkeypatch, [{"foundation:seq-mean-token-sum": 1}])
+    tokens = {"foundation_tokens": 2, "foundation_sequences": 1}
+    with pytest.raises(LossKeyMismatchError, match="seq-mean-token-sum"):
+        mean_global_loss(torch.tensor(1.0), tokens, tokens, modes="seq-mean-token-mean")
+
+
+def test_peers_with_the_same_plan_pass_and_the_totals_add_up(monkeypatch):
+    Peers(monkeypatch, [{"foundation:token-mean": 6}])
+    scaled = mean_global_loss(
+        torch.tensor(1.0, dtype=torch.float64), {"foundation_tokens": 2}, {"foundation_tokens": 2}
+    )
+    assert scaled["foundation_loss"].item() == pytest.approx(2 * 2 / 8)  # n * W / T, W = 2, T = 2 + 6
+
+
+def test_more_heads_than_slots_raise_after_the_collective(counting):
+    names = [f"k{i}" for i in range(MAX_LOSS_KEYS + 1)]
+    tokens = {f"{name}_tokens": 1 for name in names}
+    with pytest.raises(ValueError, match="exceed MAX_LOSS_KEYS"):
+        mean_global_loss({f"{name}_loss": torch.tensor(1.0) for name in names}, tokens, tokens)
+    assert counting.calls == 1, "the peers' agreement buffer is matched"
+
+
+def test_on_an_accelerator_the_path_reads_nothing_and_verify_loss_keys_reads_the_verdict(monkeypatch):
+    peers = Peers(monkeypatch, [{"foundation:seq-mean-token-sum": 1}])
+    monkeypatch.setattr(loss_utils, "_verdict_now", lambda _tensor: False)  # as for a buffer on a GPU
+    modes = LossModes("seq-mean-token-sum")
+    batches = [mark_sequences(batch, modes) for batch in make_micro_batches(3)]
+    reads: list[str] = []
+    originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def recorder(name):
+        def read(self, *args, **kwargs):
+            reads.append(name)
+            return originals[name](self, *args, **kwargs)
+
+        return read
+
+    step_tokens = count_loss_token(batches)
+    for name in HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, recorder(name))
+    for batch in batches:
+        mean_global_loss(torch.tensor(1.0), count_loss_token(batch), step_tokens, modes=modes)
+    assert reads == [] and peers.calls == 1
+    for name, original in originals.items():
+        monkeypatch.setattr(torch.Tensor, name, original)
+    verify_loss_keys()  # the peer sent the same plan
+    peers.peers[0] = {"foundation:token-mean": 1}
+    mean_global_loss(torch.tensor(1.0), count_loss_token(batches[0]), count_loss_token(batches), modes=modes)
+    scaled = mean_global_loss(torch.tensor(1.0), count_loss_token(batches[0]), loss_utils._MEMO.token_len, modes=modes)
+    assert scaled["foundation_loss"].isnan(), "no usable value before the verdict is read"
     with pytest.raises(LossKeyMismatchError):
-        run_step(make_micro_batches(2, seed=3), ("foundation",))
-    monkeypatch.undo()
-    assert sim.sizes == [AGREEMENT_SIZE, 2, 2, AGREEMENT_SIZE, 1, AGREEMENT_SIZE]
-
-
-# ---------------------------------------------------------------- rank agreement
-
-
-def test_a_rank_with_other_loss_keys_is_detected(monkeypatch):
-    """A peer whose key set differs from the first step on: the agreement buffer's fingerprints disagree."""
-    SimulatedPeers(monkeypatch, [{"aux": 1, "foundation": 2}])
-    batch = make_micro_batches(1)[0]
-    with pytest.raises(LossKeyMismatchError, match=r"\['foundation'\]"):
-        mean_global_loss(torch.tensor(1.0), count_loss_token(batch), count_loss_token(batch))
-
-
-def test_same_keys_on_every_rank_pass_the_check(monkeypatch):
-    sim = SimulatedPeers(monkeypatch, [{"foundation": 7}])
-    batch = {"labels": torch.tensor([[1, 2, IGNORE_INDEX]])}
-    for _ in range(2):  # the agreement, then the lean buffer: W = 2 both times
-        out = mean_global_loss(torch.tensor(1.0), count_loss_token(batch), count_loss_token(batch))
-        assert out["foundation_loss"].item() == pytest.approx(1.0 * 2 / 9 * 2)  # n=2, T=2+7, W=2
-    assert sim.sizes == [AGREEMENT_SIZE, 1]
+        verify_loss_keys()
 
 
 # ---------------------------------------------------------------- VeOmni compatibility
@@ -556,108 +423,30 @@ def test_parallel_state_answers_veomni_names():
     assert (single.fsdp_size, single.sp_enabled, single.sp_size) == (1, False, 1)
 
 
-def test_numbers_and_tensors_give_the_same_math_as_the_memoized_path(counting):
-    """Memoized T, explicit tensor T, reduce_global_loss_token's numbers, and Python-int local counts agree exactly."""
-    torch.manual_seed(0)
-    batches = make_micro_batches(4, ignore_p=0.4)
-    batches[2]["aux_labels"].fill_(IGNORE_INDEX)
-    head = torch.nn.Linear(4, VOCAB)
-    aux_head = torch.nn.Linear(4, VOCAB)
-    features = [torch.randn(2, 6, 4) for _ in batches]
-
-    def run(form: str) -> list[torch.Tensor]:
-        """The scaled losses and gradients of one step; asserts the collectives of `form`."""
-        head.zero_grad()
-        aux_head.zero_grad()
-        step_tokens = count_loss_token(batches)
-        calls_before = counting.calls
-        global_tokens = None
-        if form == "tensors":
-            global_tokens = step_tokens
-        elif form.startswith("numbers"):
-            global_tokens = reduce_global_loss_token(step_tokens)
-        out = []
-        for feats, batch in zip(features, batches):
-            local = count_loss_token(batch)
-            if form == "numbers, int local counts":
-                local = {key: int(value) for key, value in local.items()}
-            losses = {
-                "foundation_loss": local_mean_ce(head(feats), batch["labels"]),
-                "aux_loss": local_mean_ce(aux_head(feats), batch["aux_labels"]),
-            }
-            scaled = mean_global_loss(losses, local, step_tokens, global_tokens)
-            sum(scaled.values()).backward()
-            out.extend(value.detach() for value in scaled.values())
-        assert counting.calls - calls_before == (0 if form == "tensors" else 1), form
-        return out + [p.grad.clone() for p in (*head.parameters(), *aux_head.parameters())]
-
-    reference = run("memoized")
-    for form in ("tensors", "numbers", "numbers, int local counts"):
-        for got, ref in zip(run(form), reference, strict=True):
-            assert torch.equal(got, ref), form
-
-
-def test_reduce_global_loss_token_packs_exactly_the_given_keys_in_one_all_reduce(counting):
+def test_numbers_tensors_and_reduce_global_loss_token_give_the_same_math(counting):
     batches = make_micro_batches(3)
-    step_tokens = {**count_loss_token(batches), "extra_tokens": 5}
-    reduced = reduce_global_loss_token(step_tokens)
-    assert counting.calls == 1
-    assert list(reduced) == list(step_tokens), "VeOmni's return: the same keys, in order"
-    assert reduced == {key: float(value) for key, value in step_tokens.items()}
-    assert all(type(value) is float for value in reduced.values())
-    # sorted keys: aux, extra, foundation
-    assert counting.buffers[0].tolist() == [int(step_tokens["aux_tokens"]), 5, int(step_tokens["foundation_tokens"])]
+    losses = [{"foundation_loss": torch.tensor(1.5 + i), "aux_loss": torch.tensor(0.5 * i)} for i in range(3)]
+    step_tokens = count_loss_token(batches)
+    memoized = [mean_global_loss(loss, count_loss_token(b), step_tokens) for loss, b in zip(losses, batches)]
+    global_tokens = reduce_global_loss_token(step_tokens)
+    assert all(type(value) is float for value in global_tokens.values())
+    as_numbers = [
+        mean_global_loss(loss, {k: int(v) for k, v in count_loss_token(b).items()}, step_tokens, global_tokens)
+        for loss, b in zip(losses, batches)
+    ]
+    for a, b in zip(memoized, as_numbers):
+        for key in a:
+            assert a[key].item() == pytest.approx(b[key].item(), rel=1e-6)
 
 
-def test_reduce_global_loss_token_sums_over_ranks_and_detects_other_keys(monkeypatch):
-    local = {"foundation_tokens": torch.tensor(3), "aux_tokens": torch.tensor(1)}
-    sim = SimulatedPeers(monkeypatch, [{"aux_tokens": 10, "foundation_tokens": 20}], caller="reduce_global_loss_token")
-    for _ in range(2):
-        assert reduce_global_loss_token(local) == {"foundation_tokens": 23.0, "aux_tokens": 11.0}
-    assert sim.sizes == [AGREEMENT_SIZE, 2], "agreed once, then exactly the given keys"
-
-    sim.peers[0] = {"foundation_tokens": 10}  # the peer's batches lost a `<name>_labels` key
-    with pytest.raises(LossKeyMismatchError, match=r"\['aux_tokens', 'foundation_tokens'\].*_labels"):
-        reduce_global_loss_token(local)
-    assert sim.sizes == [AGREEMENT_SIZE, 2, 2, AGREEMENT_SIZE]
-
-    sim.peers[0] = {"foundation_tokens": 10}
-    assert reduce_global_loss_token({"foundation_tokens": torch.tensor(3)}) == {"foundation_tokens": 13.0}
-
-
-def test_reduce_global_loss_token_and_mean_global_loss_keep_separate_agreements(monkeypatch):
-    """VeOmni's sequence calls both every step with different key sets: each is lean after its own agreement."""
-    sim = SimulatedPeers(monkeypatch, [])
-    peers = {
-        "reduce_global_loss_token": [{"aux_tokens": 1, "foundation_tokens": 2}],
-        "mean_global_loss": [{"foundation": 2}],
+def test_reduce_global_loss_token_reduces_exactly_the_given_keys_and_detects_other_keys(monkeypatch):
+    peers = Peers(monkeypatch, [{"aux_tokens": 1, "foundation_tokens": 4}])
+    assert reduce_global_loss_token({"foundation_tokens": 2, "aux_tokens": 5}) == {
+        "foundation_tokens": 6.0,
+        "aux_tokens": 6.0,
     }
-    for seed in range(3):
-        batches = make_micro_batches(2, seed=seed)
-        sim.caller, sim.peers = "reduce_global_loss_token", peers["reduce_global_loss_token"]
-        reduce_global_loss_token(count_loss_token(batches))
-        sim.caller, sim.peers = "mean_global_loss", peers["mean_global_loss"]
-        run_step(batches, ("foundation",))
-    assert sim.sizes == [AGREEMENT_SIZE, AGREEMENT_SIZE, 2, 1, 2, 1]
-
-
-@pytest.mark.parametrize("world", [1, 2])
-def test_reduce_global_loss_token_with_too_many_keys_raises_on_every_rank(monkeypatch, world):
-    """Keys come from the data: with peers, the limit is checked after the agreement, so every rank raises alike."""
-    keys = {f"k{i}_tokens": i for i in range(MAX_LOSS_KEYS + 1)}
-    sim = SimulatedPeers(monkeypatch, [dict(keys)] * (world - 1), caller="reduce_global_loss_token")
-    with pytest.raises(ValueError, match="exceed MAX_LOSS_KEYS"):
-        reduce_global_loss_token({key: torch.tensor(value) for key, value in keys.items()})
-    assert sim.sizes == ([] if world == 1 else [AGREEMENT_SIZE])
-
-
-def test_an_empty_key_set_is_never_agreed(monkeypatch):
-    sim = SimulatedPeers(monkeypatch, [{}], caller="reduce_global_loss_token")
-    assert reduce_global_loss_token({}) == {}
-    assert reduce_global_loss_token({}) == {}
-    assert sim.sizes == [AGREEMENT_SIZE, AGREEMENT_SIZE], "an empty lean buffer could not carry a poisoned sum"
-
-
-def test_explicit_counts_reject_other_types_naming_the_key():
-    with pytest.raises(TypeError, match=r"global_micro_batches_token_len\['foundation_tokens'\] is a str"):
-        mean_global_loss(torch.tensor(1.0), {"foundation_tokens": 1}, {}, {"foundation_tokens": "6"})
+    assert peers.buffers[0][:2].tolist() == [5, 2]
+    with pytest.raises(LossKeyMismatchError, match="_labels"):
+        reduce_global_loss_token({"foundation_tokens": 2})
+    with pytest.raises(TypeError, match="is a str"):
+        reduce_global_loss_token({"foundation_tokens": "2"})

@@ -3,7 +3,8 @@
 Contract: for every key `labels` or `*_labels`, label t becomes the sample's label t + 1 (the target of the prediction
 at t) and the last position gets IGNORE_INDEX; this happens here, before any sequence-parallel slicing, and never
 again. Then `input_ids` are right-padded with `pad_id`, label keys with IGNORE_INDEX, to the longest sample rounded
-up to `pad_to_multiple_of`. `position_ids` is arange(length) for every row (padding keeps counting). `pixel_values`
+up to `pad_to_multiple_of`. `position_ids` is arange(length) for every row (padding keeps counting); `sequence_ids`
+marks each sample's positions with its row (-1 on padding), the key the per-sequence loss modes read. `pixel_values`
 are stacked when the samples have them.
 """
 
@@ -14,14 +15,21 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from veomni_lite.loss_keys import IGNORE_INDEX, is_labels_key
+from veomni_lite.loss_keys import IGNORE_INDEX, SEQUENCE_IDS, is_labels_key
 
-__all__ = ["collate", "shift_labels"]
+__all__ = ["collate", "sequence_ids", "shift_labels"]
 
 
 def shift_labels(labels: Tensor) -> Tensor:
     """[S] unshifted targets -> [S] next-token targets (last = IGNORE_INDEX)."""
     return torch.cat([labels[1:], labels.new_full((1,), IGNORE_INDEX)])
+
+
+def sequence_ids(lengths: Sequence[int], length: int) -> Tensor:
+    """[B, length] int64: row b on its first `lengths[b]` positions, -1 on the padding after them."""
+    positions = torch.arange(length).expand(len(lengths), length)
+    rows = torch.arange(len(lengths)).unsqueeze(1).expand(len(lengths), length)
+    return torch.where(positions < torch.tensor(lengths).unsqueeze(1), rows, -1)
 
 
 def _pad(rows: list[Tensor], length: int, value: int) -> Tensor:
@@ -51,6 +59,7 @@ def collate(samples: Sequence[Mapping[str, Tensor]], pad_to_multiple_of: int = 1
     for key in sorted(k for k in keys if is_labels_key(k)):
         batch[key] = _pad([shift_labels(s[key]) for s in samples], length, IGNORE_INDEX)
     batch["position_ids"] = torch.arange(length).expand(len(samples), length).clone()
+    batch[SEQUENCE_IDS] = sequence_ids([s["input_ids"].numel() for s in samples], length)
     if "pixel_values" in keys:
         batch["pixel_values"] = torch.stack([s["pixel_values"] for s in samples])
     return batch

@@ -2,8 +2,9 @@
 
 - `slice_micro_batch` cuts a collated micro-batch (labels already shifted once, globally) along the sequence
   dimension (dim 1) after padding it to a multiple of sp_size (ids with `pad_id`, every labels key with IGNORE_INDEX,
-  `image_feature_index` with -1, positions continuing, also when they carry a trailing axis such as Qwen2-VL's
-  [B, S, 3]). Whole-sample tensors such as `pixel_values` stay whole on every rank.
+  `image_feature_index` and `sequence_ids` with -1, the `mark_sequences` keys with 0, positions continuing, also
+  when they carry a trailing axis such as Qwen2-VL's [B, S, 3]). Whole-sample tensors such as `pixel_values` stay
+  whole on every rank.
 - `seq_to_heads` / `heads_to_seq` are autograd all-to-alls (`all_to_all_single`) between [B, S/sp, H, D] and
   [B, S, H/sp, D]; each one's backward is the other.
 - `ulysses_attention(fn, group)` wraps an attention function with them, so attention sees whole sequences for
@@ -18,22 +19,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from veomni_lite.loss_keys import IGNORE_INDEX, is_labels_key
+from veomni_lite.loss_keys import IGNORE_INDEX, SEQUENCE_IDS, is_labels_key
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-_SEQUENCE_PAD = {"input_ids": None, "position_ids": None, "image_feature_index": -1}
+_SEQUENCE_PAD = {"input_ids": None, "position_ids": None, "image_feature_index": -1, SEQUENCE_IDS: -1}
+_DERIVED_SUFFIXES = ("_seq_starts", "_loss_weights")  # written by `mark_sequences` before slicing; padded with 0
 
 
 def is_sequence_key(key: str) -> bool:
     """Keys whose dim 1 is the token sequence: they are padded and sliced under SP."""
-    return key in _SEQUENCE_PAD or is_labels_key(key)
+    return key in _SEQUENCE_PAD or is_labels_key(key) or key.endswith(_DERIVED_SUFFIXES)
 
 
 def _pad_value(key: str, pad_id: int) -> int:
     if key == "input_ids":
         return pad_id
+    if key.endswith(_DERIVED_SUFFIXES):
+        return 0
     return _SEQUENCE_PAD.get(key, IGNORE_INDEX)
 
 

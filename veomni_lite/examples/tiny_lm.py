@@ -175,13 +175,18 @@ class TinyCausalLM(nn.Module):
         return self.norm(hidden)
 
     def forward(
-        self, input_ids: Tensor, position_ids: Tensor, labels: Tensor | None = None, **unused: Any
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        labels: Tensor | None = None,
+        foundation_loss_weights: Tensor | None = None,
+        **unused: Any,
     ) -> dict[str, Tensor]:
         """`{"foundation_loss"}` when `labels` (already shifted) is given, else `{"logits"}`."""
         logits = self.lm_head(self.forward_hidden(self.embed(input_ids), position_ids))
         if labels is None:
             return {"logits": logits}
-        return {"foundation_loss": masked_mean_cross_entropy(logits, labels)}
+        return {"foundation_loss": masked_mean_cross_entropy(logits, labels, foundation_loss_weights)}
 
     def flops_per_token(self, seq_len: int) -> float:
         """Forward+backward FLOPs per token: 6 x matmul params (all but the embedding) + 12 x layers x hidden x seq."""

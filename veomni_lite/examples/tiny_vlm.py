@@ -145,6 +145,8 @@ class TinyVLM(nn.Module):
         pixel_values: Tensor | None = None,
         labels: Tensor | None = None,
         image_decoder_labels: Tensor | None = None,
+        foundation_loss_weights: Tensor | None = None,
+        image_decoder_loss_weights: Tensor | None = None,
         **unused: Any,
     ) -> dict[str, Tensor]:
         """Both losses when any labels are given (a missing one counts as all-ignored), else both logits."""
@@ -154,8 +156,8 @@ class TinyVLM(nn.Module):
         if labels is None and image_decoder_labels is None:
             return {"logits": logits, "image_logits": image_logits}
         return {
-            "foundation_loss": _loss_or_zero(logits, labels),
-            "image_decoder_loss": _loss_or_zero(image_logits, image_decoder_labels),
+            "foundation_loss": _loss_or_zero(logits, labels, foundation_loss_weights),
+            "image_decoder_loss": _loss_or_zero(image_logits, image_decoder_labels, image_decoder_loss_weights),
         }
 
     def flops_per_token(self, seq_len: int) -> float:
@@ -166,7 +168,7 @@ class TinyVLM(nn.Module):
         )
 
 
-def _loss_or_zero(logits: Tensor, labels: Tensor | None) -> Tensor:
+def _loss_or_zero(logits: Tensor, labels: Tensor | None, weights: Tensor | None) -> Tensor:
     if labels is None:
         return logits.sum() * 0.0  # keeps the graph so every rank returns the same keys with grads
-    return masked_mean_cross_entropy(logits, labels)
+    return masked_mean_cross_entropy(logits, labels, weights)

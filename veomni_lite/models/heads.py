@@ -4,20 +4,26 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from veomni_lite.loss_keys import IGNORE_INDEX
 
 
-def masked_mean_cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
-    """Mean cross-entropy over entries with `labels != IGNORE_INDEX`; an exact graph-keeping 0 when there are none.
+def masked_mean_cross_entropy(logits: Tensor, labels: Tensor, weights: Tensor | None = None) -> Tensor:
+    """Mean over entries with `labels != IGNORE_INDEX` of the cross-entropy, times `weights` where given (the
+    per-token weights of a loss mode, `<name>_loss_weights`); an exact graph-keeping 0 when there are none.
 
     (transformers' own causal-LM loss is NaN on a micro-batch without targets, and divides by its own count.)
     """
-    total = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    flat_logits = flat_logits if flat_logits.dtype == torch.float64 else flat_logits.float()
+    if weights is None:
+        total = F.cross_entropy(flat_logits, labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+    else:
+        per_token = F.cross_entropy(flat_logits, labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none")
+        total = (per_token * weights.reshape(-1).to(per_token.dtype)).sum()
     count = (labels != IGNORE_INDEX).sum()
     return total / count.clamp(min=1)
 

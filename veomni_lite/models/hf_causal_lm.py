@@ -68,12 +68,17 @@ class HFCausalLM(nn.Module):
         return self.hf_model.lm_head(hidden.last_hidden_state)
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor | None = None, **_: Any
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        foundation_loss_weights: torch.Tensor | None = None,
+        **_: Any,
     ) -> dict[str, torch.Tensor]:
         logits = self.logits(input_ids, position_ids)
         if labels is None:
             return {"logits": logits}
-        return {"foundation_loss": masked_mean_cross_entropy(logits, labels)}
+        return {"foundation_loss": masked_mean_cross_entropy(logits, labels, foundation_loss_weights)}
 
     def flops_per_token(self, seq_len: int) -> float:
         embed = self.hf_model.get_input_embeddings().weight

@@ -7,6 +7,7 @@ Heads, each this rank's mean over its valid targets (an exact 0 without targets)
 Inputs (`collate_qwen2_vl` builds them on the FULL sequence, before any SP slicing): `input_ids`, the two label keys
 (shifted once), `position_ids` [B, S, 3] (multimodal rotary positions, sequence on dim 1 so the SP slicer cuts it),
 `image_feature_index` [B, S] (the row of the vision tower's output that fills each image placeholder, -1 elsewhere),
+`sequence_ids` [B, S] (the row of each sample's positions, -1 on padding),
 and, whole on every rank, `pixel_values` [patches, C * temporal_patch * patch^2] with `image_grid_thw` [images, 3]
 in Qwen2-VL's own layout. A sequence shard therefore embeds its tokens, runs the vision tower on all images, and
 places each feature by its global index, with no look at the rest of the sequence. Every rank runs the vision tower
@@ -24,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from veomni_lite.data.collator import shift_labels
-from veomni_lite.loss_keys import IGNORE_INDEX
+from veomni_lite.data.collator import sequence_ids, shift_labels
+from veomni_lite.loss_keys import IGNORE_INDEX, SEQUENCE_IDS
 from veomni_lite.models.heads import decoder_flops_per_token, masked_mean_cross_entropy
 from veomni_lite.models.hf_attention import enable_ulysses
 
@@ -87,6 +88,7 @@ def collate_qwen2_vl(
             offset += placeholders.numel()
             pixel_values.append(sample["pixel_values"])
             grids.append(sample["image_grid_thw"])
+    batch[SEQUENCE_IDS] = sequence_ids([sample["input_ids"].numel() for sample in samples], length)
     if pixel_values:
         batch["pixel_values"] = torch.cat(pixel_values)
         batch["image_grid_thw"] = torch.cat(grids)
@@ -164,6 +166,8 @@ class Qwen2VLWithImageHead(nn.Module):
         image_decoder_labels: Tensor | None = None,
         pixel_values: Tensor | None = None,
         image_grid_thw: Tensor | None = None,
+        foundation_loss_weights: Tensor | None = None,
+        image_decoder_loss_weights: Tensor | None = None,
         **_: Any,
     ) -> dict[str, Tensor]:
         hidden = self.hidden_states(input_ids, position_ids, image_feature_index, pixel_values, image_grid_thw)
@@ -171,8 +175,10 @@ class Qwen2VLWithImageHead(nn.Module):
         if labels is None:
             return {"logits": logits, "image_logits": self.image_head(hidden)}
         return {
-            "foundation_loss": masked_mean_cross_entropy(logits, labels),
-            "image_decoder_loss": masked_mean_cross_entropy(self.image_head(hidden), image_decoder_labels),
+            "foundation_loss": masked_mean_cross_entropy(logits, labels, foundation_loss_weights),
+            "image_decoder_loss": masked_mean_cross_entropy(
+                self.image_head(hidden), image_decoder_labels, image_decoder_loss_weights
+            ),
         }
 
     def flops_per_token(self, seq_len: int) -> float:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import inspect
 import logging
 import math
 import os
@@ -42,13 +43,14 @@ from veomni_lite.distributed.fsdp import apply_fsdp, resolve_mixed_precision, se
 from veomni_lite.distributed.grad_norm import clip_global_grad_norm
 from veomni_lite.distributed.parallel_state import ParallelState, init_parallel_state
 from veomni_lite.distributed.sequence_parallel import slice_micro_batch
+from veomni_lite.loss_keys import loss_weights_key, name_of_loss
 from veomni_lite.trainer.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
 from veomni_lite.trainer.model import TrainableModel, check_model_contract
 from veomni_lite.trainer.train_metrics import TrainMetrics
 from veomni_lite.utils.loss_utils import (
     LossKeyMismatchError,
     count_loss_token,
-    forget_loss_agreements,
+    mark_sequences,
     mean_global_loss,
     reset_loss_memo,
     verify_loss_keys,
@@ -105,12 +107,13 @@ class BaseTrainer(ABC):
         self.rank = self.parallel.rank
         self.is_main = self.rank == 0
         self.control_group = self.parallel.new_group("gloo")
-        forget_loss_agreements()  # a new run agrees on its loss keys afresh (every rank constructs its trainer here)
+        self.loss_modes = config.loss.resolved()
         torch.manual_seed(train.seed)
 
         self.train_dataset, self.eval_dataset = self.build_datasets()
         model = check_model_contract(self.build_model().to(self.device))
         self.loss_keys: tuple[str, ...] = tuple(model.loss_keys)
+        self._check_loss_weights(model)
         # Called per micro-batch for the FLOPs metric: the parameter count is walked once per sequence length.
         self.flops_per_token = functools.lru_cache(maxsize=None)(model.flops_per_token)
         if self.parallel.sp_enabled:
@@ -134,6 +137,20 @@ class BaseTrainer(ABC):
             config.save(self.output_dir / "config.yaml")
             if hasattr(model, "save_config"):  # what `python -m veomni_lite.export` rebuilds the model from
                 model.save_config(self.output_dir / MODEL_CONFIG_DIR)
+
+    def _check_loss_weights(self, model: TrainableModel) -> None:
+        """A head in seq-mean-token-mean needs a model that applies `<name>_loss_weights`: refuse one that would
+        silently drop them (a config error on every rank alike: the model and config are the same everywhere)."""
+        for key in self.loss_keys:
+            weights = loss_weights_key(name_of_loss(key))
+            if (
+                self.loss_modes.mode(name_of_loss(key)) == "seq-mean-token-mean"
+                and weights not in inspect.signature(model.forward).parameters
+            ):
+                raise ValueError(
+                    f"loss mode seq-mean-token-mean for {key!r} needs a model whose forward takes {weights!r} "
+                    f"(the per-token weights 1/n_s); {type(model).__name__}.forward does not"
+                )
 
     # ------------------------------------------------------------------ hooks
 
@@ -166,6 +183,7 @@ class BaseTrainer(ABC):
         train, logs = self.config.train, self.config.logging
         return TrainMetrics(
             loss_names=list(self.loss_keys),
+            loss_modes=self.loss_modes,
             output_dir=self.output_dir,
             log_interval=logs.log_interval,
             max_steps=train.max_steps,
@@ -199,7 +217,10 @@ class BaseTrainer(ABC):
         )
 
     def shard(self, micro_batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's sequence shard (a no-op without SP)."""
+        """The per-sequence loss keys marked on the whole micro-batch, then this rank's sequence shard (a no-op
+        without SP)."""
+        if self.loss_modes.needs_sequences():
+            micro_batch = mark_sequences(micro_batch, self.loss_modes)
         return slice_micro_batch(micro_batch, self.parallel.sp_rank, self.parallel.sp_size, pad_id=self.pad_id)
 
     def preforward(self, micro_batch: Mapping[str, Any]) -> dict[str, Any]:
@@ -217,7 +238,7 @@ class BaseTrainer(ABC):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(loss to backpropagate, scaled per-key losses): the only place loss normalization happens."""
         losses = {key: outputs[key] for key in self.loss_keys}
-        scaled = mean_global_loss(losses, micro_batch_token_len, micro_batches_token_len)
+        scaled = mean_global_loss(losses, micro_batch_token_len, micro_batches_token_len, modes=self.loss_modes)
         return sum(scaled.values()), scaled
 
     # ------------------------------------------------------------------ control plane
@@ -372,7 +393,8 @@ class BaseTrainer(ABC):
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Global token-mean eval losses over `train.eval_batches` steps of the eval set, logged under eval/."""
+        """Eval losses (each head's loss mode, per eval step, averaged over `train.eval_batches` steps), logged under
+        eval/."""
         if self.eval_dataset is None or self.config.train.eval_batches == 0:
             return {}
         was_training = self.model.training
@@ -384,9 +406,8 @@ class BaseTrainer(ABC):
             token_len = count_loss_token(micro_batches)
             for micro_batch in micro_batches:
                 outputs = self.model(**self.preforward(micro_batch))
-                scaled = mean_global_loss(
-                    {key: outputs[key] for key in self.loss_keys}, count_loss_token(micro_batch), token_len
-                )
+                losses = {key: outputs[key] for key in self.loss_keys}
+                scaled = mean_global_loss(losses, count_loss_token(micro_batch), token_len, modes=self.loss_modes)
                 for key, value in scaled.items():
                     totals[key] = totals.get(key, 0) + value.detach() / self.config.train.eval_batches
         extra = self.extra_eval_metrics()

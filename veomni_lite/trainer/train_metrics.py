@@ -16,7 +16,9 @@ after the newest checkpoint are retrained (and logged) by a resume, rows after i
 open window on agreed exits; `abort()` (unexpected exception, no collective possible) warns which steps were not
 logged: a resume retrains them from the newest checkpoint, which precedes them, and logs them then.
 
-Derived at log time: `train/loss` (the sum of the per-key global token means: the optimizer's objective),
+Each `train/<name>_loss` is the value its loss mode trains on: at log_interval 1 the step's normalized value, over
+a longer window the steps' numerators over their denominators (token-sum: the mean of the steps' sums).
+Derived at log time: `train/loss` (the sum of the per-key values: the optimizer's objective),
 `train/tokens_per_s`, `train/tokens_seen` (cumulative), `train/tflops` and, where the accelerator's peak is known,
 `train/mfu`. Tokens are counted on each rank's own sequence shard, so SP does not count them twice; samples are
 counted once per sp group.
@@ -37,6 +39,7 @@ import torch
 
 from veomni_lite.loss_keys import name_of_loss, tokens_key
 from veomni_lite.metrics import MetricReporter, MetricSpec, StepEndError, StepEndWorker, new_metrics_group
+from veomni_lite.utils.loss_utils import LossModes
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +86,7 @@ class _StepRecords:
 
     loss_means: list[torch.Tensor] = field(default_factory=list)  # per micro-batch, then per loss key
     loss_counts: list[torch.Tensor] = field(default_factory=list)  # their valid-token counts, in the same order
+    loss_weights: list[torch.Tensor] = field(default_factory=list)  # the counts of their modes' denominators
     seen: list[torch.Tensor] = field(default_factory=list)  # non-padding tokens per micro-batch
     flops_per_token: list[float] = field(default_factory=list)
     samples: int = 0
@@ -102,6 +106,7 @@ class TrainMetrics:
         self,
         *,
         loss_names: list[str],
+        loss_modes: LossModes | None = None,
         output_dir: str | Path,
         log_interval: int,
         max_steps: int,
@@ -121,7 +126,12 @@ class TrainMetrics:
         peak_tflops: float = 0.0,
     ) -> None:
         self.loss_names = list(loss_names)
-        self._loss_token_keys = [(key, tokens_key(name_of_loss(key))) for key in self.loss_names]
+        modes = LossModes.of(loss_modes)
+        # (loss key, its tokens key, the count of its mode's denominator or None for token-sum, that count's factor)
+        self._loss_count_keys = [
+            (key, tokens_key(name), modes.count_key(name), modes.constant(name))
+            for key, name in ((key, name_of_loss(key)) for key in self.loss_names)
+        ]
         self._step = _StepRecords()  # this step's micro-batch records, until `record_step`
         self.is_main = is_main
         self.device = device
@@ -177,17 +187,19 @@ class TrainMetrics:
         """Keep this micro-batch's loss means, their token counts and the tokens it saw; `record_step` records the
         step's sums, so a micro-batch costs two ops whatever the number of metrics."""
         step = self._step
-        for key, token_key in self._loss_token_keys:
+        for key, token_key, weight_key, _ in self._loss_count_keys:
             step.loss_means.append(outputs[key].detach())
             step.loss_counts.append(micro_batch_token_len[token_key])
+            step.loss_weights.append(micro_batch_token_len[weight_key or token_key])
         input_ids = micro_batch["input_ids"]
         step.seen.append((input_ids != self.pad_id).sum())
         step.samples += input_ids.shape[0]
         step.flops_per_token.append(self.flops_per_token(input_ids.shape[1] * self.sp_size))
 
     def _record_micro_batches(self) -> None:
-        """The kept micro-batches' sums into the window: per loss key sum(local mean x tokens) and sum(tokens) (a
-        shard without tokens adds exactly 0, its NaN mean included), tokens seen, samples, FLOPs."""
+        """The kept micro-batches' sums into the window: per loss key sum(local mean x tokens) (a shard without tokens
+        adds exactly 0, its NaN mean included) over its mode's denominator (its local count, so the ranks' counts add
+        up to the step's D; token-sum: 1 / W per rank, so a window averages its steps), tokens seen, samples, FLOPs."""
         step, self._step = self._step, _StepRecords()
         if not step.seen:
             return
@@ -195,8 +207,11 @@ class TrainMetrics:
             means = torch.stack(step.loss_means).view(-1, len(self.loss_names)).double()
             counts = torch.stack(step.loss_counts).view(-1, len(self.loss_names)).to(means.device, non_blocking=True)
             weighted = torch.where(counts > 0, means, 0.0) * counts
-            for key, total, count in zip(self.loss_names, weighted.sum(0).unbind(), counts.sum(0).unbind()):
-                self.reporter.record_total(key, total, count)
+            weights = torch.stack(step.loss_weights).view(-1, len(self.loss_names)).sum(0).double()
+            for (key, _, weight_key, factor), total, weight in zip(
+                self._loss_count_keys, weighted.sum(0).unbind(), weights.unbind()
+            ):
+                self.reporter.record_total(key, total, weight * factor if weight_key else 1.0 / self.world_size)
         seen = torch.stack(step.seen)
         self.reporter.record("tokens", seen.sum())
         self.reporter.record("samples", float(step.samples))

@@ -1,0 +1,197 @@
+"""Prove a model's loss heads are normalized exactly: the same global batch under several splits, one gradient.
+
+`check_split_invariance(build_model, samples, collate, modes=...)` trains one optimizer step of `build_model()` on
+`samples` (the whole global batch) in one process with one micro-batch (the reference), then under each `Layout`
+(gradient accumulation, DP and Ulysses SP, on real gloo processes of this machine) through the same call sequence a
+trainer uses: `mark_sequences` on the whole micro-batch, `slice_micro_batch` for SP, `count_loss_token` once per step,
+`mean_global_loss` per micro-batch, backward, gradients averaged over dp x sp as FSDP does. It returns a
+`SplitReport`: per layout and mode, the largest gradient difference (relative to the largest reference gradient
+entry) and the absolute loss difference against the reference, and the loss all-reduces each step issued (1 is the
+contract on more than one process, 0 on one).
+
+`build_model` and `collate` are called in every process, so they must be importable (module-level) functions; the
+model follows the trainer's model contract (`forward(**micro_batch)` returns `{"<name>_loss": local mean}`, and
+`enable_sequence_parallel(group)` for SP layouts); `collate(samples) -> micro_batch` shifts labels once and pads.
+Samples go to micro-batches in order: micro-batch j of dp rank r holds samples [(j * dp + r) * mbs, ... + mbs).
+Build the model in float64 to see differences at rounding level (~1e-15); float32 shows ~1e-7.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from veomni_lite.distributed.parallel_state import destroy_parallel_state, get_parallel_state, init_parallel_state
+from veomni_lite.distributed.sequence_parallel import slice_micro_batch
+from veomni_lite.utils.loss_utils import LossModes, count_loss_token, mark_sequences, mean_global_loss, reset_loss_memo
+
+__all__ = ["Layout", "SplitReport", "check_split_invariance", "default_layouts"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """`dp` x `sp` processes, `micro_batch_size` samples per micro-batch (GA = samples / (mbs x dp))."""
+
+    dp: int = 1
+    sp: int = 1
+    micro_batch_size: int = 1
+
+    def __str__(self) -> str:
+        return f"dp{self.dp}xsp{self.sp}/mbs{self.micro_batch_size}"
+
+
+def default_layouts(num_samples: int) -> list[Layout]:
+    """GA k x 1 sample, DP=2, SP=2 and DP=2 x SP=2 (GA 1 x all samples is the reference itself)."""
+    half = max(num_samples // 2, 1)
+    return [Layout(1, 1, 1), Layout(2, 1, max(half // 2, 1)), Layout(1, 2, half), Layout(2, 2, max(half // 2, 1))]
+
+
+@dataclass
+class SplitReport:
+    """Differences against the one-process reference, per (layout, mode): max |g - g_ref| / max |g_ref| over every
+    parameter, and |loss - loss_ref|."""
+
+    grad_diff: dict[tuple[str, str], float] = field(default_factory=dict)
+    loss_diff: dict[tuple[str, str], float] = field(default_factory=dict)
+    collectives_per_step: dict[str, int] = field(default_factory=dict)
+    grads: dict[tuple[str, str], list[torch.Tensor]] = field(default_factory=dict)  # "reference" included
+    losses: dict[tuple[str, str], float] = field(default_factory=dict)
+
+    def worst(self) -> float:
+        return max([*self.grad_diff.values(), *self.loss_diff.values()], default=0.0)
+
+    def __str__(self) -> str:
+        rows = [f"{'layout':<18} {'mode':<45} {'max grad diff':>16} {'|loss diff|':>12} {'loss all-reduces':>16}"]
+        for (layout, mode), diff in self.grad_diff.items():
+            calls = self.collectives_per_step[layout]
+            rows.append(f"{layout:<18} {mode:<45} {diff:>16.3e} {self.loss_diff[layout, mode]:>12.3e} {calls:>16}")
+        return "\n".join(rows)
+
+
+def _mode_name(modes: LossModes) -> str:
+    return ",".join([modes.default, *(f"{k}={v}" for k, v in sorted(modes.per_head.items()))])
+
+
+def _one_step(model: torch.nn.Module, micro_batches: list[dict[str, Any]], modes: LossModes) -> tuple[float, int]:
+    """Forward/backward of one step; returns (this rank's summed scaled loss, loss all-reduces issued)."""
+    calls = []
+    original = dist.all_reduce
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        step_tokens = count_loss_token(micro_batches)
+        total = 0.0
+        for micro_batch in micro_batches:
+            outputs = model(**micro_batch)
+            losses = {key: outputs[key] for key in model.loss_keys}
+            loss = sum(mean_global_loss(losses, count_loss_token(micro_batch), step_tokens, modes=modes).values())
+            loss.backward()
+            total += float(loss.detach())
+    finally:
+        dist.all_reduce = original
+    return total, len(calls)
+
+
+def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+
+
+def _run(
+    layout: Layout, build_model: Callable[[], Any], samples: Sequence[Any], collate: Callable, modes: list[LossModes]
+) -> dict[str, Any]:
+    """This process's share of `layout` for every mode; gradients and losses averaged over the mesh."""
+    state = get_parallel_state()
+    model = build_model()
+    if layout.sp > 1:
+        model.enable_sequence_parallel(state.sp_group)
+    mbs, dp = layout.micro_batch_size, layout.dp
+    steps = range(len(samples) // (mbs * dp))
+    out: dict[str, Any] = {"grads": [], "losses": [], "calls": []}
+    for loss_modes in modes:
+        model.zero_grad(set_to_none=True)
+        reset_loss_memo()
+        chunks = [samples[(j * dp + state.dp_rank) * mbs : (j * dp + state.dp_rank + 1) * mbs] for j in steps]
+        micro_batches = [
+            slice_micro_batch(mark_sequences(collate(chunk), loss_modes), state.sp_rank, layout.sp) for chunk in chunks
+        ]
+        loss, calls = _one_step(model, micro_batches, loss_modes)
+        world = state.world_size
+        grads = _grads(model)
+        if world > 1:
+            for grad in grads:
+                dist.all_reduce(grad)
+                grad /= world
+            loss_sum = torch.tensor([loss], dtype=torch.float64)
+            dist.all_reduce(loss_sum)
+            loss = float(loss_sum) / world
+        out["grads"].append(grads)
+        out["losses"].append(loss)
+        out["calls"].append(calls)
+    return out
+
+
+def _worker(rank: int, world: int, init_file: str, result_file: str, args: tuple) -> None:
+    torch.set_num_threads(1)
+    layout = args[0]
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+    )
+    try:
+        init_parallel_state(layout.dp, layout.sp, timeout_s=120)
+        result = _run(*args)
+        if rank == 0:
+            torch.save(result, result_file)
+    finally:
+        destroy_parallel_state()
+        dist.destroy_process_group()
+
+
+def check_split_invariance(
+    build_model: Callable[[], Any],
+    samples: Sequence[Mapping[str, torch.Tensor]],
+    collate: Callable[[Sequence[Mapping[str, torch.Tensor]]], dict[str, Any]],
+    modes: Sequence[LossModes | str] = ("token-mean",),
+    layouts: Sequence[Layout] | None = None,
+) -> SplitReport:
+    """Run every layout for every mode and compare with the one-process, one-micro-batch reference (see above)."""
+    modes = [LossModes.of(mode) for mode in modes]
+    layouts = default_layouts(len(samples)) if layouts is None else list(layouts)
+    for layout in layouts:
+        if len(samples) % (layout.micro_batch_size * layout.dp):
+            raise ValueError(f"layout {layout}: {len(samples)} samples do not split into micro-batches x dp")
+    report = SplitReport()
+    reference = _run(Layout(1, 1, len(samples)), build_model, samples, collate, modes)
+    for mode, grads, loss in zip(modes, reference["grads"], reference["losses"]):
+        report.grads["reference", _mode_name(mode)] = grads
+        report.losses["reference", _mode_name(mode)] = loss
+    for layout in layouts:
+        with tempfile.TemporaryDirectory() as tmp:
+            result_file = os.path.join(tmp, "result.pt")
+            args = (layout, build_model, samples, collate, modes)
+            world = layout.dp * layout.sp
+            mp.start_processes(
+                _worker, args=(world, os.path.join(tmp, "init"), result_file, args), nprocs=world, start_method="spawn"
+            )
+            result = torch.load(result_file, weights_only=True)
+        name = str(layout)
+        report.collectives_per_step[name] = max(result["calls"])
+        for mode, grads, loss in zip(modes, result["grads"], result["losses"]):
+            key = (name, _mode_name(mode))
+            ref_grads, ref_loss = report.grads["reference", key[1]], report.losses["reference", key[1]]
+            scale = max(float(r.abs().max()) for r in ref_grads) or 1.0
+            report.grad_diff[key] = max(float((g - r).abs().max()) for g, r in zip(grads, ref_grads)) / scale
+            report.loss_diff[key] = abs(loss - ref_loss)
+            report.grads[key], report.losses[key] = grads, loss
+    return report
