@@ -373,24 +373,12 @@ def checked(records: Iterable[Record], field: str) -> float:
     return max(values) if values else float("nan")
 
 
-def single_floor_table(single: list[Record]) -> str:
-    """Per GA, one process: veomni_lite, (o+) (the oracle plus one multiply per loss) and (o+n) ((o+) counting
-    through VeOmni's API) over the oracle, and veomni_lite over (o+n)."""
-    ratios = (("c", "o"), ("o+", "o"), ("o+n", "o"), ("c", "o+n"))
-    rows = []
-    for ga in distinct(single, "ga"):
-        median = {r["strategy"]: r["median_s"] for r in select(single, ga=ga)}
-        if {"c", "o", "o+", "o+n"} <= set(median):
-            rows.append([ga, *(f"{median[num] / median[den]:.2f}x" for num, den in ratios)])
-    return table(["GA", *(f"({num}) / ({den})" for num, den in ratios)], rows) if rows else ""
-
-
 def page_values(results: Mapping[str, Any], records: list[Record], png: str) -> dict[str, Any]:
     """The fields of the template that are not top-level keys of `results`, its machine or its settings."""
     runs = dict(sorted(results["runs"].items(), key=lambda item: int(item[0])))
     loss, vlm = select(records, bench="loss"), select(records, kind="vlm")
     c, m = select(vlm, bench="loss", strategy="c"), select(vlm, bench="metrics", strategy="b")
-    single, rss = results.get("single_process") or [], [run["rss"] for run in runs.values() if run.get("rss")]
+    rss = [run["rss"] for run in runs.values() if run.get("rss")]
     over = [world for world in runs if int(world) > results["machine"]["logical_cpus"]]
     latency = {world: run.get("all_reduce_latency") or {} for world, run in runs.items()}
     probes = [
@@ -410,11 +398,12 @@ def page_values(results: Mapping[str, Any], records: list[Record], png: str) -> 
         "gas": span(r["ga"] for r in c),
         "c_collectives": span(count(r, "collectives") for r in c),
         "c_reads": span(count(r, "host_reads") for r in c),
+        "c_elements": span(count(r, "elements") / max(count(r, "collectives"), 1) for r in c),
         "c_reads_note": f"(c)'s {span(count(r, 'host_reads') for r in c)} host read(s) per step on CPU are reads of "
-        "host memory (`numpy`, no device involved): the step's per-micro-batch label counts in `count_loss_token` "
-        "(every strategy but the oracle counts with it, so each has that read) and the rank-agreement verdict of "
-        "`mean_global_loss`. On an accelerator the verdict stays on the device until the trainer's per-step grad-norm "
-        "read (`verify_loss_keys()`) and labels counted there stay there, which the GPU audit checks. "
+        "host memory (no device involved): `mean_global_loss` reads the rank-agreement verdict of the step's one "
+        "all-reduce with `bool()`, once per step (`count_loss_token` reads nothing to the host). On an accelerator the "
+        "verdict stays on the device until the trainer's per-step grad-norm read (`verify_loss_keys()`), which the GPU "
+        "audit checks. "
         if any(count(r, "host_reads") for r in c)
         else "(c) reads nothing to the host on the loss path. ",
         "c_configs": len(c),
@@ -441,11 +430,6 @@ def page_values(results: Mapping[str, Any], records: list[Record], png: str) -> 
             r["counts"]["collectives"].get("model", 0.0) / r["ga"] for r in select(vlm, bench="loss") if r["sp"] > 1
         ),
         "growth": growth_table(records),
-        "single": table(
-            ["GA", *(f"({key}) µs" for key in distinct(single, "strategy"))],
-            ([ga, *(f"{r['median_s'] * 1e6:.0f}" for r in select(single, ga=ga))] for ga in distinct(single, "ga")),
-        ),
-        "single_floor": single_floor_table(single),
         "log_interval": span(r["log_interval"] for r in rss),
         "rss": table(
             "world|steps|GA|RSS MiB early|RSS MiB end|growth KiB|peak MiB|memo steps|metric slots", map(rss_row, rss)

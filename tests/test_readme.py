@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -42,3 +45,14 @@ def test_the_loss_snippet_trains_on_the_exact_token_mean_of_the_step(monkeypatch
     (total / count).backward()
     for p, g in zip(reference.parameters(), grads):
         torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_the_split_invariance_script_runs_and_finds_the_heads_exact(tmp_path):
+    script = tmp_path / "check_my_head.py"
+    script.write_text(python_block("### Prove your own head is exact"))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for layout in ("dp1xsp1/mbs1", "dp2xsp1/mbs2", "dp1xsp2/mbs4", "dp2xsp2/mbs2"):
+        assert layout in done.stdout
+    assert "seq-mean-token-mean" in done.stdout

@@ -1,13 +1,14 @@
 """The one train loop. Each job's trainer only supplies the model, the datasets and the collate function.
 
 Per optimizer step:
-  1. the loader yields this rank's GA micro-batches; under SP each is sliced to this rank's sequence shard;
+  1. the loader yields this rank's GA micro-batches; `mark_sequences` marks them for a per-sequence loss mode; under
+     SP each is then sliced to this rank's sequence shard;
   2. every micro-batch is validated on the host (it is still on the CPU) and one small control all-reduce on a CPU
      group agrees, across ranks, on stop requests (SIGTERM), bad data and the micro-batch count, before any
      collective that could hang;
   3. `micro_batches_token_len = count_loss_token(micro_batches)`; per micro-batch: `preforward` (to device) ->
      model -> `postforward` (`mean_global_loss`, keys summed) -> backward. Loss normalization costs one small
-     all-reduce per step (one int64 per loss key), inside `mean_global_loss`; metrics are recorded locally (no
+     all-reduce per step (13 int64), inside `mean_global_loss`; metrics are recorded locally (no
      collective, no host read);
   4. gradient clipping with the true global norm over FSDP shards: its one all-reduce also counts the ranks whose
      loss is non-finite, so after the step's one host read every rank takes the same decision (step, skip or raise);
