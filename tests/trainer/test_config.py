@@ -56,6 +56,11 @@ def test_yaml_and_dotted_overrides(tmp_path):
         (["--train.max_steps", "0"], 1, "train.max_steps: must be >= 1"),
         (["--train.max_steps"], 1, "needs a value"),
         (["train.max_steps", "3"], 1, "expected --section.key VALUE"),
+        (["--loss.mode", "seq-mean-token-sum-norm"], 1, "loss.scale_factor must be set for seq-mean-token-sum-norm"),
+        (["--loss.modes.image_decoder", "seq-mean-token-sum-norm"], 1, "loss.scale_factor must be set"),
+        (["--loss.modes.image_decoder", "mean"], 1, "loss.modes.image_decoder: unknown loss mode 'mean'"),
+        (["--loss.mode", "mean"], 1, "loss.mode: 'mean' is not one of"),
+        (["--loss.mode", "seq-mean-token-sum-norm", "--loss.scale_factor", "-2"], 1, "loss.scale_factor must be > 0"),
     ],
 )
 def test_bad_config_names_the_key(overrides, world_size, message):
