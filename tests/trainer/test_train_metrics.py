@@ -11,14 +11,15 @@ import torch
 
 from veomni_lite.loss_keys import IGNORE_INDEX
 from veomni_lite.trainer.train_metrics import TrainMetrics
-from veomni_lite.utils.loss_utils import count_loss_token
+from veomni_lite.utils.loss_utils import LossModes, count_loss_token, mark_sequences
 
 PAD = 0
 
 
-def make_metrics(tmp_path) -> TrainMetrics:
+def make_metrics(tmp_path, loss_modes: LossModes | None = None) -> TrainMetrics:
     return TrainMetrics(
         loss_names=["foundation_loss", "aux_loss"],
+        loss_modes=loss_modes,
         output_dir=tmp_path,
         log_interval=2,
         max_steps=2,
@@ -93,3 +94,27 @@ def test_a_step_that_fails_after_its_micro_batches_is_logged_by_finish(tmp_path)
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert row["step"] == 1 and row["train/aux_loss"] == 2.0
     assert row["train/foundation_loss"] is None or math.isnan(row["train/foundation_loss"])
+
+
+def test_a_window_weights_each_step_by_its_modes_denominator(tmp_path):
+    """seq-mean-token-sum: the window is the steps' numerators over their sequence counts; token-sum: the mean of the
+    steps' sums. At log_interval 1 each would be its step's normalized value."""
+    modes = LossModes("seq-mean-token-sum", {"aux": "token-sum"})
+    metrics = make_metrics(tmp_path, modes)
+    numerators, sequences, sums = 0.0, 0, 0.0
+    for step in (1, 2):
+        batches = [mark_sequences(micro_batch(4 + i, seed=10 * step + i, aux_targets=True), modes) for i in range(2)]
+        for index, batch in enumerate(batches):
+            counts = count_loss_token(batch)
+            means = {"foundation_loss": torch.tensor(1.0 + index + 3 * step), "aux_loss": torch.tensor(0.5 + step)}
+            metrics.record_micro_batch(means, counts, batch)
+            numerators += float(means["foundation_loss"]) * int(counts["foundation_tokens"])
+            sequences += int(counts["foundation_sequences"])
+            sums += float(means["aux_loss"]) * int(counts["aux_tokens"])
+        metrics.record_step(torch.tensor(1.0), lr=1e-3, skipped=False, step_time=0.1, bookkeeping_wait=0.0)
+        metrics.end_step(step, epoch=0)
+    metrics.finish(2, 0)
+    row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert sequences == 8, "two rows with targets per micro-batch"
+    assert row["train/foundation_loss"] == pytest.approx(numerators / sequences, rel=1e-12)
+    assert row["train/aux_loss"] == pytest.approx(sums / 2, rel=1e-12)
