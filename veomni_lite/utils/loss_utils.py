@@ -106,7 +106,7 @@ class LossModes:
 
     @classmethod
     def of(cls, modes: LossModes | str | None) -> LossModes:
-        return modes if isinstance(modes, LossModes) else cls() if modes is None else cls(default=modes)
+        return modes if isinstance(modes, LossModes) else _TOKEN_MEAN if modes is None else cls(default=modes)
 
     def mode(self, name: str) -> str:
         return self.per_head.get(name, self.default)
@@ -131,6 +131,9 @@ class LossModes:
             f"{name}:{self.mode(name)}" + (f":{self.scale_factor!r}" if self.mode(name).endswith("-norm") else "")
             for name in names
         )
+
+
+_TOKEN_MEAN = LossModes()
 
 
 # ---------------------------------------------------------------- sequences and counts (data side)
@@ -209,6 +212,8 @@ def count_loss_token(batches: Any) -> dict[str, torch.Tensor]:
 
 def _as_count(value: TokenCount, key: str, device: torch.device) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
+        if value.device == device:
+            return value
         # A non-blocking copy to the CPU could be read before it lands; copies to an accelerator are stream-ordered.
         return value.to(device, non_blocking=device.type != "cpu")
     if isinstance(value, (Integral, Real)):  # torch.full fills from a kernel argument: no host-to-device copy
@@ -237,11 +242,8 @@ def _fingerprints(plan: tuple[str, ...]) -> tuple[int, int]:
 def _reduce(
     plan: tuple[str, ...], counts: list[torch.Tensor], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(totals of `counts` over the dp x sp group, keys_match) from ONE all-reduce of the agreement buffer.
-
-    The buffer has the same size on every rank whatever its plan: `MAX_LOSS_KEYS` count slots, then
-    [1, f, f^2, g, g^2]. A plan over the slot limit packs no counts: it raises after the verdict, on every rank.
-    """
+    """(totals of `counts` over the dp x sp group, keys_match) from ONE all-reduce of the agreement buffer: the same
+    size on every rank whatever its plan, `MAX_LOSS_KEYS` count slots then [1, f, f^2, g, g^2]."""
     slots = [count.reshape(1).to(torch.int64) for count in counts] if len(counts) <= MAX_LOSS_KEYS else []
     f, g = _fingerprints(plan)
     # Filled on the device from kernel arguments: no host-to-device copy, so no sync.
@@ -250,7 +252,7 @@ def _reduce(
     reduced = all_reduce(buffer, op="sum", group=get_parallel_state().world_group)
     t = reduced[MAX_LOSS_KEYS:]
     keys_match = (t[0] * t[2] == t[1] * t[1]) & (t[0] * t[4] == t[3] * t[3])
-    if len(counts) > MAX_LOSS_KEYS and _verdict_now(reduced):
+    if len(counts) > MAX_LOSS_KEYS:  # after the collective, which every rank then has made
         raise ValueError(f"{len(counts)} counts {list(plan)} exceed MAX_LOSS_KEYS={MAX_LOSS_KEYS}")
     return reduced[: len(counts)], keys_match
 
@@ -260,14 +262,8 @@ def _verdict_now(reduced: torch.Tensor) -> bool:
     return reduced.device.type == "cpu"
 
 
-_LOSS_HINT = (
-    "Every rank must return the same loss keys with the same modes on every micro-batch; return a zero that keeps "
-    "the graph for a head with no targets."
-)
-_COUNT_HINT = (
-    "Every rank's micro-batches must carry the same `<name>_labels` keys (all IGNORE_INDEX when a rank has no "
-    "targets for a head)."
-)
+_LOSS_HINT = "Every rank must return the same loss keys with the same modes on every micro-batch."
+_COUNT_HINT = "Every rank's micro-batches must carry the same `<name>_labels` keys (all IGNORE_INDEX for none)."
 
 
 def _key_mismatch_error(plans: list[tuple[str, ...]], hint: str = _LOSS_HINT) -> LossKeyMismatchError:
@@ -286,8 +282,16 @@ class _Memo:
     token_len: Mapping[str, TokenCount]  # held (with its values), so no id below can be reused while the memo lives
     values: tuple[TokenCount, ...]
     snapshot: dict[str, Any]
+    key: tuple[tuple[str, ...], LossModes]  # the head names and modes the step started with
     plan: tuple[str, ...]
     scales: dict[str, torch.Tensor]  # W / D per head name, float64 on the loss device
+    cast: dict[tuple[str, torch.dtype], torch.Tensor] = field(default_factory=dict)  # the scales in a loss dtype
+
+    def scale(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """The scale in the loss's compute dtype, cast once per step."""
+        if (name, dtype) not in self.cast:
+            self.cast[name, dtype] = self.scales[name].to(dtype)
+        return self.cast[name, dtype]
 
 
 def _snapshot(token_len: Mapping[str, TokenCount]) -> dict[str, Any]:
@@ -310,10 +314,9 @@ def reset_loss_memo() -> None:
 
 def _step_scales(
     names: tuple[str, ...], modes: LossModes, token_len: Mapping[str, TokenCount], device: torch.device
-) -> dict[str, torch.Tensor]:
-    """W / D per head for the step dict `token_len`: memoized, or from the step's one all-reduce."""
+) -> _Memo:
+    """The memo of the step dict `token_len` (its W / D per head): kept, or from the step's one all-reduce."""
     global _MEMO
-    plan = modes.describe(names)
     memo = _MEMO
     if memo is not None and memo.token_len is token_len:
         snapshot = _snapshot(token_len)
@@ -324,12 +327,14 @@ def _step_scales(
                 f"mean_global_loss: micro_batches_token_len was edited after its first use in this step (keys "
                 f"{edited}); build a new dict per step (count_loss_token returns one) instead of editing it"
             )
-        if plan != memo.plan:
+        if (names, modes) != memo.key:
             raise ValueError(
-                f"mean_global_loss: this step started with loss plan {list(memo.plan)}, now {list(plan)}; every "
-                "micro-batch of a step must return the same loss keys with the same modes"
+                f"mean_global_loss: this step started with loss plan {list(memo.plan)}, now "
+                f"{list(modes.describe(names))}; every micro-batch of a step must return the same loss keys with the "
+                "same modes"
             )
-        return memo.scales
+        return memo
+    plan = modes.describe(names)
     reduced = [name for name in names if modes.count_key(name) is not None]
     counts = [_count(token_len, modes.count_key(name), "micro_batches_token_len", device) for name in reduced]
     totals, keys_match = _reduce(plan, counts, device)
@@ -343,8 +348,8 @@ def _step_scales(
     else:  # reading it would sync the device: no usable value until `verify_loss_keys` reads it
         scales = {name: torch.where(keys_match, s, torch.full_like(s, float("nan"))) for name, s in scales.items()}
         _PENDING.append((keys_match, plan))
-    _MEMO = _Memo(token_len, tuple(token_len.values()), _snapshot(token_len), plan, scales)
-    return scales
+    _MEMO = _Memo(token_len, tuple(token_len.values()), _snapshot(token_len), (names, modes), plan, scales)
+    return _MEMO
 
 
 def verify_loss_keys() -> None:
@@ -407,25 +412,33 @@ def mean_global_loss(
     items = _loss_items(losses)
     device = items[0][2].device
     names = tuple(sorted(name for _, name, _ in items))
-    if global_micro_batches_token_len is None:
-        scales = _step_scales(names, modes, micro_batches_token_len, device)
-    else:
-        scales = {}
-        for name in names:
-            scale = torch.full((), float(_fsdp_size()), dtype=torch.float64, device=device)
-            key = modes.count_key(name)
-            if key is not None:
-                total = _count(global_micro_batches_token_len, key, "global_micro_batches_token_len", device)
-                scale = scale / (total.double().clamp(min=1) * modes.constant(name))
-            scales[name] = scale
+    memo = (
+        None
+        if global_micro_batches_token_len is not None
+        else _step_scales(names, modes, micro_batches_token_len, device)
+    )
     scaled = {}
     for key, name, loss in items:
         n = _count(micro_batch_token_len, tokens_key(name), "micro_batch_token_len", device)
         dtype = torch.promote_types(loss.dtype, torch.float32)
+        scale = (
+            memo.scale(name, dtype)
+            if memo is not None
+            else _given_scale(name, modes, global_micro_batches_token_len, device).to(dtype)
+        )
         # n * W / max(D, 1) is finite, so the masked branch passes an exact zero gradient to a NaN loss.
-        zero = torch.zeros((), dtype=dtype, device=device)
-        scaled[key] = torch.where(n > 0, loss, zero) * (n * scales[name]).to(dtype)
+        scaled[key] = torch.where(n > 0, loss, 0.0) * (n * scale)
     return scaled
+
+
+def _given_scale(name: str, modes: LossModes, given: Mapping[str, TokenCount], device: torch.device) -> torch.Tensor:
+    """W / D of `name` from an explicit 4th argument."""
+    scale = torch.full((), float(_fsdp_size()), dtype=torch.float64, device=device)
+    key = modes.count_key(name)
+    if key is None:
+        return scale
+    total = _count(given, key, "global_micro_batches_token_len", device)
+    return scale / (total.double().clamp(min=1) * modes.constant(name))
 
 
 def reduce_global_loss_token(micro_batches_token_len: Mapping[str, TokenCount]) -> dict[str, float]:
