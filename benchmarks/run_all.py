@@ -38,8 +38,6 @@ WORKER = BENCH_DIR / "bench_worker.py"
 TARGETS: list[dict[str, Any]] = [
     {"name": "VLM step vs the oracle", "bench": "loss", "kind": "vlm", "num": "c", "den": "o"}
     | {"op": "<=", "bound": 1.05},
-    {"name": "loss path alone vs VeOmni 0.1.12, SP 1", "bench": "loss", "kind": "path", "num": "b", "den": "c"}
-    | {"op": ">=", "bound": 1.0, "sp": [1]},
     {"name": "VLM step vs VeOmni 0.1.12, SP 1", "bench": "loss", "kind": "vlm", "num": "b", "den": "c"}
     | {"op": ">=", "bound": 1.0, "sp": [1]},
     {"name": "loss path alone vs VeOmni 0.1.12, SP 2", "bench": "loss", "kind": "path", "num": "b", "den": "c"}
