@@ -1,6 +1,7 @@
 """torchrun --standalone --nproc_per_node N trainers/train_text.py configs/qwen2_text.yaml [--parallel.sp_size 2]
 
-`model.arch` picks the model: `qwen2` (a Qwen2 causal LM on Python's help pages) or `tiny` (configs/text_tiny.yaml).
+`model.arch` picks the model: a transformers causal LM such as `qwen2` on Python's help pages, or `tiny`
+(configs/text_tiny.yaml).
 """
 
 import sys
@@ -10,4 +11,4 @@ from veomni_lite.examples.text_trainer import TextTrainer
 from veomni_lite.trainer.launch import main
 
 if __name__ == "__main__":
-    sys.exit(main({"qwen2": PydocLMTrainer, "tiny": TextTrainer}))
+    sys.exit(main({"tiny": TextTrainer, "*": PydocLMTrainer}))

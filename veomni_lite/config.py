@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import os
 import typing
 from dataclasses import asdict, dataclass, field, fields
@@ -36,14 +37,16 @@ class ConfigError(ValueError):
 class ModelConfig:
     """Which model, and its sizes: the tiny example models, or a transformers architecture built from `hf`."""
 
-    arch: Literal["tiny", "qwen2", "qwen2_vl"] = "tiny"
-    """tiny: the example models (the fields below); qwen2: a transformers causal LM; qwen2_vl: Qwen2-VL + image head."""
+    arch: str = "tiny"
+    """tiny: the example models (the fields below); qwen2_vl: Qwen2-VL; any other transformers causal-LM model_type
+    (qwen2, llama, ...): that causal LM; auto: whatever `pretrained_dir` holds (trainers/train_sft.py)."""
     hf: dict[str, Any] = field(default_factory=dict)
     """transformers config fields for qwen2 / qwen2_vl (`model_type` included for qwen2; `text_config` and
     `vision_config` for qwen2_vl); the vocabulary and special-token ids come from the run's tokenizer. Override one
     field as `--model.hf.hidden_size 128`."""
     pretrained_dir: str = ""
-    """qwen2: a local `from_pretrained` directory to start from instead of `hf` (nothing is downloaded)."""
+    """A local `from_pretrained` directory (config, weights, tokenizer; for Qwen2-VL its image processor) to start from
+    instead of `hf`; its own tokenizer is used. Loaded with trust_remote_code=False (nothing is downloaded)."""
     hidden_size: int = 64
     """Width of the decoder."""
     num_layers: int = 2
@@ -77,7 +80,28 @@ class DataConfig:
     tokenizer_vocab_size: int = 2048
     """qwen2 text: the BPE vocabulary trained on the corpus (saved as output_dir/tokenizer.json)."""
     eval_fraction: float = 0.2
-    """qwen2 / qwen2_vl: the held-out share of the corpus or of the images."""
+    """The held-out share of the corpus, the images, or (SFT without `eval_path`) the rows."""
+    train_path: list[str] = field(default_factory=list)
+    """SFT: the training data: files (.jsonl, .json, .parquet, .arrow), `save_to_disk` directories, directories of
+    files, or globs; one or a list."""
+    eval_path: list[str] = field(default_factory=list)
+    """SFT: the held-out data, as `train_path`; empty: `eval_fraction` of the training rows."""
+    format: Literal["messages", "sharegpt", "alpaca", "prompt_completion", "text"] = "messages"
+    """SFT: how a row holds its conversation (see `veomni_lite.data.sft`)."""
+    columns: dict[str, Any] = field(default_factory=dict)
+    """SFT: column and role names where a dataset differs, e.g. `{conversations: dialog, user_tag: user}`."""
+    media_dir: str = ""
+    """SFT: the directory image paths are relative to (default: each data file's own directory)."""
+    chat_template: str = ""
+    """SFT: empty for the tokenizer's own chat template; `chatml`, or a Jinja template."""
+    train_on_prompt: bool = False
+    """SFT: train on every token, not only the assistant turns (image placeholders never train)."""
+    max_seq_len: int = 2048
+    """SFT: the longest sample, in tokens (image placeholders included); 0: no limit."""
+    overlength: Literal["truncate", "drop", "error"] = "truncate"
+    """SFT: what a longer sample gets (the counts are logged)."""
+    prefetch_steps: int = 1
+    """Steps of micro-batches prepared ahead on a background thread while the current step trains (0: none)."""
 
 
 @dataclass
@@ -126,6 +150,8 @@ class OptimConfig:
     """Steps of linear warmup (step s trains with lr x (s / warmup_steps))."""
     weight_decay: float = 0.01
     """AdamW weight decay."""
+    weight_decay_on: Literal["matrices", "all"] = "matrices"
+    """matrices: weight matrices only (no biases, norms or embeddings, what users expect); all: every parameter."""
     max_grad_norm: float = 1.0
     """Clip to this global gradient norm (0: no clipping; the norm is still logged)."""
 
@@ -275,6 +301,15 @@ def _coerce(key: str, value: Any, expected: Any) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r} ({type(value).__name__})")
         return value
+    if typing.get_origin(expected) is list:
+        if isinstance(value, str):
+            with contextlib.suppress(yaml.YAMLError):
+                parsed = yaml.safe_load(value)
+                value = parsed if isinstance(parsed, list) else value
+        value = [value] if isinstance(value, str) else value
+        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+            raise ConfigError(f"{key}: expected a string or a list of strings, got {value!r}")
+        return value
     if typing.get_origin(expected) is Literal:
         choices = typing.get_args(expected)
         if value not in choices:
@@ -350,11 +385,32 @@ def _attention_heads(model: ModelConfig) -> dict[str, int]:
     """{config key: number} of the attention (and key/value) heads that Ulysses splits."""
     if model.arch == "tiny":
         return {"model.num_heads": model.num_heads}
-    prefix, text = (
-        ("model.hf", model.hf) if model.arch == "qwen2" else ("model.hf.text_config", model.hf.get("text_config", {}))
-    )
-    heads = {f"{prefix}.{name}": text[name] for name in ("num_attention_heads", "num_key_value_heads") if name in text}
+    settings, prefix = model.hf, "model.hf"
+    if model.pretrained_dir:
+        config_file = Path(model.pretrained_dir) / "config.json"
+        if not config_file.is_file():
+            raise ConfigError(f"model.pretrained_dir: {config_file} does not exist")
+        settings, prefix = json.loads(config_file.read_text()), str(config_file)
+    if "text_config" in settings:
+        settings, prefix = settings["text_config"], f"{prefix}.text_config"
+    heads = {f"{prefix}.{n}": settings[n] for n in ("num_attention_heads", "num_key_value_heads") if n in settings}
     return {key: value for key, value in heads.items() if isinstance(value, int)}
+
+
+def _check_arch(model: ModelConfig) -> None:
+    if model.arch in ("tiny", "qwen2_vl"):
+        return
+    if model.arch == "auto":
+        if not model.pretrained_dir:
+            raise ConfigError("model.arch: auto takes the model of model.pretrained_dir, which is not set")
+        return
+    from transformers import CONFIG_MAPPING
+
+    if model.arch not in CONFIG_MAPPING:
+        raise ConfigError(
+            f"model.arch: {model.arch!r} is neither tiny, qwen2_vl, auto nor a transformers model_type "
+            "(qwen2, llama, ...)"
+        )
 
 
 def validate(config: Config, world_size: int | None = None) -> None:
@@ -407,6 +463,9 @@ def validate(config: Config, world_size: int | None = None) -> None:
             f"train.global_batch_size ({train.global_batch_size}) is not divisible by train.micro_batch_size "
             f"({train.micro_batch_size}) x dp size ({dp_size} = world {world_size} / sp {parallel.sp_size})"
         )
+    if config.data.prefetch_steps < 0:
+        raise ConfigError(f"data.prefetch_steps: must be >= 0, got {config.data.prefetch_steps}")
+    _check_arch(config.model)
     try:
         config.loss.resolved()
     except ValueError as exc:

@@ -3,7 +3,8 @@ transformers' `from_pretrained` loads.
 
 EXPORT_DIR gets `config.json` and `model.safetensors` (`AutoModelForCausalLM.from_pretrained` for a causal LM,
 `Qwen2VLForConditionalGeneration.from_pretrained` for Qwen2-VL), the run's tokenizer as a `PreTrainedTokenizerFast`
-(`tokenizer.json`, `tokenizer_config.json`), and, for heads transformers has no class for, their own safetensors
+(`tokenizer.json`, `tokenizer_config.json`; a fine-tuned model directory's own tokenizer with its chat template, and
+its image processor), and, for heads transformers has no class for, their own safetensors
 file (`image_decoder_head.safetensors`: Linear-GELU-Linear on the last hidden states). Only safetensors and JSON are
 written, never a pickle. The model is rebuilt from OUTPUT_DIR/model_config (written by the trainer) and its weights
 are read from the newest complete checkpoint with the same safe readers as a resume, in one process.
@@ -21,6 +22,7 @@ from veomni_lite.trainer.base import MODEL_CONFIG_DIR
 from veomni_lite.trainer.checkpoint import CheckpointManager
 
 TOKENIZER_FILE = "tokenizer.json"
+_LOCAL = {"trust_remote_code": False, "local_files_only": True}
 _SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>"}
 
 
@@ -60,8 +62,16 @@ def export(output_dir: str | Path, export_dir: str | Path) -> tuple[int, list[st
     step = CheckpointManager(output_dir / "checkpoints").load_model_weights(model)
     export_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(export_dir)
-    if (output_dir / TOKENIZER_FILE).is_file():
+    if (model_config_dir / "tokenizer_config.json").is_file():  # a fine-tuned directory's own tokenizer
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(str(model_config_dir), **_LOCAL).save_pretrained(str(export_dir))
+    elif (output_dir / TOKENIZER_FILE).is_file():
         save_tokenizer(output_dir / TOKENIZER_FILE, export_dir)
+    if (model_config_dir / "preprocessor_config.json").is_file():
+        from transformers import AutoImageProcessor
+
+        AutoImageProcessor.from_pretrained(str(model_config_dir), **_LOCAL).save_pretrained(str(export_dir))
     return step, sorted(p.name for p in export_dir.iterdir())
 
 

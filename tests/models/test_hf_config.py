@@ -91,7 +91,7 @@ def test_sp_size_that_does_not_split_the_heads_is_a_config_error(path, sp, key, 
     load_config(path, ["--parallel.sp_size", "2"], world_size=2)  # divides both
 
 
-TEXT_ENTRY = {"qwen2": PydocLMTrainer, "tiny": TextTrainer}  # trainers/train_text.py
+TEXT_ENTRY = {"tiny": TextTrainer, "*": PydocLMTrainer}  # trainers/train_text.py
 VLM_ENTRY = {"qwen2_vl": DigitsVLTrainer, "tiny": VLMTrainer}  # trainers/train_vlm.py
 
 
@@ -117,7 +117,8 @@ def test_launch_refuses_an_arch_the_entry_does_not_train(capsys, mapping, config
         assert launch.main(never, [config]) == 2
         err = capsys.readouterr().err
         assert err.startswith("config error: model.arch: ")
-        assert f"trains {sorted(mapping)}, not {arch!r}" in err
+        names = sorted(name if name != "*" else "any causal LM (qwen2, llama, ...)" for name in mapping)
+        assert f"trains {names}, not {arch!r}" in err
     else:  # vlm_tiny.yaml is arch tiny: the text entry accepts it (and builds its trainer)
         with pytest.raises(AssertionError, match="a trainer was built"):
             launch.main(never, [config])
@@ -141,4 +142,5 @@ def test_train_text_entry_refuses_the_vl_config():
         timeout=240,
     )
     assert result.returncode == 2, result.stderr[-3000:]
-    assert "config error: model.arch: trainers/train_text.py trains ['qwen2', 'tiny'], not 'qwen2_vl'" in result.stderr
+    expected = "trains ['any causal LM (qwen2, llama, ...)', 'tiny'], not 'qwen2_vl'"
+    assert f"config error: model.arch: trainers/train_text.py {expected}" in result.stderr

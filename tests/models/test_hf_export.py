@@ -192,15 +192,17 @@ def test_a_run_from_the_export_as_pretrained_dir_starts_at_the_trained_weights(t
         again.close()
 
 
-def test_a_pretrained_dir_with_a_smaller_vocabulary_is_a_clear_error(text_run):
+def test_a_pretrained_dir_whose_tokenizer_outgrows_the_embedding_is_a_clear_error(text_run, tmp_path):
+    import shutil
+
+    from transformers import PreTrainedTokenizerFast
+
     _, root, _, _ = text_run
-    config = small_config(
-        "text",
-        root / "bigger_vocab",
-        "--model.pretrained_dir",
-        str(root / "export"),
-        "--data.tokenizer_vocab_size",
-        "400",
-    )
-    with pytest.raises(ValueError, match=r"has a vocabulary of 300 tokens, fewer than the run's tokenizer \(400"):
+    directory = tmp_path / "grown"
+    shutil.copytree(root / "export", directory)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(directory))
+    tokenizer.add_tokens(["<new_token>"])  # one more id than the model embeds
+    tokenizer.save_pretrained(str(directory))
+    config = small_config("text", root / "grown_run", "--model.pretrained_dir", str(directory))
+    with pytest.raises(ValueError, match=r"has a tokenizer of 301 tokens but the model embeds only 300"):
         PydocLMTrainer(config)

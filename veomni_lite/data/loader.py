@@ -6,11 +6,16 @@ permutation of the dataset, where j = s mod steps_per_epoch and the permutation 
 contiguous block of G / dp_size samples and cuts it into grad_accum = G / (micro_batch_size * dp_size) micro-batches
 of micro_batch_size samples, each passed through `collate_fn`. Only `step` is state, so a loader restored with
 `load_state_dict` continues exactly, under any dp layout.
+
+With `prefetch_steps` k > 0, the next k steps' micro-batches are fetched and collated on a background thread while
+the current step trains (the indices are fixed by the step number, so the batches are the same as without it); an
+error there surfaces from the `next_step` that needs that step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 import torch
@@ -40,6 +45,7 @@ class MicroBatchLoader:
         dp_size: int = 1,
         dp_rank: int = 0,
         seed: int = 0,
+        prefetch_steps: int = 0,
     ) -> None:
         if min(global_batch_size, micro_batch_size, dp_size) < 1:
             raise ValueError(
@@ -67,6 +73,9 @@ class MicroBatchLoader:
         self.step = 0  # steps produced so far
         self._perm_epoch = -1
         self._perm = torch.empty(0, dtype=torch.long)
+        self.prefetch_steps = prefetch_steps
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch") if prefetch_steps > 0 else None
+        self._ahead: dict[int, Future[list[MicroBatch]]] = {}
 
     @property
     def epoch(self) -> int:
@@ -93,11 +102,18 @@ class MicroBatchLoader:
         mbs = self.micro_batch_size
         return [mine[i * mbs : (i + 1) * mbs] for i in range(self.grad_accum)]
 
+    def _collate(self, indices: list[list[int]]) -> list[MicroBatch]:
+        return [self.collate_fn([self.dataset[i] for i in chunk]) for chunk in indices]
+
     def next_step(self) -> list[MicroBatch]:
         """The rank's `grad_accum` micro-batches for the next optimizer step."""
-        micro_batches = [
-            self.collate_fn([self.dataset[i] for i in indices]) for indices in self.rank_indices(self.step)
-        ]
+        if self._pool is None:
+            micro_batches = self._collate(self.rank_indices(self.step))
+        else:
+            for step in range(self.step, self.step + self.prefetch_steps + 1):
+                if step not in self._ahead:  # indices on this thread: the permutation cache is not shared
+                    self._ahead[step] = self._pool.submit(self._collate, self.rank_indices(step))
+            micro_batches = self._ahead.pop(self.step).result()
         self.step += 1
         return micro_batches
 
@@ -119,3 +135,11 @@ class MicroBatchLoader:
                     f"{key}={getattr(self, key)}; resuming would replay different global batches"
                 )
         self.step = int(state["step"])
+        self._ahead.clear()  # fetched for other steps
+
+    def close(self) -> None:
+        """Stop the prefetch thread (idempotent)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+            self._ahead.clear()

@@ -59,14 +59,22 @@ def load_or_train_tokenizer(path: str | Path, vocab_size: int, save: bool = True
 class PydocTextDataset:
     """Fixed-length samples of the tokenized corpus: split "train" (the first part) or "eval" (the held-out tail)."""
 
-    def __init__(self, tokenizer: Tokenizer, seq_len: int, split: str, eval_fraction: float = 0.05) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        seq_len: int,
+        split: str,
+        eval_fraction: float = 0.05,
+        special_ids: tuple[int, int, int] | None = None,
+    ) -> None:
+        """`special_ids`: (pad, bos, eos) of a tokenizer that does not name them `<pad>`, `<bos>`, `<eos>`."""
         if split not in ("train", "eval"):
             raise ValueError(f"PydocTextDataset: split must be 'train' or 'eval', got {split!r}")
         if seq_len < 2:
             raise ValueError(f"PydocTextDataset: seq_len must be >= 2, got {seq_len}")
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.get_vocab_size()
-        self.pad_id, self.bos_id, self.eos_id = (tokenizer.token_to_id(t) for t in SPECIAL_TOKENS)
+        self.pad_id, self.bos_id, self.eos_id = special_ids or tuple(tokenizer.token_to_id(t) for t in SPECIAL_TOKENS)
         eos = [self.eos_id]
         stream = [i for doc in tokenizer.encode_batch(corpus_documents()) for i in doc.ids + eos]
         body = seq_len - 1

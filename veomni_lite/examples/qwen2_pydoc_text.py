@@ -1,5 +1,6 @@
-"""A transformers causal LM (Qwen2 family, built from `model.hf` or a local `model.pretrained_dir`) on the Python
-help pages, with a BPE tokenizer trained on them and saved with the run. Only model, data and collate."""
+"""A transformers causal LM (built from `model.hf`, or a local `model.pretrained_dir` with its own tokenizer) on the
+Python help pages; without a directory, a BPE tokenizer trained on them is saved with the run. Only model, data and
+collate."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from veomni_lite.data.collator import collate
 from veomni_lite.examples.pydoc_text import PydocTextDataset, load_or_train_tokenizer
 from veomni_lite.models.hf_causal_lm import HFCausalLM, hf_config_from_dict
+from veomni_lite.models.pretrained import check_vocabulary, load_config, load_model, load_tokenizer
 from veomni_lite.trainer.base import BaseTrainer
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -18,25 +20,28 @@ TOKENIZER_FILE = "tokenizer.json"
 
 class PydocLMTrainer(BaseTrainer):
     def build_datasets(self) -> tuple[Any, Any | None]:
-        data = self.config.data
-        self.tokenizer = load_or_train_tokenizer(
-            self.output_dir / TOKENIZER_FILE, data.tokenizer_vocab_size, save=self.is_main
-        )
-        train = PydocTextDataset(self.tokenizer, data.seq_len, "train", data.eval_fraction)
-        evaluation = PydocTextDataset(self.tokenizer, data.seq_len, "eval", data.eval_fraction)
+        data, special = self.config.data, None
+        if self.config.model.pretrained_dir:  # the model's own tokenizer, never one trained here
+            directory = self.config.model.pretrained_dir
+            pretrained = load_tokenizer(directory)
+            check_vocabulary(pretrained, load_config(directory), directory)
+            eos = pretrained.eos_token_id
+            bos = pretrained.bos_token_id if pretrained.bos_token_id is not None else eos
+            special = (pretrained.pad_token_id if pretrained.pad_token_id is not None else eos, bos, eos)
+            self.tokenizer = pretrained.backend_tokenizer
+        else:
+            self.tokenizer = load_or_train_tokenizer(
+                self.output_dir / TOKENIZER_FILE, data.tokenizer_vocab_size, save=self.is_main
+            )
+        train = PydocTextDataset(self.tokenizer, data.seq_len, "train", data.eval_fraction, special)
+        evaluation = PydocTextDataset(self.tokenizer, data.seq_len, "eval", data.eval_fraction, special)
         return train, evaluation if data.eval_samples else None
 
     def build_model(self) -> HFCausalLM:
         model = self.config.model
         data = self.train_dataset
         if model.pretrained_dir:
-            pretrained = HFCausalLM.from_pretrained(model.pretrained_dir)
-            if pretrained.config.vocab_size < data.vocab_size:
-                raise ValueError(
-                    f"model.pretrained_dir {model.pretrained_dir} has a vocabulary of {pretrained.config.vocab_size} "
-                    f"tokens, fewer than the run's tokenizer ({data.vocab_size}, data.tokenizer_vocab_size)"
-                )
-            return pretrained
+            return load_model(model.pretrained_dir)
         settings = {
             **model.hf,
             "vocab_size": data.vocab_size,

@@ -49,7 +49,10 @@ class HFCausalLM(nn.Module):
     def from_pretrained(cls, directory: str | Path) -> HFCausalLM:
         from transformers import AutoModelForCausalLM
 
-        return cls(AutoModelForCausalLM.from_pretrained(str(directory), attn_implementation="sdpa"))
+        model = AutoModelForCausalLM.from_pretrained(
+            str(directory), attn_implementation="sdpa", trust_remote_code=False, local_files_only=True
+        )
+        return cls(model)
 
     @property
     def config(self) -> Any:

@@ -1,8 +1,10 @@
-"""Qwen2-VL (transformers) with a second loss head, behind the trainer's model contract and shard-able under SP.
+"""Qwen2-VL (transformers) with an optional second loss head, behind the trainer's model contract and shard-able
+under SP.
 
 Heads, each this rank's mean over its valid targets (an exact 0 without targets):
 - `foundation_loss`: the language-model head over `labels`;
-- `image_decoder_loss`: an MLP on the backbone's last hidden states over `image_decoder_labels` (image codes).
+- `image_decoder_loss` (when the config has `image_decoder_classes`): an MLP on the backbone's last hidden states
+  over `image_decoder_labels` (image codes). A `from_pretrained` directory without it trains the LM head only.
 
 Inputs (`collate_qwen2_vl` builds them on the FULL sequence, before any SP slicing): `input_ids`, the two label keys
 (shifted once), `position_ids` [B, S, 3] (multimodal rotary positions, sequence on dim 1 so the SP slicer cuts it),
@@ -67,6 +69,7 @@ def collate_qwen2_vl(
     batch = {
         key: torch.full((batch_size, length), pad_id if pad is None else pad, dtype=torch.long)
         for key, pad in _SEQUENCE_PADDING.items()
+        if key in samples[0]
     }
     batch["position_ids"] = torch.zeros((batch_size, length, 3), dtype=torch.long)
     batch["image_feature_index"] = torch.full((batch_size, length), -1, dtype=torch.long)
@@ -76,7 +79,8 @@ def collate_qwen2_vl(
         n = ids.numel()
         batch["input_ids"][row, :n] = ids
         for key in ("labels", "image_decoder_labels"):
-            batch[key][row, :n] = shift_labels(sample[key])
+            if key in batch:
+                batch[key][row, :n] = shift_labels(sample[key])
         is_image = (ids == image_token_id).tolist()
         sample_grids = sample["image_grid_thw"].tolist() if "image_grid_thw" in sample else []
         positions = mrope_positions(is_image, sample_grids, merge).T  # [n, 3]
@@ -98,14 +102,15 @@ def collate_qwen2_vl(
 class Qwen2VLWithImageHead(nn.Module):
     """`Qwen2VLForConditionalGeneration` (as `vlm`) plus `image_head`; see the module docstring."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, vlm: nn.Module | None = None) -> None:
         super().__init__()
         from transformers import Qwen2VLForConditionalGeneration
 
-        self.vlm = Qwen2VLForConditionalGeneration(config)
+        self.vlm = Qwen2VLForConditionalGeneration(config) if vlm is None else vlm
+        classes = getattr(config, "image_decoder_classes", None)
         hidden = config.text_config.hidden_size
-        self.image_head = nn.Sequential(
-            nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, config.image_decoder_classes)
+        self.image_head = (
+            nn.Sequential(nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, classes)) if classes else None
         )
 
     @classmethod
@@ -115,13 +120,24 @@ class Qwen2VLWithImageHead(nn.Module):
         config.vision_config._attn_implementation = "sdpa"
         return cls(config)
 
+    @classmethod
+    def from_pretrained(cls, directory: str | Path) -> Qwen2VLWithImageHead:
+        """A `Qwen2VLForConditionalGeneration` directory (weights loaded, local files only, no remote code); without
+        `image_decoder_classes` in its config it has only the language-model head."""
+        from transformers import Qwen2VLForConditionalGeneration
+
+        vlm = Qwen2VLForConditionalGeneration.from_pretrained(
+            str(directory), attn_implementation="sdpa", trust_remote_code=False, local_files_only=True
+        )
+        return cls(vlm.config, vlm)
+
     @property
     def config(self) -> Any:
         return self.vlm.config
 
     @property
     def loss_keys(self) -> tuple[str, ...]:
-        return ("foundation_loss", "image_decoder_loss")
+        return ("foundation_loss", "image_decoder_loss") if self.image_head is not None else ("foundation_loss",)
 
     @property
     def layers(self) -> list[nn.Module]:
@@ -172,14 +188,15 @@ class Qwen2VLWithImageHead(nn.Module):
     ) -> dict[str, Tensor]:
         hidden = self.hidden_states(input_ids, position_ids, image_feature_index, pixel_values, image_grid_thw)
         logits = self.vlm.lm_head(hidden)
+        head = self.image_head
         if labels is None:
-            return {"logits": logits, "image_logits": self.image_head(hidden)}
-        return {
-            "foundation_loss": masked_mean_cross_entropy(logits, labels, foundation_loss_weights),
-            "image_decoder_loss": masked_mean_cross_entropy(
-                self.image_head(hidden), image_decoder_labels, image_decoder_loss_weights
-            ),
-        }
+            return {"logits": logits} if head is None else {"logits": logits, "image_logits": head(hidden)}
+        losses = {"foundation_loss": masked_mean_cross_entropy(logits, labels, foundation_loss_weights)}
+        if head is not None:
+            losses["image_decoder_loss"] = masked_mean_cross_entropy(
+                head(hidden), image_decoder_labels, image_decoder_loss_weights
+            )
+        return losses
 
     def flops_per_token(self, seq_len: int) -> float:
         text = self.config.text_config
@@ -202,6 +219,7 @@ class Qwen2VLWithImageHead(nn.Module):
 
         self.config.text_config._attn_implementation = "sdpa"
         self.vlm.save_pretrained(str(directory), safe_serialization=True)
-        head = {key: value.detach().contiguous().cpu() for key, value in self.image_head.state_dict().items()}
-        save_file(head, str(Path(directory) / IMAGE_HEAD_FILE), metadata={"layout": "Linear-GELU-Linear"})
+        if self.image_head is not None:
+            head = {key: value.detach().contiguous().cpu() for key, value in self.image_head.state_dict().items()}
+            save_file(head, str(Path(directory) / IMAGE_HEAD_FILE), metadata={"layout": "Linear-GELU-Linear"})
         return sorted(p.name for p in Path(directory).iterdir())

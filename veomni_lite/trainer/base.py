@@ -82,6 +82,17 @@ def init_distributed(timeout_s: float) -> torch.device:
     return torch.device("cpu")
 
 
+def parameter_groups(model: torch.nn.Module, weight_decay: float, decay_on: str = "matrices") -> list[dict[str, Any]]:
+    """AdamW groups: with `decay_on="matrices"` only weight matrices decay (parameters of 2+ dimensions outside
+    embeddings); biases, norms and embeddings do not. `"all"`: every parameter decays."""
+    embeddings = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+    decay, keep = [], []
+    for param in model.parameters():
+        matrix = param.dim() >= 2 and id(param) not in embeddings
+        (decay if decay_on == "all" or matrix else keep).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0}]
+
+
 def warmup_cosine(warmup_steps: int, max_steps: int, min_ratio: float) -> Callable[[int], float]:
     """LR multiplier: linear warmup to 1, then cosine decay to `min_ratio` at `max_steps`."""
 
@@ -121,11 +132,12 @@ class BaseTrainer(ABC):
             model.enable_sequence_parallel(self.parallel.sp_group)
         bf16 = resolve_mixed_precision(config.parallel.mixed_precision, self.device)
         self.model = apply_fsdp(model, self.parallel, list(model.layers), bf16=bf16)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay)
+        groups = parameter_groups(self.model, optim.weight_decay, optim.weight_decay_on)
+        self.optimizer = torch.optim.AdamW(groups, lr=optim.lr)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, warmup_cosine(optim.warmup_steps, train.max_steps, optim.min_lr_ratio)
         )
-        self.loader = self._make_loader(self.train_dataset, train.seed)
+        self.loader = self._make_loader(self.train_dataset, train.seed, config.data.prefetch_steps)
         self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", keep=config.checkpoint.keep_checkpoints)
         self.metrics = self.build_metrics()
         self.step = 0
@@ -206,7 +218,7 @@ class BaseTrainer(ABC):
 
     # ------------------------------------------------------------------ data
 
-    def _make_loader(self, dataset: Any, seed: int) -> MicroBatchLoader:
+    def _make_loader(self, dataset: Any, seed: int, prefetch_steps: int = 0) -> MicroBatchLoader:
         return MicroBatchLoader(
             dataset,
             self.collate,
@@ -215,6 +227,7 @@ class BaseTrainer(ABC):
             dp_size=self.parallel.dp_size,
             dp_rank=self.parallel.dp_rank,
             seed=seed,
+            prefetch_steps=prefetch_steps,
         )
 
     def shard(self, micro_batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -375,6 +388,7 @@ class BaseTrainer(ABC):
             for signum, handler in previous_handlers.items():
                 signal.signal(signum, handler)
             reset_loss_memo()
+            self.loader.close()
 
     def _progress_bar(self) -> Any:
         if not (self.is_main and self.config.logging.progress_bar):
@@ -465,7 +479,8 @@ class BaseTrainer(ABC):
             logger.warning(message)
 
     def close(self) -> None:
-        """Tear down the process group (idempotent)."""
+        """Stop the prefetch thread, tear down the process group (idempotent)."""
+        self.loader.close()
         self.metrics.close()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

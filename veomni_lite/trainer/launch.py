@@ -1,6 +1,6 @@
 """Shared body of the torchrun entry points: parse the config, set up the logger, train, say where the outputs are.
 
-The usage line, config errors and the final summary are printed (they are the CLI's own output); everything the
+The usage line, config and data errors and the final summary are printed (they are the CLI's own output); everything the
 library says goes through the `veomni_lite` logger.
 """
 
@@ -10,27 +10,42 @@ import os
 import sys
 from collections.abc import Mapping
 
+import torch.distributed as dist
+
 from veomni_lite.config import ConfigError, load_config
+from veomni_lite.data.checks import DataError
 from veomni_lite.log import setup_logging
+from veomni_lite.models.pretrained import PretrainedDirError
 from veomni_lite.trainer.base import BaseTrainer
+
+NAMED_ARCHES = ("tiny", "qwen2_vl", "auto")  # the archs that are not a transformers causal-LM model_type
 
 
 def main(trainers: Mapping[str, type[BaseTrainer]], argv: list[str] | None = None) -> int:
     """`<entry>.py CONFIG.yaml [--section.key VALUE ...]`; `trainers` maps each `model.arch` this entry trains to its
-    trainer. Config errors exit 2 before any process group."""
+    trainer (`"*"`: any transformers causal-LM model_type). Config errors exit 2 before any process group."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0].startswith("--"):
         print(f"usage: {sys.argv[0]} CONFIG.yaml [--section.key VALUE ...]", file=sys.stderr)
         return 2
     try:
         config = load_config(argv[0], argv[1:])
-        if config.model.arch not in trainers:
-            raise ConfigError(f"model.arch: {sys.argv[0]} trains {sorted(trainers)}, not {config.model.arch!r}")
+        arch = config.model.arch
+        trainer_cls = trainers.get(arch, trainers.get("*") if arch not in NAMED_ARCHES else None)
+        if trainer_cls is None:
+            names = sorted(name if name != "*" else "any causal LM (qwen2, llama, ...)" for name in trainers)
+            raise ConfigError(f"model.arch: {sys.argv[0]} trains {names}, not {arch!r}")
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     setup_logging(int(os.environ.get("RANK", "0")))
-    trainer = trainers[config.model.arch](config)
+    try:
+        trainer = trainer_cls(config)
+    except (DataError, PretrainedDirError) as exc:  # every rank raises it alike (see SFTTrainer.build_datasets)
+        print(f"data error: {exc}", file=sys.stderr)
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        return 2
     try:
         trainer.train()
         if trainer.is_main:

@@ -1,0 +1,417 @@
+"""Supervised fine-tuning data from the files users already have: read, convert, template, label, cut to length.
+
+- Files (`read_sources`): a file, a directory, a glob, or a list of them; `.jsonl`/`.json`, `.parquet`, `.arrow`
+  files and `save_to_disk` directories, read with Hugging Face `datasets` from local disk only.
+- Formats (`to_conversation`): `messages` (OpenAI `role`/`content`; content a string or typed parts, `{"type":
+  "image"}` among them), `sharegpt` (`conversations` of `from`/`value`), `alpaca` (`instruction`, `input`, `output`,
+  optional `system` and `history`), `prompt_completion` (strings or message lists), `text` (plain language modelling).
+  Column and role names come from `data.columns`. Images: an `images` column of paths (relative to `data.media_dir`,
+  default the data file's directory), bytes, or `{"bytes", "path"}` dicts, placed by `<image>` in the text or by
+  typed parts, in order.
+- Labels (`ChatEncoder`): the conversation is rendered with the tokenizer's chat template prefix by prefix; the text an
+  assistant turn adds after the generation prompt (its content and the end-of-turn token) trains, unless the message
+  says `train: false` or `loss_weight: 0`; everything else, and every image placeholder token, is IGNORE_INDEX.
+  `train_on_prompt` trains every token but image placeholders. A template whose rendering of a prefix is not a
+  prefix of the next rendering is an error naming the row.
+Every problem is a `DataError` naming the file and the row. Nothing read from a dataset runs code.
+"""
+
+from __future__ import annotations
+
+import glob as globbing
+import io
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from veomni_lite.data.checks import DataError
+from veomni_lite.loss_keys import IGNORE_INDEX
+
+FORMATS = ("messages", "sharegpt", "alpaca", "prompt_completion", "text")
+FILE_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+IMAGE_PLACEHOLDER = "<image>"
+DEFAULT_COLUMNS = {
+    "messages": "messages",
+    "role": "role",
+    "content": "content",
+    "conversations": "conversations",
+    "from": "from",
+    "value": "value",
+    "user_tag": "human",
+    "assistant_tag": "gpt",
+    "system_tag": "system",
+    "system": "system",
+    "instruction": "instruction",
+    "input": "input",
+    "output": "output",
+    "history": "history",
+    "prompt": "prompt",
+    "completion": "completion",
+    "text": "text",
+    "images": "images",
+}
+ROLES = ("system", "user", "assistant")
+
+# ChatML, for a tokenizer without a template of its own (`data.chat_template: chatml`). Image parts render as the
+# model's image placeholder (`image_token`, passed by the encoder).
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ image_token }}{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass
+class Source:
+    """One data file (or `save_to_disk` directory) and its rows."""
+
+    path: Path
+    rows: Any  # a datasets.Dataset
+
+
+@dataclass
+class Turn:
+    role: str
+    parts: list[str | None]  # text, or None for an image
+    train: bool = True
+
+
+@dataclass
+class Conversation:
+    turns: list[Turn]
+    images: list[Any] = field(default_factory=list)
+    plain_text: bool = False  # the `text` format: no template, every token trains
+
+
+def expand_paths(spec: str | Sequence[str], key: str) -> list[Path]:
+    """Every data file or `save_to_disk` directory named by `spec` (files, directories, globs), sorted per entry."""
+    entries = [spec] if isinstance(spec, str) else list(spec)
+    found: list[Path] = []
+    for entry in entries:
+        path = Path(entry)
+        if any(char in entry for char in "*?["):
+            matches = sorted(Path(p) for p in globbing.glob(entry, recursive=True))
+            if not matches:
+                raise DataError(f"{key}: {entry!r} matches no file")
+            found += [p for p in matches if p.suffix in FILE_KINDS or _is_saved_dataset(p)]
+        elif _is_saved_dataset(path) or path.is_file():
+            found.append(path)
+        elif path.is_dir():
+            files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in FILE_KINDS)
+            if not files:
+                raise DataError(f"{key}: directory {entry!r} holds no {sorted(FILE_KINDS)} file")
+            found += files
+        else:
+            raise DataError(f"{key}: {entry!r} does not exist")
+    if not found:
+        raise DataError(f"{key}: no data file given")
+    return found
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    return path.is_dir() and (path / "dataset_info.json").is_file() and (path / "state.json").is_file()
+
+
+def _bad_json_line(path: Path) -> str:
+    """Where a JSON Lines file does not parse (for the error message); '' if every line does."""
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if line.strip():
+                try:
+                    json.loads(line)
+                except json.JSONDecodeError as exc:
+                    return f"line {number}: {exc.msg} (column {exc.colno})"
+    return ""
+
+
+def load_source(path: Path) -> Source:
+    """Read one file or `save_to_disk` directory with `datasets` (local, in memory or memory-mapped)."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        if _is_saved_dataset(path):
+            rows = datasets.load_from_disk(str(path))
+            if isinstance(rows, datasets.DatasetDict):
+                raise DataError(f"{path}: a DatasetDict ({sorted(rows)}); point data.train_path at one split")
+        elif path.suffix not in FILE_KINDS:
+            raise DataError(f"{path}: unsupported file type {path.suffix!r}; use one of {sorted(FILE_KINDS)}")
+        elif path.stat().st_size == 0:
+            raise DataError(f"{path}: the file is empty")
+        elif FILE_KINDS[path.suffix] == "json":
+            where = _bad_json_line(path) if path.suffix == ".jsonl" else ""
+            if where:
+                raise DataError(f"{path}: malformed JSON at {where}")
+            rows = datasets.Dataset.from_json(str(path), keep_in_memory=True)
+        elif FILE_KINDS[path.suffix] == "parquet":
+            rows = datasets.Dataset.from_parquet(str(path), keep_in_memory=True)
+        else:
+            rows = datasets.Dataset.from_file(str(path))
+    except DataError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever the reader says, name the file
+        raise DataError(f"{path}: cannot read it as {FILE_KINDS.get(path.suffix, 'a saved dataset')}: {exc}") from exc
+    if len(rows) == 0:
+        raise DataError(f"{path}: no rows")
+    return Source(path, rows)
+
+
+def read_sources(spec: str | Sequence[str], key: str) -> list[Source]:
+    return [load_source(path) for path in expand_paths(spec, key)]
+
+
+# ---------------------------------------------------------------- formats -> one conversation shape
+
+
+def _text_parts(text: Any, where: str, what: str) -> list[str | None]:
+    """A string with `<image>` placeholders, or typed parts, as text pieces and None for each image."""
+    if isinstance(text, str):
+        pieces = text.split(IMAGE_PLACEHOLDER)
+        parts: list[str | None] = []
+        for index, piece in enumerate(pieces):
+            if index:
+                parts.append(None)
+            if piece:
+                parts.append(piece)
+        return parts
+    if isinstance(text, list):
+        parts = []
+        for part in text:
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind == "text":
+                parts += _text_parts(part.get("text") or "", where, what)
+            elif kind in ("image", "image_url"):
+                parts.append(None)
+            else:
+                raise DataError(f"{where}: {what} has a part {part!r}; expected {{'type': 'text' | 'image', ...}}")
+        return parts
+    raise DataError(f"{where}: {what} is a {type(text).__name__}; expected a string or a list of typed parts")
+
+
+def _column(row: Mapping[str, Any], name: str, where: str, required: bool = True) -> Any:
+    if name not in row or (required and row[name] is None):
+        if required:
+            raise DataError(f"{where}: missing column {name!r} (the row has {sorted(row)})")
+        return None
+    return row[name]
+
+
+def to_conversation(row: Mapping[str, Any], fmt: str, columns: Mapping[str, str], where: str) -> Conversation:
+    """One row of `fmt` as a conversation (roles system / user / assistant), or a DataError naming the row."""
+    c = {**DEFAULT_COLUMNS, **columns}
+    images = _column(row, c["images"], where, required=False) or []
+    if not isinstance(images, list):
+        images = [images]
+    if fmt == "text":
+        return Conversation(
+            [Turn("assistant", _text_parts(_column(row, c["text"], where), where, "text"))], images, True
+        )
+    turns: list[Turn] = []
+    if fmt == "messages":
+        messages = _column(row, c["messages"], where)
+        if not isinstance(messages, list):
+            raise DataError(f"{where}: column {c['messages']!r} is a {type(messages).__name__}, not a list of messages")
+        for index, message in enumerate(messages):
+            if not isinstance(message, Mapping) or c["role"] not in message:
+                raise DataError(f"{where}: message {index} has no {c['role']!r}: {message!r}")
+            role = message[c["role"]]
+            weight = message.get("loss_weight")
+            train = message.get("train") is not False and (weight is None or weight != 0)
+            turns.append(Turn(role, _text_parts(message.get(c["content"], ""), where, f"message {index}"), train))
+    elif fmt == "sharegpt":
+        conversations = _column(row, c["conversations"], where)
+        if not isinstance(conversations, list):
+            raise DataError(f"{where}: column {c['conversations']!r} is not a list of turns")
+        tags = {c["user_tag"]: "user", c["assistant_tag"]: "assistant", c["system_tag"]: "system"}
+        system = _column(row, c["system"], where, required=False)
+        if system:
+            turns.append(Turn("system", [system]))
+        for index, turn in enumerate(conversations):
+            tag = turn.get(c["from"]) if isinstance(turn, Mapping) else None
+            if tag not in tags:
+                raise DataError(
+                    f"{where}: turn {index} has role {tag!r}; expected one of {sorted(tags)} (data.columns)"
+                )
+            turns.append(Turn(tags[tag], _text_parts(turn.get(c["value"], ""), where, f"turn {index}")))
+    elif fmt == "alpaca":
+        system = _column(row, c["system"], where, required=False)
+        if system:
+            turns.append(Turn("system", [system]))
+        for index, pair in enumerate(_column(row, c["history"], where, required=False) or []):
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise DataError(f"{where}: history entry {index} is {pair!r}; expected [instruction, response]")
+            turns += [
+                Turn("user", _text_parts(pair[0], where, "history")),
+                Turn("assistant", _text_parts(pair[1], where, "history")),
+            ]
+        instruction = _column(row, c["instruction"], where)
+        extra = _column(row, c["input"], where, required=False)
+        prompt = f"{instruction}\n\n{extra}" if extra else instruction
+        turns += [
+            Turn("user", _text_parts(prompt, where, "instruction")),
+            Turn("assistant", _text_parts(_column(row, c["output"], where), where, "output")),
+        ]
+    elif fmt == "prompt_completion":
+        for column, role in ((c["prompt"], "user"), (c["completion"], "assistant")):
+            value = _column(row, column, where)
+            if isinstance(value, list) and value and isinstance(value[0], Mapping) and "role" in value[0]:
+                turns += to_conversation({c["messages"]: value}, "messages", columns, where).turns
+            else:
+                turns.append(Turn(role, _text_parts(value, where, column)))
+    else:
+        raise DataError(f"data.format: {fmt!r} is not one of {list(FORMATS)}")
+    for index, turn in enumerate(turns):
+        if turn.role not in ROLES:
+            raise DataError(
+                f"{where}: message {index} has the unknown role {turn.role!r}; expected one of {list(ROLES)}"
+            )
+    return Conversation(turns, images)
+
+
+# ---------------------------------------------------------------- images
+
+
+def load_image(value: Any, media_dir: Path, where: str) -> Any:
+    """A PIL RGB image from a path (relative to `media_dir`), bytes or a `{"bytes", "path"}` dict; decoded fully,
+    within Pillow's decompression-bomb limit (`PIL.Image.MAX_IMAGE_PIXELS`)."""
+    import warnings
+
+    from PIL import Image
+
+    if isinstance(value, Mapping):
+        value = value.get("bytes") or value.get("path")
+    if isinstance(value, (bytes, bytearray)):
+        name, opener = "the image bytes", lambda: Image.open(io.BytesIO(value))
+    elif isinstance(value, str):
+        path = Path(value) if Path(value).is_absolute() else media_dir / value
+        if not path.is_file():
+            raise DataError(f"{where}: image {value!r} does not exist (looked at {path})")
+        name, opener = f"image {str(path)!r}", lambda: Image.open(path)
+    else:
+        raise DataError(f"{where}: an image is a {type(value).__name__}; expected a path, bytes or {{'bytes', 'path'}}")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = opener()
+            image.load()
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise DataError(f"{where}: {name} is over Pillow's decompression-bomb limit: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - name the image whatever Pillow says
+        raise DataError(f"{where}: {name} does not decode: {exc}") from None
+    return image.convert("RGB")
+
+
+# ---------------------------------------------------------------- template + labels
+
+
+def _content(parts: list[str | None]) -> str | list[dict[str, str]]:
+    """A plain string when there is no image (what every template reads), else typed parts."""
+    if all(part is not None for part in parts):
+        return "".join(parts)
+    return [{"type": "image"} if part is None else {"type": "text", "text": part} for part in parts]
+
+
+@dataclass
+class Encoded:
+    input_ids: list[int]
+    labels: list[int]  # aligned with input_ids (unshifted: the collator shifts once)
+    images: list[Any] = field(default_factory=list)
+
+
+class ChatEncoder:
+    """Tokens and labels of a conversation (see the module docstring). `image_token` is the tokenizer's image
+    placeholder token (Qwen2-VL: `<|image_pad|>`), repeated per image by `image_lengths`."""
+
+    def __init__(
+        self, tokenizer: Any, chat_template: str = "", train_on_prompt: bool = False, image_token: str = ""
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.template = CHATML if chat_template == "chatml" else (chat_template or tokenizer.chat_template)
+        if not self.template:
+            raise DataError("the tokenizer has no chat template; set data.chat_template: chatml (or a Jinja template)")
+        self.train_on_prompt = train_on_prompt
+        self.image_token = image_token
+        self.image_token_id = tokenizer.convert_tokens_to_ids(image_token) if image_token else None
+        eos = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
+        self.end_of_turn = {i for i in eos if isinstance(i, int) and i != tokenizer.unk_token_id}
+
+    def _render(self, turns: list[Turn], generation_prompt: bool) -> str:
+        messages = [{"role": t.role, "content": _content(t.parts)} for t in turns]
+        return self.tokenizer.apply_chat_template(
+            messages,
+            chat_template=self.template,
+            tokenize=False,
+            add_generation_prompt=generation_prompt,
+            image_token=self.image_token,
+        )
+
+    def _tokens(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def encode(self, conversation: Conversation, image_lengths: Sequence[int], where: str) -> Encoded:
+        """Token ids and labels; each image placeholder token is repeated `image_lengths[i]` times."""
+        placeholders = sum(part is None for turn in conversation.turns for part in turn.parts)
+        if placeholders != len(conversation.images):
+            raise DataError(
+                f"{where}: {placeholders} image placeholder(s) but {len(conversation.images)} image(s); each image "
+                f"needs one {IMAGE_PLACEHOLDER} (or a {{'type': 'image'}} part), in order"
+            )
+        if placeholders and self.image_token_id is None:
+            raise DataError(f"{where}: the row has images but the model takes none (not a vision-language model)")
+        if conversation.plain_text:
+            pieces = [(p if p is not None else self.image_token, True) for p in conversation.turns[0].parts]
+            pieces.append((self.tokenizer.eos_token or "", True))
+        else:
+            if not any(t.role == "assistant" and t.train for t in conversation.turns) and not self.train_on_prompt:
+                raise DataError(
+                    f"{where}: no assistant turn to train on (assistant-only labels; or data.train_on_prompt)"
+                )
+            pieces = self._pieces(conversation.turns, where)
+        ids: list[int] = []
+        labels: list[int] = []
+        images = iter(image_lengths)
+        for text, trains in pieces:
+            tokens = self._tokens(text)
+            if trains and not self.train_on_prompt and not conversation.plain_text:
+                last = max((i for i, t in enumerate(tokens) if t in self.end_of_turn), default=len(tokens) - 1)
+                mask = [i <= last for i in range(len(tokens))]  # what follows the end-of-turn token does not train
+            else:
+                mask = [trains or self.train_on_prompt] * len(tokens)
+            for token, train in zip(tokens, mask):
+                if token == self.image_token_id:
+                    count = next(images)
+                    ids += [token] * count
+                    labels += [IGNORE_INDEX] * count
+                else:
+                    ids.append(token)
+                    labels.append(token if train else IGNORE_INDEX)
+        return Encoded(ids, labels, list(conversation.images))
+
+    def _pieces(self, turns: list[Turn], where: str) -> list[tuple[str, bool]]:
+        """The rendered text cut at turn boundaries: (text, trains) per piece."""
+        pieces: list[tuple[str, bool]] = []
+        done = ""
+        for index, turn in enumerate(turns):
+            if turn.role == "assistant":
+                prompt = self._render(turns[:index], generation_prompt=True) if index else ""
+                if not prompt.startswith(done):
+                    raise self._unstable(where, index)
+                pieces.append((prompt[len(done) :], False))
+                done = prompt
+            full = self._render(turns[: index + 1], generation_prompt=False)
+            if not full.startswith(done):
+                raise self._unstable(where, index)
+            pieces.append((full[len(done) :], turn.role == "assistant" and turn.train))
+            done = full
+        return [(text, trains) for text, trains in pieces if text]
+
+    @staticmethod
+    def _unstable(where: str, index: int) -> DataError:
+        return DataError(
+            f"{where}: the chat template is not prefix-stable at message {index} (rendering the first messages is not "
+            "a prefix of rendering one more), so the assistant tokens cannot be found; use data.chat_template: chatml "
+            "or data.train_on_prompt: true"
+        )

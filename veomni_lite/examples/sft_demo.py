@@ -1,0 +1,179 @@
+"""What a user brings to `trainers/train_sft.py`, written to disk from data that ships offline.
+
+`python -m veomni_lite.examples.sft_demo OUT_DIR` writes (idempotent; nothing is downloaded):
+- `OUT_DIR/digits/{train,eval}.jsonl` + `OUT_DIR/digits/images/*.png`: scikit-learn's 1,797 handwritten digits as an
+  OpenAI `messages` dataset, the image a typed part of the user turn, the answer "a handwritten seven"; the held-out
+  20% are the images the built-in digits job holds out (the same seeded permutation);
+- `OUT_DIR/help/train.jsonl`: Python's help pages (`pydoc_data.topics`) as a `sharegpt` dataset, one turn pair per
+  ~300-character piece of a topic;
+- `OUT_DIR/models/qwen2_vl_digits` and `OUT_DIR/models/qwen2_help`: `from_pretrained` directories of a tiny,
+  randomly initialized Qwen2-VL and Qwen2 with a byte-level BPE tokenizer trained on the data, its own ChatML chat
+  template (Qwen2-VL's image markup for the VL one) and, for Qwen2-VL, a `Qwen2VLImageProcessor` sized for 8x8
+  images (4 image tokens each).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PROMPT = "What digit is this?"
+WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+# Qwen2-VL's markup: an image part is <|vision_start|><|image_pad|><|vision_end|> (one placeholder, expanded later).
+TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tmp.replace(path)
+
+
+def write_digits(out: Path, eval_fraction: float = 0.2) -> list[str]:
+    """The digits as `messages` rows with PNG images; returns the texts (for the tokenizer)."""
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    order = torch.randperm(len(digits.target), generator=torch.Generator().manual_seed(0)).tolist()
+    held_out = set(order[: int(len(order) * eval_fraction)])
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    splits: dict[str, list[dict[str, Any]]] = {"train": [], "eval": []}
+    for index, (image, target) in enumerate(zip(digits.images, digits.target)):
+        name = f"images/{index:05d}.png"
+        Image.fromarray((image * (255 / 16)).round().astype("uint8"), mode="L").save(out / name)
+        row = {
+            "messages": [
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]},
+                {"role": "assistant", "content": f"a handwritten {WORDS[target]}"},
+            ],
+            "images": [name],
+        }
+        splits["eval" if index in held_out else "train"].append(row)
+    for split, rows in splits.items():
+        _write_jsonl(out / f"{split}.jsonl", rows)
+    return [PROMPT, *(f"a handwritten {word}" for word in WORDS)]
+
+
+def write_help(out: Path, piece: int = 300) -> list[str]:
+    """The help pages as `sharegpt` rows; returns the texts."""
+    from pydoc_data.topics import topics
+
+    rows, texts = [], []
+    for name in sorted(topics):
+        text = topics[name]
+        for part, start in enumerate(range(0, len(text), piece)):
+            question = f"Show part {part + 1} of the Python help topic {name!r}."
+            answer = text[start : start + piece]
+            rows.append({"conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]})
+            texts += [question, answer]
+    _write_jsonl(out / "train.jsonl", rows)
+    return texts
+
+
+def write_tokenizer(directory: Path, texts: list[str], vocab_size: int) -> Any:
+    """A byte-level BPE tokenizer trained on `texts`, with the chat tokens and template, saved for AutoTokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(texts, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=TEMPLATE
+    )
+    tokenizer.save_pretrained(str(directory))
+    return tokenizer
+
+
+def write_vl_model(directory: Path, texts: list[str]) -> None:
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor
+
+    tokenizer = write_tokenizer(directory, texts, vocab_size=300)
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL}
+    text = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]},
+        "vocab_size": len(tokenizer),
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": ids["<|endoftext|>"],
+        "tie_word_embeddings": False,
+        "initializer_range": 0.05,
+    }
+    vision = {"depth": 1, "embed_dim": 32, "num_heads": 2, "mlp_ratio": 2, "in_channels": 3, "patch_size": 2}
+    vision |= {"temporal_patch_size": 1, "spatial_merge_size": 2, "hidden_size": 64, "initializer_range": 0.05}
+    config = Qwen2VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    torch.manual_seed(0)
+    Qwen2VLForConditionalGeneration(config).save_pretrained(str(directory), safe_serialization=True)
+    processor = Qwen2VLImageProcessor(patch_size=2, temporal_patch_size=1, merge_size=2, min_pixels=64, max_pixels=4096)
+    processor.save_pretrained(str(directory))
+
+
+def write_text_model(directory: Path, texts: list[str]) -> None:
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    tokenizer = write_tokenizer(directory, texts, vocab_size=2048)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(directory), safe_serialization=True)
+
+
+def write_demo(out: str | Path) -> Path:
+    """Everything in the module docstring under `out` (skipped where it exists)."""
+    out = Path(out)
+    done = out / ".complete"
+    if done.is_file():
+        return out
+    digit_texts = write_digits(out / "digits")
+    help_texts = write_help(out / "help")
+    write_vl_model(out / "models" / "qwen2_vl_digits", digit_texts)
+    write_text_model(out / "models" / "qwen2_help", help_texts)
+    done.write_text("written by python -m veomni_lite.examples.sft_demo\n")
+    return out
+
+
+if __name__ == "__main__":
+    path = write_demo(sys.argv[1] if len(sys.argv) > 1 else "outputs/sft_demo")
+    print(f"[veomni_lite] SFT demo data and model directories in {path.resolve()}")

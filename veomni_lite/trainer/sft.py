@@ -1,0 +1,172 @@
+"""Supervised fine-tuning of any local transformers model on the user's own files, from the config alone.
+
+`model.pretrained_dir` names the model directory (a causal LM, or Qwen2-VL for images): its config, weights,
+tokenizer with its chat template (or `data.chat_template`) and image processor. `data.train_path` / `data.eval_path`
+(or `data.eval_fraction` of the rows) name the data, `data.format` and `data.columns` how rows read (see
+`veomni_lite.data.sft`). Every row is checked when the trainer is built, on every rank alike; the rows truncated or
+dropped by `data.overlength` are logged. Besides the eval losses, `eval/answer_accuracy` is the share of eval
+samples whose every trained token the model predicts greedily. Entry point: `trainers/train_sft.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from veomni_lite.data.checks import DataError
+from veomni_lite.data.collator import collate
+from veomni_lite.data.sft import ChatEncoder, read_sources
+from veomni_lite.data.sft_dataset import ImageProcessing, SFTDataset
+from veomni_lite.distributed.collectives import all_reduce
+from veomni_lite.loss_keys import IGNORE_INDEX, is_labels_key
+from veomni_lite.models.pretrained import (
+    PretrainedDirError,
+    check_vocabulary,
+    is_vision_language,
+    load_config,
+    load_image_processor,
+    load_model,
+    load_tokenizer,
+    text_config,
+)
+from veomni_lite.models.qwen2_vl import collate_qwen2_vl
+from veomni_lite.trainer.base import MODEL_CONFIG_DIR, BaseTrainer
+
+logger = logging.getLogger(__name__)
+
+IMAGE_TOKEN = "<|image_pad|>"  # Qwen2-VL's image placeholder
+
+
+class Subset:
+    """The samples of `dataset` at `indices`, in that order."""
+
+    def __init__(self, dataset: SFTDataset, indices: Sequence[int]) -> None:
+        self.dataset, self.indices = dataset, list(indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return self.dataset[self.indices[index]]
+
+
+def build_sft_data(config: Any) -> tuple[Any, Any, SFTDataset, SFTDataset | None, Any]:
+    """(model config, tokenizer, train dataset, eval dataset or None, image processing or None) from the config."""
+    model, data = config.model, config.data
+    if not model.pretrained_dir:
+        raise DataError("model.pretrained_dir: SFT needs a local transformers model directory")
+    if not data.train_path:
+        raise DataError("data.train_path: SFT needs the training data (a file, a list, a directory or a glob)")
+    model_config = load_config(model.pretrained_dir)
+    tokenizer = load_tokenizer(model.pretrained_dir)
+    check_vocabulary(tokenizer, model_config, model.pretrained_dir)
+    vision = is_vision_language(model_config)
+    images = ImageProcessing(load_image_processor(model.pretrained_dir)) if vision else None
+    encoder = ChatEncoder(tokenizer, data.chat_template, data.train_on_prompt, IMAGE_TOKEN if vision else "")
+    options = {
+        "fmt": data.format,
+        "columns": data.columns,
+        "max_seq_len": data.max_seq_len,
+        "overlength": data.overlength,
+        "media_dir": data.media_dir,
+        "images": images,
+    }
+    train = SFTDataset(read_sources(data.train_path, "data.train_path"), encoder, **options)
+    evaluation = None
+    if data.eval_path:
+        evaluation = SFTDataset(read_sources(data.eval_path, "data.eval_path"), encoder, **options)
+    return model_config, tokenizer, train, evaluation, images
+
+
+class SFTTrainer(BaseTrainer):
+    """The model, data and collate of a fine-tuning run (see the module docstring)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        if self.is_main:  # beside the model config: what `python -m veomni_lite.export` writes out with the weights
+            self.tokenizer.save_pretrained(str(self.output_dir / MODEL_CONFIG_DIR))
+            if self.images is not None:
+                self.images.processor.save_pretrained(str(self.output_dir / MODEL_CONFIG_DIR))
+
+    def build_datasets(self) -> tuple[Any, Any | None]:
+        """The datasets, or the same error on every rank: a rank that fails tells the others in one all-reduce on the
+        control group, before any collective of training could wait for it."""
+        problem: Exception | None = None
+        try:
+            datasets = self._build_datasets()
+        except (DataError, PretrainedDirError) as exc:
+            problem = exc
+        if all_reduce([int(problem is not None)], op="max", group=self.control_group)[0]:
+            if problem is not None:
+                raise problem
+            raise DataError(f"rank {self.rank}: another rank could not build the SFT data (see its error)")
+        return datasets
+
+    def _build_datasets(self) -> tuple[Any, Any | None]:
+        data, train = self.config.data, self.config.train
+        self.model_config, self.tokenizer, dataset, evaluation, self.images = build_sft_data(self.config)
+        if self.is_main:
+            logger.info("SFT data: train %s", dataset.stats)
+            if evaluation is not None:
+                logger.info("SFT data: eval %s", evaluation.stats)
+        if evaluation is None and data.eval_fraction > 0 and train.eval_batches:
+            order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(train.seed)).tolist()
+            held_out = int(len(order) * data.eval_fraction)
+            evaluation, dataset = Subset(dataset, sorted(order[:held_out])), Subset(dataset, sorted(order[held_out:]))
+        if evaluation is not None and train.eval_batches and len(evaluation) < train.global_batch_size:
+            raise DataError(
+                f"the eval set has {len(evaluation)} samples, fewer than one eval batch (train.global_batch_size = "
+                f"{train.global_batch_size}); add eval data, raise data.eval_fraction or set train.eval_batches: 0"
+            )
+        if len(dataset) < train.global_batch_size:
+            raise DataError(
+                f"the training set has {len(dataset)} samples, fewer than train.global_batch_size "
+                f"({train.global_batch_size})"
+            )
+        return dataset, evaluation if train.eval_batches else None
+
+    def build_model(self) -> Any:
+        return load_model(self.config.model.pretrained_dir)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(text_config(self.model_config).vocab_size)
+
+    @property
+    def pad_id(self) -> int:
+        tokenizer = self.tokenizer
+        return int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0)
+
+    def collate(self, samples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        multiple = self.config.data.pad_to_multiple_of
+        if self.images is None:
+            return collate(samples, pad_to_multiple_of=multiple, pad_id=self.pad_id)
+        image_token = self.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+        return collate_qwen2_vl(samples, image_token, self.images.merge, self.pad_id, multiple)
+
+    @torch.no_grad()
+    def extra_eval_metrics(self) -> dict[str, float]:
+        """`answer_accuracy`: the share of eval samples (those of the eval losses) whose every trained token the model
+        predicts greedily under teacher forcing. Under SP the shards of a sample add up their wrong tokens first."""
+        if self.eval_dataset is None:
+            return {}
+        state = self.parallel
+        loader = self._make_loader(self.eval_dataset, self.config.train.seed + 1)
+        hits = torch.zeros(2, dtype=torch.long, device=self.device)
+        for _ in range(self.config.train.eval_batches):
+            for micro_batch in [self.shard(mb) for mb in loader.next_step()]:
+                inputs = {key: value for key, value in micro_batch.items() if not is_labels_key(key)}
+                logits = self.model(**self.preforward(inputs))["logits"]
+                labels = micro_batch["labels"].to(self.device)
+                valid = labels != IGNORE_INDEX
+                per_row = torch.stack([((logits.argmax(-1) != labels) & valid).sum(-1), valid.sum(-1)])
+                if state.sp_size > 1:
+                    per_row = all_reduce(per_row, op="sum", group=state.sp_group)
+                counted = per_row[1] > 0
+                if state.sp_rank == 0:  # the sp group's ranks hold the same rows: count them once
+                    hits += torch.stack([(counted & (per_row[0] == 0)).sum(), counted.sum()])
+        correct, counted = all_reduce(hits.cpu().tolist(), op="sum", group=state.world_group)
+        return {"answer_accuracy": correct / max(counted, 1)}
