@@ -373,6 +373,18 @@ def checked(records: Iterable[Record], field: str) -> float:
     return max(values) if values else float("nan")
 
 
+def sft_input_table(sft: Mapping[str, Any] | None) -> str:
+    """The SFT job's step without / with the prefetch thread (median [IQR] ms), or a note that it was not run."""
+    if not sft:
+        return "Not measured in this run."
+    cells = [f"{sft['median_ms'][k]:.1f} [{sft['q1_ms'][k]:.1f}–{sft['q3_ms'][k]:.1f}]" for k in ("without", "with")]
+    ratio = sft["median_ms"]["without"] / sft["median_ms"]["with"]
+    return table(
+        "steps|global batch|step ms without prefetch|step ms with prefetch|without / with",
+        [[sft["steps"], sft["global_batch_size"], *cells, f"{ratio:.2f}x"]],
+    )
+
+
 def page_values(results: Mapping[str, Any], records: list[Record], png: str) -> dict[str, Any]:
     """The fields of the template that are not top-level keys of `results`, its machine or its settings."""
     runs = dict(sorted(results["runs"].items(), key=lambda item: int(item[0])))
@@ -438,6 +450,7 @@ def page_values(results: Mapping[str, Any], records: list[Record], png: str) -> 
         "trainer_log_interval": span(r["log_interval"] for r in trainer),
         "trainer_norm_diff": checked(trainer, "grad_norm_rel_diff"),
         "gpu": gpu_section(results.get("gpu") or []),
+        "sft_input": sft_input_table(results.get("sft_input")),
         "oversubscribed": f"; {', '.join(over)} processes share {results['machine']['logical_cpus']} CPUs, so those "
         "collectives include scheduling delay (real on a loaded host, larger than on a cluster)"
         if over

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import sft_input
 from report import write_report
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -57,6 +58,8 @@ MODES: dict[str, dict[str, Any]] = {
         "min_reps": 6,
         "max_reps": 40,
         "rss_steps": 2000,
+        "sft_steps": 20,
+        "sft_blocks": 4,
         "timeout_s": 420,
     },
     "quick": {
@@ -69,6 +72,8 @@ MODES: dict[str, dict[str, Any]] = {
         "min_reps": 3,
         "max_reps": 10,
         "rss_steps": 300,
+        "sft_steps": 5,
+        "sft_blocks": 2,
         "timeout_s": 150,
     },
 }
@@ -172,6 +177,9 @@ def main() -> int:
         scratch.mkdir(parents=True, exist_ok=True)
         for world in (int(value) for value in args.worlds.split(",") if value):
             runs[str(world)] = run_world(world, settings, scratch / f"{mode}_world{world}.json")
+        sft_start = time.perf_counter()
+        sft = sft_input.measure(scratch / "sft", settings["sft_steps"], settings["sft_blocks"])
+        print(f"[bench] SFT input pipeline: done in {time.perf_counter() - sft_start:.0f}s", flush=True)
         first = next(iter(runs.values()))
         command = "make bench QUICK=1" if args.quick else "make bench"
         results = {
@@ -188,6 +196,7 @@ def main() -> int:
             },
             "raw_results": str(raw_path.relative_to(REPO)) if raw_path.is_relative_to(REPO) else str(raw_path),
             "runs": runs,
+            "sft_input": sft,
             "targets": TARGETS,
             "gpu": gpu_results(),
         }

@@ -100,8 +100,10 @@ class DataConfig:
     """SFT: the longest sample, in tokens (image placeholders included); 0: no limit."""
     overlength: Literal["truncate", "drop", "error"] = "truncate"
     """SFT: what a longer sample gets (the counts are logged)."""
-    prefetch_steps: int = 1
-    """Steps of micro-batches prepared ahead on a background thread while the current step trains (0: none)."""
+    prefetch_steps: int = -1
+    """Steps of micro-batches read, processed and collated ahead on a background thread while the current step trains;
+    0: none; -1: 1 on an accelerator (the device computes meanwhile), 0 on a CPU-only machine, where the thread
+    competes with the compute (`make bench` measures both)."""
 
 
 @dataclass
@@ -463,8 +465,8 @@ def validate(config: Config, world_size: int | None = None) -> None:
             f"train.global_batch_size ({train.global_batch_size}) is not divisible by train.micro_batch_size "
             f"({train.micro_batch_size}) x dp size ({dp_size} = world {world_size} / sp {parallel.sp_size})"
         )
-    if config.data.prefetch_steps < 0:
-        raise ConfigError(f"data.prefetch_steps: must be >= 0, got {config.data.prefetch_steps}")
+    if config.data.prefetch_steps < -1:
+        raise ConfigError(f"data.prefetch_steps: must be >= -1, got {config.data.prefetch_steps}")
     _check_arch(config.model)
     try:
         config.loss.resolved()

@@ -137,7 +137,8 @@ class BaseTrainer(ABC):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, warmup_cosine(optim.warmup_steps, train.max_steps, optim.min_lr_ratio)
         )
-        self.loader = self._make_loader(self.train_dataset, train.seed, config.data.prefetch_steps)
+        prefetch = config.data.prefetch_steps if config.data.prefetch_steps >= 0 else int(self.device.type != "cpu")
+        self.loader = self._make_loader(self.train_dataset, train.seed, prefetch)
         self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", keep=config.checkpoint.keep_checkpoints)
         self.metrics = self.build_metrics()
         self.step = 0
