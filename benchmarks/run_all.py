@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import sft_input
 from report import write_report
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -177,6 +176,8 @@ def main() -> int:
         scratch.mkdir(parents=True, exist_ok=True)
         for world in (int(value) for value in args.worlds.split(",") if value):
             runs[str(world)] = run_world(world, settings, scratch / f"{mode}_world{world}.json")
+        import sft_input  # here: it imports the library, which the page alone does not need
+
         sft_start = time.perf_counter()
         sft = sft_input.measure(scratch / "sft", settings["sft_steps"], settings["sft_blocks"])
         print(f"[bench] SFT input pipeline: done in {time.perf_counter() - sft_start:.0f}s", flush=True)
