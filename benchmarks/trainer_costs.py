@@ -131,15 +131,17 @@ def build_trainer(world: int, micro_batch_size: int, log_interval: int, output_d
 
 
 def build_bare(trainer: VLMTrainer) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """A second copy of the trainer's model (its current weights), sharded the same way, with its own AdamW."""
+    """A second copy of the trainer's model (its current weights), sharded the same way, with its own AdamW over the
+    same parameter groups."""
     torch.manual_seed(0)
     model = trainer.build_model().to(trainer.device)
     model = apply_fsdp(model, get_parallel_state(), list(model.layers))
     with torch.no_grad():
         for bare, trained in zip(model.parameters(), trainer.model.parameters()):
             bare.copy_(trained)
-    optim = trainer.config.optim
-    return model, torch.optim.AdamW(model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay)
+    optim = trainer.config.optim  # the trainer's own parameter groups: the same optimizer work in both loops
+    groups = base.parameter_groups(model, optim.weight_decay, optim.weight_decay_on)
+    return model, torch.optim.AdamW(groups, lr=optim.lr)
 
 
 def bare_step(
