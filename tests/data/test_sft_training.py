@@ -30,29 +30,25 @@ def demo(tmp_path_factory) -> Path:
     return write_demo(tmp_path_factory.mktemp("sft_demo"))
 
 
-def digits_args(demo: Path, out: Path, *extra: str) -> list[str]:
+def sft_args(demo: Path, out: Path, model: str, train: str, *extra: str) -> list[str]:
     return [
-        "--model.pretrained_dir", str(demo / "models/qwen2_vl_digits"),
-        "--data.train_path", str(demo / "digits/train.jsonl"),
-        "--data.eval_path", str(demo / "digits/eval.jsonl"),
+        "--model.pretrained_dir", str(demo / "models" / model),
+        "--data.train_path", str(demo / train),
         "--train.output_dir", str(out),
         "--logging.progress_bar", "false",
         "--logging.tensorboard", "false",
         "--logging.plot", "false",
         *extra,
     ]  # fmt: skip
+
+
+def digits_args(demo: Path, out: Path, *extra: str) -> list[str]:
+    eval_path = ["--data.eval_path", str(demo / "digits/eval.jsonl")]
+    return sft_args(demo, out, "qwen2_vl_digits", "digits/train.jsonl", *eval_path, *extra)
 
 
 def help_args(demo: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        "--model.pretrained_dir", str(demo / "models/qwen2_help"),
-        "--data.train_path", str(demo / "help/train.jsonl"),
-        "--train.output_dir", str(out),
-        "--logging.progress_bar", "false",
-        "--logging.tensorboard", "false",
-        "--logging.plot", "false",
-        *extra,
-    ]  # fmt: skip
+    return sft_args(demo, out, "qwen2_help", "help/train.jsonl", *extra)
 
 
 def train(config_file: str, args: list[str]) -> SFTTrainer:

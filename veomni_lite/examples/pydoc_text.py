@@ -8,6 +8,7 @@ split. A sample's `labels` equal its `input_ids` except `<bos>`, unshifted (the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -19,7 +20,7 @@ from veomni_lite.loss_keys import IGNORE_INDEX
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 SPECIAL_TOKENS = (PAD, BOS, EOS)
 
-__all__ = ["PydocTextDataset", "corpus_documents", "load_or_train_tokenizer", "train_tokenizer"]
+__all__ = ["PydocTextDataset", "corpus_documents", "load_or_train_tokenizer", "train_bpe", "train_tokenizer"]
 
 
 def corpus_documents() -> list[str]:
@@ -29,19 +30,24 @@ def corpus_documents() -> list[str]:
     return [topics[name] for name in sorted(topics)]
 
 
-def train_tokenizer(vocab_size: int) -> Tokenizer:
-    """A byte-level BPE tokenizer trained on the corpus; ids 0, 1, 2 are `<pad>`, `<bos>`, `<eos>`."""
+def train_bpe(texts: list[str], vocab_size: int, special_tokens: Sequence[str]) -> Tokenizer:
+    """A byte-level BPE tokenizer trained on `texts` (deterministic); the special tokens take the first ids."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(corpus_documents(), trainer=trainer)
+    tokenizer.train_from_iterator(texts, trainer=trainer)
     return tokenizer
+
+
+def train_tokenizer(vocab_size: int) -> Tokenizer:
+    """A byte-level BPE tokenizer trained on the corpus; ids 0, 1, 2 are `<pad>`, `<bos>`, `<eos>`."""
+    return train_bpe(corpus_documents(), vocab_size, SPECIAL_TOKENS)
 
 
 def load_or_train_tokenizer(path: str | Path, vocab_size: int, save: bool = True) -> Tokenizer:

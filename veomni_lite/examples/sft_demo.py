@@ -85,19 +85,11 @@ def write_help(out: Path, piece: int = 300) -> list[str]:
 
 def write_tokenizer(directory: Path, texts: list[str], vocab_size: int) -> Any:
     """A byte-level BPE tokenizer trained on `texts`, with the chat tokens and template, saved for AutoTokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    core.train_from_iterator(texts, trainer=trainer)
+    from veomni_lite.examples.pydoc_text import train_bpe
+
+    core = train_bpe(texts, vocab_size, SPECIAL)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=TEMPLATE
     )
