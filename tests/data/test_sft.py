@@ -238,6 +238,21 @@ def test_images_as_bytes_and_path_dicts_in_parquet_go_through_the_real_image_pro
     check_image_samples(tokenizer, dataset, [1, 1, 2])
 
 
+def test_an_image_feature_column_of_a_saved_dataset(tmp_path, tokenizer, image_processing):
+    import datasets
+    from PIL import Image
+
+    rows = [image_row([Image.open(io.BytesIO(png_bytes(40)))])]
+    rows[0]["messages"][1]["content"] = [{"type": "text", "text": "a handwritten seven"}]  # one type per column
+    features = datasets.Dataset.from_list([{"messages": rows[0]["messages"]}]).features.copy()
+    features["images"] = datasets.Sequence(datasets.Image())
+    datasets.Dataset.from_list(rows, features=features).save_to_disk(str(tmp_path / "saved"))
+    encoder = ChatEncoder(tokenizer, image_token="<|image_pad|>")
+    sources = read_sources(str(tmp_path / "saved"), "data.train_path")
+    dataset = SFTDataset(sources, encoder, "messages", {}, 0, images=image_processing)
+    check_image_samples(tokenizer, dataset, [1])
+
+
 def test_image_paths_and_placeholders_in_jsonl_relative_to_the_file_or_media_dir(tmp_path, tokenizer, image_processing):
     (tmp_path / "media").mkdir()
     (tmp_path / "media" / "a.png").write_bytes(png_bytes(10))

@@ -275,14 +275,16 @@ def to_conversation(row: Mapping[str, Any], fmt: str, columns: Mapping[str, str]
 
 
 def load_image(value: Any, media_dir: Path, where: str) -> Any:
-    """A PIL RGB image from a path (relative to `media_dir`), bytes or a `{"bytes", "path"}` dict; decoded fully,
-    within Pillow's decompression-bomb limit (`PIL.Image.MAX_IMAGE_PIXELS`)."""
+    """A PIL RGB image from a path (relative to `media_dir`), bytes, a `{"bytes", "path"}` dict or a PIL image (a
+    `datasets.Image()` column); decoded fully, within Pillow's decompression-bomb limit (`Image.MAX_IMAGE_PIXELS`)."""
     import warnings
 
     from PIL import Image
 
     if isinstance(value, Mapping):
         value = value.get("bytes") or value.get("path")
+    if isinstance(value, Image.Image):  # a `datasets.Image()` column, decoded by `datasets`
+        return value.convert("RGB")
     if isinstance(value, (bytes, bytearray)):
         name, opener = "the image bytes", lambda: Image.open(io.BytesIO(value))
     elif isinstance(value, str):
