@@ -13,6 +13,10 @@ Keys are packed in sorted name order. Because every rank declares the same specs
 whatever it recorded, so asymmetric recording needs no extra collective. The reduced values are read to the host
 once per window. A key without a value on any rank (for `mean`: a total count of 0) is omitted, never logged as 0.
 
+A controller (the single-controller pattern of Ray-based RL trainers) merges the windows of N workers without
+torch.distributed: each worker's `export_window()` is its SUM and MAX items as plain data, and `merge_windows` adds
+and maxes them as the two all-reduces would, then finishes exactly as `reduce` does.
+
 `sp_dedup` metrics are contributed by sp_rank 0 of each sequence-parallel group only (exact for integer counters;
 no division by sp_size).
 """
@@ -197,17 +201,9 @@ class MetricAccumulator:
 
     # ---- reduction: every rank of the group, two collectives ----
 
-    def reduce(self, window: MetricWindow | None = None) -> dict[str, float]:
-        """Reduce a window across ranks (collective: every rank must call it); {name: value} in declaration order.
-
-        `window=None` reduces the open window and resets it only after the reduction succeeded; a window from
-        `take_window()` is reduced as given. Keys without a value on any rank are omitted.
-        """
-        own_window = window is None
-        if window is None:
-            window = self._window
+    def _contribution(self, window: MetricWindow) -> tuple[list[Value], list[Value]]:
+        """This rank's (SUM items, MAX items) of `window`, in packing order (see the module docstring)."""
         sp_rank = self.sp_rank if self.sp_rank is not None else get_parallel_state().sp_rank
-
         n = float(len(self.specs))
         sum_items: list[Value] = []
         max_items: list[Value] = [n, -n, self._fingerprint, -self._fingerprint]
@@ -225,13 +221,11 @@ class MetricAccumulator:
             else:
                 sum_items.append(float(slot.records) if slot else 0.0)
                 max_items.append(slot.high if slot else -math.inf)
+        return sum_items, max_items
 
-        device = collective_device(self.group)
-        summed = all_reduce(_pack(sum_items, device), op="sum", group=self.group)
-        maxed = all_reduce(_pack(max_items, device), op="max", group=self.group)
-        host = torch.cat((summed, maxed)).tolist()  # the one host read of the window
-        sums, maxes = host[: len(sum_items)], host[len(sum_items) :]
-
+    def _finish(self, sums: list[float], maxes: list[float]) -> dict[str, float]:
+        """{name: value} in declaration order from the reduced SUM and MAX items; keys without a value omitted."""
+        n = float(len(self.specs))
         if maxes[:4] != [n, -n, self._fingerprint, -self._fingerprint]:
             raise RuntimeError(
                 "MetricAccumulator: ranks declared different metric specs (every rank must declare the same names, "
@@ -251,9 +245,50 @@ class MetricAccumulator:
                 mi += 1
                 if present > 0:
                     result[spec.name] = -extreme if spec.reduce == "min" else extreme
+        return {name: result[name] for name in self.by_name if name in result}
+
+    def reduce(self, window: MetricWindow | None = None) -> dict[str, float]:
+        """Reduce a window across ranks (collective: every rank must call it); {name: value} in declaration order.
+
+        `window=None` reduces the open window and resets it only after the reduction succeeded; a window from
+        `take_window()` is reduced as given. Keys without a value on any rank are omitted.
+        """
+        own_window = window is None
+        sum_items, max_items = self._contribution(self._window if window is None else window)
+        device = collective_device(self.group)
+        summed = all_reduce(_pack(sum_items, device), op="sum", group=self.group)
+        maxed = all_reduce(_pack(max_items, device), op="max", group=self.group)
+        host = torch.cat((summed, maxed)).tolist()  # the one host read of the window
+        result = self._finish(host[: len(sum_items)], host[len(sum_items) :])
         if own_window:
             self.reset()
-        return {name: result[name] for name in self.by_name if name in result}
+        return result
+
+    # ---- a controller's merge: windows as plain data, no torch.distributed ----
+
+    def export_window(self, window: MetricWindow | None = None) -> dict[str, list[float]]:
+        """This worker's contribution to a window (default: the open one, which is then reset) as plain data
+        (lists of floats, picklable, JSON-able) for `merge_windows` on a controller; one host read."""
+        own_window = window is None
+        sum_items, max_items = self._contribution(self._window if window is None else window)
+        cpu = torch.device("cpu")
+        exported = {"sum": _pack(sum_items, cpu).tolist(), "max": _pack(max_items, cpu).tolist()}
+        if own_window:
+            self.reset()
+        return exported
+
+    def merge_windows(self, windows: Iterable[dict[str, list[float]]]) -> dict[str, float]:
+        """The reduction of N workers' exported windows, on one process: the SUM and MAX that `reduce` would make
+        over their ranks, then the same result (per metric with its declared reduction; empty windows omit keys)."""
+        windows = list(windows)
+        if not windows:
+            return {}
+        lengths = {(len(w["sum"]), len(w["max"])) for w in windows}
+        if len(lengths) != 1:
+            raise RuntimeError(f"MetricAccumulator.merge_windows: windows of different layouts {sorted(lengths)}")
+        sums = [math.fsum(items) for items in zip(*(w["sum"] for w in windows))]
+        maxes = [max(items) for items in zip(*(w["max"] for w in windows))]
+        return self._finish(sums, maxes)
 
     # ---- checkpointing: this rank's open window ----
 
