@@ -399,6 +399,9 @@ def _attention_heads(model: ModelConfig) -> dict[str, int]:
     return {key: value for key, value in heads.items() if isinstance(value, int)}
 
 
+NAMED_ARCHES = ("tiny", "qwen2_vl", "auto")  # the archs that are not a transformers causal-LM model_type
+
+
 def _check_arch(model: ModelConfig) -> None:
     if model.arch in ("tiny", "qwen2_vl"):
         return

@@ -18,11 +18,11 @@ from pathlib import Path
 
 from torch import nn
 
+from veomni_lite.models.pretrained import LOCAL_ONLY as _LOCAL
 from veomni_lite.trainer.base import MODEL_CONFIG_DIR
 from veomni_lite.trainer.checkpoint import CheckpointManager
 
 TOKENIZER_FILE = "tokenizer.json"
-_LOCAL = {"trust_remote_code": False, "local_files_only": True}
 _SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>"}
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 VISION_LANGUAGE = ("qwen2_vl",)
-_LOCAL = {"trust_remote_code": False, "local_files_only": True}
+LOCAL_ONLY = {"trust_remote_code": False, "local_files_only": True}  # every from_pretrained here
 _PLAIN_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
@@ -33,7 +33,7 @@ def load_config(directory: str | Path) -> Any:
             f"model.pretrained_dir: {directory} needs custom code ({sorted(config_dict['auto_map'])} in config.json); "
             "veomni_lite loads models with trust_remote_code=False and never runs code from a model directory"
         )
-    return AutoConfig.from_pretrained(str(directory), **_LOCAL)
+    return AutoConfig.from_pretrained(str(directory), **LOCAL_ONLY)
 
 
 def is_vision_language(config: Any) -> bool:
@@ -52,7 +52,7 @@ def load_tokenizer(directory: str | Path) -> Any:
     settings = Path(directory) / "tokenizer_config.json"
     plain = settings.is_file() and json.loads(settings.read_text()).get("tokenizer_class") in _PLAIN_TOKENIZERS
     try:
-        return (PreTrainedTokenizerFast if plain else AutoTokenizer).from_pretrained(str(directory), **_LOCAL)
+        return (PreTrainedTokenizerFast if plain else AutoTokenizer).from_pretrained(str(directory), **LOCAL_ONLY)
     except (OSError, ValueError) as exc:
         raise PretrainedDirError(f"model.pretrained_dir: {directory} has no usable tokenizer: {exc}") from None
 
@@ -71,7 +71,7 @@ def load_image_processor(directory: str | Path) -> Any:
     from transformers import AutoImageProcessor
 
     try:
-        return AutoImageProcessor.from_pretrained(str(directory), **_LOCAL)
+        return AutoImageProcessor.from_pretrained(str(directory), **LOCAL_ONLY)
     except (OSError, ValueError) as exc:
         raise PretrainedDirError(f"model.pretrained_dir: {directory} has no usable image processor: {exc}") from None
 

@@ -12,13 +12,11 @@ from collections.abc import Mapping
 
 import torch.distributed as dist
 
-from veomni_lite.config import ConfigError, load_config
+from veomni_lite.config import NAMED_ARCHES, ConfigError, load_config
 from veomni_lite.data.checks import DataError
 from veomni_lite.log import setup_logging
 from veomni_lite.models.pretrained import PretrainedDirError
 from veomni_lite.trainer.base import BaseTrainer
-
-NAMED_ARCHES = ("tiny", "qwen2_vl", "auto")  # the archs that are not a transformers causal-LM model_type
 
 
 def main(trainers: Mapping[str, type[BaseTrainer]], argv: list[str] | None = None) -> int:

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.utils.data import Subset
 
 from veomni_lite.data.checks import DataError
 from veomni_lite.data.collator import collate
@@ -38,19 +39,6 @@ from veomni_lite.trainer.base import MODEL_CONFIG_DIR, BaseTrainer
 logger = logging.getLogger(__name__)
 
 IMAGE_TOKEN = "<|image_pad|>"  # Qwen2-VL's image placeholder
-
-
-class Subset:
-    """The samples of `dataset` at `indices`, in that order."""
-
-    def __init__(self, dataset: SFTDataset, indices: Sequence[int]) -> None:
-        self.dataset, self.indices = dataset, list(indices)
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return self.dataset[self.indices[index]]
 
 
 def build_sft_data(config: Any) -> tuple[Any, Any, SFTDataset, SFTDataset | None, Any]:
