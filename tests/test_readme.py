@@ -29,7 +29,7 @@ def test_the_loss_snippet_trains_on_the_exact_token_mean_of_the_step(monkeypatch
         return original_step(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.optim.AdamW, "step", capture_then_step)
-    exec(compile(python_block("## Use the loss module with your own model"), "README.md", "exec"), namespace)
+    exec(compile(python_block("## Use the loss module in a loop of your own"), "README.md", "exec"), namespace)
     model, batches = namespace["model"], namespace["micro_batches"]
     assert len(grads) == len(list(model.parameters()))
 
