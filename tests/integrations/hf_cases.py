@@ -147,9 +147,12 @@ def collate(rows: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
     return batch
 
 
-def reference_loss(model: nn.Module, micro_batches: Sequence[dict[str, torch.Tensor]]) -> torch.Tensor:
+def reference_loss(
+    model: nn.Module, micro_batches: Sequence[dict[str, torch.Tensor]], mode: str = "token-mean"
+) -> torch.Tensor:
     """The step's exact loss in one process, by hand: next-token cross-entropy summed over every micro-batch of every
-    rank / all its targets, plus (two-head LM) the tag cross-entropy summed / all tag targets."""
+    rank / all its targets (`seq-mean-token-mean`: each sample's mean, averaged over the samples with a target), plus
+    (two-head LM) the tag cross-entropy summed / all tag targets."""
     sums: dict[str, Any] = {"lm": 0.0, "tag": 0.0}
     counts = {"lm": 0, "tag": 0}
     for batch in micro_batches:
@@ -165,8 +168,12 @@ def reference_loss(model: nn.Module, micro_batches: Sequence[dict[str, torch.Ten
         else:
             logits = model(**inputs).logits
         targets = batch["labels"][:, 1:]
-        sums["lm"] = sums["lm"] + F.cross_entropy(
-            logits[:, :-1].flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum"
-        )
-        counts["lm"] += int((targets != -100).sum())
+        per_token = F.cross_entropy(logits[:, :-1].transpose(1, 2), targets, ignore_index=-100, reduction="none")
+        if mode == "seq-mean-token-mean":
+            n = (targets != -100).sum(1)
+            sums["lm"] = sums["lm"] + (per_token.sum(1)[n > 0] / n[n > 0]).sum()
+            counts["lm"] += int((n > 0).sum())
+        else:
+            sums["lm"] = sums["lm"] + per_token.sum()
+            counts["lm"] += int((targets != -100).sum())
     return sum(sums[k] / counts[k] for k in sums if counts[k])

@@ -109,8 +109,9 @@ def test_prepare_micro_batch_shifts_once_and_masks_targets_across_packed_sequenc
     assert batch["foundation_loss_weights"][0].tolist() == [0.5, 0.5, 0, 0.5, 0.5, 0]
 
 
-def test_one_process_with_accumulation_equals_the_reference(tmp_path):
-    """The same contract without a process group: GA 2 over micro-batches of different lengths."""
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_one_process_with_accumulation_equals_the_reference(tmp_path, mode):
+    """The same contract without a process group: GA 2 over micro-batches of different lengths, in two modes."""
     from transformers import TrainingArguments
 
     data = samples("vl25", 4)
@@ -126,11 +127,11 @@ def test_one_process_with_accumulation_equals_the_reference(tmp_path):
         return seen[-1]
 
     record.trainer = ExactLossTrainer(
-        model=model, args=args, train_dataset=data, data_collator=recording_collate, callbacks=[record]
+        model=model, args=args, train_dataset=data, data_collator=recording_collate, callbacks=[record], loss_modes=mode
     )
     record.trainer.train()
     (got,) = record.grads
-    reference_loss(model, seen[:2]).backward()
+    reference_loss(model, seen[:2], mode).backward()
     worst = max(float((got[n] - p.grad).abs().max()) for n, p in model.named_parameters() if p.grad is not None)
     assert worst < 1e-12
 
