@@ -15,8 +15,10 @@ from __future__ import annotations
 IGNORE_INDEX = -100
 FOUNDATION = "foundation"
 SEQUENCE_IDS = "sequence_ids"
+ATTENTION_SEQUENCE_IDS = "attention_sequence_ids"  # packed rows: `sequence_ids` kept whole under SP, for attention
 
 __all__ = [
+    "ATTENTION_SEQUENCE_IDS",
     "FOUNDATION",
     "IGNORE_INDEX",
     "SEQUENCE_IDS",

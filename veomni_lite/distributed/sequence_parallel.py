@@ -4,7 +4,8 @@
   dimension (dim 1) after padding it to a multiple of sp_size (ids with `pad_id`, every labels key with IGNORE_INDEX,
   `image_feature_index` and `sequence_ids` with -1, the `mark_sequences` keys with 0, positions continuing, also
   when they carry a trailing axis such as Qwen2-VL's [B, S, 3]). Whole-sample tensors such as `pixel_values` stay
-  whole on every rank.
+  whole on every rank, and so does a packed row's `attention_sequence_ids` (padded with -1 to the same length): the
+  boundaries of the WHOLE row, from which attention masks the rows it sees after the all-to-all.
 - `seq_to_heads` / `heads_to_seq` are autograd all-to-alls (`all_to_all_single`) between [B, S/sp, H, D] and
   [B, S, H/sp, D]; each one's backward is the other.
 - `ulysses_attention(fn, group)` wraps an attention function with them, so attention sees whole sequences for
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from veomni_lite.loss_keys import IGNORE_INDEX, SEQUENCE_IDS, is_labels_key
+from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS, IGNORE_INDEX, SEQUENCE_IDS, is_labels_key
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -56,10 +57,13 @@ def slice_micro_batch(micro_batch: Mapping[str, Any], sp_rank: int, sp_size: int
     start, stop = sp_rank * chunk, (sp_rank + 1) * chunk
     out: dict[str, Any] = {}
     for key, value in micro_batch.items():
+        extra = padded_len - seq_len
+        if key == ATTENTION_SEQUENCE_IDS:
+            out[key] = torch.cat([value, value.new_full((value.shape[0], extra), -1)], dim=1) if extra else value
+            continue
         if not is_sequence_key(key):
             out[key] = value
             continue
-        extra = padded_len - seq_len
         if extra:
             if key == "position_ids":
                 steps = torch.arange(1, extra + 1, device=value.device, dtype=value.dtype)

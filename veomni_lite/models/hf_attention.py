@@ -8,6 +8,12 @@ None). The function swaps sequence for heads with two autograd all-to-alls aroun
 sequence, so H and H_kv must be divisible by sp_size. transformers builds no mask for a name it does not know
 (`attention_mask` is None), which is right here: padding is on the right only, so the causal mask suffices.
 A vision tower keeps its own attention: it sees whole images on every rank.
+
+Packed rows: `packed_causal_mask(attention_sequence_ids)` is the block-diagonal causal mask of the WHOLE row, built on
+the device from the boundaries the host computed with the batch (no position read back). Given as a 4D mask,
+transformers passes it through unchanged to SDPA and to `veomni_ulysses`, which applies it after the all-to-all,
+where each rank sees the whole row. `check_packing_attention` refuses other implementations (eager adds a mask,
+flash-attention takes none).
 """
 
 from __future__ import annotations
@@ -36,9 +42,8 @@ def ulysses_attention_forward(
     dropout: float = 0.0,
     **_kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function signature; see the module docstring for the layouts."""
-    if attention_mask is not None:
-        raise ValueError("veomni_ulysses attention expects no attention mask (right padding, causal)")
+    """transformers' attention-function signature; see the module docstring for the layouts. `attention_mask`: None
+    (causal) or a packed row's [B, 1, S, S] boolean mask over the whole sequence."""
     group = getattr(module, _GROUP_ATTR, None)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, s, H, D]
     if group is not None:
@@ -48,11 +53,37 @@ def ulysses_attention_forward(
     if repeats > 1:  # grouped-query attention: transformers hands over the un-expanded key/value heads
         k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
     out = F.scaled_dot_product_attention(
-        q, k, v, dropout_p=dropout if module.training else 0.0, scale=scaling, is_causal=True
+        q,
+        k,
+        v,
+        attn_mask=attention_mask,
+        dropout_p=dropout if module.training else 0.0,
+        scale=scaling,
+        is_causal=attention_mask is None,
     ).transpose(1, 2)  # [B, S, H/sp, D]
     if group is not None:
         out = heads_to_seq(out.contiguous(), group)
     return out.contiguous(), None
+
+
+def packed_causal_mask(sequence_ids: torch.Tensor) -> torch.Tensor:
+    """[B, 1, S, S] bool: query q may attend key k iff k <= q and both hold the same id (padding, -1, attends only to
+    the padding before it, so no row is empty)."""
+    length = sequence_ids.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=sequence_ids.device).tril()
+    return ((sequence_ids[:, :, None] == sequence_ids[:, None, :]) & causal)[:, None]
+
+
+PACKING_ATTENTION = ("sdpa", ATTENTION_NAME)
+
+
+def check_packing_attention(config: Any) -> None:
+    """Raise ValueError unless `config`'s attention takes a 4D boolean mask unchanged (see the module docstring)."""
+    name = getattr(config, "_attn_implementation", None)
+    if name not in PACKING_ATTENTION:
+        raise ValueError(
+            f"data.packing: attention {name!r} cannot take the packed rows' mask; use one of {PACKING_ATTENTION}"
+        )
 
 
 def register_ulysses_attention() -> None:

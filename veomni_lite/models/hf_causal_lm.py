@@ -2,8 +2,9 @@
 
 Built from a config dict (`{"model_type": "qwen2", "hidden_size": 64, ...}`, no download) or a local
 `from_pretrained` directory. `forward(input_ids, position_ids, labels)` takes this rank's (possibly SP-sliced)
-micro-batch with labels already shifted once, and returns `{"foundation_loss": mean cross-entropy over this rank's
-valid targets}` (an exact 0 without targets); without labels it returns `{"logits"}`. The decoder runs with the
+micro-batch with labels already shifted once (a packed row adds `attention_sequence_ids`, its whole row's samples,
+from which the block-diagonal causal mask is built), and returns `{"foundation_loss": mean cross-entropy over this
+rank's valid targets}` (an exact 0 without targets); without labels it returns `{"logits"}`. The decoder runs with the
 positions it is given (global positions under SP), so no model code changes for Ulysses.
 """
 
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from veomni_lite.models.heads import decoder_flops_per_token, masked_mean_cross_entropy
-from veomni_lite.models.hf_attention import enable_ulysses
+from veomni_lite.models.hf_attention import check_packing_attention, enable_ulysses, packed_causal_mask
 
 
 def hf_config_from_dict(settings: Mapping[str, Any]) -> Any:
@@ -66,8 +67,16 @@ class HFCausalLM(nn.Module):
     def layers(self) -> nn.ModuleList:
         return self.hf_model.model.layers
 
-    def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.hf_model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+    def logits(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_sequence_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        mask = None
+        if attention_sequence_ids is not None:  # a packed row
+            check_packing_attention(self.config)
+            mask = packed_causal_mask(attention_sequence_ids)
+        hidden = self.hf_model.model(
+            input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False
+        )
         return self.hf_model.lm_head(hidden.last_hidden_state)
 
     def forward(
@@ -76,9 +85,10 @@ class HFCausalLM(nn.Module):
         position_ids: torch.Tensor,
         labels: torch.Tensor | None = None,
         foundation_loss_weights: torch.Tensor | None = None,
+        attention_sequence_ids: torch.Tensor | None = None,
         **_: Any,
     ) -> dict[str, torch.Tensor]:
-        logits = self.logits(input_ids, position_ids)
+        logits = self.logits(input_ids, position_ids, attention_sequence_ids)
         if labels is None:
             return {"logits": logits}
         return {"foundation_loss": masked_mean_cross_entropy(logits, labels, foundation_loss_weights)}

@@ -15,6 +15,11 @@ in Qwen2-VL's own layout. A sequence shard therefore embeds its tokens, runs the
 places each feature by its global index, with no look at the rest of the sequence. Every rank runs the vision tower
 on every micro-batch (on one zero block when it has no image), because FSDP2 shards the tower and a rank that skipped
 its forward would leave the others waiting in its all-gather.
+
+Packed (`packing=True`): one row of the samples, `position_ids` [1, S, 4] (a text row restarting per sample, then each
+sample's own M-RoPE rows), `sequence_ids` numbering the samples and `attention_sequence_ids` (the same, whole under
+SP): the decoder gets the block-diagonal causal mask built from it, so no sample attends to another; images of
+several samples sit in one row, each feature placed by its index as above.
 """
 
 from __future__ import annotations
@@ -28,12 +33,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from veomni_lite.data.collator import sequence_ids, shift_labels
-from veomni_lite.loss_keys import IGNORE_INDEX, SEQUENCE_IDS
+from veomni_lite.data.packing import packed_positions
+from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS, IGNORE_INDEX, SEQUENCE_IDS
 from veomni_lite.models.heads import decoder_flops_per_token, masked_mean_cross_entropy
-from veomni_lite.models.hf_attention import enable_ulysses
+from veomni_lite.models.hf_attention import check_packing_attention, enable_ulysses, packed_causal_mask
 
 IMAGE_HEAD_FILE = "image_decoder_head.safetensors"
-_SEQUENCE_PADDING = {"input_ids": None, "labels": IGNORE_INDEX, "image_decoder_labels": IGNORE_INDEX}
+_LABEL_KEYS = ("labels", "image_decoder_labels")
 
 
 def mrope_positions(is_image: Sequence[bool], grids: Sequence[Sequence[int]], merge: int) -> Tensor:
@@ -59,44 +65,64 @@ def mrope_positions(is_image: Sequence[bool], grids: Sequence[Sequence[int]], me
 
 
 def collate_qwen2_vl(
-    samples: Sequence[Mapping[str, Tensor]], image_token_id: int, merge: int, pad_id: int, pad_to_multiple_of: int = 1
+    samples: Sequence[Mapping[str, Tensor]],
+    image_token_id: int,
+    merge: int,
+    pad_id: int,
+    pad_to_multiple_of: int = 1,
+    packing: bool = False,
 ) -> dict[str, Tensor]:
     """Samples (1-D `input_ids`, unshifted `labels` / `image_decoder_labels`, optional `pixel_values` and
-    `image_grid_thw` for the images in order of their placeholders) -> one micro-batch (see the module docstring)."""
-    longest = max(sample["input_ids"].numel() for sample in samples)
-    length = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
-    batch_size = len(samples)
-    batch = {
-        key: torch.full((batch_size, length), pad_id if pad is None else pad, dtype=torch.long)
-        for key, pad in _SEQUENCE_PADDING.items()
-        if key in samples[0]
-    }
-    batch["position_ids"] = torch.zeros((batch_size, length, 3), dtype=torch.long)
-    batch["image_feature_index"] = torch.full((batch_size, length), -1, dtype=torch.long)
+    `image_grid_thw` for the images in order of their placeholders) -> one micro-batch (see the module docstring).
+    `packing`: the samples concatenated into one row, each with its own M-RoPE positions and a text row in front
+    ([1, S, 4], as transformers reads packed Qwen2-VL positions), and `attention_sequence_ids` (`data.packing`)."""
+    rows: list[dict[str, Tensor]] = []
     pixel_values, grids, offset = [], [], 0
-    for row, sample in enumerate(samples):
+    for sample in samples:
         ids = sample["input_ids"]
-        n = ids.numel()
-        batch["input_ids"][row, :n] = ids
-        for key in ("labels", "image_decoder_labels"):
-            if key in batch:
-                batch[key][row, :n] = shift_labels(sample[key])
-        is_image = (ids == image_token_id).tolist()
+        row = {"input_ids": ids, **{k: shift_labels(sample[k]) for k in _LABEL_KEYS if k in sample}}
         sample_grids = sample["image_grid_thw"].tolist() if "image_grid_thw" in sample else []
-        positions = mrope_positions(is_image, sample_grids, merge).T  # [n, 3]
-        batch["position_ids"][row, :n] = positions
-        batch["position_ids"][row, n:] = (positions.max() + 1 + torch.arange(length - n)).unsqueeze(-1)
+        row["position_ids"] = mrope_positions((ids == image_token_id).tolist(), sample_grids, merge).T  # [n, 3]
+        if packing:
+            row["position_ids"] = torch.cat([torch.arange(ids.numel())[:, None], row["position_ids"]], dim=1)
+        row["image_feature_index"] = torch.full_like(ids, -1)
         if sample_grids:
             placeholders = torch.nonzero(ids == image_token_id).squeeze(-1)
-            batch["image_feature_index"][row, placeholders] = torch.arange(offset, offset + placeholders.numel())
+            row["image_feature_index"][placeholders] = torch.arange(offset, offset + placeholders.numel())
             offset += placeholders.numel()
             pixel_values.append(sample["pixel_values"])
             grids.append(sample["image_grid_thw"])
-    batch[SEQUENCE_IDS] = sequence_ids([sample["input_ids"].numel() for sample in samples], length)
+        rows.append(row)
+    lengths = [row["input_ids"].numel() for row in rows]
+    if packing:
+        rows = [{key: torch.cat([row[key] for row in rows]) for key in rows[0]}]
+    longest = max(row["input_ids"].numel() for row in rows)
+    length = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
+    batch = {key: _pad_rows([row[key] for row in rows], length, key, pad_id) for key in rows[0]}
+    if packing:
+        _, ids = packed_positions(lengths, length)
+        batch[SEQUENCE_IDS] = batch[ATTENTION_SEQUENCE_IDS] = ids[None]
+    else:
+        batch[SEQUENCE_IDS] = sequence_ids(lengths, length)
     if pixel_values:
         batch["pixel_values"] = torch.cat(pixel_values)
         batch["image_grid_thw"] = torch.cat(grids)
     return batch
+
+
+def _pad_rows(values: list[Tensor], length: int, key: str, pad_id: int) -> Tensor:
+    """[B, length, ...]: each row right-padded; positions keep counting past the row's largest."""
+    out = []
+    for value in values:
+        extra = length - value.shape[0]
+        if key == "position_ids":
+            tail = (value.max() + 1 + torch.arange(extra)).unsqueeze(-1).expand(extra, value.shape[1])
+        else:
+            tail = value.new_full(
+                (extra,), pad_id if key == "input_ids" else -1 if key == "image_feature_index" else IGNORE_INDEX
+            )
+        out.append(torch.cat([value, tail]))
+    return torch.stack(out)
 
 
 class Qwen2VLWithImageHead(nn.Module):
@@ -166,10 +192,15 @@ class Qwen2VLWithImageHead(nn.Module):
         image_feature_index: Tensor,
         pixel_values: Tensor | None = None,
         image_grid_thw: Tensor | None = None,
+        attention_sequence_ids: Tensor | None = None,
     ) -> Tensor:
         embeds = self.embed(input_ids, image_feature_index, pixel_values, image_grid_thw)
+        mask = None
+        if attention_sequence_ids is not None:  # a packed row
+            check_packing_attention(self.config.text_config)
+            mask = packed_causal_mask(attention_sequence_ids)
         out = self.vlm.model.language_model(
-            inputs_embeds=embeds, position_ids=position_ids.permute(2, 0, 1), use_cache=False
+            inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids.permute(2, 0, 1), use_cache=False
         )
         return out.last_hidden_state
 
@@ -184,9 +215,12 @@ class Qwen2VLWithImageHead(nn.Module):
         image_grid_thw: Tensor | None = None,
         foundation_loss_weights: Tensor | None = None,
         image_decoder_loss_weights: Tensor | None = None,
+        attention_sequence_ids: Tensor | None = None,
         **_: Any,
     ) -> dict[str, Tensor]:
-        hidden = self.hidden_states(input_ids, position_ids, image_feature_index, pixel_values, image_grid_thw)
+        hidden = self.hidden_states(
+            input_ids, position_ids, image_feature_index, pixel_values, image_grid_thw, attention_sequence_ids
+        )
         logits = self.vlm.lm_head(hidden)
         head = self.image_head
         if labels is None:

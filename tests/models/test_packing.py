@@ -1,0 +1,154 @@
+"""Packed rows compute exactly what the same samples compute unpacked (float64, one process), for the Qwen2 causal LM
+and Qwen2-VL with images of several samples in one row; negative controls show the comparison catches a leak."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from tests.models.test_hf_models import IMAGE, PAD, image_sample, make_lm, make_vl, text_sample
+from veomni_lite.data.collator import collate
+from veomni_lite.data.packing import pack, packed_positions, padding_micro_batch, plan_micro_batches
+from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS, IGNORE_INDEX, SEQUENCE_IDS
+from veomni_lite.models.hf_attention import packed_causal_mask
+from veomni_lite.models.qwen2_vl import collate_qwen2_vl
+
+
+def text_samples() -> list[dict[str, torch.Tensor]]:
+    return [{k: v for k, v in text_sample(n, seed=n).items() if k != "image_decoder_labels"} for n in (7, 3, 12, 5)]
+
+
+def vl_samples() -> list[dict[str, torch.Tensor]]:
+    return [
+        image_sample([(1, 4, 4)], [3, 2]),
+        text_sample(6, seed=2),
+        image_sample([(1, 4, 8), (1, 4, 4)], [1, 2, 3], seed=3),  # two images in one sample
+        image_sample([(1, 2, 2)], [0, 4], seed=4),
+    ]
+
+
+def unpacked_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor], lengths: list[int]) -> torch.Tensor:
+    """Each sample's logits over its own tokens, from a padded batch, concatenated in sample order."""
+    with torch.no_grad():
+        logits = model(**{k: v for k, v in batch.items() if k != "labels" and "labels" not in k})["logits"]
+    return torch.cat([logits[row, :n] for row, n in enumerate(lengths)])
+
+
+def packed_difference(unpacked: torch.Tensor, packed: torch.Tensor, lengths: list[int]) -> float:
+    return float((packed[0, : sum(lengths)] - unpacked).abs().max() / unpacked.abs().max())
+
+
+def test_packed_text_logits_equal_the_unpacked_and_the_controls_leak():
+    model = make_lm().double()
+    samples = text_samples()
+    lengths = [s["input_ids"].numel() for s in samples]
+    reference = unpacked_logits(model, collate(samples, pad_id=PAD), lengths)
+    batch = pack(samples, pad_to_multiple_of=8, pad_id=PAD)
+    with torch.no_grad():
+        ours = model(**{k: v for k, v in batch.items() if k != "labels"})["logits"]
+    assert packed_difference(reference, ours, lengths) < 1e-12
+
+    decoder, head = model.hf_model.model, model.hf_model.lm_head
+    ids, positions = batch["input_ids"], batch["position_ids"]
+    controls: dict[str, Callable[[], torch.Tensor]] = {
+        # transformers' own inference from restarting positions turns off once a cache exists
+        "cache on, no mask": lambda: decoder(input_ids=ids, position_ids=positions, use_cache=True).last_hidden_state,
+        "all-ones mask": lambda: (
+            decoder(
+                input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=positions, use_cache=False
+            ).last_hidden_state
+        ),
+    }
+    for name, hidden in controls.items():
+        with torch.no_grad():
+            leaked = packed_difference(reference, head(hidden()), lengths)
+        print(f"\ntext control {name!r}: relative logit difference {leaked:.3f}")
+        assert leaked > 1e-3, name
+
+
+def test_packed_qwen2_vl_with_images_of_several_samples_in_one_row_equals_the_unpacked_and_3_row_ids_leak():
+    model = make_vl().double()
+    samples = [
+        {**s, **({"pixel_values": s["pixel_values"].double()} if "pixel_values" in s else {})} for s in vl_samples()
+    ]
+    lengths = [s["input_ids"].numel() for s in samples]
+    reference = unpacked_logits(model, collate_qwen2_vl(samples, IMAGE, 2, PAD), lengths)
+    batch = collate_qwen2_vl(samples, IMAGE, 2, PAD, pad_to_multiple_of=8, packing=True)
+    assert batch["input_ids"].shape[0] == 1 and batch["position_ids"].shape[-1] == 4
+    assert int((batch["image_feature_index"] >= 0).sum()) == (batch["input_ids"] == IMAGE).sum() == 4 + 8 + 4 + 1
+    inputs = {k: v for k, v in batch.items() if "labels" not in k}
+    with torch.no_grad():
+        ours = model(**inputs)["logits"]
+    assert packed_difference(reference, ours, lengths) < 1e-12
+
+    without_mask = {k: v for k, v in inputs.items() if k != ATTENTION_SEQUENCE_IDS}
+    controls = {
+        "3-row M-RoPE ids, no mask": {**without_mask, "position_ids": batch["position_ids"][..., 1:]},
+        "4-row ids, cache on": None,
+    }
+    for name, control in controls.items():
+        with torch.no_grad():
+            if control is not None:
+                logits = model(**control)["logits"]
+            else:
+                embeds = model.embed(
+                    batch["input_ids"], batch["image_feature_index"], batch["pixel_values"], batch["image_grid_thw"]
+                )
+                hidden = model.vlm.model.language_model(
+                    inputs_embeds=embeds, position_ids=batch["position_ids"].permute(2, 0, 1), use_cache=True
+                ).last_hidden_state
+                logits = model.vlm.lm_head(hidden)
+        leaked = packed_difference(reference, logits, lengths)
+        print(f"\nQwen2-VL control {name!r}: relative logit difference {leaked:.3f}")
+        assert leaked > 1e-3, name
+
+
+def test_the_mask_is_block_diagonal_causal_and_padding_attends_to_padding_only():
+    _, ids = packed_positions([2, 3], 7)
+    assert ids.tolist() == [0, 0, 1, 1, 1, -1, -1]
+    mask = packed_causal_mask(ids[None])[0, 0].int()
+    assert mask.tolist() == [
+        [1, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0],
+        [0, 0, 1, 0, 0, 0, 0],
+        [0, 0, 1, 1, 0, 0, 0],
+        [0, 0, 1, 1, 1, 0, 0],
+        [0, 0, 0, 0, 0, 1, 0],
+        [0, 0, 0, 0, 0, 1, 1],
+    ]
+
+
+def test_pack_shifts_each_sample_alone_and_restarts_positions():
+    samples = [{"input_ids": torch.tensor([1, 2, 3]), "labels": torch.tensor([1, 2, 3])},
+               {"input_ids": torch.tensor([4, 5]), "labels": torch.tensor([IGNORE_INDEX, 5])}]  # fmt: skip
+    batch = pack(samples, pad_to_multiple_of=4, pad_id=0)
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5, 0, 0, 0]]
+    assert batch["labels"].tolist() == [[2, 3, IGNORE_INDEX, 5, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 4]]
+    assert batch[SEQUENCE_IDS].tolist() == batch[ATTENTION_SEQUENCE_IDS].tolist() == [[0, 0, 0, 1, 1, -1, -1, -1]]
+
+
+def test_plan_micro_batches_fits_the_budget_and_keeps_every_sample_once():
+    lengths = [9, 3, 7, 2, 5, 5, 1]
+    for packing in (True, False):
+        plan = plan_micro_batches(lengths, 10, packing)
+        assert sorted(i for mb in plan for i in mb) == list(range(len(lengths)))
+        for mb in plan:
+            cost = sum(lengths[i] for i in mb) if packing else len(mb) * max(lengths[i] for i in mb)
+            assert cost <= 10
+    assert len(plan_micro_batches(lengths, 10, True)) == 4  # 37 tokens: first fit decreasing needs ceil(3.7)
+    with pytest.raises(ValueError, match="sample 0 has 9 tokens, over data.max_tokens_per_micro_batch=8"):
+        plan_micro_batches(lengths, 8, True, where="rank 1, step 3: ")
+
+
+def test_a_padding_micro_batch_has_no_target_and_counts_zero():
+    from veomni_lite.utils.loss_utils import count_loss_token, mark_sequences
+
+    batch = mark_sequences(pack(text_samples()), "seq-mean-token-mean")
+    empty = padding_micro_batch(batch)
+    assert (empty["labels"] == IGNORE_INDEX).all() and not empty["foundation_seq_starts"].any()
+    counts = count_loss_token(empty)
+    assert int(counts["foundation_tokens"]) == 0 and int(counts["foundation_sequences"]) == 0
+    assert torch.equal(empty["input_ids"], batch["input_ids"]), "the same forward runs"
