@@ -100,6 +100,12 @@ class DataConfig:
     """SFT: the longest sample, in tokens (image placeholders included); 0: no limit."""
     overlength: Literal["truncate", "drop", "error"] = "truncate"
     """SFT: what a longer sample gets (the counts are logged)."""
+    packing: bool = False
+    """Concatenate each micro-batch's samples into one row (positions restart per sample, attention never crosses a
+    sample, the step trains exactly as unpacked); for the transformers models (SFT, Qwen2-VL digits)."""
+    max_tokens_per_micro_batch: int = 0
+    """Token budget: each rank splits its share of the step's samples into as few micro-batches as fit this many
+    tokens (packed: their sum; padded: rows x longest), instead of `train.micro_batch_size` samples each; 0: off."""
     prefetch_steps: int = -1
     """Steps of micro-batches read, processed and collated ahead on a background thread while the current step trains;
     0: none; -1: 1 on an accelerator (the device computes meanwhile), 0 on a CPU-only machine, where the thread

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tests.models.test_hf_models import IMAGE, PAD, image_sample, make_lm, make_vl, text_sample
-from veomni_lite.data.collator import collate
-from veomni_lite.data.packing import pack, packed_positions, padding_micro_batch, plan_micro_batches
+from veomni_lite.data.collator import collate, pack, packed_positions
+from veomni_lite.data.packing import padding_micro_batch, plan_micro_batches
 from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS, IGNORE_INDEX, SEQUENCE_IDS
 from veomni_lite.models.hf_attention import packed_causal_mask
 from veomni_lite.models.qwen2_vl import collate_qwen2_vl

@@ -7,6 +7,10 @@ contiguous block of G / dp_size samples and cuts it into grad_accum = G / (micro
 of micro_batch_size samples, each passed through `collate_fn`. Only `step` is state, so a loader restored with
 `load_state_dict` continues exactly, under any dp layout.
 
+With `max_tokens` > 0 (`data.max_tokens_per_micro_batch`), the rank's block is instead planned into as few
+micro-batches as fit that many tokens (`veomni_lite.data.packing.plan_micro_batches`; `packing` says how a
+micro-batch is costed), so the count may differ across ranks and steps; the samples of each step are unchanged.
+
 With `prefetch_steps` k > 0, the next k steps' micro-batches are fetched and collated on a background thread while
 the current step trains (the indices are fixed by the step number, so the batches are the same as without it); an
 error there surfaces from the `next_step` that needs that step.
@@ -20,6 +24,9 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor
+from torch.utils.data import Subset
+
+from veomni_lite.data.packing import plan_micro_batches
 
 __all__ = ["MicroBatchLoader"]
 
@@ -31,6 +38,15 @@ class IndexableDataset(Protocol):
 
 
 MicroBatch = dict[str, Tensor]
+
+
+def sample_length(dataset: Any, index: int) -> int:
+    """Tokens of sample `index`: the dataset's `length(index)` where it has one (through a `Subset` too), else the
+    size of its `input_ids`."""
+    if isinstance(dataset, Subset):
+        return sample_length(dataset.dataset, dataset.indices[index])
+    length = getattr(dataset, "length", None)
+    return int(length(index)) if callable(length) else int(dataset[index]["input_ids"].numel())
 
 
 class MicroBatchLoader:
@@ -46,13 +62,17 @@ class MicroBatchLoader:
         dp_rank: int = 0,
         seed: int = 0,
         prefetch_steps: int = 0,
+        max_tokens: int = 0,
+        packing: bool = False,
     ) -> None:
         if min(global_batch_size, micro_batch_size, dp_size) < 1:
             raise ValueError(
                 f"global_batch_size ({global_batch_size}), micro_batch_size ({micro_batch_size}) and dp_size "
                 f"({dp_size}) must be >= 1"
             )
-        if global_batch_size % (micro_batch_size * dp_size) != 0:
+        if max_tokens and global_batch_size % dp_size:
+            raise ValueError(f"global_batch_size ({global_batch_size}) must be divisible by dp_size ({dp_size})")
+        if not max_tokens and global_batch_size % (micro_batch_size * dp_size) != 0:
             raise ValueError(
                 f"global_batch_size ({global_batch_size}) must be divisible by micro_batch_size ({micro_batch_size}) "
                 f"x dp_size ({dp_size}) = {micro_batch_size * dp_size}"
@@ -68,7 +88,9 @@ class MicroBatchLoader:
         self.dp_size = dp_size
         self.dp_rank = dp_rank
         self.seed = seed
-        self.grad_accum = global_batch_size // (micro_batch_size * dp_size)
+        self.grad_accum = global_batch_size // (micro_batch_size * dp_size)  # without a token budget
+        self.max_tokens = max_tokens
+        self.packing = packing
         self.steps_per_epoch = len(dataset) // global_batch_size
         self.step = 0  # steps produced so far
         self._perm_epoch = -1
@@ -99,6 +121,11 @@ class MicroBatchLoader:
         """This rank's dataset indices of `step`, one list per micro-batch."""
         per_rank = self.global_batch_size // self.dp_size
         mine = self.global_indices(step)[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
+        if self.max_tokens:
+            lengths = [sample_length(self.dataset, i) for i in mine]
+            where = f"step {step + 1}, dp rank {self.dp_rank}: "
+            plan = plan_micro_batches(lengths, self.max_tokens, self.packing, where)
+            return [[mine[j] for j in micro_batch] for micro_batch in plan]
         mbs = self.micro_batch_size
         return [mine[i * mbs : (i + 1) * mbs] for i in range(self.grad_accum)]
 

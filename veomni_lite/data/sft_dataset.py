@@ -135,6 +135,10 @@ class SFTDataset:
     def __len__(self) -> int:
         return len(self.samples)
 
+    def length(self, index: int) -> int:
+        """Tokens of sample `index` (image placeholders included), without loading its images."""
+        return int(self.samples[index].input_ids.size)
+
     def where(self, index: int) -> str:
         sample = self.samples[index]
         return f"{self.sources[sample.source].path}, row {sample.row}"

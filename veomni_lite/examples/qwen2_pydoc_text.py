@@ -56,4 +56,5 @@ class PydocLMTrainer(BaseTrainer):
         return self.train_dataset.pad_id
 
     def collate(self, samples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        return collate(samples, pad_to_multiple_of=self.config.data.pad_to_multiple_of, pad_id=self.pad_id)
+        data = self.config.data
+        return collate(samples, pad_to_multiple_of=data.pad_to_multiple_of, pad_id=self.pad_id, packing=data.packing)

@@ -77,8 +77,9 @@ class DigitsVLTrainer(BaseTrainer):
 
     def collate(self, samples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         data = self.train_dataset
+        settings = self.config.data
         return collate_qwen2_vl(
-            samples, data.image_token_id, data.merge, data.pad_id, self.config.data.pad_to_multiple_of
+            samples, data.image_token_id, data.merge, data.pad_id, settings.pad_to_multiple_of, settings.packing
         )
 
     @torch.no_grad()

@@ -32,8 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from veomni_lite.data.collator import sequence_ids, shift_labels
-from veomni_lite.data.packing import packed_positions
+from veomni_lite.data.collator import packed_positions, sequence_ids, shift_labels
 from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS, IGNORE_INDEX, SEQUENCE_IDS
 from veomni_lite.models.heads import decoder_flops_per_token, masked_mean_cross_entropy
 from veomni_lite.models.hf_attention import check_packing_attention, enable_ulysses, packed_causal_mask

@@ -39,12 +39,13 @@ import torch.distributed as dist
 from veomni_lite.config import Config
 from veomni_lite.data.checks import DataError, validate_micro_batch
 from veomni_lite.data.loader import MicroBatchLoader
+from veomni_lite.data.packing import padding_micro_batch
 from veomni_lite.distributed.collectives import all_gather_objects, all_reduce
 from veomni_lite.distributed.fsdp import apply_fsdp, resolve_mixed_precision, set_gradient_sync
 from veomni_lite.distributed.grad_norm import clip_global_grad_norm
 from veomni_lite.distributed.parallel_state import ParallelState, init_parallel_state
 from veomni_lite.distributed.sequence_parallel import slice_micro_batch
-from veomni_lite.loss_keys import loss_weights_key, name_of_loss
+from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS, loss_weights_key, name_of_loss
 from veomni_lite.trainer.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
 from veomni_lite.trainer.model import TrainableModel, check_model_contract
 from veomni_lite.trainer.train_metrics import TrainMetrics
@@ -126,6 +127,7 @@ class BaseTrainer(ABC):
         model = check_model_contract(self.build_model().to(self.device))
         self.loss_keys: tuple[str, ...] = tuple(model.loss_keys)
         self._check_loss_weights(model)
+        self._check_packing(model)
         # Called per micro-batch for the FLOPs metric: the parameter count is walked once per sequence length.
         self.flops_per_token = functools.lru_cache(maxsize=None)(model.flops_per_token)
         if self.parallel.sp_enabled:
@@ -138,7 +140,7 @@ class BaseTrainer(ABC):
             self.optimizer, warmup_cosine(optim.warmup_steps, train.max_steps, optim.min_lr_ratio)
         )
         prefetch = config.data.prefetch_steps if config.data.prefetch_steps >= 0 else int(self.device.type != "cpu")
-        self.loader = self._make_loader(self.train_dataset, train.seed, prefetch)
+        self.loader = self._make_loader(self.train_dataset, train.seed, prefetch, token_budget=True)
         self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", keep=config.checkpoint.keep_checkpoints)
         self.metrics = self.build_metrics()
         self.step = 0
@@ -151,6 +153,14 @@ class BaseTrainer(ABC):
             config.save(self.output_dir / "config.yaml")
             if hasattr(model, "save_config"):  # what `python -m veomni_lite.export` rebuilds the model from
                 model.save_config(self.output_dir / MODEL_CONFIG_DIR)
+
+    def _check_packing(self, model: TrainableModel) -> None:
+        """`data.packing` needs a model that masks packed rows by `attention_sequence_ids` (a config error)."""
+        if self.config.data.packing and ATTENTION_SEQUENCE_IDS not in inspect.signature(model.forward).parameters:
+            raise ValueError(
+                f"data.packing needs a model whose forward takes {ATTENTION_SEQUENCE_IDS!r} (the packed rows' "
+                f"samples, for its attention mask); {type(model).__name__}.forward does not"
+            )
 
     def _check_loss_weights(self, model: TrainableModel) -> None:
         """A head in seq-mean-token-mean needs a model that applies `<name>_loss_weights`: refuse one that would
@@ -219,7 +229,11 @@ class BaseTrainer(ABC):
 
     # ------------------------------------------------------------------ data
 
-    def _make_loader(self, dataset: Any, seed: int, prefetch_steps: int = 0) -> MicroBatchLoader:
+    def _make_loader(
+        self, dataset: Any, seed: int, prefetch_steps: int = 0, token_budget: bool = False
+    ) -> MicroBatchLoader:
+        """`token_budget`: micro-batches by `data.max_tokens_per_micro_batch` (training only: evaluation keeps
+        `train.micro_batch_size` samples per micro-batch, so every rank runs the same count)."""
         return MicroBatchLoader(
             dataset,
             self.collate,
@@ -229,6 +243,8 @@ class BaseTrainer(ABC):
             dp_rank=self.parallel.dp_rank,
             seed=seed,
             prefetch_steps=prefetch_steps,
+            max_tokens=self.config.data.max_tokens_per_micro_batch if token_budget else 0,
+            packing=self.config.data.packing,
         )
 
     def shard(self, micro_batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -260,6 +276,7 @@ class BaseTrainer(ABC):
 
     def _agree(self, micro_batches: list[dict[str, torch.Tensor]]) -> bool:
         """Validate this rank's data, then one MAX all-reduce on the CPU control group (stop, bad data, counts).
+        Under a token budget, `micro_batches` is then extended with padding micro-batches to the largest count.
 
         Returns whether every rank stops now: the agreed value, never this rank's own flag, which a signal may set
         after the all-reduce (that stop is agreed at the next step)."""
@@ -279,7 +296,10 @@ class BaseTrainer(ABC):
             raise DataError(f"rank {self.rank}, step {self.step + 1}: {problem}")
         if flags[1]:
             raise DataError(f"rank {self.rank}: another rank reported bad data at step {self.step + 1} (see its error)")
-        if flags[2] != -flags[3]:
+        if flags[2] != -flags[3] and self.config.data.max_tokens_per_micro_batch:
+            # token-budget plans differ in count: run no-target micro-batches up to the longest plan
+            micro_batches.extend(padding_micro_batch(micro_batches[0]) for _ in range(flags[2] - count))
+        elif flags[2] != -flags[3]:
             raise DataError(
                 f"rank {self.rank}: ranks disagree on the number of micro-batches at step {self.step + 1} "
                 f"(this rank {count}, min {-flags[3]}, max {flags[2]}): a data source ended early on some rank"

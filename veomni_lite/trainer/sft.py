@@ -5,7 +5,8 @@ tokenizer with its chat template (or `data.chat_template`) and image processor. 
 (or `data.eval_fraction` of the rows) name the data, `data.format` and `data.columns` how rows read (see
 `veomni_lite.data.sft`). Every row is checked when the trainer is built, on every rank alike; the rows truncated or
 dropped by `data.overlength` are logged. Besides the eval losses, `eval/answer_accuracy` is the share of eval
-samples whose every trained token the model predicts greedily. Entry point: `trainers/train_sft.py`.
+samples whose every trained token the model predicts greedily. `data.packing` and `data.max_tokens_per_micro_batch`
+apply (text and Qwen2-VL). Entry point: `trainers/train_sft.py`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from veomni_lite.data.collator import collate
 from veomni_lite.data.sft import ChatEncoder, read_sources
 from veomni_lite.data.sft_dataset import ImageProcessing, SFTDataset
 from veomni_lite.distributed.collectives import all_reduce
-from veomni_lite.loss_keys import IGNORE_INDEX, is_labels_key
+from veomni_lite.loss_keys import IGNORE_INDEX, SEQUENCE_IDS, is_labels_key
 from veomni_lite.models.pretrained import (
     PretrainedDirError,
     check_vocabulary,
@@ -41,6 +42,13 @@ logger = logging.getLogger(__name__)
 IMAGE_TOKEN = "<|image_pad|>"  # Qwen2-VL's image placeholder
 
 
+def _max_seq_len(data: Any) -> int:
+    """`data.max_seq_len`, within `data.max_tokens_per_micro_batch` where a token budget is set (so a longer sample
+    gets `data.overlength` like any other, the row named)."""
+    budget = data.max_tokens_per_micro_batch
+    return min(data.max_seq_len, budget) if budget and data.max_seq_len else budget or data.max_seq_len
+
+
 def build_sft_data(config: Any) -> tuple[Any, Any, SFTDataset, SFTDataset | None, Any]:
     """(model config, tokenizer, train dataset, eval dataset or None, image processing or None) from the config."""
     model, data = config.model, config.data
@@ -57,7 +65,7 @@ def build_sft_data(config: Any) -> tuple[Any, Any, SFTDataset, SFTDataset | None
     options = {
         "fmt": data.format,
         "columns": data.columns,
-        "max_seq_len": data.max_seq_len,
+        "max_seq_len": _max_seq_len(data),
         "overlength": data.overlength,
         "media_dir": data.media_dir,
         "images": images,
@@ -129,11 +137,11 @@ class SFTTrainer(BaseTrainer):
         return int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0)
 
     def collate(self, samples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        multiple = self.config.data.pad_to_multiple_of
+        multiple, packing = self.config.data.pad_to_multiple_of, self.config.data.packing
         if self.images is None:
-            return collate(samples, pad_to_multiple_of=multiple, pad_id=self.pad_id)
+            return collate(samples, pad_to_multiple_of=multiple, pad_id=self.pad_id, packing=packing)
         image_token = self.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
-        return collate_qwen2_vl(samples, image_token, self.images.merge, self.pad_id, multiple)
+        return collate_qwen2_vl(samples, image_token, self.images.merge, self.pad_id, multiple, packing)
 
     @torch.no_grad()
     def extra_eval_metrics(self) -> dict[str, float]:
@@ -149,12 +157,16 @@ class SFTTrainer(BaseTrainer):
                 inputs = {key: value for key, value in micro_batch.items() if not is_labels_key(key)}
                 logits = self.model(**self.preforward(inputs))["logits"]
                 labels = micro_batch["labels"].to(self.device)
-                valid = labels != IGNORE_INDEX
-                per_row = torch.stack([((logits.argmax(-1) != labels) & valid).sum(-1), valid.sum(-1)])
+                sample = micro_batch[SEQUENCE_IDS].to(self.device)  # rows, or a packed row's samples
+                valid = (labels != IGNORE_INDEX) & (sample >= 0)
+                wrong = (logits.argmax(-1) != labels)[valid].long()
+                per_sample = torch.zeros(2, self.config.train.micro_batch_size, dtype=torch.long, device=self.device)
+                per_sample[0].index_add_(0, sample[valid], wrong)  # wrong, then trained, tokens of each sample
+                per_sample[1].index_add_(0, sample[valid], torch.ones_like(wrong))
                 if state.sp_size > 1:
-                    per_row = all_reduce(per_row, op="sum", group=state.sp_group)
-                counted = per_row[1] > 0
-                if state.sp_rank == 0:  # the sp group's ranks hold the same rows: count them once
-                    hits += torch.stack([(counted & (per_row[0] == 0)).sum(), counted.sum()])
+                    per_sample = all_reduce(per_sample, op="sum", group=state.sp_group)
+                counted = per_sample[1] > 0
+                if state.sp_rank == 0:  # the sp group's ranks hold the same samples: count them once
+                    hits += torch.stack([(counted & (per_sample[0] == 0)).sum(), counted.sum()])
         correct, counted = all_reduce(hits.cpu().tolist(), op="sum", group=state.world_group)
         return {"answer_accuracy": correct / max(counted, 1)}

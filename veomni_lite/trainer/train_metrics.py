@@ -19,9 +19,11 @@ logged: a resume retrains them from the newest checkpoint, which precedes them, 
 Each `train/<name>_loss` is the value its loss mode trains on: at log_interval 1 the step's normalized value, over
 a longer window the steps' numerators over their denominators (token-sum: the mean of the steps' sums).
 Derived at log time: `train/loss` (the sum of the per-key values: the optimizer's objective),
-`train/tokens_per_s`, `train/tokens_seen` (cumulative), `train/tflops` and, where the accelerator's peak is known,
-`train/mfu`. Tokens are counted on each rank's own sequence shard, so SP does not count them twice; samples are
-counted once per sp group.
+`train/tokens_per_s`, `train/tokens_seen` (cumulative), `train/padding_ratio` (padding positions / all positions run
+in the window), `train/tflops` and, where the accelerator's peak is known, `train/mfu`. Tokens are the samples' own
+(`sequence_ids` >= 0; a token budget's padding micro-batches add none), so `tokens_per_s` is real-token throughput
+with or without packing. They are counted on each rank's own sequence shard, so SP does not count them twice;
+samples are counted once per sp group.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from typing import Any
 
 import torch
 
-from veomni_lite.loss_keys import name_of_loss, tokens_key
+from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS, SEQUENCE_IDS, name_of_loss, tokens_key
 from veomni_lite.metrics import MetricReporter, MetricSpec, StepEndError, StepEndWorker, new_metrics_group
 from veomni_lite.utils.loss_utils import LossModes
 
@@ -73,6 +75,7 @@ def train_metric_specs(loss_names: list[str]) -> list[MetricSpec]:
         MetricSpec("step_time_s", "mean", fmt=".3f"),
         MetricSpec("bookkeeping_wait_s", "mean", fmt=".4f"),
         MetricSpec("tokens", "sum", fmt=",.0f"),
+        MetricSpec("positions", "sum", fmt=",.0f"),
         MetricSpec("samples", "sum", fmt=",.0f", sp_dedup=True),
         MetricSpec("flops", "sum", fmt=".3e"),
         MetricSpec("skipped_steps", "sum", fmt=".0f"),
@@ -87,7 +90,8 @@ class _StepRecords:
     loss_means: list[torch.Tensor] = field(default_factory=list)  # per micro-batch, then per loss key
     loss_counts: list[torch.Tensor] = field(default_factory=list)  # their valid-token counts, in the same order
     loss_weights: list[torch.Tensor] = field(default_factory=list)  # the counts of their modes' denominators
-    seen: list[torch.Tensor] = field(default_factory=list)  # non-padding tokens per micro-batch
+    seen: list[torch.Tensor] = field(default_factory=list)  # real (sample) tokens per micro-batch
+    positions: int = 0  # every position the micro-batches ran, padding included
     flops_per_token: list[float] = field(default_factory=list)
     samples: int = 0
 
@@ -163,6 +167,7 @@ class TrainMetrics:
             extra_formats={
                 "train/loss": ".4f",
                 "train/tokens_per_s": ",.0f",
+                "train/padding_ratio": ".3f",
                 "train/tokens_seen": ",.0f",
                 "train/tflops": ".4f",
             },
@@ -192,9 +197,15 @@ class TrainMetrics:
             step.loss_counts.append(micro_batch_token_len[token_key])
             step.loss_weights.append(micro_batch_token_len[weight_key or token_key])
         input_ids = micro_batch["input_ids"]
-        step.seen.append((input_ids != self.pad_id).sum())
-        step.samples += input_ids.shape[0]
+        step.positions += input_ids.numel()
         step.flops_per_token.append(self.flops_per_token(input_ids.shape[1] * self.sp_size))
+        if bool(micro_batch.get("padding_flag", False)):  # a token budget's no-target micro-batch (host tensor)
+            step.seen.append(torch.zeros((), dtype=torch.long))
+            return
+        ids = micro_batch.get(SEQUENCE_IDS)
+        step.seen.append((ids >= 0).sum() if ids is not None else (input_ids != self.pad_id).sum())
+        whole = micro_batch.get(ATTENTION_SEQUENCE_IDS)  # a packed row: its samples, whole under SP
+        step.samples += int(whole.max()) + 1 if whole is not None else input_ids.shape[0]
 
     def _record_micro_batches(self) -> None:
         """The kept micro-batches' sums into the window: per loss key sum(local mean x tokens) (a shard without tokens
@@ -215,6 +226,7 @@ class TrainMetrics:
         seen = torch.stack(step.seen)
         self.reporter.record("tokens", seen.sum())
         self.reporter.record("samples", float(step.samples))
+        self.reporter.record("positions", float(step.positions))
         flops_per_token = torch.tensor(step.flops_per_token, dtype=torch.float64, device=seen.device)
         self.reporter.record("flops", seen.double() @ flops_per_token)
 
@@ -241,6 +253,8 @@ class TrainMetrics:
             losses = [reduced[name] for name in self.loss_names if name in reduced]
             if losses:
                 out["loss"] = sum(losses)
+            if "tokens" in reduced and reduced.get("positions"):
+                out["padding_ratio"] = 1.0 - reduced["tokens"] / reduced["positions"]
             if "tokens" in reduced:
                 self.tokens_seen += reduced["tokens"]
                 out["tokens_seen"] = self.tokens_seen
