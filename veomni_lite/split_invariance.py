@@ -12,7 +12,8 @@ contract on more than one process, 0 on one).
 `build_model` and `collate` are called in every process, so they must be importable (module-level) functions; the
 model follows the trainer's model contract (`forward(**micro_batch)` returns `{"<name>_loss": local mean}`, and
 `enable_sequence_parallel(group)` for SP layouts); `collate(samples) -> micro_batch` shifts labels once and pads.
-Samples go to micro-batches in order: micro-batch j of dp rank r holds samples [(j * dp + r) * mbs, ... + mbs).
+Samples go to micro-batches in order: micro-batch j of dp rank r holds samples [(j * dp + r) * mbs, ... + mbs);
+a `Layout` may pack them (`packed_collate`) and re-plan each rank's samples by a token budget.
 Build the model in float64 to see differences at rounding level (~1e-15); float32 shows ~1e-7.
 """
 
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from veomni_lite.data.packing import padding_micro_batch, plan_micro_batches
 from veomni_lite.distributed.parallel_state import destroy_parallel_state, get_parallel_state, init_parallel_state
 from veomni_lite.distributed.sequence_parallel import slice_micro_batch
 from veomni_lite.utils.loss_utils import LossModes, count_loss_token, mark_sequences, mean_global_loss, reset_loss_memo
@@ -38,14 +40,20 @@ __all__ = ["Layout", "SplitReport", "check_split_invariance", "default_layouts"]
 
 @dataclass(frozen=True)
 class Layout:
-    """`dp` x `sp` processes, `micro_batch_size` samples per micro-batch (GA = samples / (mbs x dp))."""
+    """`dp` x `sp` processes, `micro_batch_size` samples per micro-batch (GA = samples / (mbs x dp)). `packed`: each
+    micro-batch through `packed_collate`; `max_tokens` > 0: each rank's samples re-planned into token-budget
+    micro-batches (`plan_micro_batches`), the ranks with fewer padded with no-target micro-batches as the trainer
+    does."""
 
     dp: int = 1
     sp: int = 1
     micro_batch_size: int = 1
+    packed: bool = False
+    max_tokens: int = 0
 
     def __str__(self) -> str:
-        return f"dp{self.dp}xsp{self.sp}/mbs{self.micro_batch_size}"
+        extra = ("/packed" if self.packed else "") + (f"/budget{self.max_tokens}" if self.max_tokens else "")
+        return f"dp{self.dp}xsp{self.sp}/mbs{self.micro_batch_size}{extra}"
 
 
 def default_layouts(num_samples: int) -> list[Layout]:
@@ -108,24 +116,46 @@ def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
 
 
+def _chunks(layout: Layout, samples: Sequence[Any], dp_rank: int) -> list[list[Any]]:
+    """Rank `dp_rank`'s samples, one list per micro-batch, padded to every rank's largest count with empty lists."""
+    mbs, dp = layout.micro_batch_size, layout.dp
+    steps = range(len(samples) // (mbs * dp))
+    plans = []
+    for rank in range(dp):
+        mine = [s for j in steps for s in samples[(j * dp + rank) * mbs : (j * dp + rank + 1) * mbs]]
+        if layout.max_tokens:
+            lengths = [int(s["input_ids"].numel()) for s in mine]
+            plans.append(
+                [[mine[i] for i in chunk] for chunk in plan_micro_batches(lengths, layout.max_tokens, layout.packed)]
+            )
+        else:
+            plans.append([mine[j * mbs : (j + 1) * mbs] for j in steps])
+    count = max(len(plan) for plan in plans)
+    return plans[dp_rank] + [[] for _ in range(count - len(plans[dp_rank]))]
+
+
 def _run(
-    layout: Layout, build_model: Callable[[], Any], samples: Sequence[Any], collate: Callable, modes: list[LossModes]
+    layout: Layout,
+    build_model: Callable[[], Any],
+    samples: Sequence[Any],
+    collate: Callable,
+    modes: list[LossModes],
+    packed_collate: Callable | None = None,
 ) -> dict[str, Any]:
     """This process's share of `layout` for every mode; gradients and losses averaged over the mesh."""
     state = get_parallel_state()
     model = build_model()
     if layout.sp > 1:
         model.enable_sequence_parallel(state.sp_group)
-    mbs, dp = layout.micro_batch_size, layout.dp
-    steps = range(len(samples) // (mbs * dp))
+    make = packed_collate if layout.packed else collate
     out: dict[str, Any] = {"grads": [], "losses": [], "calls": []}
     for loss_modes in modes:
         model.zero_grad(set_to_none=True)
         reset_loss_memo()
-        chunks = [samples[(j * dp + state.dp_rank) * mbs : (j * dp + state.dp_rank + 1) * mbs] for j in steps]
-        micro_batches = [
-            slice_micro_batch(mark_sequences(collate(chunk), loss_modes), state.sp_rank, layout.sp) for chunk in chunks
-        ]
+        chunks = _chunks(layout, samples, state.dp_rank)
+        marked = [mark_sequences(make(chunk or chunks[0]), loss_modes) for chunk in chunks]
+        marked = [batch if chunk else padding_micro_batch(batch) for batch, chunk in zip(marked, chunks)]
+        micro_batches = [slice_micro_batch(batch, state.sp_rank, layout.sp) for batch in marked]
         loss, calls = _one_step(model, micro_batches, loss_modes)
         world = state.world_size
         grads = _grads(model)
@@ -164,11 +194,15 @@ def check_split_invariance(
     collate: Callable[[Sequence[Mapping[str, torch.Tensor]]], dict[str, Any]],
     modes: Sequence[LossModes | str] = ("token-mean",),
     layouts: Sequence[Layout] | None = None,
+    packed_collate: Callable[[Sequence[Mapping[str, torch.Tensor]]], dict[str, Any]] | None = None,
 ) -> SplitReport:
-    """Run every layout for every mode and compare with the one-process, one-micro-batch reference (see above)."""
+    """Run every layout for every mode and compare with the one-process, one-micro-batch reference (see above);
+    `packed_collate` makes the micro-batches of the `packed` layouts (the reference is always `collate`'s)."""
     modes = [LossModes.of(mode) for mode in modes]
     layouts = default_layouts(len(samples)) if layouts is None else list(layouts)
     for layout in layouts:
+        if layout.packed and packed_collate is None:
+            raise ValueError(f"layout {layout}: a packed layout needs packed_collate")
         if len(samples) % (layout.micro_batch_size * layout.dp):
             raise ValueError(f"layout {layout}: {len(samples)} samples do not split into micro-batches x dp")
     report = SplitReport()
@@ -179,7 +213,7 @@ def check_split_invariance(
     for layout in layouts:
         with tempfile.TemporaryDirectory() as tmp:
             result_file = os.path.join(tmp, "result.pt")
-            args = (layout, build_model, samples, collate, modes)
+            args = (layout, build_model, samples, collate, modes, packed_collate)
             world = layout.dp * layout.sp
             mp.start_processes(
                 _worker, args=(world, os.path.join(tmp, "init"), result_file, args), nprocs=world, start_method="spawn"

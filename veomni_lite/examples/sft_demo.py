@@ -5,7 +5,7 @@
   OpenAI `messages` dataset, the image a typed part of the user turn, the answer "a handwritten seven"; the held-out
   20% are the images the built-in digits job holds out (the same seeded permutation);
 - `OUT_DIR/help/train.jsonl`: Python's help pages (`pydoc_data.topics`) as a `sharegpt` dataset, one turn pair per
-  ~300-character piece of a topic;
+  paragraph of a topic (lengths from a few tokens to the 256 of `max_seq_len`);
 - `OUT_DIR/models/qwen2_vl_digits` and `OUT_DIR/models/qwen2_help`: `from_pretrained` directories of a tiny,
   randomly initialized Qwen2-VL and Qwen2 with a byte-level BPE tokenizer trained on the data, its own ChatML chat
   template (Qwen2-VL's image markup for the VL one) and, for Qwen2-VL, a `Qwen2VLImageProcessor` sized for 8x8
@@ -67,16 +67,16 @@ def write_digits(out: Path, eval_fraction: float = 0.2) -> list[str]:
     return [PROMPT, *(f"a handwritten {word}" for word in WORDS)]
 
 
-def write_help(out: Path, piece: int = 300) -> list[str]:
-    """The help pages as `sharegpt` rows; returns the texts."""
+def write_help(out: Path) -> list[str]:
+    """The help pages as `sharegpt` rows, one per paragraph (a few words to a few thousand characters, so the lengths
+    vary as in real SFT data); returns the texts."""
     from pydoc_data.topics import topics
 
     rows, texts = [], []
     for name in sorted(topics):
-        text = topics[name]
-        for part, start in enumerate(range(0, len(text), piece)):
-            question = f"Show part {part + 1} of the Python help topic {name!r}."
-            answer = text[start : start + piece]
+        paragraphs = [p.strip() for p in topics[name].split("\n\n") if p.strip()]
+        for part, answer in enumerate(paragraphs):
+            question = f"Show paragraph {part + 1} of the Python help topic {name!r}."
             rows.append({"conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]})
             texts += [question, answer]
     _write_jsonl(out / "train.jsonl", rows)
@@ -155,7 +155,7 @@ def write_text_model(directory: Path, texts: list[str]) -> None:
 def write_demo(out: str | Path) -> Path:
     """Everything in the module docstring under `out` (skipped where it exists)."""
     out = Path(out)
-    done = out / ".complete"
+    done = out / ".complete-v2"  # v2: the help pages one paragraph per row
     if done.is_file():
         return out
     digit_texts = write_digits(out / "digits")

@@ -1,0 +1,67 @@
+"""Fixtures of the packing tests, importable by spawned processes: float64 Qwen2 and Qwen2-VL (with the image head)
+from configs, samples of varied lengths, and their padded and packed collates."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from tests.models.test_hf_models import IMAGE, PAD, image_sample, make_lm, make_vl, text_sample
+from veomni_lite.data.collator import collate
+from veomni_lite.loss_keys import IGNORE_INDEX
+from veomni_lite.models.qwen2_vl import collate_qwen2_vl
+
+NUM_SAMPLES = 8
+
+
+def text_samples() -> list[dict[str, torch.Tensor]]:
+    """Lengths 3 to 21; sample 0 has no target at all, sample 5 only a few."""
+    out = []
+    for i, n in enumerate((9, 3, 21, 6, 14, 11, 4, 17)):
+        sample = {k: v for k, v in text_sample(n, seed=10 + i).items() if k != "image_decoder_labels"}
+        if i == 0:
+            sample["labels"] = torch.full_like(sample["labels"], IGNORE_INDEX)
+        if i == 5:
+            sample["labels"][:-3] = IGNORE_INDEX
+        out.append(sample)
+    return out
+
+
+def vl_samples() -> list[dict[str, torch.Tensor]]:
+    """Images in most samples (two in some), caption samples without image-decoder targets, text-only ones."""
+    out = [
+        image_sample([(1, 4, 4)], [3, 2], seed=1),
+        text_sample(7, seed=2),
+        image_sample([(1, 4, 8), (1, 4, 4)], [1, 2, 3], seed=3),
+        image_sample([(1, 2, 2)], [0, 4], seed=4),
+        text_sample(12, seed=5),
+        image_sample([(1, 4, 4)], [6, 1], seed=6),
+        image_sample([(1, 2, 4), (1, 2, 2)], [2, 2, 2], seed=7),
+        text_sample(4, seed=8),
+    ]
+    return [{**s, **({"pixel_values": s["pixel_values"].double()} if "pixel_values" in s else {})} for s in out]
+
+
+def build_text() -> torch.nn.Module:
+    return make_lm(seed=3).double()
+
+
+def build_vl() -> torch.nn.Module:
+    return make_vl(seed=3).double()
+
+
+def collate_text(samples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return collate(samples, pad_id=PAD)
+
+
+def pack_text(samples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return collate(samples, pad_id=PAD, packing=True)
+
+
+def collate_vl(samples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return collate_qwen2_vl(samples, IMAGE, 2, PAD)
+
+
+def pack_vl(samples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return collate_qwen2_vl(samples, IMAGE, 2, PAD, packing=True)
