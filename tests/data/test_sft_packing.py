@@ -1,0 +1,74 @@
+"""Packing and token budgets through the SFT trainer (float32): the same per-step loss and gradient norm as the
+unpacked run, for the help pages (text) and the digits (Qwen2-VL), at 1 process and with token-budget
+micro-batches on 2 processes whose micro-batch counts differ; the padding ratio and real-token metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.data.test_sft_training import REPO, demo, digits_args, help_args  # noqa: F401 - demo is a fixture
+from tests.dist_helpers import run_ranks
+from tests.trainer.helpers import losses_by_step, read_events
+from veomni_lite.config import load_config
+from veomni_lite.trainer.sft import SFTTrainer
+
+STEPS = ["--train.max_steps", "3", "--logging.log_interval", "1", "--train.eval_interval", "0"]
+STEPS += ["--checkpoint.save_interval", "0"]
+PACKED = ["--data.packing", "true"]
+BUDGET = ["--data.packing", "true", "--data.max_tokens_per_micro_batch", "256"]
+
+
+def run(config: str, args: list[str], world_size: int = 1) -> list[dict]:
+    trainer = SFTTrainer(load_config(REPO / "configs" / config, [*STEPS, *args], world_size=world_size))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return read_events(trainer.output_dir)
+
+
+def assert_same_steps(expected: list[dict], got: list[dict]) -> None:
+    for key in ("train/loss", "train/grad_norm", "train/tokens", "train/samples"):
+        want, have = losses_by_step(expected, key), losses_by_step(got, key)
+        assert want.keys() == have.keys()
+        for step in want:
+            assert have[step] == pytest.approx(want[step], rel=1e-5), (key, step)
+
+
+@pytest.mark.parametrize("job", ["help", "digits"])
+def test_packed_and_token_budget_steps_equal_the_padded_steps(demo, tmp_path, job):  # noqa: F811
+    args = help_args if job == "help" else digits_args
+    config = "sft_help.yaml" if job == "help" else "sft_digits.yaml"
+    padded = run(config, args(demo, tmp_path / "padded", "--train.eval_batches", "0"))
+    for name, extra in (("packed", PACKED), ("budget", BUDGET)):
+        got = run(config, args(demo, tmp_path / name, "--train.eval_batches", "0", *extra))
+        assert_same_steps(padded, got)
+        ratios = losses_by_step(got, "train/padding_ratio")
+        assert all(value < 0.05 for value in ratios.values()), ratios
+    if job == "help":  # paragraphs of varied length; the digits' samples are nearly all one length
+        assert all(value > 0.3 for value in losses_by_step(padded, "train/padding_ratio").values())
+
+
+def _budget_rank(rank: int, world_size: int, demo: Path, out: Path) -> list[dict] | None:  # noqa: F811
+    trainer = SFTTrainer(
+        load_config(REPO / "configs/sft_help.yaml", [*STEPS, *help_args(demo, out, *BUDGET)], world_size=2)
+    )
+    try:
+        counts = [len(trainer.loader.rank_indices(step)) for step in range(3)]
+        trainer.train()
+    finally:
+        trainer.close()
+    return {"counts": counts, "events": read_events(out) if rank == 0 else None}
+
+
+@pytest.mark.slow
+def test_token_budget_micro_batches_on_two_ranks_with_different_counts_equal_one_padded_process(demo, tmp_path):  # noqa: F811
+    reference = run("sft_help.yaml", help_args(demo, tmp_path / "one"))
+    outcomes = run_ranks(_budget_rank, 2, demo, tmp_path / "two", timeout_s=300)
+    assert all(status == "ok" for status, _ in outcomes.values()), outcomes
+    counts = [outcomes[rank][1]["counts"] for rank in range(2)]
+    print(f"\nmicro-batches per step under the budget: rank 0 {counts[0]}, rank 1 {counts[1]}")
+    assert counts[0] != counts[1], "the ranks' plans differ in count, so padding micro-batches ran"
+    assert_same_steps(reference, outcomes[0][1]["events"])
