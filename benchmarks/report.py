@@ -385,6 +385,32 @@ def sft_input_table(sft: Mapping[str, Any] | None) -> str:
     )
 
 
+def packing_table(packing: Mapping[str, Any] | None) -> str:
+    """The help-pages job padded vs packed (token budget): step time, real tokens/s, padding, peak RSS; the verdict."""
+    if not packing:
+        return "Not measured in this run."
+    rows = []
+    for name, v in packing["variants"].items():
+        rows.append(
+            [
+                name,
+                f"{v['micro_batches_per_step']:.2f}",
+                f"{v['median_ms']:.1f} [{v['q1_ms']:.1f}–{v['q3_ms']:.1f}]",
+                f"{v['real_tokens_per_s']:,.0f}",
+                f"{v['padding_ratio']:.3f}",
+                f"{v['peak_rss_mib']:.0f}",
+            ]
+        )
+    verdict = "met" if packing["speedup"] >= packing["target"] else "missed"
+    summary = table(
+        "steps|global batch|packed budget (tokens)|packed / padded real tokens per s|target|verdict",
+        [[packing["steps"], packing["global_batch_size"], packing["budget"], f"{packing['speedup']:.2f}x",
+          f">= {packing['target']:g}x", verdict]],
+    )  # fmt: skip
+    header = "variant|micro-batches per step|step ms median [IQR]|real tokens per s|padding ratio|peak RSS MiB"
+    return table(header, rows) + "\n" + summary
+
+
 def page_values(results: Mapping[str, Any], records: list[Record], png: str) -> dict[str, Any]:
     """The fields of the template that are not top-level keys of `results`, its machine or its settings."""
     runs = dict(sorted(results["runs"].items(), key=lambda item: int(item[0])))
@@ -451,6 +477,7 @@ def page_values(results: Mapping[str, Any], records: list[Record], png: str) -> 
         "trainer_norm_diff": checked(trainer, "grad_norm_rel_diff"),
         "gpu": gpu_section(results.get("gpu") or []),
         "sft_input": sft_input_table(results.get("sft_input")),
+        "packing": packing_table(results.get("packing")),
         "oversubscribed": f"; {', '.join(over)} processes share {results['machine']['logical_cpus']} CPUs, so those "
         "collectives include scheduling delay (real on a loaded host, larger than on a cluster)"
         if over

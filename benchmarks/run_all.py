@@ -181,6 +181,11 @@ def main() -> int:
         sft_start = time.perf_counter()
         sft = sft_input.measure(scratch / "sft", settings["sft_steps"], settings["sft_blocks"])
         print(f"[bench] SFT input pipeline: done in {time.perf_counter() - sft_start:.0f}s", flush=True)
+        import packing
+
+        packing_start = time.perf_counter()
+        packed = packing.measure(scratch / "sft", settings["sft_steps"], settings["sft_blocks"])
+        print(f"[bench] packing: done in {time.perf_counter() - packing_start:.0f}s", flush=True)
         first = next(iter(runs.values()))
         command = "make bench QUICK=1" if args.quick else "make bench"
         results = {
@@ -198,6 +203,7 @@ def main() -> int:
             "raw_results": str(raw_path.relative_to(REPO)) if raw_path.is_relative_to(REPO) else str(raw_path),
             "runs": runs,
             "sft_input": sft,
+            "packing": packed,
             "targets": TARGETS,
             "gpu": gpu_results(),
         }
