@@ -152,3 +152,25 @@ def test_a_padding_micro_batch_has_no_target_and_counts_zero():
     counts = count_loss_token(empty)
     assert int(counts["foundation_tokens"]) == 0 and int(counts["foundation_sequences"]) == 0
     assert torch.equal(empty["input_ids"], batch["input_ids"]), "the same forward runs"
+
+
+def test_the_vision_tower_takes_host_boundaries_and_never_reads_the_grid_tensor(monkeypatch):
+    """From a host `image_grid_thw` the model hands the tower its boundaries and positions (computed on the host): the
+    features equal transformers' own from a grid it must read, and no `.tolist()` / `.item()` touches the grid the
+    tower gets (on an accelerator, the device copy)."""
+    model = make_vl().double()
+    batch = collate_qwen2_vl(vl_samples(), IMAGE, 2, PAD, packing=True)
+    pixels, grid = batch["pixel_values"].double(), batch["image_grid_thw"]
+    read: list[int] = []
+    for name in ("tolist", "item"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original: read.append(id(self)) or _o(self, *a))
+    with torch.no_grad():
+        inputs = model._vision_inputs(grid, torch.device("cpu"))  # reads the host grid, by design
+        read.clear()
+        ours = model.vlm.model.visual(pixels, **inputs).pooler_output
+        assert id(inputs["grid_thw"]) not in read, "the tower splits by the host boundaries only"
+        read.clear()
+        theirs = model.vlm.model.visual(pixels, grid_thw=grid).pooler_output
+    assert id(grid) in read, "the control: transformers reads the grid itself"
+    assert torch.equal(ours, theirs)

@@ -169,6 +169,20 @@ class Qwen2VLWithImageHead(nn.Module):
         """What FSDP shards one by one: the decoder layers, then the whole vision tower."""
         return [*self.vlm.model.language_model.layers, self.vlm.model.visual]
 
+    host_inputs = ("image_grid_thw",)  # the trainer leaves it on the host: see `_vision_inputs`
+
+    def _vision_inputs(self, grid: Tensor, device: torch.device) -> dict[str, Tensor]:
+        """The vision tower's inputs. From a host `grid`, its attention boundaries (kept on the host: the SDPA path
+        only splits by them) and rotary positions are computed here, so transformers reads no device tensor for them
+        (`grid_thw.tolist()` once and `cu_seqlens.tolist()` in every vision block otherwise)."""
+        if grid.device.type != "cpu":
+            return {"grid_thw": grid}
+        from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids
+
+        merge = self.vlm.model.visual.spatial_merge_size
+        positions = get_vision_position_ids(grid, merge).to(device, non_blocking=True)
+        return {"grid_thw": grid.to(device), "cu_seqlens": get_vision_cu_seqlens(grid), "position_ids": positions}
+
     def embed(self, input_ids: Tensor, image_feature_index: Tensor, pixel_values: Tensor | None, grid: Tensor | None):
         model = self.vlm.model
         embeds = model.get_input_embeddings()(input_ids)
@@ -178,9 +192,9 @@ class Qwen2VLWithImageHead(nn.Module):
             merge = vision.spatial_merge_size
             width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
             dummy = embeds.new_zeros(merge * merge, width)
-            dummy_grid = torch.tensor([[1, merge, merge]], device=embeds.device)
-            return embeds + 0.0 * visual(dummy, grid_thw=dummy_grid).pooler_output.sum()
-        features = visual(pixel_values.to(embeds.dtype), grid_thw=grid).pooler_output  # [image tokens, hidden]
+            dummy_grid = torch.tensor([[1, merge, merge]])
+            return embeds + 0.0 * visual(dummy, **self._vision_inputs(dummy_grid, embeds.device)).pooler_output.sum()
+        features = visual(pixel_values.to(embeds.dtype), **self._vision_inputs(grid, embeds.device)).pooler_output
         placed = features[image_feature_index.clamp(min=0)].to(embeds.dtype)
         return torch.where((image_feature_index >= 0).unsqueeze(-1), placed, embeds)
 

@@ -255,9 +255,13 @@ class BaseTrainer(ABC):
         return slice_micro_batch(micro_batch, self.parallel.sp_rank, self.parallel.sp_size, pad_id=self.pad_id)
 
     def preforward(self, micro_batch: Mapping[str, Any]) -> dict[str, Any]:
-        """Move tensors to the device."""
+        """Move tensors to the device, except the model's `host_inputs` (what it reads on the host, so that reading
+        them costs no device sync; the model moves them itself)."""
+        host = getattr(self.model, "host_inputs", ())
         return {
-            key: value.to(self.device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+            key: value.to(self.device, non_blocking=True)
+            if isinstance(value, torch.Tensor) and key not in host
+            else value
             for key, value in micro_batch.items()
         }
 
