@@ -2,7 +2,8 @@
 
 `check_split_invariance(build_model, samples, collate, modes=...)` trains one optimizer step of `build_model()` on
 `samples` (the whole global batch) in one process with one micro-batch (the reference), then under each `Layout`
-(gradient accumulation, DP and Ulysses SP, on real gloo processes of this machine) through the same call sequence a
+(gradient accumulation, DP and Ulysses SP, on real gloo processes of this machine; a one-process layout runs in this
+process) through the same call sequence a
 trainer uses: `mark_sequences` on the whole micro-batch, `slice_micro_batch` for SP, `count_loss_token` once per step,
 `mean_global_loss` per micro-batch, backward, gradients averaged over dp x sp as FSDP does. It returns a
 `SplitReport`: per layout and mode, the largest gradient difference (relative to the largest reference gradient
@@ -211,14 +212,16 @@ def check_split_invariance(
         report.grads["reference", _mode_name(mode)] = grads
         report.losses["reference", _mode_name(mode)] = loss
     for layout in layouts:
-        with tempfile.TemporaryDirectory() as tmp:
-            result_file = os.path.join(tmp, "result.pt")
-            args = (layout, build_model, samples, collate, modes, packed_collate)
-            world = layout.dp * layout.sp
-            mp.start_processes(
-                _worker, args=(world, os.path.join(tmp, "init"), result_file, args), nprocs=world, start_method="spawn"
-            )
-            result = torch.load(result_file, weights_only=True)
+        args = (layout, build_model, samples, collate, modes, packed_collate)
+        world = layout.dp * layout.sp
+        if world == 1:  # one process: here, like the reference (no process group, no collective)
+            result = _run(*args)
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                result_file = os.path.join(tmp, "result.pt")
+                init = os.path.join(tmp, "init")
+                mp.start_processes(_worker, args=(world, init, result_file, args), nprocs=world, start_method="spawn")
+                result = torch.load(result_file, weights_only=True)
         name = str(layout)
         report.collectives_per_step[name] = max(result["calls"])
         for mode, grads, loss in zip(modes, result["grads"], result["losses"]):

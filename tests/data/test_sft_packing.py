@@ -15,7 +15,7 @@ from veomni_lite.config import load_config
 from veomni_lite.trainer.sft import SFTTrainer
 
 STEPS = ["--train.max_steps", "3", "--logging.log_interval", "1", "--train.eval_interval", "0"]
-STEPS += ["--checkpoint.save_interval", "0"]
+STEPS += ["--checkpoint.save_interval", "0", "--train.eval_batches", "0"]
 PACKED = ["--data.packing", "true"]
 BUDGET = ["--data.packing", "true", "--data.max_tokens_per_micro_batch", "256"]
 
@@ -37,13 +37,19 @@ def assert_same_steps(expected: list[dict], got: list[dict]) -> None:
             assert have[step] == pytest.approx(want[step], rel=1e-5), (key, step)
 
 
+@pytest.fixture(scope="module")
+def padded_help(demo, tmp_path_factory) -> list[dict]:  # noqa: F811
+    """The padded help-pages run both tests compare with."""
+    return run("sft_help.yaml", help_args(demo, tmp_path_factory.mktemp("padded_help")))
+
+
 @pytest.mark.parametrize("job", ["help", "digits"])
-def test_packed_and_token_budget_steps_equal_the_padded_steps(demo, tmp_path, job):  # noqa: F811
+def test_packed_and_token_budget_steps_equal_the_padded_steps(demo, tmp_path, job, padded_help):  # noqa: F811
     args = help_args if job == "help" else digits_args
     config = "sft_help.yaml" if job == "help" else "sft_digits.yaml"
-    padded = run(config, args(demo, tmp_path / "padded", "--train.eval_batches", "0"))
+    padded = padded_help if job == "help" else run(config, args(demo, tmp_path / "padded"))
     for name, extra in (("packed", PACKED), ("budget", BUDGET)):
-        got = run(config, args(demo, tmp_path / name, "--train.eval_batches", "0", *extra))
+        got = run(config, args(demo, tmp_path / name, *extra))
         assert_same_steps(padded, got)
         ratios = losses_by_step(got, "train/padding_ratio")
         assert all(value < 0.05 for value in ratios.values()), ratios
@@ -64,11 +70,14 @@ def _budget_rank(rank: int, world_size: int, demo: Path, out: Path) -> list[dict
 
 
 @pytest.mark.slow
-def test_token_budget_micro_batches_on_two_ranks_with_different_counts_equal_one_padded_process(demo, tmp_path):  # noqa: F811
-    reference = run("sft_help.yaml", help_args(demo, tmp_path / "one"))
+def test_token_budget_micro_batches_on_two_ranks_with_different_counts_equal_one_padded_process(
+    demo,  # noqa: F811
+    tmp_path,
+    padded_help,
+):
     outcomes = run_ranks(_budget_rank, 2, demo, tmp_path / "two", timeout_s=300)
     assert all(status == "ok" for status, _ in outcomes.values()), outcomes
     counts = [outcomes[rank][1]["counts"] for rank in range(2)]
     print(f"\nmicro-batches per step under the budget: rank 0 {counts[0]}, rank 1 {counts[1]}")
     assert counts[0] != counts[1], "the ranks' plans differ in count, so padding micro-batches ran"
-    assert_same_steps(reference, outcomes[0][1]["events"])
+    assert_same_steps(padded_help, outcomes[0][1]["events"])

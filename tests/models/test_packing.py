@@ -174,3 +174,16 @@ def test_the_vision_tower_takes_host_boundaries_and_never_reads_the_grid_tensor(
         theirs = model.vlm.model.visual(pixels, grid_thw=grid).pooler_output
     assert id(grid) in read, "the control: transformers reads the grid itself"
     assert torch.equal(ours, theirs)
+
+
+def test_the_digits_job_packed_trains_and_evaluates_like_the_padded_one(tmp_path):
+    from tests.models.small_hf import train_small
+    from tests.trainer.helpers import losses_by_step, read_events
+
+    evals = ["--train.eval_interval", "2", "--train.eval_batches", "1"]
+    padded = read_events(train_small("vl", tmp_path / "padded", *evals).output_dir)
+    packed = read_events(train_small("vl", tmp_path / "packed", *evals, "--data.packing", "true").output_dir)
+    for key in ("train/loss", "train/grad_norm", "eval/loss", "eval/caption_accuracy"):
+        want, got = losses_by_step(padded, key), losses_by_step(packed, key)
+        assert want and want.keys() == got.keys(), key
+        assert all(got[s] == pytest.approx(want[s], rel=1e-5) for s in want), (key, want, got)

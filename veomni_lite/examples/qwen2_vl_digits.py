@@ -98,7 +98,8 @@ class DigitsVLTrainer(BaseTrainer):
             chosen = mine[index * per_batch : (index + 1) * per_batch]
             real = len(chosen)
             samples, positions, gold = zip(*(data.caption_query(i) for i in chosen or [0]))
-            batch = self.shard(self.collate(samples))
+            # one row per query (never packed): the query positions index the rows
+            batch = self.shard(collate_qwen2_vl(samples, data.image_token_id, data.merge, data.pad_id))
             local_len = batch["input_ids"].shape[1]
             start = state.sp_rank * local_len
             inputs = {key: value for key, value in batch.items() if not is_labels_key(key)}
