@@ -41,7 +41,7 @@ def test_two_agents_over_c10d_train_like_one_standalone_run(tmp_path):
                 "--nnodes",
                 "2",
                 "--nproc_per_node",
-                "2",
+                "1",
                 "--node_rank",
                 str(node),
                 "--rdzv_backend",
