@@ -159,10 +159,11 @@ class SFTTrainer(BaseTrainer):
                 labels = micro_batch["labels"].to(self.device)
                 sample = micro_batch[SEQUENCE_IDS].to(self.device)  # rows, or a packed row's samples
                 valid = (labels != IGNORE_INDEX) & (sample >= 0)
-                wrong = (logits.argmax(-1) != labels)[valid].long()
+                wrong = (logits.argmax(-1) != labels) & valid
+                at = sample.clamp(min=0).flatten()  # masked entries add 0: no boolean indexing, so no host sync
                 per_sample = torch.zeros(2, self.config.train.micro_batch_size, dtype=torch.long, device=self.device)
-                per_sample[0].index_add_(0, sample[valid], wrong)  # wrong, then trained, tokens of each sample
-                per_sample[1].index_add_(0, sample[valid], torch.ones_like(wrong))
+                per_sample[0].index_add_(0, at, wrong.flatten().long())  # wrong, then trained, tokens per sample
+                per_sample[1].index_add_(0, at, valid.flatten().long())
                 if state.sp_size > 1:
                     per_sample = all_reduce(per_sample, op="sum", group=state.sp_group)
                 counted = per_sample[1] > 0
