@@ -189,3 +189,21 @@ def test_the_trainer_logs_to_wandb_with_train_wandb_true(tmp_path, monkeypatch):
     assert [step for step, _ in fake.logged] == [1, 2]
     assert fake.inits[0]["dir"] == str(tmp_path / "wandb")
     assert fake.inits[0]["config"]["logging"]["wandb"] is True
+
+
+def test_the_loss_curve_costs_the_same_however_long_the_run(tmp_path, monkeypatch):
+    series = MetricSeries()
+    for step in range(1, 100_001):
+        series.append(step, 0, {"train/loss": 1.0 / step})
+    sink = LossCurveSink(tmp_path / "loss_curve.png", series, max_points=500, min_interval_s=60.0)
+    points = sink.points("train/loss")
+    assert len(points) <= 500 and points[-1]["step"] == 100_000
+    steps = [p["step"] for p in points]
+    assert steps == sorted(steps) and steps[1] - steps[0] == steps[-1] - steps[-2], "evenly strided"
+    draws = []
+    monkeypatch.setattr(sink, "redraw", lambda original=sink.redraw: (draws.append(1), original()))
+    sink.write(1, 0, {})
+    sink.write(2, 0, {})  # within min_interval_s of the last draw: not redrawn
+    assert len(draws) == 1
+    sink.flush()  # a checkpoint or the end of the run draws what is pending
+    assert len(draws) == 2 and (tmp_path / "loss_curve.png").read_bytes().startswith(PNG_MAGIC)

@@ -114,3 +114,17 @@ def test_step_time_excludes_the_wait_for_the_previous_steps_bookkeeping(tmp_path
     for event in events[1:]:
         assert event["train/bookkeeping_wait_s"] > 0.3
         assert event["train/step_time_s"] < event["train/bookkeeping_wait_s"]
+
+
+def test_checkpoints_stay_the_same_size_as_the_run_grows_and_a_resume_reads_the_history_back(tmp_path):
+    """The logged history lives in metrics.jsonl: trainer_state.pt does not grow with the steps already run, and a
+    resumed run's series (what the loss curve draws) is read back from the file."""
+    config = tiny_config("text", tmp_path, max_steps=12, save_interval=4, keep_checkpoints=3)
+    run_trainer("text", config, stop_after=9)
+    sizes = {s: (tmp_path / "checkpoints" / f"step_{s:08d}" / "trainer_state.pt").stat().st_size for s in (4, 8, 9)}
+    assert len(set(sizes.values())) == 1, sizes
+    trainers = []
+    run_trainer("text", replace(config, checkpoint={"resume": True}), setup=trainers.append)
+    series = trainers[0].metrics.reporter.series
+    assert [point["step"] for point in series["train/loss"]] == list(range(1, 13))
+    assert [e["step"] for e in read_events(tmp_path)] == list(range(1, 13))

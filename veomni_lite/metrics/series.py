@@ -64,6 +64,13 @@ class MetricSeries:
                 event[key] = point["value"]
         return [by_step[step] for step in sorted(by_step)]
 
+    def load_events(self, events: list[Mapping[str, int | float | None]]) -> None:
+        """Replace the history with `events()`-shaped rows in step order (as read back from metrics.jsonl)."""
+        self._points = {}
+        for event in events:
+            values = {key: value for key, value in event.items() if key not in ("step", "epoch") and value is not None}
+            self.append(int(event["step"]), event.get("epoch"), values)
+
     def state_dict(self) -> dict[str, list[SeriesPoint]]:
         """A deep copy of the points as plain Python lists/dicts (picklable, no tensors)."""
         return {key: [dict(p) for p in points] for key, points in self._points.items()}

@@ -14,12 +14,13 @@ import logging
 import math
 import os
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 from veomni_lite.metrics.scalars import Scalar, split_scalars
-from veomni_lite.metrics.series import MetricSeries
+from veomni_lite.metrics.series import MetricSeries, SeriesPoint
 from veomni_lite.metrics.spec import format_value
 
 logger = logging.getLogger(__name__)
@@ -92,8 +93,10 @@ class JsonlSink(Sink):
     """Appends one JSON object per event, `{"step": s, "epoch": e, key: value, ...}`, flushed after each event.
 
     Non-finite floats are written as null. `resume(step)` rewrites the file keeping only events with
-    step <= `step` (unparseable lines, e.g. a line torn by a crash, are dropped with a warning); when the file does
-    not exist it is rebuilt from the series, so a resumed run's file has no duplicates and no gaps.
+    step <= `step` (unparseable lines, e.g. a line torn by a crash, are dropped with a warning) and the series is
+    reloaded from the kept lines: the file, appended to at every log, is the run's durable history, so checkpoints
+    need not carry it. When the file does not exist it is rebuilt from the series, so a resumed run's file has no
+    duplicates and no gaps either way.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -132,18 +135,20 @@ class JsonlSink(Sink):
         self.close()
         self._last = None
         if self.path.exists():
-            lines = []
+            lines, events = [], []
             for number, line in enumerate(self.path.read_text(encoding="utf-8").splitlines(), start=1):
                 if not line.strip():
                     continue
                 try:
                     event = json.loads(line)
-                    event_step = event["step"]
+                    event_step = int(event["step"])
                 except (ValueError, KeyError, TypeError):
                     logger.warning("metrics: dropping unreadable line %d of %s", number, self.path)
                     continue
                 if event_step <= step:
                     lines.append(line)
+                    events.append(event)
+            series.load_events(events)
         else:
             events = [e for e in series.events() if e["step"] <= step]
             lines = [json.dumps({k: _json_number(v) if k != "epoch" else v for k, v in e.items()}) for e in events]
@@ -244,20 +249,32 @@ class WandbSink(Sink):
 
 
 class LossCurveSink(Sink):
-    """`loss_curve.png`: the chosen keys of a `MetricSeries` against step, redrawn on every event and on flush.
+    """`loss_curve.png`: the chosen keys of a `MetricSeries` against step.
 
-    `keys=None` plots every key whose last path component ends with "loss" (train/loss, train/foundation_loss,
-    eval/loss, ...). The sink reads the series it is given (the reporter appends to it before writing), so after
-    a resume the curve includes the restored history. Drawn with matplotlib's object API and the Agg canvas (no
-    pyplot global state), so it is safe off the main thread; the file is replaced atomically.
+    Its cost per event stays flat however long the run: it redraws at most once per `min_interval_s` (and on flush,
+    i.e. at checkpoints and at the end), each time from at most `max_points` evenly strided points per key (the last
+    point always included). `keys=None` plots every key whose last path component ends with "loss" (train/loss,
+    train/foundation_loss, eval/loss, ...). The sink reads the series it is given (the reporter appends to it before
+    writing), so after a resume the curve includes the restored history. Drawn with matplotlib's object API and the
+    Agg canvas (no pyplot global state), so it is safe off the main thread; the file is replaced atomically.
     """
 
-    def __init__(self, path: str | os.PathLike[str], series: MetricSeries, keys: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        series: MetricSeries,
+        keys: Sequence[str] | None = None,
+        max_points: int = 2000,
+        min_interval_s: float = 30.0,
+    ) -> None:
         super().__init__()
         self.path = Path(path)
         self.series = series
         self.keys = list(keys) if keys is not None else None
+        self.max_points = max_points
+        self.min_interval_s = min_interval_s
         self._dirty = False
+        self._drawn_at = -math.inf
 
     def plot_keys(self) -> list[str]:
         if self.keys is not None:
@@ -266,11 +283,18 @@ class LossCurveSink(Sink):
 
     def write(self, step: int, epoch: Epoch, values: Mapping[str, object]) -> None:
         self._dirty = True
-        self.flush()
+        if time.monotonic() - self._drawn_at >= self.min_interval_s:
+            self.redraw()
 
     def flush(self) -> None:
         if self._dirty:
             self.redraw()
+
+    def points(self, key: str) -> list[SeriesPoint]:
+        """At most `max_points` of `key`'s points, evenly strided, ending with the newest."""
+        points = self.series[key]
+        stride = max(1, math.ceil(len(points) / self.max_points))
+        return points[len(points) - 1 :: -stride][::-1]
 
     def resume(self, step: int, series: MetricSeries) -> None:
         self._dirty = True
@@ -280,6 +304,7 @@ class LossCurveSink(Sink):
         self._dirty = False
         if not keys:
             return
+        self._drawn_at = time.monotonic()
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
         from matplotlib.ticker import MaxNLocator
@@ -288,7 +313,7 @@ class LossCurveSink(Sink):
         FigureCanvasAgg(figure)
         axes = figure.add_subplot()
         for key in keys:
-            points = self.series[key]
+            points = self.points(key)
             steps = [p["step"] for p in points]
             values = [float(p["value"]) if math.isfinite(float(p["value"])) else math.nan for p in points]
             axes.plot(steps, values, marker="." if len(points) < 50 else None, label=key)

@@ -358,13 +358,15 @@ class TrainMetrics:
 
     def checkpoint_state(self, step: int, epoch: int) -> dict[str, Any]:
         """Collective: log the open window at `step` first, so the checkpoint holds no window, then return what every
-        rank shares (the series and the cumulative token count)."""
+        rank shares: the cumulative token count. Its size does not grow with the run: the logged history lives in
+        metrics.jsonl, appended at each log, and a resume reads it back from there."""
         self.finish(step, epoch)
-        return {"series": self.reporter.series.state_dict(), "tokens_seen": self.tokens_seen}
+        return {"tokens_seen": self.tokens_seen}
 
     def load_state_dict(self, state: Mapping[str, Any], step: int) -> None:
-        """Continue after the checkpoint at `step`: restore the series, truncate the sinks' later rows."""
-        self.reporter.series.load_state_dict(state["series"])
+        """Continue after the checkpoint at `step`: truncate the sinks' later rows; the main rank's series is read
+        back from metrics.jsonl (a checkpoint written before this change carries the series itself)."""
+        self.reporter.series.load_state_dict(state.get("series", {}))
         self.tokens_seen = state.get("tokens_seen", 0.0)
         self.last_logged_step = step
         self.reporter.resume(step)
