@@ -140,6 +140,17 @@ class ParallelConfig:
 
     sp_size: int = 1
     """Ulysses sequence-parallel degree; must divide the world size and the attention heads."""
+    dp_replicate: int = 1
+    """HSDP: parameters are sharded within blocks of world / dp_replicate consecutive ranks and replicated across the
+    blocks (set it to the number of nodes to shard within each node). 1: plain FSDP over every rank. Must divide the
+    dp size (world / sp_size)."""
+    gradient_sync: Literal["every_micro_batch", "last_micro_batch"] = "every_micro_batch"
+    """Under gradient accumulation: every_micro_batch reduce-scatters each micro-batch's gradients, so only sharded
+    gradients are kept (the memory-safe choice, torchtitan's default; HSDP's replica all-reduce still runs once per
+    step); last_micro_batch keeps whole unsharded gradients until the step's last micro-batch, one reduction per
+    step for a model's worth of extra memory."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of keeping them (less memory, more compute)."""
     mixed_precision: Literal["auto", "fp32", "bf16"] = "auto"
     """auto: bf16 parameters with fp32 gradient reduction on CUDA, fp32 elsewhere."""
     collective_timeout_s: float = 300.0
@@ -468,6 +479,11 @@ def validate(config: Config, world_size: int | None = None) -> None:
     if world_size % parallel.sp_size:
         raise ConfigError(f"parallel.sp_size ({parallel.sp_size}) does not divide the world size ({world_size})")
     dp_size = world_size // parallel.sp_size
+    if parallel.dp_replicate < 1 or dp_size % parallel.dp_replicate:
+        raise ConfigError(
+            f"parallel.dp_replicate ({parallel.dp_replicate}) must be >= 1 and divide the dp size ({dp_size} = world "
+            f"{world_size} / sp {parallel.sp_size}), so that each replica holds whole sp groups"
+        )
     per_step = train.micro_batch_size * dp_size
     if train.global_batch_size % per_step:
         raise ConfigError(

@@ -10,6 +10,8 @@ trainer uses: `mark_sequences` on the whole micro-batch, `slice_micro_batch` for
 entry) and the absolute loss difference against the reference, and the loss all-reduces each step issued (1 is the
 contract on more than one process, 0 on one).
 
+The processes are forked from multiprocessing's forkserver, which imports `__main__` and `build_model`'s module once,
+so layouts after the first pay no imports again.
 `build_model` and `collate` are called in every process, so they must be importable (module-level) functions; the
 model follows the trainer's model contract (`forward(**micro_batch)` returns `{"<name>_loss": local mean}`, and
 `enable_sequence_parallel(group)` for SP layouts); `collate(samples) -> micro_batch` shifts labels once and pads.
@@ -220,7 +222,9 @@ def check_split_invariance(
             with tempfile.TemporaryDirectory() as tmp:
                 result_file = os.path.join(tmp, "result.pt")
                 init = os.path.join(tmp, "init")
-                mp.start_processes(_worker, args=(world, init, result_file, args), nprocs=world, start_method="spawn")
+                mp.get_context("forkserver").set_forkserver_preload(["__main__", build_model.__module__])
+                start = {"nprocs": world, "start_method": "forkserver"}
+                mp.start_processes(_worker, args=(world, init, result_file, args), **start)
                 result = torch.load(result_file, weights_only=True)
         name = str(layout)
         report.collectives_per_step[name] = max(result["calls"])

@@ -119,13 +119,16 @@ TIMEOUT_S = 1.5
 
 
 def _hang_each_group(rank: int, world_size: int, dp_size: int, sp_size: int) -> dict[str, str]:
-    """Rank 1 never joins one collective per group; rank 0 must fail within the timeout on each."""
-    state = init_parallel_state(dp_size, sp_size, timeout_s=TIMEOUT_S)
+    """Rank 1 never joins one collective per group; rank 0 must fail within the timeout on each. With dp > 1 the
+    layout is HSDP (dp_replicate = dp), so its replicate group is checked too."""
+    state = init_parallel_state(dp_size, sp_size, timeout_s=TIMEOUT_S, dp_replicate=dp_size)
     groups = {
         "dp" if dp_size > 1 else "sp": state.dp_group if dp_size > 1 else state.sp_group,
         "control": state.new_group("gloo"),
         "metrics": new_metrics_group(),
     }
+    if state.hsdp_mesh is not None:
+        groups["replicate"] = state.hsdp_mesh.get_group("replicate")
     results = {}
     for name, group in groups.items():
         if rank == 0:
@@ -148,7 +151,7 @@ def test_every_group_fails_within_the_collective_timeout(dp_size, sp_size):
     outcomes = run_ranks(_hang_each_group, 2, dp_size, sp_size, timeout_s=120, pg_timeout_s=30)
     status, results = outcomes[0]
     assert status == "ok", results
-    assert len(results) == 3
+    assert len(results) == (4 if dp_size > 1 else 3)
     for name, message in results.items():
         assert message != "no error", name
         seconds = float(message.split("s ", 1)[0])

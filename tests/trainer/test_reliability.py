@@ -11,12 +11,14 @@ import torch
 
 from tests.dist_helpers import run_ranks
 from tests.trainer.helpers import losses_by_step, read_events, run_trainer, tiny_config
+from veomni_lite.config import replace
 from veomni_lite.data.checks import DataError
 from veomni_lite.distributed.collectives import CollectiveError, all_reduce
 from veomni_lite.distributed.parallel_state import init_parallel_state
 from veomni_lite.examples.text_trainer import TextTrainer
 from veomni_lite.examples.vlm_trainer import VLMTrainer
 from veomni_lite.trainer.base import NonFiniteError
+from veomni_lite.trainer.checkpoint import CheckpointError
 
 # ---------------------------------------------------------------- non-finite values
 
@@ -178,3 +180,13 @@ def test_resume_with_only_unusable_checkpoints_is_an_error(tmp_path):
     (tmp_path / "checkpoints" / "step_00000002" / ".metadata").unlink()
     with pytest.raises(Exception, match="no checkpoint under .* could be loaded"):
         TextTrainer(tiny_config("text", tmp_path, max_steps=4, resume=True))
+
+
+def test_resume_with_another_model_is_an_error_naming_the_difference(tmp_path):
+    run_trainer("text", tiny_config("text", tmp_path, max_steps=2))
+    config = replace(tiny_config("text", tmp_path, max_steps=4, resume=True), model={"intermediate_size": 96})
+    with pytest.raises(CheckpointError, match="does not fit this model") as error:
+        TextTrainer(config)
+    message = str(error.value)
+    assert re.search(r"\S+ is \[64, 32\] there, \[96, 32\] here", message), message
+    assert "model.intermediate_size: 64 there, 96 here" in message

@@ -6,6 +6,7 @@ import pytest
 
 from tests.dist_helpers import counting_calls, run_distributed
 from tests.trainer.helpers import losses_by_step, ranked_run, read_events, run_trainer, tiny_config
+from veomni_lite.config import replace
 from veomni_lite.metrics import accumulator
 from veomni_lite.utils import loss_utils
 
@@ -69,3 +70,24 @@ def test_metrics_cost_no_collective_per_micro_batch_and_two_per_log_window(tmp_p
     assert [e["step"] for e in events] == [3, 6, 7]
     assert len(metric_calls) == 6
     assert len(loss_calls) == 7, "one loss collective per optimizer step"
+
+
+def test_activation_checkpointing_recomputes_each_layer_and_trains_alike(tmp_path):
+    calls: dict[bool, list[int]] = {}
+
+    def count_layer_work(recompute: bool):
+        def setup(trainer):
+            calls[recompute] = []
+            first_child = next(iter(trainer.model.layers[0].children()))
+            first_child.register_forward_hook(lambda *_: calls[recompute].append(1))
+
+        return setup
+
+    runs = {}
+    for recompute in (False, True):
+        config = tiny_config("text", tmp_path / str(recompute), max_steps=2)
+        config = replace(config, parallel={"activation_checkpointing": recompute})
+        runs[recompute] = run_trainer("text", config, setup=count_layer_work(recompute))
+    micro_batches = 2 * 4  # 2 steps x GA 4
+    assert len(calls[False]) == micro_batches and len(calls[True]) == 2 * micro_batches, "recomputed in backward"
+    assert_same_losses(losses_by_step(runs[True]), losses_by_step(runs[False]), rel=1e-6)

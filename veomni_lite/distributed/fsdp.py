@@ -5,9 +5,12 @@ Gradients are averaged over all dp x sp ranks, which is the W that `mean_global_
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
 
 from veomni_lite.distributed.parallel_state import ParallelState
 
@@ -34,7 +37,16 @@ def apply_fsdp(model: nn.Module, state: ParallelState, blocks: list[nn.Module], 
     return model
 
 
-def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    """Skip the reduce-scatter on all but the last micro-batch of a step (gradients accumulate unsharded)."""
+def set_gradient_sync(model: nn.Module, last: bool, every_micro_batch: bool = True) -> None:
+    """Before each micro-batch: `every_micro_batch` reduce-scatters every micro-batch (sharded gradients accumulate)
+    and runs HSDP's replica all-reduce on the `last` only; otherwise both run on the last micro-batch only, and the
+    gradients accumulate unsharded until then."""
     if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(enabled)
+        model.set_requires_gradient_sync(last or every_micro_batch, recurse=True)
+        model.set_requires_all_reduce(last, recurse=True)
+
+
+def checkpoint_activations(blocks: list[nn.Module]) -> None:
+    """Recompute each block's forward in backward (non-reentrant activation checkpointing), before `fully_shard`."""
+    for block in blocks:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)

@@ -6,6 +6,12 @@ single-process state (dp = sp = 1, no groups) when nothing was initialized, so e
 torchrun. It also answers VeOmni's names (`fsdp_size`, `sp_enabled`, `sp_size`, `sp_group`) so VeOmni callers
 read it unchanged.
 
+HSDP: with `dp_replicate` R > 1, FSDP2 gets a 2-D mesh ("replicate", "shard") over the same ranks: parameters are
+sharded within each block of world / R consecutive ranks (a node, when that is the processes per node) and replicated
+across the R blocks. R must divide dp_size, so every sp group stays inside one shard block. Gradients are still
+averaged over all dp x sp ranks (reduce-scatter within a block, all-reduce across blocks), so the loss
+normalization's W is the world size under HSDP too.
+
 Timeouts: every process group the project creates (the mesh's dp and sp groups, and any group made with
 `ParallelState.new_group`, e.g. the trainer's control group and the metrics group) uses the state's `timeout_s`, so a
 collective that one rank never joins fails within it (torch's own default for a new group is 30 minutes).
@@ -37,6 +43,8 @@ class ParallelState:
     sp_rank: int = 0
     mesh: DeviceMesh | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
+    dp_replicate: int = 1
+    hsdp_mesh: DeviceMesh | None = None
 
     @property
     def world_size(self) -> int:
@@ -44,8 +52,13 @@ class ParallelState:
 
     @property
     def fsdp_size(self) -> int:
-        """VeOmni's name for the ranks FSDP shards over and averages gradients over: dp x sp."""
+        """VeOmni's name for the ranks FSDP averages gradients over: dp x sp (with HSDP as without)."""
         return self.dp_size * self.sp_size
+
+    @property
+    def dp_shard(self) -> int:
+        """The ranks each parameter is sharded over: dp x sp, or dp x sp / dp_replicate under HSDP."""
+        return self.world_size // self.dp_replicate
 
     @property
     def rank(self) -> int:
@@ -84,27 +97,37 @@ class ParallelState:
         return _new_group(None, backend, self.timeout_s)
 
     def fsdp_mesh(self) -> DeviceMesh | None:
-        """A 1-D mesh over all dp x sp ranks: FSDP2 shards parameters and averages gradients over it."""
+        """FSDP2's mesh: 1-D over all dp x sp ranks, or under HSDP the 2-D ("replicate", "shard") mesh."""
         if self.mesh is None:
             return None
+        if self.hsdp_mesh is not None:
+            return self.hsdp_mesh
         return DeviceMesh.from_group(dist.group.WORLD, self.mesh.device_type, mesh_dim_names=("dp_sp",))
 
 
 _STATE: ParallelState | None = None
 
 
-def validate_layout(dp_size: int, sp_size: int, world_size: int) -> None:
-    """Raise ValueError naming the numbers when dp_size x sp_size does not equal world_size."""
-    if dp_size < 1 or sp_size < 1:
-        raise ValueError(f"dp_size ({dp_size}) and sp_size ({sp_size}) must be >= 1")
+def validate_layout(dp_size: int, sp_size: int, world_size: int, dp_replicate: int = 1) -> None:
+    """Raise ValueError naming the numbers when dp_size x sp_size does not equal world_size, or dp_replicate does not
+    divide dp_size."""
+    if dp_size < 1 or sp_size < 1 or dp_replicate < 1:
+        raise ValueError(f"dp_size ({dp_size}), sp_size ({sp_size}) and dp_replicate ({dp_replicate}) must be >= 1")
     if dp_size * sp_size != world_size:
         raise ValueError(
             f"parallel layout does not fit the world: dp_size ({dp_size}) x sp_size ({sp_size}) = "
             f"{dp_size * sp_size} != world_size ({world_size})"
         )
+    if dp_size % dp_replicate:
+        raise ValueError(
+            f"parallel.dp_replicate ({dp_replicate}) does not divide the dp size ({dp_size}): each replica must hold "
+            "whole sp groups"
+        )
 
 
-def _mesh(dp_size: int, sp_size: int, device_type: str, timeout_s: float) -> DeviceMesh:
+def _mesh(
+    dp_size: int, sp_size: int, device_type: str, timeout_s: float, names: tuple[str, str] = ("dp", "sp")
+) -> DeviceMesh:
     """The dp x sp mesh from groups created here, so each carries `timeout_s` (init_device_mesh's do not)."""
     rank = dist.get_rank()
     layout = torch.arange(dp_size * sp_size).reshape(dp_size, sp_size)
@@ -115,27 +138,38 @@ def _mesh(dp_size: int, sp_size: int, device_type: str, timeout_s: float) -> Dev
     for dp_rank in range(dp_size):
         group = _new_group(layout[dp_rank].tolist(), None, timeout_s)
         sp_group = group if rank // sp_size == dp_rank else sp_group
-    return DeviceMesh.from_group([dp_group, sp_group], device_type, mesh=layout, mesh_dim_names=("dp", "sp"))
+    return DeviceMesh.from_group([dp_group, sp_group], device_type, mesh=layout, mesh_dim_names=names)
+
+
+def _hsdp_mesh(world_size: int, replicate: int, device_type: str, timeout_s: float) -> DeviceMesh:
+    """FSDP2's ("replicate", "shard") mesh: shard blocks of world / replicate consecutive ranks, with `timeout_s`."""
+    return _mesh(replicate, world_size // replicate, device_type, timeout_s, ("replicate", "shard"))
 
 
 def init_parallel_state(
-    dp_size: int, sp_size: int = 1, device_type: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
+    dp_size: int,
+    sp_size: int = 1,
+    device_type: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    dp_replicate: int = 1,
 ) -> ParallelState:
-    """Build the dp x sp DeviceMesh over the initialized default process group and make it current.
+    """Build the dp x sp DeviceMesh (and, with `dp_replicate` > 1, the HSDP mesh) over the initialized default
+    process group and make it current.
 
-    Without an initialized process group only dp_size = sp_size = 1 is valid and the single-process state is set.
-    The layout is validated before any collective runs. `timeout_s` bounds every collective on the groups created
-    here and by `ParallelState.new_group`.
+    Without an initialized process group only dp_size = sp_size = dp_replicate = 1 is valid and the single-process
+    state is set. The layout is validated before any collective runs. `timeout_s` bounds every collective on the
+    groups created here and by `ParallelState.new_group`.
     """
     global _STATE
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    validate_layout(dp_size, sp_size, world_size)
+    validate_layout(dp_size, sp_size, world_size, dp_replicate)
     if not dist.is_initialized():
         _STATE = ParallelState(timeout_s=timeout_s)
         return _STATE
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     mesh = _mesh(dp_size, sp_size, device_type, timeout_s)
+    hsdp = _hsdp_mesh(world_size, dp_replicate, device_type, timeout_s) if dp_replicate > 1 else None
     _STATE = ParallelState(
         dp_size=dp_size,
         sp_size=sp_size,
@@ -143,6 +177,8 @@ def init_parallel_state(
         sp_rank=mesh.get_local_rank("sp"),
         mesh=mesh,
         timeout_s=timeout_s,
+        dp_replicate=dp_replicate,
+        hsdp_mesh=hsdp,
     )
     return _STATE
 

@@ -2,30 +2,53 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from veomni_lite.loss_keys import IGNORE_INDEX
+
+# Tokens per cross-entropy chunk: a chunk's float32 logits and log-probabilities are the most any head holds at once
+# (0: one chunk, the whole micro-batch).
+CE_CHUNK_TOKENS = 2048
+
+
+def _cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
+    logits = logits if logits.dtype == torch.float64 else logits.float()
+    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")
+
+
+def token_cross_entropy(logits: Tensor, labels: Tensor, chunk_tokens: int | None = None) -> Tensor:
+    """Per-token cross-entropy (float32, or float64 for float64 logits; 0 where `labels == IGNORE_INDEX`), computed
+    `chunk_tokens` (default `CE_CHUNK_TOKENS`) tokens at a time: each chunk is upcast, and recomputed in backward
+    rather than kept (activation checkpointing), so no float32 copy of the whole micro-batch's logits is ever held.
+    The per-token values are those of one unchunked call."""
+    flat_logits, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    chunk = CE_CHUNK_TOKENS if chunk_tokens is None else chunk_tokens
+    if not chunk or flat_labels.numel() <= chunk:
+        return _cross_entropy(flat_logits, flat_labels)
+    keep_graph = torch.is_grad_enabled() and flat_logits.requires_grad
+    run = functools.partial(checkpoint, _cross_entropy, use_reentrant=False) if keep_graph else _cross_entropy
+    starts = range(0, flat_labels.numel(), chunk)
+    return torch.cat([run(flat_logits[i : i + chunk], flat_labels[i : i + chunk]) for i in starts])
 
 
 def masked_mean_cross_entropy(logits: Tensor, labels: Tensor, weights: Tensor | None = None) -> Tensor:
     """Mean over entries with `labels != IGNORE_INDEX` of the cross-entropy, times `weights` where given (the
-    per-token weights of a loss mode, `<name>_loss_weights`); an exact graph-keeping 0 when there are none.
+    per-token weights of a loss mode, `<name>_loss_weights`); an exact graph-keeping 0 when there are none. The
+    cross-entropy is chunked over the tokens (`token_cross_entropy`).
 
     (transformers' own causal-LM loss is NaN on a micro-batch without targets, and divides by its own count.)
     """
-    flat_logits = logits.reshape(-1, logits.shape[-1])
-    flat_logits = flat_logits if flat_logits.dtype == torch.float64 else flat_logits.float()
-    if weights is None:
-        total = F.cross_entropy(flat_logits, labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
-    else:
-        per_token = F.cross_entropy(flat_logits, labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none")
-        total = (per_token * weights.reshape(-1).to(per_token.dtype)).sum()
+    per_token = token_cross_entropy(logits, labels)
+    if weights is not None:
+        per_token = per_token * weights.reshape(-1).to(per_token.dtype)
     count = (labels != IGNORE_INDEX).sum()
-    return total / count.clamp(min=1)
+    return per_token.sum() / count.clamp(min=1)
 
 
 def decoder_flops_per_token(

@@ -41,7 +41,12 @@ from veomni_lite.data.checks import DataError, validate_micro_batch
 from veomni_lite.data.loader import MicroBatchLoader
 from veomni_lite.data.packing import padding_micro_batch
 from veomni_lite.distributed.collectives import all_gather_objects, all_reduce
-from veomni_lite.distributed.fsdp import apply_fsdp, resolve_mixed_precision, set_gradient_sync
+from veomni_lite.distributed.fsdp import (
+    apply_fsdp,
+    checkpoint_activations,
+    resolve_mixed_precision,
+    set_gradient_sync,
+)
 from veomni_lite.distributed.grad_norm import clip_global_grad_norm
 from veomni_lite.distributed.parallel_state import ParallelState, init_parallel_state
 from veomni_lite.distributed.sequence_parallel import slice_micro_batch
@@ -115,12 +120,16 @@ class BaseTrainer(ABC):
         self.output_dir = Path(train.output_dir)
         self.device = init_distributed(config.parallel.collective_timeout_s)
         self.parallel: ParallelState = init_parallel_state(
-            config.dp_size, config.parallel.sp_size, timeout_s=config.parallel.collective_timeout_s
+            config.dp_size,
+            config.parallel.sp_size,
+            timeout_s=config.parallel.collective_timeout_s,
+            dp_replicate=config.parallel.dp_replicate,
         )
         self.rank = self.parallel.rank
         self.is_main = self.rank == 0
         self.control_group = self.parallel.new_group("gloo")
         self.loss_modes = config.loss.resolved()
+        self._sync_every_micro_batch = config.parallel.gradient_sync == "every_micro_batch"
         torch.manual_seed(train.seed)
 
         self.train_dataset, self.eval_dataset = self.build_datasets()
@@ -132,6 +141,8 @@ class BaseTrainer(ABC):
         self.flops_per_token = functools.lru_cache(maxsize=None)(model.flops_per_token)
         if self.parallel.sp_enabled:
             model.enable_sequence_parallel(self.parallel.sp_group)
+        if config.parallel.activation_checkpointing:
+            checkpoint_activations(list(model.layers))
         bf16 = resolve_mixed_precision(config.parallel.mixed_precision, self.device)
         self.model = apply_fsdp(model, self.parallel, list(model.layers), bf16=bf16)
         groups = parameter_groups(self.model, optim.weight_decay, optim.weight_decay_on)
@@ -142,6 +153,7 @@ class BaseTrainer(ABC):
         prefetch = config.data.prefetch_steps if config.data.prefetch_steps >= 0 else int(self.device.type != "cpu")
         self.loader = self._make_loader(self.train_dataset, train.seed, prefetch, token_budget=True)
         self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", keep=config.checkpoint.keep_checkpoints)
+        self.checkpoints.check_shared()
         self.metrics = self.build_metrics()
         self.step = 0
         self.epoch = 0  # the epoch of the last trained step (the loader may have fetched the next one)
@@ -332,7 +344,7 @@ class BaseTrainer(ABC):
         last = len(micro_batches) - 1
         step_loss = torch.zeros((), device=self.device)
         for index, micro_batch in enumerate(micro_batches):
-            set_gradient_sync(self.model, index == last)
+            set_gradient_sync(self.model, index == last, self._sync_every_micro_batch)
             micro_batch_token_len = count_loss_token(micro_batch)
             outputs = self.model(**self.preforward(micro_batch))
             loss, _scaled = self.postforward(outputs, micro_batch_token_len, micro_batches_token_len)
@@ -478,15 +490,18 @@ class BaseTrainer(ABC):
         return path
 
     def _resume(self) -> None:
-        if not self.checkpoints.has_checkpoint():
+        found = self.checkpoints.agreed_checkpoints()  # rank 0's listing: every rank decides alike
+        if not found:
             if self.is_main:
                 logger.info("checkpoint.resume: no checkpoint under %s, starting fresh", self.checkpoints.root)
             return
-        loaded = self.checkpoints.load_latest(self.model, self.optimizer, on_skip=self._warn)
+        loaded = self.checkpoints.load_latest(
+            self.model, self.optimizer, on_skip=self._warn, model_settings=self.config.to_dict()["model"]
+        )
         if loaded is None:
             raise CheckpointError(
                 f"checkpoint.resume: no checkpoint under {self.checkpoints.root} could be loaded "
-                f"(tried {[str(p) for _, p in self.checkpoints.complete_checkpoints()]})"
+                f"(tried {[str(p) for _, p in found]})"
             )
         step, trainer_state, rank_state = loaded
         self.step = self._saved_step = step

@@ -1,11 +1,18 @@
 """DCP checkpoints that are complete or invisible.
 
 Layout: `<root>/step_00000010/` holds the sharded model + optimizer (`torch.distributed.checkpoint`, `.metadata`),
-`trainer_state.pt` (what every rank shares: step, scheduler, data position, metric series) and `rank_00003.pt`
+`trainer_state.pt` (what every rank shares: step, scheduler, data position, token count) and `rank_00003.pt`
 (what each rank owns: its RNG states; a checkpoint never holds an open metric window). Everything is written under
 `step_XXXXXXXX.tmp/` and renamed by rank 0 after every rank has finished, so a crash mid-save leaves no directory
 that looks complete. `load_latest` tries complete checkpoints newest first; one that fails to load is reported by
 name (a warning) and the previous one is used.
+
+Across machines: the list of checkpoints is rank 0's, shared with every rank, so all ranks resume the same step;
+`check_shared` (called by the trainer at start) makes a checkpoint root that some rank cannot see (a node-local
+directory) a clear error on every rank, since rank 0 renames every save and every rank reads every checkpoint. A
+checkpoint whose parameters do not match the model (names or shapes) is an error naming them, not a fallback. The
+model and optimizer are resharded by DCP, so a run may resume on another world size, dp x sp layout or GPU count;
+each rank's RNG state is its own current device's, restored to the current device.
 
 Loading runs no code from the checkpoint (see `safe_load`): the two `.pt` files hold plain data read with
 `weights_only=True`, and `.metadata` is checked by a restricted unpickler before DCP reads it (through the same
@@ -17,6 +24,7 @@ from __future__ import annotations
 import logging
 import random
 import re
+import secrets
 import shutil
 import warnings
 from collections.abc import Callable
@@ -30,7 +38,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from veomni_lite.distributed.collectives import all_reduce, group_size
+from veomni_lite.distributed.collectives import all_gather_objects, all_reduce, group_size
 from veomni_lite.trainer.safe_load import (
     RefusedFileError,
     SafeFileSystemReader,
@@ -80,9 +88,11 @@ def _barrier() -> None:
 
 
 def rng_state() -> dict[str, Any]:
+    """This rank's RNG states; on CUDA only its current device's (a rank uses one device), so a resume on a machine
+    with another number of visible GPUs restores it unchanged."""
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -90,7 +100,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 class CheckpointManager:
@@ -105,11 +115,47 @@ class CheckpointManager:
         return self.root / f"step_{step:08d}"
 
     def complete_checkpoints(self) -> list[tuple[int, Path]]:
-        """(step, path) of every complete checkpoint, oldest first."""
+        """(step, path) of every complete checkpoint this rank sees, oldest first."""
         if not self.root.is_dir():
             return []
         found = [(int(m.group(1)), p) for p in self.root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
         return sorted(found)
+
+    def agreed_checkpoints(self) -> list[tuple[int, Path]]:
+        """Collective: rank 0's `complete_checkpoints()`, the same list on every rank (one decision for all)."""
+        steps = all_gather_objects([step for step, _ in self.complete_checkpoints()])[0]
+        return [(step, self.step_dir(step)) for step in steps]
+
+    def check_shared(self) -> None:
+        """Collective: raise CheckpointError on every rank when some rank cannot read a file rank 0 writes under the
+        root, e.g. a node-local directory (rank 0 renames each save; every rank reads each checkpoint)."""
+        if not _distributed():
+            return
+        token = all_reduce(secrets.randbits(62) if self.rank == 0 else 0, op="max")
+        probe = self.root / f".shared_probe_{token:016x}"
+        if self.rank == 0:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                probe.write_text(str(token))
+            except OSError as exc:
+                logger.error("checkpoint root %s: cannot write %s: %s", self.root, probe.name, exc)
+        _barrier()
+        try:
+            seen = probe.read_text() == str(token)
+        except OSError:
+            seen = False
+        blind = [0] * group_size()
+        blind[self.rank] = int(not seen)
+        blind = all_reduce(blind, op="max")
+        if self.rank == 0 and seen:
+            probe.unlink()
+        if any(blind):
+            ranks = [rank for rank, flag in enumerate(blind) if flag]
+            raise CheckpointError(
+                f"rank {self.rank}: checkpoint directory {self.root} is not shared by every rank: rank(s) {ranks} "
+                f"cannot read the file {probe.name} that rank 0 wrote there. Put train.output_dir on a filesystem "
+                "that every node mounts (rank 0 renames each checkpoint, and every rank reads each one on resume)"
+            )
 
     def save(
         self,
@@ -146,11 +192,14 @@ class CheckpointManager:
     def rank_file(self, path: Path, rank: int | None = None) -> Path:
         return path / f"rank_{self.rank if rank is None else rank:05d}.pt"
 
-    def _read_small_files(self, path: Path) -> tuple[int, str | None, dict[str, Any] | None, dict[str, Any] | None]:
-        """(problem code, problem, trainer_state, rank_state): this rank's small files, read safely, before DCP."""
+    def _read_small_files(
+        self, path: Path
+    ) -> tuple[int, str | None, Any, dict[str, Any] | None, dict[str, Any] | None]:
+        """(problem code, problem, DCP metadata, trainer_state, rank_state): this rank's small files, read safely,
+        before DCP."""
         for index, name in enumerate((METADATA, TRAINER_STATE)):
             if not (path / name).is_file():
-                return _code("missing", index), f"missing {name}", None, None
+                return _code("missing", index), f"missing {name}", None, None, None
         readers = ((path / METADATA, load_dcp_metadata), (path / TRAINER_STATE, load_plain))
         rank_file = self.rank_file(path)
         if rank_file.is_file():  # absent when resuming on more ranks than saved
@@ -161,8 +210,8 @@ class CheckpointManager:
                 loaded[index] = read(file)
             except Exception as exc:  # noqa: BLE001 - refused or unreadable: fall back to the previous checkpoint
                 kind = "refused" if isinstance(exc, RefusedFileError) else "could not read"
-                return _code(kind, index), _describe(exc), None, None
-        return 0, None, loaded[1], loaded[2]
+                return _code(kind, index), _describe(exc), None, None, None
+        return 0, None, loaded[0], loaded[1], loaded[2]
 
     def _agree(self, path: Path, code: int, problem: str | None) -> str | None:
         """All-reduce every rank's problem code; this rank's problem, else the other ranks' named, else None."""
@@ -180,20 +229,28 @@ class CheckpointManager:
         return "; ".join(others) or None
 
     def load_latest(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, on_skip: Callable[[str], None] | None = None
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        on_skip: Callable[[str], None] | None = None,
+        model_settings: dict[str, Any] | None = None,
     ) -> tuple[int, dict[str, Any], dict[str, Any] | None] | None:
         """Restore the newest loadable checkpoint; (step, trainer_state, this rank's state or None) or None.
 
         Collective. A checkpoint that fails on any rank is skipped on every rank, with a warning naming it (and the
-        file, when a file is missing, refused or unreadable).
+        file, when a file is missing, refused or unreadable). One whose parameters do not fit `model` raises
+        CheckpointError on every rank (they all read the same metadata), naming the `model_settings` (this run's
+        model.* config) that differ from the checkpoint's run.
         """
-        for step, path in reversed(self.complete_checkpoints()):
-            code, problem, trainer_state, rank_state = self._read_small_files(path)
+        for step, path in reversed(self.agreed_checkpoints()):
+            code, problem, metadata, trainer_state, rank_state = self._read_small_files(path)
             if problem := self._agree(path, code, problem):
                 self._skip(path, problem, on_skip)
                 continue
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            saved_settings = trainer_state.get("config", {}).get("model", {})
+            _check_model_fits(path, metadata, model_sd, saved_settings, model_settings or {})
             try:
-                model_sd, optim_sd = get_state_dict(model, optimizer)
                 state = {"model": model_sd, "optim": optim_sd}
                 dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(path))
                 problem = None
@@ -227,5 +284,32 @@ class CheckpointManager:
         else:
             logger.warning(message)
 
-    def has_checkpoint(self) -> bool:
-        return bool(self.complete_checkpoints())
+
+def _check_model_fits(
+    path: Path, metadata: Any, model_sd: dict[str, Any], saved_settings: dict[str, Any], settings: dict[str, Any]
+) -> None:
+    """Raise CheckpointError naming the parameters where the checkpoint and the model differ (and the model.*
+    settings that differ between the checkpoint's run and this one)."""
+    saved = {
+        key.removeprefix("model."): list(meta.size)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and hasattr(meta, "size")
+    }
+    here = {key: list(value.shape) for key, value in model_sd.items() if isinstance(value, torch.Tensor)}
+    problems = [f"{key} is missing there" for key in here if key not in saved]
+    problems += [
+        f"{key} is {saved[key]} there, {shape} here" for key, shape in here.items() if saved.get(key, shape) != shape
+    ]
+    problems += [f"{key} is not in this model" for key in saved if key not in here]
+    if not problems:
+        return
+    changed = [
+        f"model.{key}: {saved_settings.get(key)!r} there, {value!r} here"
+        for key, value in settings.items()
+        if key in saved_settings and saved_settings[key] != value
+    ]
+    raise CheckpointError(
+        f"checkpoint {path} does not fit this model: {len(problems)} parameter(s) differ ({'; '.join(problems[:4])})"
+        + (f"; settings that differ: {', '.join(changed)}" if changed else "")
+        + ". Resume with the model it was written for, or train into a new train.output_dir"
+    )
