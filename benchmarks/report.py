@@ -411,6 +411,25 @@ def packing_table(packing: Mapping[str, Any] | None) -> str:
     return table(header, rows) + "\n" + summary
 
 
+def many_machines_tables(many: Mapping[str, Any] | None) -> str:
+    """World x GA: loss all-reduces and host reads per step, the step's, step time; memory growth per choice."""
+    if not many:
+        return "Not measured in this run."
+    scaling = [
+        [r["world"], r["ga"], f"{r['loss_collectives']:g}", f"{r['loss_host_reads']:g}", f"{r['step_collectives']:g}",
+         f"{r['step_host_reads']:g}", f"{r['median_ms']:.1f}"]
+        for r in many["scaling"]
+    ]  # fmt: skip
+    header = "world|GA|loss all-reduces per step|loss host reads per step|step collectives|step host reads|step ms"
+    memory = [
+        [r["size"], f"{r['parameters'] / 1e6:.1f}M", r["choice"], *(f"{rank['growth_mib']:.0f}" for rank in r["ranks"]),
+         f"{r['loss_max_rel_diff']:.1e}"]
+        for r in many["memory"]
+    ]  # fmt: skip
+    memory_header = "model|parameters|choice|rank 0 growth MiB|rank 1 growth MiB|loss rel diff vs the first row"
+    return table(header, scaling) + "\n" + table(memory_header, memory)
+
+
 def page_values(results: Mapping[str, Any], records: list[Record], png: str) -> dict[str, Any]:
     """The fields of the template that are not top-level keys of `results`, its machine or its settings."""
     runs = dict(sorted(results["runs"].items(), key=lambda item: int(item[0])))
@@ -478,6 +497,7 @@ def page_values(results: Mapping[str, Any], records: list[Record], png: str) -> 
         "gpu": gpu_section(results.get("gpu") or []),
         "sft_input": sft_input_table(results.get("sft_input")),
         "packing": packing_table(results.get("packing")),
+        "many_machines": many_machines_tables(results.get("many_machines")),
         "oversubscribed": f"; {', '.join(over)} processes share {results['machine']['logical_cpus']} CPUs, so those "
         "collectives include scheduling delay (real on a loaded host, larger than on a cluster)"
         if over

@@ -59,6 +59,7 @@ MODES: dict[str, dict[str, Any]] = {
         "rss_steps": 2000,
         "sft_steps": 20,
         "sft_blocks": 4,
+        "scaling_steps": 5,
         "timeout_s": 420,
     },
     "quick": {
@@ -73,6 +74,7 @@ MODES: dict[str, dict[str, Any]] = {
         "rss_steps": 300,
         "sft_steps": 5,
         "sft_blocks": 2,
+        "scaling_steps": 2,
         "timeout_s": 150,
     },
 }
@@ -186,6 +188,11 @@ def main() -> int:
         packing_start = time.perf_counter()
         packed = packing.measure(scratch / "sft", settings["sft_steps"], settings["sft_blocks"])
         print(f"[bench] packing: done in {time.perf_counter() - packing_start:.0f}s", flush=True)
+        import many_machines
+
+        many_start = time.perf_counter()
+        many = many_machines.measure(scratch / "many_machines", settings["scaling_steps"])
+        print(f"[bench] many machines: done in {time.perf_counter() - many_start:.0f}s", flush=True)
         first = next(iter(runs.values()))
         command = "make bench QUICK=1" if args.quick else "make bench"
         results = {
@@ -204,6 +211,7 @@ def main() -> int:
             "runs": runs,
             "sft_input": sft,
             "packing": packed,
+            "many_machines": many,
             "targets": TARGETS,
             "gpu": gpu_results(),
         }
