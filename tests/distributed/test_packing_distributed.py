@@ -1,7 +1,8 @@
 """A packed step trains exactly like the same samples unpacked: float64 Qwen2 and Qwen2-VL, every loss mode, packed
 (and token-budget) micro-batches at 1 process, DP=2, SP=2 and DP=2 x SP=2, against the one-process unpacked step;
-the token-budget layouts give the ranks different micro-batch counts. The negative controls (a cache left on, an
-all-ones mask, 3-row M-RoPE ids) are in `tests/models/test_packing.py`."""
+the token-budget layouts give the ranks different micro-batch counts. Negative control: packed rows without their
+mask (transformers' plain causal attention) leak across samples at SP=2 and the harness sees it; the one-process
+controls (a cache left on, an all-ones mask, 3-row M-RoPE ids) are in `tests/models/test_packing.py`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from tests.distributed import packing_fixtures as fx
 from tests.distributed.modes_fixtures import MODE_PLANS, SCALE_FACTOR
+from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS
 from veomni_lite.split_invariance import Layout, _chunks, check_split_invariance
 from veomni_lite.utils.loss_utils import LOSS_MODES, LossModes
 
@@ -24,12 +26,10 @@ CASES = {
 
 
 def layouts(kind: str) -> list[Layout]:
-    """Qwen2-VL's DP=2 runs with SP=2 only (its budget layout), to keep `make test` within its time."""
     budget = BUDGET[kind]
-    dp_only = [Layout(2, 1, 2, packed=True, max_tokens=budget)] if kind == "text" else []
     return [
         Layout(1, 1, 2, packed=True),
-        *dp_only,
+        Layout(2, 1, 2, packed=True, max_tokens=budget),
         Layout(1, 2, 4, packed=True),
         Layout(2, 2, 2, packed=True, max_tokens=budget),
     ]
@@ -55,6 +55,22 @@ def test_packed_steps_equal_the_unpacked_step_at_every_layout_and_mode(packed_re
 
 def test_the_budget_layouts_give_the_ranks_different_micro_batch_counts():
     for kind, (_, samples, _, _, _) in CASES.items():
-        layout = Layout(2, 1, 2, packed=True, max_tokens=BUDGET[kind])  # the dp ranks of either budget layout
+        layout = Layout(2, 1, 2, packed=True, max_tokens=BUDGET[kind])
         counts = [sum(1 for chunk in _chunks(layout, samples(), rank) if chunk) for rank in range(2)]
         assert counts[0] != counts[1], (kind, counts)
+
+
+def _pack_without_mask(samples):
+    batch = fx.pack_text(samples)
+    del batch[ATTENTION_SEQUENCE_IDS]
+    return batch
+
+
+@pytest.mark.slow
+def test_negative_control_packed_rows_without_their_mask_differ():
+    report = check_split_invariance(
+        fx.build_text, fx.text_samples(), fx.collate_text, ["token-mean"], [Layout(1, 2, 4, packed=True)],
+        packed_collate=_pack_without_mask,
+    )  # fmt: skip
+    print(f"\nnegative control, packed without the mask:\n{report}")
+    assert report.worst() > 1e-3
