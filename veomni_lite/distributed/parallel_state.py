@@ -56,11 +56,6 @@ class ParallelState:
         return self.dp_size * self.sp_size
 
     @property
-    def dp_shard(self) -> int:
-        """The ranks each parameter is sharded over: dp x sp, or dp x sp / dp_replicate under HSDP."""
-        return self.world_size // self.dp_replicate
-
-    @property
     def rank(self) -> int:
         return self.dp_rank * self.sp_size + self.sp_rank
 

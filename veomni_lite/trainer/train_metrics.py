@@ -10,11 +10,13 @@ computes; the next optimizer update waits for it. Hence a console line for step 
 has moved past s; metrics.jsonl and TensorBoard are always in step order.
 
 Windows and checkpoints. A checkpoint never holds an open window: `checkpoint_state()` first logs the open window
-(an extra row when a save step is not a log step), so the series it saves covers every trained step, and a resumed run
-starts with an empty window. Each window is therefore logged exactly once whatever the moment of an interrupt: steps
-after the newest checkpoint are retrained (and logged) by a resume, rows after it are truncated. `finish()` logs the
-open window on agreed exits; `abort()` (unexpected exception, no collective possible) warns which steps were not
-logged: a resume retrains them from the newest checkpoint, which precedes them, and logs them then.
+(an extra row when a save step is not a log step), so metrics.jsonl covers every step the checkpoint trained, and a
+resumed run starts with an empty window. The checkpoint holds no metric history: metrics.jsonl is it, read back (up
+to the checkpoint's step) on resume, so a checkpoint's size does not grow with the run. Each window is therefore
+logged exactly once whatever the moment of an interrupt: steps after the newest checkpoint are retrained (and
+logged) by a resume, rows after it are truncated. `finish()` logs the open window on agreed exits; `abort()`
+(unexpected exception, no collective possible) warns which steps were not logged: a resume retrains them from the
+newest checkpoint, which precedes them, and logs them then.
 
 Each `train/<name>_loss` is the value its loss mode trains on: at log_interval 1 the step's normalized value, over
 a longer window the steps' numerators over their denominators (token-sum: the mean of the steps' sums).
