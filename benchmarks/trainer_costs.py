@@ -21,6 +21,8 @@ main thread (a timed call inside another counts in its parent), so every compone
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 import tempfile
 import threading
 import time
@@ -278,8 +280,11 @@ def bench_trainer(
     `reps_for(seconds of one warm-up repetition)` gives the number of timed repetitions.
     """
     records: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="bench_trainer_") as output_dir:
-        trainer = build_trainer(world, micro_batch_size, log_interval, output_dir)
+    # One output directory every rank shares (the trainer refuses one that some rank cannot see).
+    output_dir = Path(tempfile.gettempdir()) / f"bench_trainer_{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}"
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(shutil.rmtree, output_dir, ignore_errors=True)
+        trainer = build_trainer(world, micro_batch_size, log_interval, str(output_dir))
         keys = trainer.loss_keys
         try:
             model, optimizer = build_bare(trainer)
