@@ -47,6 +47,9 @@ class ModelConfig:
     pretrained_dir: str = ""
     """A local `from_pretrained` directory (config, weights, tokenizer; for Qwen2-VL its image processor) to start from
     instead of `hf`; its own tokenizer is used. Loaded with trust_remote_code=False (nothing is downloaded)."""
+    load_sharded: bool = True
+    """On several ranks: build the pretrained model on the meta device and read each rank's shards of its weights
+    straight from the safetensors, so no rank holds the whole model. false: every rank loads the whole model first."""
     hidden_size: int = 64
     """Width of the decoder."""
     num_layers: int = 2

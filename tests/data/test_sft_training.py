@@ -8,11 +8,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from tests.dist_helpers import run_ranks
+from tests.dist_helpers import run_distributed, run_ranks
 from tests.trainer.helpers import read_events
 from veomni_lite.config import ConfigError, load_config
 from veomni_lite.data import inspect
@@ -109,6 +110,44 @@ def test_a_data_fault_on_one_rank_is_an_error_on_every_rank(demo, tmp_path):
     assert all(status == "ok" for status, _ in outcomes.values()), outcomes
     assert "missing.jsonl' does not exist" in messages[1]
     assert "another rank could not build the SFT data" in messages[0]
+
+
+class _RecordingTrainer(SFTTrainer):
+    def build_model(self):
+        model = super().build_model()
+        self.built_on_meta = all(param.is_meta for param in model.parameters())
+        return model
+
+
+def _sharded_against_whole(rank: int, world_size: int, demo: Path, out: Path) -> dict[str, Any]:
+    """Per model directory: whether `load_sharded` built on the meta device, and the largest difference of its
+    sharded weights and buffers from the model every rank loaded whole."""
+    from torch.distributed.tensor import DTensor
+
+    results = {}
+    for name, config_file, args in (("help", "sft_help.yaml", help_args), ("digits", "sft_digits.yaml", digits_args)):
+        states, on_meta = {}, {}
+        for sharded in ("true", "false"):
+            config_args = args(demo, out / f"{name}_{sharded}", "--model.load_sharded", sharded)
+            trainer = _RecordingTrainer(load_config(REPO / "configs" / config_file, config_args, world_size=world_size))
+            state = {**trainer.model.state_dict(), **dict(trainer.model.named_buffers())}
+            states[sharded] = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+            on_meta[sharded] = trainer.built_on_meta
+            trainer.metrics.close()
+            trainer.loader.close()
+        assert set(states["true"]) == set(states["false"])
+        diff = max(float((states["true"][k] - states["false"][k]).abs().max()) for k in states["true"])
+        results[name] = {"on_meta": on_meta, "max_diff": diff, "entries": len(states["true"])}
+    return results
+
+
+@pytest.mark.slow
+def test_pretrained_weights_load_into_the_shards_exactly_with_no_rank_building_the_whole_model(demo, tmp_path):
+    results = run_distributed(_sharded_against_whole, 2, demo, tmp_path, timeout_s=300)
+    for rank_results in results:
+        for name, result in rank_results.items():
+            assert result["on_meta"] == {"true": True, "false": False}, (name, result)
+            assert result["max_diff"] == 0.0, (name, result)  # parameters and the recomputed rotary buffers
 
 
 def test_an_eval_set_smaller_than_one_eval_batch_is_an_error_at_start(demo, tmp_path):

@@ -133,7 +133,9 @@ class BaseTrainer(ABC):
         torch.manual_seed(train.seed)
 
         self.train_dataset, self.eval_dataset = self.build_datasets()
-        model = check_model_contract(self.build_model().to(self.device))
+        model = self.build_model()
+        on_meta = any(param.is_meta for param in model.parameters())  # filled shard by shard after fully_shard
+        model = check_model_contract(model if on_meta else model.to(self.device))
         self.loss_keys: tuple[str, ...] = tuple(model.loss_keys)
         self._check_loss_weights(model)
         self._check_packing(model)
@@ -145,6 +147,9 @@ class BaseTrainer(ABC):
             checkpoint_activations(list(model.layers))
         bf16 = resolve_mixed_precision(config.parallel.mixed_precision, self.device)
         self.model = apply_fsdp(model, self.parallel, list(model.layers), bf16=bf16)
+        if on_meta:
+            self.model.to_empty(device=self.device)
+            self.materialize(self.model)
         groups = parameter_groups(self.model, optim.weight_decay, optim.weight_decay_on)
         self.optimizer = torch.optim.AdamW(groups, lr=optim.lr)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -193,6 +198,13 @@ class BaseTrainer(ABC):
     @abstractmethod
     def build_model(self) -> TrainableModel:
         """The model to train, on the CPU; it keeps the `TrainableModel` contract."""
+
+    def materialize(self, model: torch.nn.Module) -> None:
+        """Fill a model that `build_model` returned on the meta device, now sharded and allocated (`to_empty`) on the
+        device: each rank writes its own shards (a subclass hook; collective where it loads)."""
+        raise NotImplementedError(
+            f"{type(self).__name__}.build_model returned a meta-device model: implement materialize"
+        )
 
     @abstractmethod
     def build_datasets(self) -> tuple[Any, Any | None]:

@@ -1,0 +1,117 @@
+"""Pretrained weights loaded straight into FSDP2 shards: no rank holds the whole model.
+
+`build_on_meta(directory)` builds the directory's model (behind the trainer's contract, as `load_model` does) on the
+meta device, so building allocates nothing. After `fully_shard` and `to_empty`, `load_into_shards(model, directory)`
+reads each rank's slices of the weights from the directory's safetensors through DCP's `HuggingFaceStorageReader`
+(headers and the byte ranges of this rank's shards; safetensors holds no code) and recomputes the buffers that are
+not saved (rotary frequencies) with transformers' own initializer for them.
+
+Names are mapped through transformers' own key renamings for the model class (Qwen2-VL directories keep an older
+layout). `loadable(model, directory)` says whether every weight is found that way; where a model class's conversions
+do more than rename (split or merge tensors), it is not, and the trainer falls back to `from_pretrained` on every
+rank.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from veomni_lite.models.pretrained import load_config
+
+
+def _hf_child(model: nn.Module) -> tuple[str, Any]:
+    """(attribute name, module) of the transformers model inside the wrapper."""
+    from transformers import PreTrainedModel
+
+    for name, child in model.named_children():
+        if isinstance(child, PreTrainedModel):
+            return name, child
+    raise TypeError(f"{type(model).__name__} holds no transformers PreTrainedModel")
+
+
+def weight_names(directory: str | Path) -> set[str]:
+    """The tensor names of the directory's safetensors (read from the index or the file headers, no tensor data)."""
+    from safetensors import safe_open
+
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    names: set[str] = set()
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            names.update(handle.keys())
+    return names
+
+
+def build_on_meta(directory: str | Path) -> nn.Module:
+    """The model of `directory` (see `pretrained.load_model`) with every parameter and buffer on the meta device."""
+    from veomni_lite.models.pretrained import is_vision_language
+
+    config = load_config(directory)
+    with torch.device("meta"):
+        if is_vision_language(config):
+            from veomni_lite.models.qwen2_vl import Qwen2VLWithImageHead
+
+            return Qwen2VLWithImageHead.from_config(config)
+        from veomni_lite.models.hf_causal_lm import HFCausalLM
+
+        return HFCausalLM.from_config(config)
+
+
+def _checkpoint_names(hf_model: Any, directory: str | Path) -> dict[str, str]:
+    """{name in the model: name in the directory}, through transformers' own key renamings for this model class
+    (e.g. Qwen2-VL's older layout); empty when its conversions do more than rename (split, merge, transpose)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(hf_model)
+    if not all(isinstance(transform, WeightRenaming) for transform in transforms):
+        return {}
+    meta = hf_model.state_dict()
+    prefix = hf_model.base_model_prefix
+    return {rename_source_key(name, transforms, [], prefix, meta)[0]: name for name in weight_names(directory)}
+
+
+def _targets(model: nn.Module, directory: str | Path) -> dict[str, torch.Tensor] | None:
+    """The state-dict entries to load keyed by their names in the directory (tied duplicates once), or None when
+    some entry has no name there."""
+    prefix, hf_model = _hf_child(model)
+    names = _checkpoint_names(hf_model, directory)
+    seen: set[int] = set()
+    targets = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        stored = names.get(name.removeprefix(f"{prefix}."))
+        if stored is None:
+            return None
+        targets[stored] = tensor.detach()  # shares the parameter's storage
+    return targets
+
+
+def loadable(model: nn.Module, directory: str | Path) -> bool:
+    """Whether every weight of `model` (on meta or not) is in the directory's safetensors under a known name."""
+    return _targets(model, directory) is not None
+
+
+@torch.no_grad()
+def load_into_shards(model: nn.Module, directory: str | Path) -> None:
+    """Fill a sharded model fresh from `to_empty`: its parameters from the directory, rank by rank; its unsaved
+    buffers recomputed. Collective (DCP plans the read on every rank)."""
+    import torch.distributed.checkpoint as dcp
+
+    _, hf_model = _hf_child(model)
+    for module in hf_model.modules():
+        if module._non_persistent_buffers_set:
+            hf_model._init_weights(module)
+    targets = _targets(model, directory)
+    if targets is None:
+        raise ValueError(f"{directory}: its weight names do not cover {type(model).__name__} (see loadable())")
+    dcp.load(targets, storage_reader=dcp.HuggingFaceStorageReader(str(directory)))
