@@ -72,7 +72,8 @@ def test_metrics_cost_no_collective_per_micro_batch_and_two_per_log_window(tmp_p
     assert len(loss_calls) == 7, "one loss collective per optimizer step"
 
 
-def test_activation_checkpointing_recomputes_each_layer_and_trains_alike(tmp_path):
+@pytest.mark.parametrize("kind", ["text", "qwen2_text"])
+def test_activation_checkpointing_recomputes_each_layer_and_trains_alike(tmp_path, kind):
     calls: dict[bool, list[int]] = {}
 
     def count_layer_work(recompute: bool):
@@ -85,9 +86,9 @@ def test_activation_checkpointing_recomputes_each_layer_and_trains_alike(tmp_pat
 
     runs = {}
     for recompute in (False, True):
-        config = tiny_config("text", tmp_path / str(recompute), max_steps=2)
+        config = tiny_config(kind, tmp_path / str(recompute), max_steps=2)
         config = replace(config, parallel={"activation_checkpointing": recompute})
-        runs[recompute] = run_trainer("text", config, setup=count_layer_work(recompute))
-    micro_batches = 2 * 4  # 2 steps x GA 4
+        runs[recompute] = run_trainer(kind, config, setup=count_layer_work(recompute))
+    micro_batches = 2 * 4  # 2 steps x GA 4 (global batch 8, micro-batch 2)
     assert len(calls[False]) == micro_batches and len(calls[True]) == 2 * micro_batches, "recomputed in backward"
     assert_same_losses(losses_by_step(runs[True]), losses_by_step(runs[False]), rel=1e-6)
