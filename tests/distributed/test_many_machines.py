@@ -112,6 +112,16 @@ def _four_ranks(rank: int, world_size: int, base: Path) -> dict[str, Any]:
         out[name] = {"curves": _curves(base / name), "counts": counts}
     run_trainer(KIND, _config(base / "resumed", resume=True, sp_size=4))
     out["resumed"] = {"curves": _curves(base / "resumed")}
+    # The HSDP run's final checkpoint, loaded under HSDP and under plain FSDP: the same weights.
+    loaded = {}
+    for name in ("hsdp", "fsdp"):
+        trainer = TRAINERS[KIND][0](_config(base / "hsdp", resume=True, **LAYOUTS[name]))
+        loaded[name] = {k: v.full_tensor() for k, v in trainer.model.state_dict().items()}
+        out[f"step_loaded_as_{name}"] = trainer.step
+        trainer.metrics.close()
+        trainer.loader.close()
+    diffs = [float((loaded["hsdp"][k] - loaded["fsdp"][k]).abs().max()) for k in loaded["fsdp"]]
+    out["hsdp_to_fsdp_max_diff"] = max(diffs)
     return out
 
 
@@ -179,3 +189,8 @@ def test_collectives_per_step(four_ranks):
 
 def test_a_checkpoint_from_two_ranks_resumes_at_four_with_dp_and_sp_changed(four_ranks, reference):
     _assert_curves(four_ranks["resumed"]["curves"], reference, rel=1e-4)
+
+
+def test_an_hsdp_checkpoint_loads_under_plain_fsdp(four_ranks):
+    assert four_ranks["step_loaded_as_hsdp"] == four_ranks["step_loaded_as_fsdp"] == STEPS
+    assert four_ranks["hsdp_to_fsdp_max_diff"] == 0.0
