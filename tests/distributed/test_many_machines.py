@@ -91,6 +91,7 @@ def _two_ranks(rank: int, world_size: int, base: Path) -> dict[str, Any]:
         out["local"] = str(exc)
     shared = CheckpointManager(base / "shared")
     shared.check_shared()
+    dist.barrier()  # rank 0 removes the probe after the check's last collective
     out["probe_left"] = sorted(p.name for p in shared.root.iterdir())
     # DP=2 trains 2 of 4 steps and saves (the interrupt's checkpoint), to be resumed at 4 ranks.
     run_trainer(KIND, _config(base / "written"), stop_after=2)
