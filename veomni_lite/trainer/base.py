@@ -508,7 +508,11 @@ class BaseTrainer(ABC):
                 logger.info("checkpoint.resume: no checkpoint under %s, starting fresh", self.checkpoints.root)
             return
         loaded = self.checkpoints.load_latest(
-            self.model, self.optimizer, on_skip=self._warn, model_settings=self.config.to_dict()["model"]
+            self.model,
+            self.optimizer,
+            on_skip=self._warn,
+            model_settings=self.config.to_dict()["model"],
+            checkpoints=found,
         )
         if loaded is None:
             raise CheckpointError(

@@ -100,7 +100,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+        cuda = state["cuda"]
+        if isinstance(cuda, list):  # written before: every visible device's state; take this rank's device's
+            cuda = cuda[min(torch.cuda.current_device(), len(cuda) - 1)]
+        torch.cuda.set_rng_state(cuda)
 
 
 class CheckpointManager:
@@ -234,15 +237,17 @@ class CheckpointManager:
         optimizer: torch.optim.Optimizer,
         on_skip: Callable[[str], None] | None = None,
         model_settings: dict[str, Any] | None = None,
+        checkpoints: list[tuple[int, Path]] | None = None,
     ) -> tuple[int, dict[str, Any], dict[str, Any] | None] | None:
         """Restore the newest loadable checkpoint; (step, trainer_state, this rank's state or None) or None.
 
         Collective. A checkpoint that fails on any rank is skipped on every rank, with a warning naming it (and the
         file, when a file is missing, refused or unreadable). One whose parameters do not fit `model` raises
         CheckpointError on every rank (they all read the same metadata), naming the `model_settings` (this run's
-        model.* config) that differ from the checkpoint's run.
+        model.* config) that differ from the checkpoint's run. `checkpoints`: the `agreed_checkpoints()` the caller
+        already has (else they are agreed here).
         """
-        for step, path in reversed(self.agreed_checkpoints()):
+        for step, path in reversed(self.agreed_checkpoints() if checkpoints is None else checkpoints):
             code, problem, metadata, trainer_state, rank_state = self._read_small_files(path)
             if problem := self._agree(path, code, problem):
                 self._skip(path, problem, on_skip)
