@@ -13,6 +13,10 @@ OMP_NUM_THREADS=1), through the real trainer:
   what training adds on top of the model (activations, gradients, optimizer state); glibc is told to serve large
   blocks from mmap, so freed tensors leave the resident set. The per-step losses of every row are compared with the
   first row's.
+- Build: the same model and sizes at the default choice, built whole on every rank (`model.load_sharded false`) or
+  on rank 0 only and scattered into the shards (the default): each rank's peak RSS from the end of `build_datasets`
+  to the built trainer (the model, its shards, the optimizer, the loader) over its RSS there, the model's modules
+  imported before (by a build on the meta device), and the per-step losses against the whole build's.
 """
 
 from __future__ import annotations
@@ -39,6 +43,10 @@ CHOICES = {  # name: (parallel.gradient_sync, cross-entropy chunk tokens, parall
     "sync every micro-batch, CE whole": ("every_micro_batch", 0, False),
     "sync every, CE chunked": ("every_micro_batch", 256, False),
     "sync every, CE chunked, recompute": ("every_micro_batch", 256, True),
+}
+BUILDS = {  # name: model.load_sharded, at the default choice (the second row of CHOICES)
+    "whole on every rank": False,
+    "rank 0 only, scattered": True,
 }
 MEMORY_STEPS = 2
 SEQ_LEN = 512
@@ -118,7 +126,15 @@ def _scaling_worker(out: Path, steps: int) -> None:
     dist.destroy_process_group()
 
 
-def _memory_worker(out: Path, size: str, choice: str) -> None:
+def _rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def _memory_worker(out: Path, size: str, choice: str, load_sharded: bool) -> None:
+    import torch
     import torch.distributed as dist
     from packing import _peak_rss_mib, _reset_peak_rss
 
@@ -128,17 +144,32 @@ def _memory_worker(out: Path, size: str, choice: str) -> None:
 
     sync, chunk, recompute = CHOICES[choice]
     heads.CE_CHUNK_TOKENS = chunk
-    work = out.parent / f"memory_{size}_{list(CHOICES).index(choice)}"
+    work = out.parent / f"memory_{size}_{list(CHOICES).index(choice)}_{load_sharded}"
     shared_tokenizer = out.parent / TOKENIZER_FILE
     args = [*_quiet(work), "--train.micro_batch_size", "4", "--train.global_batch_size", "16"]
     args += ["--data.seq_len", str(SEQ_LEN), "--parallel.gradient_sync", sync]
     args += ["--parallel.activation_checkpointing", str(recompute).lower()]
+    args += ["--model.load_sharded", str(load_sharded).lower()]
     for key, value in SIZES[size].items():
         args += [f"--model.hf.{key}", str(value)]
     if os.environ["RANK"] == "0" and shared_tokenizer.exists():  # trained once, by the first row
         work.mkdir(parents=True, exist_ok=True)
         (work / TOKENIZER_FILE).write_bytes(shared_tokenizer.read_bytes())
-    trainer = PydocLMTrainer(load_config(REPO / "configs" / "qwen2_text.yaml", args, world_size=2))
+    config = load_config(REPO / "configs" / "qwen2_text.yaml", args, world_size=2)
+    rss: list[float] = []
+
+    class Measured(PydocLMTrainer):
+        def build_datasets(self) -> Any:  # the trainer builds its model next: measure from here
+            datasets = super().build_datasets()
+            self.train_dataset = datasets[0]
+            with torch.device("meta"):  # imports the model's modules, so the measure holds tensors only
+                self.build_model()
+            rss.append(_rss_mib())
+            _reset_peak_rss()
+            return datasets
+
+    trainer = Measured(config)
+    build = _peak_rss_mib() - rss[0]
     losses: list[float] = []
     postforward = trainer.postforward
 
@@ -148,7 +179,7 @@ def _memory_worker(out: Path, size: str, choice: str) -> None:
         return loss, scaled
 
     trainer.postforward = recorded
-    parameters = sum(p.numel() for p in trainer.model.parameters()) * dist.get_world_size()  # sharded evenly
+    parameters = sum(p.numel() for p in trainer.model.parameters())  # a DTensor's numel is the whole tensor's
     before = _peak_rss_mib()
     _reset_peak_rss()
     per_step = []
@@ -160,7 +191,7 @@ def _memory_worker(out: Path, size: str, choice: str) -> None:
     growth = _peak_rss_mib() - before
     trainer.metrics.finish(trainer.step, 0)
     peaks = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, {"growth_mib": growth, "losses": per_step})
+    dist.all_gather_object(peaks, {"build_mib": build, "growth_mib": growth, "losses": per_step})
     if dist.get_rank() == 0:
         if not shared_tokenizer.exists():
             shared_tokenizer.write_bytes((work / TOKENIZER_FILE).read_bytes())
@@ -199,13 +230,25 @@ def measure(work_dir: Path, steps: int = 5, timeout_s: float = 600, worlds: tupl
             _launch(2, ["--worker", "memory", "--out", str(out), "--size", size, "--choice", choice], timeout_s)
             memory.append(json.loads(out.read_text()))
         print(f"[bench] memory: {size} done", flush=True)
-    for row in memory:
-        first = next(r for r in memory if r["size"] == row["size"])
-        row["loss_max_rel_diff"] = max(
-            abs(a - b) / abs(b) for mine, theirs in zip(row["ranks"], first["ranks"])
-            for a, b in zip(mine["losses"], theirs["losses"])
-        )  # fmt: skip
-    return {"steps": steps, "memory_steps": MEMORY_STEPS, "seq_len": SEQ_LEN, "scaling": scaling, "memory": memory}
+    builds = []
+    for size in SIZES:
+        for name, load_sharded in BUILDS.items():
+            out = work_dir / "build.json"
+            args = ["--worker", "memory", "--out", str(out), "--size", size, "--choice", list(CHOICES)[1]]
+            _launch(2, [*args, "--load-sharded", str(load_sharded).lower()], timeout_s)
+            builds.append({**json.loads(out.read_text()), "build": name})
+        print(f"[bench] build: {size} done", flush=True)
+    for rows in (memory, builds):
+        for row in rows:
+            first = next(r for r in rows if r["size"] == row["size"])
+            row["loss_max_rel_diff"] = max(
+                abs(a - b) / abs(b) for mine, theirs in zip(row["ranks"], first["ranks"])
+                for a, b in zip(mine["losses"], theirs["losses"])
+            )  # fmt: skip
+    return {
+        "steps": steps, "memory_steps": MEMORY_STEPS, "seq_len": SEQ_LEN, "scaling": scaling, "memory": memory,
+        "builds": builds,
+    }  # fmt: skip
 
 
 if __name__ == "__main__":
@@ -215,6 +258,7 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--size", choices=list(SIZES))
     parser.add_argument("--choice", choices=list(CHOICES))
+    parser.add_argument("--load-sharded", choices=["true", "false"], default="true")
     parser.add_argument("--worlds", default=",".join(map(str, WORLDS)), help="scaling world sizes ('' for none)")
     parser.add_argument("--work-dir", type=Path, default=REPO / "benchmarks" / "results" / "raw" / "many_machines")
     args = parser.parse_args()
@@ -222,7 +266,7 @@ if __name__ == "__main__":
     if args.worker == "scaling":
         _scaling_worker(args.out, args.steps)
     elif args.worker == "memory":
-        _memory_worker(args.out, args.size, args.choice)
+        _memory_worker(args.out, args.size, args.choice, args.load_sharded == "true")
     else:
         worlds = tuple(int(world) for world in args.worlds.split(",") if world)
         print(json.dumps(measure(args.work_dir, args.steps, worlds=worlds), indent=1))

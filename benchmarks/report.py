@@ -412,7 +412,8 @@ def packing_table(packing: Mapping[str, Any] | None) -> str:
 
 
 def many_machines_tables(many: Mapping[str, Any] | None) -> str:
-    """World x GA: loss all-reduces and host reads per step, the step's, step time; memory growth per choice."""
+    """World x GA: loss all-reduces and host reads per step, the step's, step time; memory growth per choice; peak
+    memory while building, whole or scattered."""
     if not many:
         return "Not measured in this run."
     scaling = [
@@ -427,7 +428,14 @@ def many_machines_tables(many: Mapping[str, Any] | None) -> str:
         for r in many["memory"]
     ]  # fmt: skip
     memory_header = "model|parameters|choice|rank 0 growth MiB|rank 1 growth MiB|loss rel diff vs the first row"
-    return table(header, scaling) + "\n" + table(memory_header, memory)
+    builds = [
+        [r["size"], f"{r['parameters'] / 1e6:.1f}M", r["build"], *(f"{rank['build_mib']:.0f}" for rank in r["ranks"]),
+         f"{r['loss_max_rel_diff']:.1e}"]
+        for r in many.get("builds", [])
+    ]  # fmt: skip
+    build_header = "model|parameters|built|rank 0 build peak MiB|rank 1 build peak MiB|loss rel diff vs the whole build"
+    tables = [table(header, scaling), table(memory_header, memory)] + ([table(build_header, builds)] if builds else [])
+    return "\n".join(tables)
 
 
 def page_values(results: Mapping[str, Any], records: list[Record], png: str) -> dict[str, Any]:

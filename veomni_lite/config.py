@@ -48,8 +48,10 @@ class ModelConfig:
     """A local `from_pretrained` directory (config, weights, tokenizer; for Qwen2-VL its image processor) to start from
     instead of `hf`; its own tokenizer is used. Loaded with trust_remote_code=False (nothing is downloaded)."""
     load_sharded: bool = True
-    """On several ranks: build the pretrained model on the meta device and read each rank's shards of its weights
-    straight from the safetensors, so no rank holds the whole model. false: every rank loads the whole model first."""
+    """On several ranks, build the model on the meta device and fill only each rank's shards after `fully_shard`:
+    a pretrained model's shards read straight from its safetensors (no rank holds the whole model); a model built
+    from a config built whole on rank 0 only, on the CPU, and scattered (its values are a whole build's). No device
+    holds the whole model. false: every rank builds or loads the whole model first."""
     hidden_size: int = 64
     """Width of the decoder."""
     num_layers: int = 2

@@ -20,6 +20,7 @@ from veomni_lite.data import inspect
 from veomni_lite.data.checks import DataError
 from veomni_lite.data.loader import MicroBatchLoader
 from veomni_lite.examples.sft_demo import write_demo
+from veomni_lite.models.sharded_load import loadable
 from veomni_lite.trainer.base import parameter_groups
 from veomni_lite.trainer.sft import SFTTrainer
 
@@ -120,34 +121,42 @@ class _RecordingTrainer(SFTTrainer):
 
 
 def _sharded_against_whole(rank: int, world_size: int, demo: Path, out: Path) -> dict[str, Any]:
-    """Per model directory: whether `load_sharded` built on the meta device, and the largest difference of its
-    sharded weights and buffers from the model every rank loaded whole."""
+    """Per model directory and way of loading (read into the shards; every rank whole; rank 0 whole and scattered, as
+    for a directory whose weight names do not map): whether this rank built on the meta device, and the largest
+    difference of its sharded weights and buffers from the model every rank loaded whole."""
     from torch.distributed.tensor import DTensor
+
+    from veomni_lite.trainer import base
 
     results = {}
     for name, config_file, args in (("help", "sft_help.yaml", help_args), ("digits", "sft_digits.yaml", digits_args)):
         states, on_meta = {}, {}
-        for sharded in ("true", "false"):
-            config_args = args(demo, out / f"{name}_{sharded}", "--model.load_sharded", sharded)
+        for sharded in ("true", "false", "scattered"):
+            flag = "false" if sharded == "false" else "true"
+            config_args = args(demo, out / f"{name}_{sharded}", "--model.load_sharded", flag)
+            base.loadable = (lambda model, directory: False) if sharded == "scattered" else loadable
             trainer = _RecordingTrainer(load_config(REPO / "configs" / config_file, config_args, world_size=world_size))
             state = {**trainer.model.state_dict(), **dict(trainer.model.named_buffers())}
             states[sharded] = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
             on_meta[sharded] = trainer.built_on_meta
             trainer.metrics.close()
             trainer.loader.close()
-        assert set(states["true"]) == set(states["false"])
-        diff = max(float((states["true"][k] - states["false"][k]).abs().max()) for k in states["true"])
-        results[name] = {"on_meta": on_meta, "max_diff": diff, "entries": len(states["true"])}
+        whole = states.pop("false")
+        diffs = {way: max(float((state[k] - whole[k]).abs().max()) for k in whole) for way, state in states.items()}
+        assert all(set(state) == set(whole) for state in states.values())
+        results[name] = {"on_meta": on_meta, "max_diff": diffs}
+    base.loadable = loadable
     return results
 
 
 @pytest.mark.slow
-def test_pretrained_weights_load_into_the_shards_exactly_with_no_rank_building_the_whole_model(demo, tmp_path):
+def test_pretrained_weights_fill_the_shards_exactly_read_per_rank_or_scattered_from_rank_0(demo, tmp_path):
     results = run_distributed(_sharded_against_whole, 2, demo, tmp_path, timeout_s=300)
-    for rank_results in results:
+    for rank, rank_results in enumerate(results):
         for name, result in rank_results.items():
-            assert result["on_meta"] == {"true": True, "false": False}, (name, result)
-            assert result["max_diff"] == 0.0, (name, result)  # parameters and the recomputed rotary buffers
+            assert result["on_meta"] == {"true": True, "false": False, "scattered": rank > 0}, (name, result)
+            # parameters and the rotary buffers (recomputed, or broadcast from rank 0)
+            assert result["max_diff"] == {"true": 0.0, "scattered": 0.0}, (name, result)
 
 
 def test_an_eval_set_smaller_than_one_eval_batch_is_an_error_at_start(demo, tmp_path):

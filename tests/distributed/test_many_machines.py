@@ -1,5 +1,6 @@
 """Many machines: HSDP trains like plain FSDP, a checkpoint moves across world sizes and layouts, ranks agree on the
-checkpoint they resume, and a checkpoint directory some rank cannot see is an error on every rank.
+checkpoint they resume, a checkpoint directory some rank cannot see is an error on every rank, and a model built on
+rank 0 only and scattered into the shards equals a whole build.
 
 Two spawns serve every test here: 2 gloo ranks (DP=2) write a checkpoint at step 2 and run the shared-directory and
 agreement checks; 4 ranks then train plain FSDP, HSDP and HSDP x SP, and resume the 2-rank checkpoint at DP=1 x SP=4.
@@ -14,8 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from tests.dist_helpers import run_distributed
 from tests.trainer.helpers import TRAINERS, losses_by_step, read_events, run_trainer, tiny_config
@@ -102,6 +105,60 @@ def _two_ranks(rank: int, world_size: int, base: Path) -> dict[str, Any]:
     agreed = trainer_cls(_config(base / "written", resume=True))
     out["resumed_step"] = agreed.step
     agreed.metrics.close()
+    return out | _sharded_build(rank, base)
+
+
+def _built_weights(kind: str, output_dir: Path, **model: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Build a trainer (no step): (its full weights and buffers by name, what `build_model` returned here and the
+    CPU RNG state the build left)."""
+    trainer_cls, _ = TRAINERS[kind]
+    built: dict[str, Any] = {}
+
+    class Recording(trainer_cls):  # type: ignore[misc, valid-type]
+        def build_model(self) -> Any:
+            model = super().build_model()
+            built["devices"] = sorted({str(param.device) for param in model.parameters()})
+            return model
+
+    config = tiny_config(kind, output_dir, max_steps=STEPS, async_step_end=False)
+    trainer = Recording(replace(config, model=model) if model else config)
+    built["rng"] = torch.get_rng_state()
+    state = trainer.model.state_dict()
+    weights = {name: value.full_tensor() if isinstance(value, DTensor) else value for name, value in state.items()}
+    weights |= {f"buffer {name}": buffer.clone() for name, buffer in trainer.model.named_buffers()}
+    trainer.metrics.close()
+    trainer.loader.close()
+    return weights, built
+
+
+def _sharded_build(rank: int, base: Path) -> dict[str, Any]:
+    """Per kind: the sharded build (rank 0 builds, the others on meta, scattered) against every rank building the
+    whole model: what each rank's `build_model` returned, and the largest difference in weights and RNG state."""
+    out: dict[str, Any] = {}
+    for kind in ("vlm", "qwen2_vl"):
+        sharded, built = _built_weights(kind, base / f"build_{kind}_sharded")
+        whole, built_whole = _built_weights(kind, base / f"build_{kind}_whole", load_sharded=False)
+        assert sharded.keys() == whole.keys()
+        out[kind] = {
+            "devices": built["devices"],
+            "whole_devices": built_whole["devices"],
+            "max_diff": max(float((sharded[name] - whole[name]).abs().max()) for name in whole),
+            "buffers": sum(name.startswith("buffer ") for name in whole),
+            "rng_equal": torch.equal(built["rng"], built_whole["rng"]),
+        }
+    # A model built on meta on rank 0 too, with no pretrained directory to read: an error on every rank.
+    trainer_cls, _ = TRAINERS[KIND]
+
+    class OnMeta(trainer_cls):  # type: ignore[misc, valid-type]
+        def build_model(self) -> Any:
+            with torch.device("meta"):
+                return super().build_model()
+
+    try:
+        OnMeta(_config(base / "on_meta"))
+        out["on_meta"] = "no error"
+    except NotImplementedError as exc:
+        out["on_meta"] = str(exc)
     return out
 
 
@@ -195,3 +252,23 @@ def test_a_checkpoint_from_two_ranks_resumes_at_four_with_dp_and_sp_changed(four
 def test_an_hsdp_checkpoint_loads_under_plain_fsdp(four_ranks):
     assert four_ranks["step_loaded_as_hsdp"] == four_ranks["step_loaded_as_fsdp"] == STEPS
     assert four_ranks["hsdp_to_fsdp_max_diff"] == 0.0
+
+
+@pytest.mark.parametrize("kind", ["vlm", "qwen2_vl"])
+def test_a_model_built_on_rank_0_and_scattered_equals_a_whole_build(two_ranks, kind):
+    """model.load_sharded: only rank 0 builds the model on the CPU (the others on meta), and after the scatter every
+    weight and buffer, and the RNG state the build leaves, equal a build of the whole model on every rank."""
+    _, results = two_ranks
+    assert [result[kind]["devices"] for result in results] == [["cpu"], ["meta"]]
+    assert [result[kind]["whole_devices"] for result in results] == [["cpu"], ["cpu"]]
+    for result in results:
+        if kind == "qwen2_vl":
+            assert result[kind]["buffers"] > 0, "its rotary buffers (not saved) are compared too"
+        assert result[kind]["max_diff"] == 0.0
+        assert result[kind]["rng_equal"]
+
+
+def test_a_model_on_meta_without_materialize_is_an_error_on_every_rank(two_ranks):
+    _, results = two_ranks
+    for result in results:
+        assert result["on_meta"].endswith("returned a meta-device model: implement materialize"), result["on_meta"]

@@ -12,7 +12,7 @@ import torch
 from veomni_lite.data.collator import collate
 from veomni_lite.examples.pydoc_text import PydocTextDataset, load_or_train_tokenizer
 from veomni_lite.models.hf_causal_lm import HFCausalLM, hf_config_from_dict
-from veomni_lite.models.pretrained import check_vocabulary, load_config, load_model, load_tokenizer
+from veomni_lite.models.pretrained import check_vocabulary, load_config, load_tokenizer
 from veomni_lite.trainer.base import BaseTrainer
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -41,7 +41,7 @@ class PydocLMTrainer(BaseTrainer):
         model = self.config.model
         data = self.train_dataset
         if model.pretrained_dir:
-            return load_model(model.pretrained_dir)
+            return self.pretrained_model(model.pretrained_dir)
         settings = {
             **model.hf,
             "vocab_size": data.vocab_size,

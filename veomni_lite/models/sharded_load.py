@@ -1,4 +1,11 @@
-"""Pretrained weights loaded straight into FSDP2 shards: no rank holds the whole model.
+"""Weights written straight into FSDP2 shards: no device, and no rank but the builder, holds the whole model.
+
+A model built from a config (random init) is built whole on rank 0 only, with the run's seed, and on the meta device
+elsewhere. `rank0_weights` keeps rank 0's tensors before its model moves to the meta device too; after `fully_shard`
+and `to_empty`, `scatter_from_rank0` broadcasts them one tensor at a time and each rank keeps its own shards
+(`set_model_state_dict`, full state from rank 0), so the values are the whole build's, on any layout.
+
+Pretrained weights:
 
 `build_on_meta(directory)` builds the directory's model (behind the trainer's contract, as `load_model` does) on the
 meta device, so building allocates nothing. After `fully_shard` and `to_empty`, `load_into_shards(model, directory)`
@@ -115,3 +122,27 @@ def load_into_shards(model: nn.Module, directory: str | Path) -> None:
     if targets is None:
         raise ValueError(f"{directory}: its weight names do not cover {type(model).__name__} (see loadable())")
     dcp.load(targets, storage_reader=dcp.HuggingFaceStorageReader(str(directory)))
+
+
+def rank0_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of a built model by name, detached: they keep their values after the model itself
+    moves to the meta device."""
+    return {name: tensor.detach() for name, tensor in (*model.state_dict().items(), *model.named_buffers())}
+
+
+@torch.no_grad()
+def scatter_from_rank0(model: nn.Module, weights: dict[str, torch.Tensor] | None) -> None:
+    """Fill a sharded model fresh from `to_empty` with rank 0's `weights` (`rank0_weights`; None on the other ranks):
+    each rank keeps its shards of the parameters and persistent buffers, and every other buffer is broadcast whole.
+    Collective on the default group, one tensor at a time."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    saved = model.state_dict().keys()
+    state = {name: weights[name] for name in saved} if weights is not None else {}
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for name, buffer in model.named_buffers():
+        if name not in saved:  # not saved (rotary frequencies): not in the state dict set above
+            if weights is not None:
+                buffer.copy_(weights[name])
+            dist.broadcast(buffer, src=0)

@@ -51,6 +51,14 @@ from veomni_lite.distributed.grad_norm import clip_global_grad_norm
 from veomni_lite.distributed.parallel_state import ParallelState, init_parallel_state
 from veomni_lite.distributed.sequence_parallel import slice_micro_batch
 from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS, loss_weights_key, name_of_loss
+from veomni_lite.models.pretrained import load_model
+from veomni_lite.models.sharded_load import (
+    build_on_meta,
+    load_into_shards,
+    loadable,
+    rank0_weights,
+    scatter_from_rank0,
+)
 from veomni_lite.trainer.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
 from veomni_lite.trainer.model import TrainableModel, check_model_contract
 from veomni_lite.trainer.train_metrics import TrainMetrics
@@ -133,7 +141,7 @@ class BaseTrainer(ABC):
         torch.manual_seed(train.seed)
 
         self.train_dataset, self.eval_dataset = self.build_datasets()
-        model = self.build_model()
+        model, scatter, weights = self._build_model()
         on_meta = any(param.is_meta for param in model.parameters())  # filled shard by shard after fully_shard
         model = check_model_contract(model if on_meta else model.to(self.device))
         self.loss_keys: tuple[str, ...] = tuple(model.loss_keys)
@@ -149,7 +157,11 @@ class BaseTrainer(ABC):
         self.model = apply_fsdp(model, self.parallel, list(model.layers), bf16=bf16)
         if on_meta:
             self.model.to_empty(device=self.device)
-            self.materialize(self.model)
+            if scatter:
+                scatter_from_rank0(self.model, weights)
+            else:
+                self.materialize(self.model)
+            del weights
         groups = parameter_groups(self.model, optim.weight_decay, optim.weight_decay_on)
         self.optimizer = torch.optim.AdamW(groups, lr=optim.lr)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -170,6 +182,37 @@ class BaseTrainer(ABC):
             config.save(self.output_dir / "config.yaml")
             if hasattr(model, "save_config"):  # what `python -m veomni_lite.export` rebuilds the model from
                 model.save_config(self.output_dir / MODEL_CONFIG_DIR)
+
+    def _build_model(self) -> tuple[TrainableModel, bool, dict[str, torch.Tensor] | None]:
+        """(model, scatter, rank 0's weights or None). One process, or `model.load_sharded false`: `build_model` on
+        every rank. Else rank 0 runs it as is (the seeded values a whole build has) and the other ranks run it on
+        the meta device; rank 0 keeps its weights and moves its model to meta as well, and after `fully_shard` they
+        are scattered into the shards (scatter). A model that rank 0 too returns on meta (a pretrained directory,
+        see `pretrained_model`) is left to `materialize`. One broadcast shares rank 0's choice and CPU RNG state, so
+        every rank decides alike and continues from the RNG state a whole build leaves."""
+        if not (self.parallel.is_distributed and self.config.model.load_sharded):
+            return self.build_model(), False, None
+        with contextlib.nullcontext() if self.is_main else torch.device("meta"):
+            model = self.build_model()
+        on_meta = any(param.is_meta for param in model.parameters())
+        shared = torch.cat([torch.tensor([on_meta], dtype=torch.uint8), torch.get_rng_state()])
+        dist.broadcast(shared, src=0, group=self.control_group)
+        torch.set_rng_state(shared[1:].clone())
+        if shared[0]:
+            return model, False, None
+        weights = rank0_weights(model) if self.is_main else None
+        return model.to("meta"), True, weights
+
+    def pretrained_model(self, directory: str | Path) -> Any:
+        """The model of a local `from_pretrained` directory. In a sharded build (several ranks, `model.load_sharded`)
+        it is built on the meta device and `materialize` reads each rank's shards from the safetensors; where the
+        directory's weight names do not map to the model's, rank 0 loads it whole and scatters it."""
+        if self.parallel.is_distributed and self.config.model.load_sharded:
+            model = build_on_meta(directory)
+            if loadable(model, directory) or not self.is_main:
+                return model
+            logger.info("model.load_sharded: %s needs more than renamed weights; rank 0 loads it whole", directory)
+        return load_model(directory)
 
     def _check_packing(self, model: TrainableModel) -> None:
         """`data.packing` needs a model that masks packed rows by `attention_sequence_ids` (a config error)."""
@@ -197,14 +240,19 @@ class BaseTrainer(ABC):
 
     @abstractmethod
     def build_model(self) -> TrainableModel:
-        """The model to train, on the CPU; it keeps the `TrainableModel` contract."""
+        """The model to train, on the CPU; it keeps the `TrainableModel` contract. In a sharded build the ranks but
+        rank 0 run it under `torch.device("meta")` (see `_build_model`), so its values must come from rank 0's call."""
 
     def materialize(self, model: torch.nn.Module) -> None:
-        """Fill a model that `build_model` returned on the meta device, now sharded and allocated (`to_empty`) on the
-        device: each rank writes its own shards (a subclass hook; collective where it loads)."""
-        raise NotImplementedError(
-            f"{type(self).__name__}.build_model returned a meta-device model: implement materialize"
-        )
+        """Fill a model that `build_model` returned on the meta device on rank 0 too, now sharded and allocated
+        (`to_empty`) on the device: each rank writes its own shards (collective). Here: `model.pretrained_dir`'s
+        weights (`pretrained_model`); a subclass that builds other models on meta overrides it."""
+        directory = self.config.model.pretrained_dir
+        if not directory:
+            raise NotImplementedError(
+                f"{type(self).__name__}.build_model returned a meta-device model: implement materialize"
+            )
+        load_into_shards(model, directory)
 
     @abstractmethod
     def build_datasets(self) -> tuple[Any, Any | None]:

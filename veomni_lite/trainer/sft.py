@@ -30,12 +30,10 @@ from veomni_lite.models.pretrained import (
     is_vision_language,
     load_config,
     load_image_processor,
-    load_model,
     load_tokenizer,
     text_config,
 )
 from veomni_lite.models.qwen2_vl import collate_qwen2_vl
-from veomni_lite.models.sharded_load import build_on_meta, load_into_shards, loadable
 from veomni_lite.trainer.base import MODEL_CONFIG_DIR, BaseTrainer
 
 logger = logging.getLogger(__name__)
@@ -126,21 +124,7 @@ class SFTTrainer(BaseTrainer):
         return dataset, evaluation if train.eval_batches else None
 
     def build_model(self) -> Any:
-        """On several ranks (with `model.load_sharded`), the model on the meta device, its weights loaded into the
-        shards by `materialize`; else, or where the directory's weight names do not map, `from_pretrained`."""
-        directory = self.config.model.pretrained_dir
-        if self.parallel.is_distributed and self.config.model.load_sharded:
-            model = build_on_meta(directory)
-            if loadable(model, directory):
-                return model
-            if self.is_main:
-                logger.info(
-                    "model.load_sharded: %s needs more than renamed weights; every rank loads it whole", directory
-                )
-        return load_model(directory)
-
-    def materialize(self, model: torch.nn.Module) -> None:
-        load_into_shards(model, self.config.model.pretrained_dir)
+        return self.pretrained_model(self.config.model.pretrained_dir)
 
     @property
     def vocab_size(self) -> int:
