@@ -196,6 +196,7 @@ def _memory_worker(out: Path, size: str, choice: str, load_sharded: bool) -> Non
         if not shared_tokenizer.exists():
             shared_tokenizer.write_bytes((work / TOKENIZER_FILE).read_bytes())
         out.write_text(json.dumps({"size": size, "choice": choice, "parameters": parameters, "ranks": peaks}))
+    dist.barrier()  # both ranks tear the process group down together
     trainer.close()
 
 

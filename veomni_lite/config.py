@@ -52,6 +52,10 @@ class ModelConfig:
     a pretrained model's shards read straight from its safetensors (no rank holds the whole model); a model built
     from a config built whole on rank 0 only, on the CPU, and scattered (its values are a whole build's). No device
     holds the whole model. false: every rank builds or loads the whole model first."""
+    attn_implementation: str = "sdpa"
+    """The transformers decoder's attention: sdpa, or flash_attention_2 / flash_attention_3 where the package is
+    installed (a GPU); packed rows then reach flash-attention's varlen kernel as host-computed boundaries. Under
+    `parallel.sp_size` > 1 the decoder runs Ulysses attention (SDPA after the all-to-all); vision towers keep sdpa."""
     hidden_size: int = 64
     """Width of the decoder."""
     num_layers: int = 2

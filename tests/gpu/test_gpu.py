@@ -73,3 +73,38 @@ def test_trainer_trains_on_gpu(tmp_path: Path) -> None:
     losses = [event["train/loss"] for event in events if "train/loss" in event]
     assert len(losses) >= 2 and all(math.isfinite(loss) for loss in losses)
     assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize("kind", ["text", "qwen2_vl"])
+def test_flash_attention_varlen_packed_equals_unpacked(kind: str) -> None:
+    """flash_attention_2 over a packed row (host boundaries, no mask) gives each sample's logits unpacked (bf16)."""
+    from transformers.utils import is_flash_attn_2_available
+
+    if not is_flash_attn_2_available():
+        pytest.skip("flash-attn is not installed")
+    from tests.models.test_hf_models import IMAGE, PAD, make_lm, make_vl
+    from tests.models.test_packing import packed_difference, text_samples, vl_samples
+    from veomni_lite.data.collator import collate, pack
+    from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS
+    from veomni_lite.models.qwen2_vl import collate_qwen2_vl
+
+    model = (make_lm() if kind == "text" else make_vl()).to("cuda", torch.bfloat16)
+    samples = text_samples() if kind == "text" else vl_samples()
+    padded = collate(samples, pad_id=PAD) if kind == "text" else collate_qwen2_vl(samples, IMAGE, 2, PAD)
+    packed = pack(samples, 8, PAD) if kind == "text" else collate_qwen2_vl(samples, IMAGE, 2, PAD, 8, packing=True)
+    lengths = [s["input_ids"].numel() for s in samples]
+    host = ("image_grid_thw", ATTENTION_SEQUENCE_IDS)
+
+    def logits(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        inputs = {k: v if k in host else v.to("cuda") for k, v in batch.items() if "labels" not in k}
+        if "pixel_values" in inputs:
+            inputs["pixel_values"] = inputs["pixel_values"].to(torch.bfloat16)
+        with torch.no_grad():
+            return model(**inputs)["logits"].float()
+
+    unpacked = logits(padded)
+    reference = torch.cat([unpacked[row, :n] for row, n in enumerate(lengths)])
+    model.set_attn_implementation("flash_attention_2")
+    difference = packed_difference(reference, logits(packed), lengths)
+    print(f"\n{kind}: flash varlen packed vs sdpa unpacked, relative logit difference {difference:.2e}")
+    assert difference < 3e-2

@@ -3,10 +3,13 @@ and Qwen2-VL with images of several samples in one row; negative controls show t
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.models.test_hf_models import IMAGE, PAD, image_sample, make_lm, make_vl, text_sample
 from veomni_lite.data.collator import collate, pack, packed_positions
@@ -187,3 +190,91 @@ def test_the_digits_job_packed_trains_and_evaluates_like_the_padded_one(tmp_path
         want, got = losses_by_step(padded, key), losses_by_step(packed, key)
         assert want and want.keys() == got.keys(), key
         assert all(got[s] == pytest.approx(want[s], rel=1e-5) for s in want), (key, want, got)
+
+
+class VarlenReference:
+    """An attention registered under a test name that takes packed rows as flash-attention's varlen kernel does:
+    no mask, `cu_seq_lens_q/k` and `max_length_q/k`; causal SDPA within each span. `use_boundaries=False` is the
+    negative control (one causal span over the whole row)."""
+
+    name = "varlen_reference"
+
+    def __init__(self, use_boundaries: bool = True) -> None:
+        self.use_boundaries = use_boundaries
+        self.calls: list[tuple[list[int], Any]] = []
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        assert attention_mask is None
+        bounds = kwargs["cu_seq_lens_q"]
+        assert bounds.dtype == torch.int32 and torch.equal(bounds, kwargs["cu_seq_lens_k"])
+        assert kwargs["max_length_q"] == kwargs["max_length_k"]
+        self.calls.append((bounds.tolist(), kwargs["max_length_q"]))
+        spans = bounds.tolist() if self.use_boundaries else [0, query.shape[2]]
+        repeats = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
+        out = torch.cat(
+            [
+                F.scaled_dot_product_attention(
+                    query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True, scale=scaling
+                )
+                for a, b in zip(spans[:-1], spans[1:])
+            ],
+            dim=2,
+        )
+        return out.transpose(1, 2).contiguous(), None
+
+
+@pytest.fixture
+def varlen(monkeypatch):
+    """Register `VarlenReference` and have the models treat it as flash-attention (`VARLEN_ATTENTION`)."""
+    from transformers import AttentionInterface
+
+    from veomni_lite.models import hf_attention
+
+    attention = VarlenReference()
+    AttentionInterface.register(VarlenReference.name, attention)
+    monkeypatch.setattr(hf_attention, "VARLEN_ATTENTION", {*hf_attention.VARLEN_ATTENTION, VarlenReference.name})
+    return attention
+
+
+@pytest.mark.parametrize("kind", ["text", "qwen2_vl"])
+def test_flash_style_varlen_attention_gets_host_boundaries_and_packed_equals_unpacked(varlen, kind):
+    """The varlen path: no mask, the row's boundaries computed on the host (the padding a span of its own, the
+    longest span as an int), and packed logits equal the unpacked ones; with the boundaries ignored, they leak."""
+    if kind == "text":
+        model, samples = make_lm().double(), text_samples()
+        reference_batch = collate(samples, pad_id=PAD)
+        batch = pack(samples, pad_to_multiple_of=8, pad_id=PAD)
+        config = model.config
+    else:
+        model = make_vl().double()
+        samples = [
+            {**s, **({"pixel_values": s["pixel_values"].double()} if "pixel_values" in s else {})} for s in vl_samples()
+        ]
+        reference_batch = collate_qwen2_vl(samples, IMAGE, 2, PAD)
+        batch = collate_qwen2_vl(samples, IMAGE, 2, PAD, pad_to_multiple_of=8, packing=True)
+        config = model.config.text_config
+    lengths = [s["input_ids"].numel() for s in samples]
+    reference = unpacked_logits(model, reference_batch, lengths)
+    config._attn_implementation = VarlenReference.name
+    inputs = {k: v for k, v in batch.items() if "labels" not in k}
+    with torch.no_grad():
+        ours = model(**inputs)["logits"]
+    assert packed_difference(reference, ours, lengths) < 1e-12
+    row = batch["input_ids"].shape[1]
+    spans = [0, *itertools.accumulate(lengths)] + ([row] if sum(lengths) < row else [])
+    assert varlen.calls and all(call == (spans, max(lengths)) for call in varlen.calls), varlen.calls[0]
+
+    varlen.use_boundaries = False
+    with torch.no_grad():
+        leaked = packed_difference(reference, model(**inputs)["logits"], lengths)
+    print(f"\n{kind} varlen control (boundaries ignored): relative logit difference {leaked:.3f}")
+    assert leaked > 1e-3
+
+
+def test_flash_attention_over_a_device_row_is_a_clear_error(varlen):
+    model = make_lm()
+    model.config._attn_implementation = VarlenReference.name
+    batch = pack(text_samples(), pad_id=PAD)
+    with pytest.raises(ValueError, match=r"takes one row's host attention_sequence_ids; got shape \[2, \d+\]"):
+        model(**{**batch, ATTENTION_SEQUENCE_IDS: batch[ATTENTION_SEQUENCE_IDS].expand(2, -1)})

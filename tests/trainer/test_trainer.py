@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from transformers.utils import is_flash_attn_2_available
 
 from tests.dist_helpers import counting_calls, run_distributed
-from tests.trainer.helpers import losses_by_step, ranked_run, read_events, run_trainer, tiny_config
-from veomni_lite.config import replace
+from tests.trainer.helpers import TRAINERS, losses_by_step, ranked_run, read_events, run_trainer, tiny_config
+from veomni_lite.config import ConfigError, replace
 from veomni_lite.metrics import accumulator
 from veomni_lite.utils import loss_utils
 
@@ -92,3 +93,18 @@ def test_activation_checkpointing_recomputes_each_layer_and_trains_alike(tmp_pat
     micro_batches = 2 * 4  # 2 steps x GA 4 (global batch 8, micro-batch 2)
     assert len(calls[False]) == micro_batches and len(calls[True]) == 2 * micro_batches, "recomputed in backward"
     assert_same_losses(losses_by_step(runs[True]), losses_by_step(runs[False]), rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("qwen2_text", r"model.attn_implementation 'flash_attention_2': .*FlashAttention2.* installed"),
+        ("vlm", r"model.attn_implementation 'flash_attention_2': TinyVLM runs its own attention"),
+    ],
+)
+def test_an_attention_the_model_or_machine_cannot_run_is_a_config_error(tmp_path, kind, message):
+    if kind == "qwen2_text" and is_flash_attn_2_available():
+        pytest.skip("flash-attn is installed here")
+    config = replace(tiny_config(kind, tmp_path), model={"attn_implementation": "flash_attention_2"})
+    with pytest.raises(ConfigError, match=message):
+        TRAINERS[kind][0](config)

@@ -9,11 +9,14 @@ sequence, so H and H_kv must be divisible by sp_size. transformers builds no mas
 (`attention_mask` is None), which is right here: padding is on the right only, so the causal mask suffices.
 A vision tower keeps its own attention: it sees whole images on every rank.
 
-Packed rows: `packed_causal_mask(attention_sequence_ids)` is the block-diagonal causal mask of the WHOLE row, built on
-the device from the boundaries the host computed with the batch (no position read back). Given as a 4D mask,
-transformers passes it through unchanged to SDPA and to `veomni_ulysses`, which applies it after the all-to-all,
-where each rank sees the whole row. `check_packing_attention` refuses other implementations (eager adds a mask,
-flash-attention takes none).
+Packed rows: `packed_attention_inputs` turns a packed row's `attention_sequence_ids` (the host tensor the collator
+wrote; models list it in `host_inputs`) into what the attention takes, with no position read back from the device.
+For SDPA and `veomni_ulysses`: `packed_causal_mask`, the block-diagonal causal mask of the WHOLE row, moved to the
+device and built there; given as a 4D mask, transformers passes it through unchanged to SDPA and to `veomni_ulysses`,
+which applies it after the all-to-all, where each rank sees the whole row. For flash-attention (`VARLEN_ATTENTION`):
+no mask, and the row's boundaries as `cu_seq_lens_q/k` (int32; the padding after the samples is a sequence of its
+own) with `max_length_q/k` (ints), computed on the host, which transformers hands to the varlen kernel as they are.
+`check_packing_attention` refuses other implementations (eager adds a mask of its own).
 """
 
 from __future__ import annotations
@@ -74,16 +77,42 @@ def packed_causal_mask(sequence_ids: torch.Tensor) -> torch.Tensor:
     return ((sequence_ids[:, :, None] == sequence_ids[:, None, :]) & causal)[:, None]
 
 
+VARLEN_ATTENTION = {"flash_attention_2", "flash_attention_3", "flash_attention_4"}  # take cu_seq_lens, no mask
 PACKING_ATTENTION = ("sdpa", ATTENTION_NAME)
 
 
 def check_packing_attention(config: Any) -> None:
-    """Raise ValueError unless `config`'s attention takes a 4D boolean mask unchanged (see the module docstring)."""
+    """Raise ValueError unless `config`'s attention keeps a packed row's samples apart (see the module docstring)."""
     name = getattr(config, "_attn_implementation", None)
-    if name not in PACKING_ATTENTION:
+    if name not in PACKING_ATTENTION and name not in VARLEN_ATTENTION:
+        choices = (*PACKING_ATTENTION, *sorted(VARLEN_ATTENTION))
         raise ValueError(
-            f"data.packing: attention {name!r} cannot take the packed rows' mask; use one of {PACKING_ATTENTION}"
+            f"data.packing: attention {name!r} cannot keep the packed rows' samples apart; use one of {choices}"
         )
+
+
+def packed_attention_inputs(config: Any, attention_sequence_ids: torch.Tensor, device: torch.device) -> dict[str, Any]:
+    """The decoder's attention keywords for a packed row, from its host `attention_sequence_ids` ([1, S], -1 on the
+    padding): `attention_mask` (the block mask, or None for flash-attention) and, for flash-attention, the
+    boundaries (see the module docstring). A ValueError names an attention that cannot take them."""
+    check_packing_attention(config)
+    if config._attn_implementation not in VARLEN_ATTENTION:
+        return {"attention_mask": packed_causal_mask(attention_sequence_ids.to(device, non_blocking=True))}
+    if attention_sequence_ids.device.type != "cpu" or attention_sequence_ids.shape[0] != 1:
+        raise ValueError(
+            f"flash-attention over packed rows takes one row's host attention_sequence_ids; got shape "
+            f"{list(attention_sequence_ids.shape)} on {attention_sequence_ids.device}"
+        )
+    lengths = torch.unique_consecutive(attention_sequence_ids[0], return_counts=True)[1]
+    bounds = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32).to(device, non_blocking=True)
+    longest = int(lengths.max())
+    return {
+        "attention_mask": None,
+        "cu_seq_lens_q": bounds,
+        "cu_seq_lens_k": bounds,
+        "max_length_q": longest,
+        "max_length_k": longest,
+    }
 
 
 def register_ulysses_attention() -> None:

@@ -2,10 +2,11 @@
 
 Built from a config dict (`{"model_type": "qwen2", "hidden_size": 64, ...}`, no download) or a local
 `from_pretrained` directory. `forward(input_ids, position_ids, labels)` takes this rank's (possibly SP-sliced)
-micro-batch with labels already shifted once (a packed row adds `attention_sequence_ids`, its whole row's samples,
-from which the block-diagonal causal mask is built), and returns `{"foundation_loss": mean cross-entropy over this
-rank's valid targets}` (an exact 0 without targets); without labels it returns `{"logits"}`. The decoder runs with the
-positions it is given (global positions under SP), so no model code changes for Ulysses.
+micro-batch with labels already shifted once (a packed row adds `attention_sequence_ids`, its whole row's samples on
+the host, from which `packed_attention_inputs` builds the block mask or flash-attention's boundaries), and returns
+`{"foundation_loss": mean cross-entropy over this rank's valid targets}` (an exact 0 without targets); without labels
+it returns `{"logits"}`. The decoder runs with the positions it is given (global positions under SP), so no model
+code changes for Ulysses.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS
 from veomni_lite.models.heads import decoder_flops_per_token, masked_mean_cross_entropy
-from veomni_lite.models.hf_attention import check_packing_attention, enable_ulysses, packed_causal_mask
+from veomni_lite.models.hf_attention import enable_ulysses, packed_attention_inputs
 
 
 def hf_config_from_dict(settings: Mapping[str, Any]) -> Any:
@@ -59,6 +61,12 @@ class HFCausalLM(nn.Module):
     def config(self) -> Any:
         return self.hf_model.config
 
+    host_inputs = (ATTENTION_SEQUENCE_IDS,)  # the trainer leaves it on the host: see `packed_attention_inputs`
+
+    def set_attn_implementation(self, name: str) -> None:
+        """The decoder's attention (`model.attn_implementation`); transformers checks that it is installed."""
+        self.hf_model.set_attn_implementation(name)
+
     @property
     def loss_keys(self) -> tuple[str, ...]:
         return ("foundation_loss",)
@@ -70,13 +78,10 @@ class HFCausalLM(nn.Module):
     def logits(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_sequence_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
-        mask = None
+        attention: dict[str, Any] = {"attention_mask": None}
         if attention_sequence_ids is not None:  # a packed row
-            check_packing_attention(self.config)
-            mask = packed_causal_mask(attention_sequence_ids)
-        hidden = self.hf_model.model(
-            input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False
-        )
+            attention = packed_attention_inputs(self.config, attention_sequence_ids, input_ids.device)
+        hidden = self.hf_model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **attention)
         return self.hf_model.lm_head(hidden.last_hidden_state)
 
     def forward(

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from veomni_lite.data.collator import packed_positions, sequence_ids, shift_labels
 from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS, IGNORE_INDEX, SEQUENCE_IDS
 from veomni_lite.models.heads import decoder_flops_per_token, masked_mean_cross_entropy
-from veomni_lite.models.hf_attention import check_packing_attention, enable_ulysses, packed_causal_mask
+from veomni_lite.models.hf_attention import enable_ulysses, packed_attention_inputs
 
 IMAGE_HEAD_FILE = "image_decoder_head.safetensors"
 _LABEL_KEYS = ("labels", "image_decoder_labels")
@@ -169,7 +169,13 @@ class Qwen2VLWithImageHead(nn.Module):
         """What FSDP shards one by one: the decoder layers, then the whole vision tower."""
         return [*self.vlm.model.language_model.layers, self.vlm.model.visual]
 
-    host_inputs = ("image_grid_thw",)  # the trainer leaves it on the host: see `_vision_inputs`
+    # The trainer leaves these on the host: see `_vision_inputs` and `packed_attention_inputs`.
+    host_inputs = ("image_grid_thw", ATTENTION_SEQUENCE_IDS)
+
+    def set_attn_implementation(self, name: str) -> None:
+        """The text decoder's attention (`model.attn_implementation`); the vision tower keeps sdpa (it is given
+        host boundaries for it, see `_vision_inputs`)."""
+        self.vlm.set_attn_implementation({"text_config": name, "vision_config": "sdpa"})
 
     def _vision_inputs(self, grid: Tensor, device: torch.device) -> dict[str, Tensor]:
         """The vision tower's inputs. From a host `grid`, its attention boundaries (kept on the host: the SDPA path
@@ -208,12 +214,11 @@ class Qwen2VLWithImageHead(nn.Module):
         attention_sequence_ids: Tensor | None = None,
     ) -> Tensor:
         embeds = self.embed(input_ids, image_feature_index, pixel_values, image_grid_thw)
-        mask = None
+        attention: dict[str, Any] = {"attention_mask": None}
         if attention_sequence_ids is not None:  # a packed row
-            check_packing_attention(self.config.text_config)
-            mask = packed_causal_mask(attention_sequence_ids)
+            attention = packed_attention_inputs(self.config.text_config, attention_sequence_ids, embeds.device)
         out = self.vlm.model.language_model(
-            inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids.permute(2, 0, 1), use_cache=False
+            inputs_embeds=embeds, position_ids=position_ids.permute(2, 0, 1), use_cache=False, **attention
         )
         return out.last_hidden_state
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from veomni_lite.config import Config
+from veomni_lite.config import Config, ConfigError
 from veomni_lite.data.checks import DataError, validate_micro_batch
 from veomni_lite.data.loader import MicroBatchLoader
 from veomni_lite.data.packing import padding_micro_batch
@@ -146,6 +146,7 @@ class BaseTrainer(ABC):
         model = check_model_contract(model if on_meta else model.to(self.device))
         self.loss_keys: tuple[str, ...] = tuple(model.loss_keys)
         self._check_loss_weights(model)
+        self._set_attention(model)
         self._check_packing(model)
         # Called per micro-batch for the FLOPs metric: the parameter count is walked once per sequence length.
         self.flops_per_token = functools.lru_cache(maxsize=None)(model.flops_per_token)
@@ -213,6 +214,19 @@ class BaseTrainer(ABC):
                 return model
             logger.info("model.load_sharded: %s needs more than renamed weights; rank 0 loads it whole", directory)
         return load_model(directory)
+
+    def _set_attention(self, model: TrainableModel) -> None:
+        """Apply `model.attn_implementation` (a ConfigError naming it where the model or the machine cannot run it)."""
+        name = self.config.model.attn_implementation
+        if name == "sdpa":
+            return
+        setter = getattr(model, "set_attn_implementation", None)
+        if setter is None:
+            raise ConfigError(f"model.attn_implementation {name!r}: {type(model).__name__} runs its own attention")
+        try:
+            setter(name)
+        except (ImportError, ValueError) as exc:
+            raise ConfigError(f"model.attn_implementation {name!r}: {exc}") from exc
 
     def _check_packing(self, model: TrainableModel) -> None:
         """`data.packing` needs a model that masks packed rows by `attention_sequence_ids` (a config error)."""
