@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import re
 import shutil
 import time
@@ -190,3 +191,48 @@ def test_resume_with_another_model_is_an_error_naming_the_difference(tmp_path):
     message = str(error.value)
     assert re.search(r"\S+ is \[64, 32\] there, \[96, 32\] here", message), message
     assert "model.intermediate_size: 64 there, 96 here" in message
+
+
+class _FakeCuda:
+    """torch.cuda as a rank sees it with `visible` GPUs, on device `current`: each device's RNG state is its index."""
+
+    def __init__(self, visible: int, current: int) -> None:
+        self.visible, self.current, self.restored = visible, current, []
+
+    def install(self, monkeypatch) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.current)
+        monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": torch.tensor([self.current]))
+        monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [torch.tensor([i]) for i in range(self.visible)])
+        monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": self.restored.append(int(state)))
+
+
+@pytest.mark.parametrize(("saved_on", "resumed_on"), [((8, 3), (1, 0)), ((1, 0), (8, 5)), ((2, 1), (4, 1))])
+def test_a_cuda_rng_state_resumes_with_another_number_of_visible_gpus(monkeypatch, saved_on, resumed_on):
+    """A rank saves its own device's CUDA RNG state only, and restores it on whatever device it runs on now."""
+    from veomni_lite.trainer.checkpoint import rng_state, set_rng_state
+
+    saving = _FakeCuda(*saved_on)
+    saving.install(monkeypatch)
+    state = rng_state()
+    assert int(state["cuda"]) == saved_on[1], "one state: this rank's device's"
+    resuming = _FakeCuda(*resumed_on)
+    resuming.install(monkeypatch)
+    set_rng_state(state)
+    assert resuming.restored == [saved_on[1]]
+
+
+def test_an_older_checkpoint_with_every_devices_cuda_rng_restores_this_devices(monkeypatch):
+    from veomni_lite.trainer.checkpoint import set_rng_state
+
+    resuming = _FakeCuda(visible=2, current=1)
+    resuming.install(monkeypatch)
+    set_rng_state({**_plain_rng(), "cuda": [torch.tensor([i]) for i in range(8)]})
+    assert resuming.restored == [1]
+    resuming.current, resuming.restored = 5, []
+    set_rng_state({**_plain_rng(), "cuda": [torch.tensor([i]) for i in range(2)]})  # fewer saved than this device
+    assert resuming.restored == [1]
+
+
+def _plain_rng() -> dict[str, object]:
+    return {"python": random.getstate(), "torch": torch.get_rng_state()}

@@ -99,11 +99,12 @@ def test_activation_checkpointing_recomputes_each_layer_and_trains_alike(tmp_pat
     ("kind", "message"),
     [
         ("qwen2_text", r"model.attn_implementation 'flash_attention_2': .*FlashAttention2.* installed"),
+        ("qwen2_vl", r"model.attn_implementation 'flash_attention_2': .*FlashAttention2.* installed"),
         ("vlm", r"model.attn_implementation 'flash_attention_2': TinyVLM runs its own attention"),
     ],
 )
 def test_an_attention_the_model_or_machine_cannot_run_is_a_config_error(tmp_path, kind, message):
-    if kind == "qwen2_text" and is_flash_attn_2_available():
+    if kind != "vlm" and is_flash_attn_2_available():
         pytest.skip("flash-attn is installed here")
     config = replace(tiny_config(kind, tmp_path), model={"attn_implementation": "flash_attention_2"})
     with pytest.raises(ConfigError, match=message):
