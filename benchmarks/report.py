@@ -422,17 +422,17 @@ def many_machines_tables(many: Mapping[str, Any] | None) -> str:
         for r in many["scaling"]
     ]  # fmt: skip
     header = "world|GA|loss all-reduces per step|loss host reads per step|step collectives|step host reads|step ms"
-    memory = [
-        [r["size"], f"{r['parameters'] / 1e6:.1f}M", r["choice"], *(f"{rank['growth_mib']:.0f}" for rank in r["ranks"]),
-         f"{r['loss_max_rel_diff']:.1e}"]
-        for r in many["memory"]
-    ]  # fmt: skip
+
+    def per_rank(rows: list[dict[str, Any]], label: str, mib: str) -> list[list[Any]]:
+        return [
+            [r["size"], f"{r['parameters'] / 1e6:.1f}M", r[label], *(f"{rank[mib]:.0f}" for rank in r["ranks"]),
+             f"{r['loss_max_rel_diff']:.1e}"]
+            for r in rows
+        ]  # fmt: skip
+
+    memory = per_rank(many["memory"], "choice", "growth_mib")
     memory_header = "model|parameters|choice|rank 0 growth MiB|rank 1 growth MiB|loss rel diff vs the first row"
-    builds = [
-        [r["size"], f"{r['parameters'] / 1e6:.1f}M", r["build"], *(f"{rank['build_mib']:.0f}" for rank in r["ranks"]),
-         f"{r['loss_max_rel_diff']:.1e}"]
-        for r in many.get("builds", [])
-    ]  # fmt: skip
+    builds = per_rank(many.get("builds", []), "build", "build_mib")
     build_header = "model|parameters|built|rank 0 build peak MiB|rank 1 build peak MiB|loss rel diff vs the whole build"
     tables = [table(header, scaling), table(memory_header, memory)] + ([table(build_header, builds)] if builds else [])
     return "\n".join(tables)
