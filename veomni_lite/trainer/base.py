@@ -184,6 +184,11 @@ class BaseTrainer(ABC):
             if hasattr(model, "save_config"):  # what `python -m veomni_lite.export` rebuilds the model from
                 model.save_config(self.output_dir / MODEL_CONFIG_DIR)
 
+    @property
+    def _sharded_build(self) -> bool:
+        """Several ranks and `model.load_sharded`: the model is built on meta and only its shards are filled."""
+        return self.parallel.is_distributed and self.config.model.load_sharded
+
     def _build_model(self) -> tuple[TrainableModel, bool, dict[str, torch.Tensor] | None]:
         """(model, scatter, rank 0's weights or None). One process, or `model.load_sharded false`: `build_model` on
         every rank. Else rank 0 runs it as is (the seeded values a whole build has) and the other ranks run it on
@@ -191,7 +196,7 @@ class BaseTrainer(ABC):
         are scattered into the shards (scatter). A model that rank 0 too returns on meta (a pretrained directory,
         see `pretrained_model`) is left to `materialize`. One broadcast shares rank 0's choice and CPU RNG state, so
         every rank decides alike and continues from the RNG state a whole build leaves."""
-        if not (self.parallel.is_distributed and self.config.model.load_sharded):
+        if not self._sharded_build:
             return self.build_model(), False, None
         with contextlib.nullcontext() if self.is_main else torch.device("meta"):
             model = self.build_model()
@@ -208,7 +213,7 @@ class BaseTrainer(ABC):
         """The model of a local `from_pretrained` directory. In a sharded build (several ranks, `model.load_sharded`)
         it is built on the meta device and `materialize` reads each rank's shards from the safetensors; where the
         directory's weight names do not map to the model's, rank 0 loads it whole and scatters it."""
-        if self.parallel.is_distributed and self.config.model.load_sharded:
+        if self._sharded_build:
             model = build_on_meta(directory)
             if loadable(model, directory) or not self.is_main:
                 return model
