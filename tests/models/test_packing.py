@@ -278,3 +278,61 @@ def test_flash_attention_over_a_device_row_is_a_clear_error(varlen):
     batch = pack(text_samples(), pad_id=PAD)
     with pytest.raises(ValueError, match=r"takes one row's host attention_sequence_ids; got shape \[2, \d+\]"):
         model(**{**batch, ATTENTION_SEQUENCE_IDS: batch[ATTENTION_SEQUENCE_IDS].expand(2, -1)})
+
+
+@pytest.mark.parametrize(
+    ("kind", "attention", "packed"),
+    [("text", "sdpa", False), ("text", "varlen", True), ("qwen2_vl", "varlen", True)],
+)
+def test_the_decoder_gets_its_mask_precomputed_and_never_reads_the_positions(
+    monkeypatch, varlen, kind, attention, packed
+):
+    """No call of transformers' `find_packed_sequence_indices` (a device read of the position ids, so a host sync
+    per forward on an accelerator): the models hand the decoder its {layer type: mask} mapping. The control, with the
+    mapping turned off, calls it and computes the same logits. 'varlen' is `VarlenReference` taken for flash-attention
+    by transformers' mask code too. (Packed rows on SDPA never read them: a 4D mask is passed through.)"""
+    from transformers import masking_utils
+
+    from veomni_lite.models import hf_attention
+
+    reads: list[int] = []
+    original = masking_utils.find_packed_sequence_indices
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda p: reads.append(1) or original(p))
+    monkeypatch.setitem(
+        masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping,
+        VarlenReference.name,
+        masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"],
+    )
+    if kind == "text":
+        model, samples = make_lm().double(), text_samples()
+        batch = pack(samples, pad_to_multiple_of=8, pad_id=PAD) if packed else collate(samples, pad_id=PAD)
+        config = model.config
+    else:
+        model = make_vl().double()
+        batch = collate_qwen2_vl(vl_samples(), IMAGE, 2, PAD, pad_to_multiple_of=8, packing=True)
+        batch["pixel_values"] = batch["pixel_values"].double()
+        config = model.config.text_config
+    if attention == "varlen":
+        config._attn_implementation = VarlenReference.name
+    inputs = {k: v for k, v in batch.items() if "labels" not in k}
+    with torch.no_grad():
+        ours = model(**inputs)["logits"]
+        assert reads == []
+        monkeypatch.setattr(hf_attention, "PRECOMPUTED_MASK_MODELS", set())
+        theirs = model(**inputs)["logits"]
+    assert reads, "the control: transformers' mask code reads the positions"
+    assert (ours - theirs).abs().max() <= 1e-12 * theirs.abs().max()
+
+
+def test_packing_and_ulysses_refuse_sliding_window_layers():
+    """A 4D mask (packing on SDPA) and `veomni_ulysses` would drop the window silently: both are clear errors."""
+    from veomni_lite.models.hf_attention import check_packing_attention, enable_ulysses
+
+    config = make_lm().config
+    config.layer_types = ["full_attention", "sliding_attention"]
+    with pytest.raises(ValueError, match="sliding-window layers need flash-attention"):
+        check_packing_attention(config)
+    with pytest.raises(ValueError, match="sequence parallel: veomni_ulysses runs full attention"):
+        enable_ulysses(config, (), None)
+    config._attn_implementation = "flash_attention_2"
+    check_packing_attention(config)  # flash-attention applies the window itself

@@ -16,7 +16,10 @@ device and built there; given as a 4D mask, transformers passes it through uncha
 which applies it after the all-to-all, where each rank sees the whole row. For flash-attention (`VARLEN_ATTENTION`):
 no mask, and the row's boundaries as `cu_seq_lens_q/k` (int32; the padding after the samples is a sequence of its
 own) with `max_length_q/k` (ints), computed on the host, which transformers hands to the varlen kernel as they are.
-`check_packing_attention` refuses other implementations (eager adds a mask of its own).
+`check_packing_attention` refuses other implementations (eager adds a mask of its own) and, outside flash-attention,
+sliding-window layers (a 4D mask replaces the window). The models call `decoder_attention_inputs`, which also hands
+the mask to the decoders in `PRECOMPUTED_MASK_MODELS` precomputed, so transformers' mask code and its device read of
+the position ids (`find_packed_sequence_indices`, a host sync per forward on an accelerator) never run.
 """
 
 from __future__ import annotations
@@ -89,6 +92,12 @@ def check_packing_attention(config: Any) -> None:
         raise ValueError(
             f"data.packing: attention {name!r} cannot keep the packed rows' samples apart; use one of {choices}"
         )
+    if name not in VARLEN_ATTENTION and _sliding_layers(config):
+        raise ValueError(f"data.packing: sliding-window layers need flash-attention (attention {name!r} would drop it)")
+
+
+def _sliding_layers(config: Any) -> bool:
+    return any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ())
 
 
 def packed_attention_inputs(config: Any, attention_sequence_ids: torch.Tensor, device: torch.device) -> dict[str, Any]:
@@ -115,6 +124,28 @@ def packed_attention_inputs(config: Any, attention_sequence_ids: torch.Tensor, d
     }
 
 
+PRECOMPUTED_MASK_MODELS = {"qwen2", "qwen2_vl_text"}  # decoders that take `attention_mask` as {layer type: mask}
+
+
+def decoder_attention_inputs(
+    config: Any, attention_sequence_ids: torch.Tensor | None, device: torch.device
+) -> dict[str, Any]:
+    """The decoder's attention keywords: a packed row's (`packed_attention_inputs`) or, given None, causal attention's.
+    For a decoder in `PRECOMPUTED_MASK_MODELS` with full attention in every layer, on an attention that reads no mask
+    as causal, the mask goes in as the {layer type: mask} mapping, so transformers' mask code never runs."""
+    inputs: dict[str, Any] = {"attention_mask": None}
+    if attention_sequence_ids is not None:
+        inputs = packed_attention_inputs(config, attention_sequence_ids, device)
+    name = config._attn_implementation
+    if (
+        config.model_type in PRECOMPUTED_MASK_MODELS
+        and not _sliding_layers(config)
+        and (name in PACKING_ATTENTION or name in VARLEN_ATTENTION)
+    ):
+        inputs["attention_mask"] = {"full_attention": inputs["attention_mask"]}
+    return inputs
+
+
 def register_ulysses_attention() -> None:
     """Make `veomni_ulysses` a valid `attn_implementation` (idempotent; needed before a config names it)."""
     from transformers import AttentionInterface
@@ -131,6 +162,8 @@ def check_heads_divisible(num_heads: int, num_kv_heads: int, sp_size: int) -> No
 
 def enable_ulysses(text_config: Any, attention_modules: Iterable[nn.Module], sp_group: dist.ProcessGroup) -> None:
     """Route the decoder's attention through `veomni_ulysses` over `sp_group` (see the module docstring)."""
+    if _sliding_layers(text_config):
+        raise ValueError("sequence parallel: veomni_ulysses runs full attention; this model has sliding-window layers")
     check_heads_divisible(
         text_config.num_attention_heads,
         getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads,

@@ -3,7 +3,7 @@
 Built from a config dict (`{"model_type": "qwen2", "hidden_size": 64, ...}`, no download) or a local
 `from_pretrained` directory. `forward(input_ids, position_ids, labels)` takes this rank's (possibly SP-sliced)
 micro-batch with labels already shifted once (a packed row adds `attention_sequence_ids`, its whole row's samples on
-the host, from which `packed_attention_inputs` builds the block mask or flash-attention's boundaries), and returns
+the host, from which `decoder_attention_inputs` builds the block mask or flash-attention's boundaries), and returns
 `{"foundation_loss": mean cross-entropy over this rank's valid targets}` (an exact 0 without targets); without labels
 it returns `{"logits"}`. The decoder runs with the positions it is given (global positions under SP), so no model
 code changes for Ulysses.
@@ -21,7 +21,7 @@ from torch import nn
 
 from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS
 from veomni_lite.models.heads import decoder_flops_per_token, masked_mean_cross_entropy
-from veomni_lite.models.hf_attention import enable_ulysses, packed_attention_inputs
+from veomni_lite.models.hf_attention import decoder_attention_inputs, enable_ulysses
 
 
 def hf_config_from_dict(settings: Mapping[str, Any]) -> Any:
@@ -61,7 +61,7 @@ class HFCausalLM(nn.Module):
     def config(self) -> Any:
         return self.hf_model.config
 
-    host_inputs = (ATTENTION_SEQUENCE_IDS,)  # the trainer leaves it on the host: see `packed_attention_inputs`
+    host_inputs = (ATTENTION_SEQUENCE_IDS,)  # the trainer leaves it on the host: see `decoder_attention_inputs`
 
     def set_attn_implementation(self, name: str) -> None:
         """The decoder's attention (`model.attn_implementation`); transformers checks that it is installed."""
@@ -78,9 +78,7 @@ class HFCausalLM(nn.Module):
     def logits(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_sequence_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
-        attention: dict[str, Any] = {"attention_mask": None}
-        if attention_sequence_ids is not None:  # a packed row
-            attention = packed_attention_inputs(self.config, attention_sequence_ids, input_ids.device)
+        attention = decoder_attention_inputs(self.config, attention_sequence_ids, input_ids.device)
         hidden = self.hf_model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **attention)
         return self.hf_model.lm_head(hidden.last_hidden_state)
 

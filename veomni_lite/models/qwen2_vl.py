@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from veomni_lite.data.collator import packed_positions, sequence_ids, shift_labels
 from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS, IGNORE_INDEX, SEQUENCE_IDS
 from veomni_lite.models.heads import decoder_flops_per_token, masked_mean_cross_entropy
-from veomni_lite.models.hf_attention import enable_ulysses, packed_attention_inputs
+from veomni_lite.models.hf_attention import decoder_attention_inputs, enable_ulysses
 
 IMAGE_HEAD_FILE = "image_decoder_head.safetensors"
 _LABEL_KEYS = ("labels", "image_decoder_labels")
@@ -169,7 +169,7 @@ class Qwen2VLWithImageHead(nn.Module):
         """What FSDP shards one by one: the decoder layers, then the whole vision tower."""
         return [*self.vlm.model.language_model.layers, self.vlm.model.visual]
 
-    # The trainer leaves these on the host: see `_vision_inputs` and `packed_attention_inputs`.
+    # The trainer leaves these on the host: see `_vision_inputs` and `decoder_attention_inputs`.
     host_inputs = ("image_grid_thw", ATTENTION_SEQUENCE_IDS)
 
     def set_attn_implementation(self, name: str) -> None:
@@ -214,9 +214,7 @@ class Qwen2VLWithImageHead(nn.Module):
         attention_sequence_ids: Tensor | None = None,
     ) -> Tensor:
         embeds = self.embed(input_ids, image_feature_index, pixel_values, image_grid_thw)
-        attention: dict[str, Any] = {"attention_mask": None}
-        if attention_sequence_ids is not None:  # a packed row
-            attention = packed_attention_inputs(self.config.text_config, attention_sequence_ids, embeds.device)
+        attention = decoder_attention_inputs(self.config.text_config, attention_sequence_ids, embeds.device)
         out = self.vlm.model.language_model(
             inputs_embeds=embeds, position_ids=position_ids.permute(2, 0, 1), use_cache=False, **attention
         )
