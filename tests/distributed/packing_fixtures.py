@@ -1,5 +1,6 @@
 """Fixtures of the packing tests, importable by spawned processes: float64 Qwen2 and Qwen2-VL (with the image head)
-from configs, samples of varied lengths, and their padded and packed collates."""
+from configs, also on flash-attention's CPU stand-in, samples of varied lengths, and their padded and packed
+collates."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from tests.models import varlen_reference
 from tests.models.test_hf_models import IMAGE, PAD, image_sample, make_lm, make_vl, text_sample
 from veomni_lite.data.collator import collate
 from veomni_lite.loss_keys import IGNORE_INDEX
@@ -49,6 +51,26 @@ def build_text() -> torch.nn.Module:
 
 def build_vl() -> torch.nn.Module:
     return make_vl(seed=3).double()
+
+
+def build_text_varlen(use_boundaries: bool = True) -> torch.nn.Module:
+    """`build_text` on `VarlenReference`, flash-attention's stand-in (registered in this process)."""
+    varlen_reference.register(use_boundaries)
+    model = build_text()
+    model.config._attn_implementation = varlen_reference.VarlenReference.name
+    return model
+
+
+def build_text_varlen_leaky() -> torch.nn.Module:
+    """The negative control: `VarlenReference` ignoring the boundaries."""
+    return build_text_varlen(use_boundaries=False)
+
+
+def build_vl_varlen() -> torch.nn.Module:
+    varlen_reference.register()
+    model = build_vl()
+    model.config.text_config._attn_implementation = varlen_reference.VarlenReference.name
+    return model
 
 
 def collate_text(samples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

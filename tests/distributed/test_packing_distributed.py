@@ -12,6 +12,7 @@ import pytest
 
 from tests.distributed import packing_fixtures as fx
 from tests.distributed.modes_fixtures import MODE_PLANS, SCALE_FACTOR
+from tests.models import varlen_reference
 from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS
 from veomni_lite.split_invariance import Layout, _chunks, check_split_invariance
 from veomni_lite.utils.loss_utils import LOSS_MODES, LossModes
@@ -74,3 +75,33 @@ def test_negative_control_packed_rows_without_their_mask_differ():
     )  # fmt: skip
     print(f"\nnegative control, packed without the mask:\n{report}")
     assert report.worst() > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("build", "samples", "collate", "pack"),
+    [
+        (fx.build_text_varlen, fx.text_samples, fx.collate_text, fx.pack_text),
+        (fx.build_vl_varlen, fx.vl_samples, fx.collate_vl, fx.pack_vl),
+    ],
+    ids=["text", "vl"],
+)
+def test_ulysses_around_a_varlen_kernel_gives_the_unpacked_step_and_ignored_boundaries_leak(
+    build, samples, collate, pack
+):
+    """Under SP, Ulysses runs the decoder's flash-style kernel (`VarlenReference`) after the all-to-all, on the whole
+    row's host boundaries: SP=2, unpacked and packed, equals one process unpacked. The control, with the text model's
+    kernel ignoring them, leaks (so the kernel, not a mask, kept the samples apart)."""
+    try:
+        sp = [Layout(1, 2, 4), Layout(1, 2, 4, packed=True)]
+        report = check_split_invariance(build, samples(), collate, ["token-mean"], sp, pack)
+        print(f"\nUlysses around the varlen kernel, packed against unpacked:\n{report}")
+        assert report.worst() < 1e-10
+        if build is fx.build_text_varlen:
+            leaky = check_split_invariance(
+                fx.build_text_varlen_leaky, samples(), collate, ["token-mean"], [Layout(1, 2, 4, packed=True)], pack
+            )
+            print(f"\ncontrol, the kernel ignoring the boundaries:\n{leaky}")
+            assert leaky.worst() > 1e-3
+    finally:
+        varlen_reference.unregister()  # the one-process reference registered it here

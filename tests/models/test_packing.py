@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from tests.models import varlen_reference
 from tests.models.test_hf_models import IMAGE, PAD, image_sample, make_lm, make_vl, text_sample
 from veomni_lite.data.collator import collate, pack, packed_positions
 from veomni_lite.data.packing import padding_micro_batch, plan_micro_batches
@@ -192,49 +191,11 @@ def test_the_digits_job_packed_trains_and_evaluates_like_the_padded_one(tmp_path
         assert all(got[s] == pytest.approx(want[s], rel=1e-5) for s in want), (key, want, got)
 
 
-class VarlenReference:
-    """An attention registered under a test name that takes packed rows as flash-attention's varlen kernel does:
-    no mask, `cu_seq_lens_q/k` and `max_length_q/k`; causal SDPA within each span. `use_boundaries=False` is the
-    negative control (one causal span over the whole row)."""
-
-    name = "varlen_reference"
-
-    def __init__(self, use_boundaries: bool = True) -> None:
-        self.use_boundaries = use_boundaries
-        self.calls: list[tuple[list[int], Any]] = []
-
-    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        assert attention_mask is None
-        bounds = kwargs["cu_seq_lens_q"]
-        assert bounds.dtype == torch.int32 and torch.equal(bounds, kwargs["cu_seq_lens_k"])
-        assert kwargs["max_length_q"] == kwargs["max_length_k"]
-        self.calls.append((bounds.tolist(), kwargs["max_length_q"]))
-        spans = bounds.tolist() if self.use_boundaries else [0, query.shape[2]]
-        repeats = query.shape[1] // key.shape[1]
-        key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
-        out = torch.cat(
-            [
-                F.scaled_dot_product_attention(
-                    query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True, scale=scaling
-                )
-                for a, b in zip(spans[:-1], spans[1:])
-            ],
-            dim=2,
-        )
-        return out.transpose(1, 2).contiguous(), None
-
-
 @pytest.fixture
-def varlen(monkeypatch):
-    """Register `VarlenReference` and have the models treat it as flash-attention (`VARLEN_ATTENTION`)."""
-    from transformers import AttentionInterface
-
-    from veomni_lite.models import hf_attention
-
-    attention = VarlenReference()
-    AttentionInterface.register(VarlenReference.name, attention)
-    monkeypatch.setattr(hf_attention, "VARLEN_ATTENTION", {*hf_attention.VARLEN_ATTENTION, VarlenReference.name})
-    return attention
+def varlen():
+    """A `VarlenReference` that the models and transformers' mask code take for flash-attention."""
+    yield varlen_reference.register()
+    varlen_reference.unregister()
 
 
 @pytest.mark.parametrize("kind", ["text", "qwen2_vl"])
@@ -256,7 +217,7 @@ def test_flash_style_varlen_attention_gets_host_boundaries_and_packed_equals_unp
         config = model.config.text_config
     lengths = [s["input_ids"].numel() for s in samples]
     reference = unpacked_logits(model, reference_batch, lengths)
-    config._attn_implementation = VarlenReference.name
+    config._attn_implementation = varlen_reference.VarlenReference.name
     inputs = {k: v for k, v in batch.items() if "labels" not in k}
     with torch.no_grad():
         ours = model(**inputs)["logits"]
@@ -274,7 +235,7 @@ def test_flash_style_varlen_attention_gets_host_boundaries_and_packed_equals_unp
 
 def test_flash_attention_over_a_device_row_is_a_clear_error(varlen):
     model = make_lm()
-    model.config._attn_implementation = VarlenReference.name
+    model.config._attn_implementation = varlen_reference.VarlenReference.name
     batch = pack(text_samples(), pad_id=PAD)
     with pytest.raises(ValueError, match=r"takes one row's host attention_sequence_ids; got shape \[2, \d+\]"):
         model(**{**batch, ATTENTION_SEQUENCE_IDS: batch[ATTENTION_SEQUENCE_IDS].expand(2, -1)})
@@ -289,8 +250,8 @@ def test_the_decoder_gets_its_mask_precomputed_and_never_reads_the_positions(
 ):
     """No call of transformers' `find_packed_sequence_indices` (a device read of the position ids, so a host sync
     per forward on an accelerator): the models hand the decoder its {layer type: mask} mapping. The control, with the
-    mapping turned off, calls it and computes the same logits. 'varlen' is `VarlenReference` taken for flash-attention
-    by transformers' mask code too. (Packed rows on SDPA never read them: a 4D mask is passed through.)"""
+    mapping turned off, calls it and computes the same logits. 'varlen' is `VarlenReference`. (Packed rows on SDPA
+    never read them: a 4D mask is passed through.)"""
     from transformers import masking_utils
 
     from veomni_lite.models import hf_attention
@@ -298,11 +259,6 @@ def test_the_decoder_gets_its_mask_precomputed_and_never_reads_the_positions(
     reads: list[int] = []
     original = masking_utils.find_packed_sequence_indices
     monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda p: reads.append(1) or original(p))
-    monkeypatch.setitem(
-        masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping,
-        VarlenReference.name,
-        masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"],
-    )
     if kind == "text":
         model, samples = make_lm().double(), text_samples()
         batch = pack(samples, pad_to_multiple_of=8, pad_id=PAD) if packed else collate(samples, pad_id=PAD)
@@ -313,7 +269,7 @@ def test_the_decoder_gets_its_mask_precomputed_and_never_reads_the_positions(
         batch["pixel_values"] = batch["pixel_values"].double()
         config = model.config.text_config
     if attention == "varlen":
-        config._attn_implementation = VarlenReference.name
+        config._attn_implementation = varlen_reference.VarlenReference.name
     inputs = {k: v for k, v in batch.items() if "labels" not in k}
     with torch.no_grad():
         ours = model(**inputs)["logits"]

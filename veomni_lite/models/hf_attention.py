@@ -4,18 +4,19 @@
 `veomni_ulysses` in transformers' `AttentionInterface`, points the decoder's config at it, and tells each attention
 module its sp group. transformers calls the function with this rank's shard: `query` [B, H, s, D] and `key`/`value`
 [B, H_kv, s, D] (rotary already applied from the GLOBAL positions the trainer passes), and expects ([B, s, H, D],
-None). The function swaps sequence for heads with two autograd all-to-alls around causal SDPA over the whole
-sequence, so H and H_kv must be divisible by sp_size. transformers builds no mask for a name it does not know
-(`attention_mask` is None), which is right here: padding is on the right only, so the causal mask suffices.
-A vision tower keeps its own attention: it sees whole images on every rank.
+None). The function swaps sequence for heads with two autograd all-to-alls around causal attention over the whole
+sequence, so H and H_kv must be divisible by sp_size: SDPA, or, where the decoder was set to flash-attention, that
+varlen kernel (registered as `veomni_ulysses_<kernel>`). No mask is needed unpacked: padding is on the right only,
+so the causal mask suffices. A vision tower keeps its own attention: it sees whole images on every rank.
 
 Packed rows: `packed_attention_inputs` turns a packed row's `attention_sequence_ids` (the host tensor the collator
 wrote; models list it in `host_inputs`) into what the attention takes, with no position read back from the device.
 For SDPA and `veomni_ulysses`: `packed_causal_mask`, the block-diagonal causal mask of the WHOLE row, moved to the
 device and built there; given as a 4D mask, transformers passes it through unchanged to SDPA and to `veomni_ulysses`,
-which applies it after the all-to-all, where each rank sees the whole row. For flash-attention (`VARLEN_ATTENTION`):
-no mask, and the row's boundaries as `cu_seq_lens_q/k` (int32; the padding after the samples is a sequence of its
-own) with `max_length_q/k` (ints), computed on the host, which transformers hands to the varlen kernel as they are.
+which applies it after the all-to-all, where each rank sees the whole row. For flash-attention (`VARLEN_ATTENTION`,
+and Ulysses around it): no mask, and the whole row's boundaries as `cu_seq_lens_q/k` (int32; the padding after the
+samples is a sequence of its own) with `max_length_q/k` (ints), computed on the host, which transformers hands to
+the varlen kernel as they are (after the all-to-all under Ulysses).
 `check_packing_attention` refuses other implementations (eager adds a mask of its own) and, outside flash-attention,
 sliding-window layers (a 4D mask replaces the window). The models call `decoder_attention_inputs`, which also hands
 the mask to the decoders in `PRECOMPUTED_MASK_MODELS` precomputed, so transformers' mask code and its device read of
@@ -24,6 +25,7 @@ the position ids (`find_packed_sequence_indices`, a host sync per forward on an 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Any
 
@@ -46,16 +48,24 @@ def ulysses_attention_forward(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
-    **_kwargs: Any,
+    inner: str = "sdpa",
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature; see the module docstring for the layouts. `attention_mask`: None
-    (causal) or a packed row's [B, 1, S, S] boolean mask over the whole sequence."""
+    (causal) or a packed row's [B, 1, S, S] boolean mask over the whole sequence. `inner`: the attention run after
+    the all-to-all, SDPA or a varlen kernel (`VARLEN_ATTENTION`), which takes the whole row's boundaries in `kwargs`."""
     group = getattr(module, _GROUP_ATTR, None)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, s, H, D]
     if group is not None:
         q, k, v = seq_to_heads(q, group), seq_to_heads(k, group), seq_to_heads(v, group)  # [B, S, H/sp, D]
-    repeats = q.shape[2] // k.shape[2]
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if inner != "sdpa":
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        kwargs.pop("position_ids", None)  # this rank's shard: the kernel gets the whole row's boundaries, or none
+        out = ALL_ATTENTION_FUNCTIONS[inner](module, q, k, v, None, dropout=dropout, scaling=scaling, **kwargs)[0]
+        return (out if group is None else heads_to_seq(out.contiguous(), group)).contiguous(), None
+    repeats = q.shape[1] // k.shape[1]
     if repeats > 1:  # grouped-query attention: transformers hands over the un-expanded key/value heads
         k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
     out = F.scaled_dot_product_attention(
@@ -87,13 +97,18 @@ PACKING_ATTENTION = ("sdpa", ATTENTION_NAME)
 def check_packing_attention(config: Any) -> None:
     """Raise ValueError unless `config`'s attention keeps a packed row's samples apart (see the module docstring)."""
     name = getattr(config, "_attn_implementation", None)
-    if name not in PACKING_ATTENTION and name not in VARLEN_ATTENTION:
+    if name not in PACKING_ATTENTION and not _varlen(name):
         choices = (*PACKING_ATTENTION, *sorted(VARLEN_ATTENTION))
         raise ValueError(
             f"data.packing: attention {name!r} cannot keep the packed rows' samples apart; use one of {choices}"
         )
-    if name not in VARLEN_ATTENTION and _sliding_layers(config):
+    if not _varlen(name) and _sliding_layers(config):
         raise ValueError(f"data.packing: sliding-window layers need flash-attention (attention {name!r} would drop it)")
+
+
+def _varlen(name: str | None) -> bool:
+    """Whether attention `name` takes packed rows as flash-attention does (boundaries, no mask), alone or in Ulysses."""
+    return name in VARLEN_ATTENTION or (name or "").removeprefix(f"{ATTENTION_NAME}_") in VARLEN_ATTENTION
 
 
 def _sliding_layers(config: Any) -> bool:
@@ -105,7 +120,7 @@ def packed_attention_inputs(config: Any, attention_sequence_ids: torch.Tensor, d
     padding): `attention_mask` (the block mask, or None for flash-attention) and, for flash-attention, the
     boundaries (see the module docstring). A ValueError names an attention that cannot take them."""
     check_packing_attention(config)
-    if config._attn_implementation not in VARLEN_ATTENTION:
+    if not _varlen(config._attn_implementation):
         return {"attention_mask": packed_causal_mask(attention_sequence_ids.to(device, non_blocking=True))}
     if attention_sequence_ids.device.type != "cpu" or attention_sequence_ids.shape[0] != 1:
         raise ValueError(
@@ -140,17 +155,23 @@ def decoder_attention_inputs(
     if (
         config.model_type in PRECOMPUTED_MASK_MODELS
         and not _sliding_layers(config)
-        and (name in PACKING_ATTENTION or name in VARLEN_ATTENTION)
+        and (name in PACKING_ATTENTION or _varlen(name))
     ):
         inputs["attention_mask"] = {"full_attention": inputs["attention_mask"]}
     return inputs
 
 
-def register_ulysses_attention() -> None:
-    """Make `veomni_ulysses` a valid `attn_implementation` (idempotent; needed before a config names it)."""
+def register_ulysses_attention(inner: str = "sdpa") -> str:
+    """Register Ulysses around `inner` and return its `attn_implementation` name (idempotent; needed before a config
+    names it): `veomni_ulysses` around SDPA, `veomni_ulysses_<inner>` around a varlen kernel."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(ATTENTION_NAME, ulysses_attention_forward)
+    if inner == "sdpa":
+        AttentionInterface.register(ATTENTION_NAME, ulysses_attention_forward)
+        return ATTENTION_NAME
+    name = f"{ATTENTION_NAME}_{inner}"
+    AttentionInterface.register(name, functools.partial(ulysses_attention_forward, inner=inner))
+    return name
 
 
 def check_heads_divisible(num_heads: int, num_kv_heads: int, sp_size: int) -> None:
@@ -161,15 +182,16 @@ def check_heads_divisible(num_heads: int, num_kv_heads: int, sp_size: int) -> No
 
 
 def enable_ulysses(text_config: Any, attention_modules: Iterable[nn.Module], sp_group: dist.ProcessGroup) -> None:
-    """Route the decoder's attention through `veomni_ulysses` over `sp_group` (see the module docstring)."""
-    if _sliding_layers(text_config):
+    """Route the decoder's attention through Ulysses over `sp_group`, around its varlen kernel if it has one, else
+    SDPA (see the module docstring)."""
+    inner = text_config._attn_implementation if _varlen(text_config._attn_implementation) else "sdpa"
+    if inner == "sdpa" and _sliding_layers(text_config):
         raise ValueError("sequence parallel: veomni_ulysses runs full attention; this model has sliding-window layers")
     check_heads_divisible(
         text_config.num_attention_heads,
         getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads,
         dist.get_world_size(sp_group),
     )
-    register_ulysses_attention()
-    text_config._attn_implementation = ATTENTION_NAME
+    text_config._attn_implementation = register_ulysses_attention(inner)
     for module in attention_modules:
         setattr(module, _GROUP_ATTR, sp_group)
