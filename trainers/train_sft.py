@@ -1,13 +1,16 @@
 """torchrun --standalone --nproc_per_node N trainers/train_sft.py CONFIG.yaml [--section.key VALUE ...]
 
-Supervised fine-tuning of the local model directory `model.pretrained_dir` (any causal LM transformers ships, or
-Qwen2-VL) on the user's files `data.train_path` (see veomni_lite/trainer/sft.py and configs/sft_*.yaml).
+Supervised fine-tuning of the local model directory `model.pretrained_dir` (any causal LM transformers ships, or a
+vision-language family of veomni_lite/models/registry.py: Qwen2-VL, Qwen2.5-VL, Qwen3-VL) on the user's files
+`data.train_path` (see veomni_lite/trainer/sft.py and configs/sft_*.yaml).
 """
 
 import sys
 
+from veomni_lite.models.registry import FAMILIES
 from veomni_lite.trainer.launch import main
 from veomni_lite.trainer.sft import SFTTrainer
 
 if __name__ == "__main__":
-    sys.exit(main({"auto": SFTTrainer, "qwen2_vl": SFTTrainer, "*": SFTTrainer}))
+    families = {model_type: SFTTrainer for family in FAMILIES for model_type in family.model_types}
+    sys.exit(main({"auto": SFTTrainer, "*": SFTTrainer, **families}))

@@ -38,8 +38,9 @@ class ModelConfig:
     """Which model, and its sizes: the tiny example models, or a transformers architecture built from `hf`."""
 
     arch: str = "tiny"
-    """tiny: the example models (the fields below); qwen2_vl: Qwen2-VL; any other transformers causal-LM model_type
-    (qwen2, llama, ...): that causal LM; auto: whatever `pretrained_dir` holds (trainers/train_sft.py)."""
+    """tiny: the example models (the fields below); a model_type of a family in `veomni_lite.models.registry`
+    (qwen2_vl, qwen2_5_vl, qwen3_vl, or any transformers causal LM: qwen2, llama, ...); auto: whatever
+    `pretrained_dir` holds (trainers/train_sft.py)."""
     hf: dict[str, Any] = field(default_factory=dict)
     """transformers config fields for qwen2 / qwen2_vl (`model_type` included for qwen2; `text_config` and
     `vision_config` for qwen2_vl); the vocabulary and special-token ids come from the run's tokenizer. Override one
@@ -161,7 +162,12 @@ class ParallelConfig:
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of keeping them (less memory, more compute)."""
     mixed_precision: Literal["auto", "fp32", "bf16"] = "auto"
-    """auto: bf16 parameters with fp32 gradient reduction on CUDA, fp32 elsewhere."""
+    """The compute dtype. auto: bf16 parameters in forward and backward with fp32 gradient reduction on CUDA, fp32
+    elsewhere. The stored (master) parameters keep `master_dtype`."""
+    master_dtype: Literal["fp32", "bf16"] = "fp32"
+    """The dtype of the trained parameters of a `model.pretrained_dir`, their gradients and AdamW's moments, whatever
+    the directory stores (bf16 releases included). bf16 halves that memory, but an update smaller than half a bf16
+    step of a weight (about 0.4% of its value) is rounded away: at fine-tuning learning rates most are."""
     collective_timeout_s: float = 300.0
     """Every process group's timeout: a collective one rank never joins fails with CollectiveError after this."""
 
@@ -425,22 +431,19 @@ def _attention_heads(model: ModelConfig) -> dict[str, int]:
     return {key: value for key, value in heads.items() if isinstance(value, int)}
 
 
-NAMED_ARCHES = ("tiny", "qwen2_vl", "auto")  # the archs that are not a transformers causal-LM model_type
+NAMED_ARCHES = ("tiny", "auto")  # the archs that are not a model_type of a family in the registry
 
 
 def _check_arch(model: ModelConfig) -> None:
-    if model.arch in ("tiny", "qwen2_vl"):
-        return
-    if model.arch == "auto":
-        if not model.pretrained_dir:
-            raise ConfigError("model.arch: auto takes the model of model.pretrained_dir, which is not set")
-        return
-    from transformers import CONFIG_MAPPING
+    from veomni_lite.models.registry import FAMILIES, is_model_type
 
-    if model.arch not in CONFIG_MAPPING:
+    if model.arch == "auto" and not model.pretrained_dir:
+        raise ConfigError("model.arch: auto takes the model of model.pretrained_dir, which is not set")
+    if model.arch not in NAMED_ARCHES and not is_model_type(model.arch):
+        listed = [t for family in FAMILIES for t in family.model_types]
         raise ConfigError(
-            f"model.arch: {model.arch!r} is neither tiny, qwen2_vl, auto nor a transformers model_type "
-            "(qwen2, llama, ...)"
+            f"model.arch: {model.arch!r} is neither tiny, auto, one of {listed} nor a transformers causal-LM "
+            "model_type (qwen2, llama, ...)"
         )
 
 

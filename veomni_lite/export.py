@@ -1,8 +1,10 @@
 """`python -m veomni_lite.export OUTPUT_DIR EXPORT_DIR`: a training run's latest checkpoint as a directory that
 transformers' `from_pretrained` loads.
 
-EXPORT_DIR gets `config.json` and `model.safetensors` (`AutoModelForCausalLM.from_pretrained` for a causal LM,
-`Qwen2VLForConditionalGeneration.from_pretrained` for Qwen2-VL), the run's tokenizer as a `PreTrainedTokenizerFast`
+EXPORT_DIR gets `config.json` and `model.safetensors` (which the model family's transformers class loads, see
+`veomni_lite.models.registry`: `AutoModelForCausalLM` for a causal LM, `Qwen2_5_VLForConditionalGeneration` for
+Qwen2.5-VL, ...), in the source directory's dtype unless `--dtype` says otherwise (training keeps float32 masters),
+the run's tokenizer as a `PreTrainedTokenizerFast`
 (`tokenizer.json`, `tokenizer_config.json`; a fine-tuned model directory's own tokenizer with its chat template, and
 its image processor), and, for heads transformers has no class for, their own safetensors
 file (`image_decoder_head.safetensors`: Linear-GELU-Linear on the last hidden states). Only safetensors and JSON are
@@ -16,28 +18,25 @@ import argparse
 import sys
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from veomni_lite.models.pretrained import LOCAL_ONLY as _LOCAL
+from veomni_lite.models.pretrained import load_config
+from veomni_lite.models.registry import dtype_of, family_of
 from veomni_lite.trainer.base import MODEL_CONFIG_DIR
 from veomni_lite.trainer.checkpoint import CheckpointManager
 
 TOKENIZER_FILE = "tokenizer.json"
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>"}
 
 
-def build_model(model_config_dir: str | Path) -> nn.Module:
-    """The training wrapper of the architecture saved in `model_config_dir` (randomly initialized)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(str(model_config_dir))
-    if config.model_type == "qwen2_vl":
-        from veomni_lite.models.qwen2_vl import Qwen2VLWithImageHead
-
-        return Qwen2VLWithImageHead.from_config(config)
-    from veomni_lite.models.hf_causal_lm import HFCausalLM
-
-    return HFCausalLM.from_config(config)
+def build_model(model_config_dir: str | Path, dtype: str = "auto") -> nn.Module:
+    """The training wrapper of the architecture saved in `model_config_dir` (randomly initialized), its parameters in
+    `dtype` (`EXPORT_DTYPES`; auto: the dtype the config says, the source directory's)."""
+    config = load_config(model_config_dir)
+    return family_of(config).build(config, dtype_of(config) if dtype == "auto" else EXPORT_DTYPES[dtype])
 
 
 def save_tokenizer(tokenizer_file: Path, export_dir: Path) -> None:
@@ -49,8 +48,9 @@ def save_tokenizer(tokenizer_file: Path, export_dir: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), **specials).save_pretrained(str(export_dir))
 
 
-def export(output_dir: str | Path, export_dir: str | Path) -> tuple[int, list[str]]:
-    """Write EXPORT_DIR from OUTPUT_DIR (see the module docstring); returns (checkpoint step, files written)."""
+def export(output_dir: str | Path, export_dir: str | Path, dtype: str = "auto") -> tuple[int, list[str]]:
+    """Write EXPORT_DIR from OUTPUT_DIR (see the module docstring) with weights in `dtype` (auto: the source
+    directory's, float32 for a model built from a config); returns (checkpoint step, files written)."""
     output_dir, export_dir = Path(output_dir), Path(export_dir)
     model_config_dir = output_dir / MODEL_CONFIG_DIR
     if not (model_config_dir / "config.json").is_file():
@@ -58,7 +58,7 @@ def export(output_dir: str | Path, export_dir: str | Path) -> tuple[int, list[st
             f"{model_config_dir / 'config.json'} not found: export needs a run of a transformers model "
             "(model.arch qwen2 or qwen2_vl); the tiny example models have no transformers format"
         )
-    model = build_model(model_config_dir)
+    model = build_model(model_config_dir, dtype)
     step = CheckpointManager(output_dir / "checkpoints").load_model_weights(model)
     export_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(export_dir)
@@ -79,9 +79,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m veomni_lite.export", description=__doc__.splitlines()[0])
     parser.add_argument("output_dir", type=Path, help="the run's train.output_dir")
     parser.add_argument("export_dir", type=Path, help="where the from_pretrained directory goes")
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", *EXPORT_DTYPES],
+        default="auto",
+        help="the weights' dtype (auto: the source directory's, e.g. bfloat16 for a bf16 release; float32 otherwise)",
+    )
     args = parser.parse_args(argv)
     try:
-        step, files = export(args.output_dir, args.export_dir)
+        step, files = export(args.output_dir, args.export_dir, args.dtype)
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
         print(f"export error: {exc}", file=sys.stderr)
         return 2

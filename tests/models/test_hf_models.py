@@ -12,7 +12,7 @@ from veomni_lite.loss_keys import IGNORE_INDEX, is_labels_key
 from veomni_lite.models import hf_attention
 from veomni_lite.models.hf_attention import ATTENTION_NAME, ulysses_attention_forward
 from veomni_lite.models.hf_causal_lm import HFCausalLM, hf_config_from_dict
-from veomni_lite.models.qwen2_vl import Qwen2VLWithImageHead, collate_qwen2_vl, mrope_positions
+from veomni_lite.models.qwen2_vl import QwenVLWithImageHead, collate_qwen2_vl, mrope_positions
 
 IMAGE, VISION_START, VISION_END, PAD = 6, 4, 5, 0
 VOCAB = 40
@@ -28,30 +28,34 @@ TEXT_SETTINGS = {
 }
 
 
-def vl_config(vocab_size: int = VOCAB):
-    from transformers import Qwen2VLConfig
+VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+_VISION = {"in_channels": 1, "patch_size": 2, "temporal_patch_size": 1, "spatial_merge_size": 2, "num_heads": 2}
 
-    text = {
-        key: value for key, value in TEXT_SETTINGS.items() if key not in ("model_type", "vocab_size", "hidden_size")
-    }
-    return Qwen2VLConfig(
-        text_config={
-            **text,
-            "vocab_size": vocab_size,
-            "hidden_size": 32,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]},
-        },
-        vision_config={
-            "depth": 1,
-            "embed_dim": 16,
-            "num_heads": 2,
-            "mlp_ratio": 2,
-            "in_channels": 1,
-            "patch_size": 2,
-            "temporal_patch_size": 1,
-            "spatial_merge_size": 2,
-            "hidden_size": 32,
-        },
+
+def vl_config(vocab_size: int = VOCAB, family: str = "qwen2_vl"):
+    """A tiny config of a Qwen VL `family` with the image head: 1 input channel, 2x2 patches merged 2x2, a decoder
+    of width 32. Qwen2.5-VL gets windowed and full vision blocks (windows of 2x2 merged patches), Qwen3-VL a 4x4
+    learned position grid and one deepstack layer."""
+    import transformers
+
+    text = {key: value for key, value in TEXT_SETTINGS.items() if key not in ("model_type", "vocab_size")}
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+    if family == "qwen2_vl":
+        cls = transformers.Qwen2VLConfig
+        vision = {"depth": 1, "embed_dim": 16, "mlp_ratio": 2, "hidden_size": 32}
+    elif family == "qwen2_5_vl":
+        cls = transformers.Qwen2_5_VLConfig
+        vision = {"depth": 2, "hidden_size": 16, "intermediate_size": 32, "out_hidden_size": 32, "window_size": 8}
+        vision["fullatt_block_indexes"] = [1]
+    else:
+        cls = transformers.Qwen3VLConfig
+        vision = {"depth": 2, "hidden_size": 16, "intermediate_size": 32, "out_hidden_size": 32}
+        vision.update(num_position_embeddings=16, deepstack_visual_indexes=[0])
+        text["head_dim"] = 8
+        rope["mrope_interleaved"] = True
+    return cls(
+        text_config={**text, "vocab_size": vocab_size, "rope_parameters": rope},
+        vision_config={**_VISION, **vision},
         image_token_id=IMAGE,
         vision_start_token_id=VISION_START,
         vision_end_token_id=VISION_END,
@@ -64,9 +68,9 @@ def digits():
     return DigitsDataset(train_tokenizer(), "eval")
 
 
-def make_vl(seed: int = 0, vocab_size: int = VOCAB) -> Qwen2VLWithImageHead:
+def make_vl(seed: int = 0, vocab_size: int = VOCAB, family: str = "qwen2_vl") -> QwenVLWithImageHead:
     torch.manual_seed(seed)
-    return Qwen2VLWithImageHead.from_config(vl_config(vocab_size))
+    return QwenVLWithImageHead.from_config(vl_config(vocab_size, family))
 
 
 def make_lm(seed: int = 0) -> HFCausalLM:
@@ -161,13 +165,13 @@ def test_a_later_sp_shard_embeds_its_image_tokens_by_global_index():
     with torch.no_grad():
         full = model.embed(
             batch["input_ids"], batch["image_feature_index"], batch["pixel_values"], batch["image_grid_thw"]
-        )
+        )[0]
         shard = slice_micro_batch(batch, sp_rank=1, sp_size=2, pad_id=PAD)
         start = shard["input_ids"].shape[1]
         assert (shard["input_ids"] == IMAGE).sum() == 12, "every image token sits in the second half"
         local = model.embed(
             shard["input_ids"], shard["image_feature_index"], batch["pixel_values"], batch["image_grid_thw"]
-        )
+        )[0]
     assert full.shape[1] == 2 * start, "no SP padding: the shard is exactly the second half"
     assert torch.equal(local, full[:, start:])
     assert torch.equal(shard["position_ids"], batch["position_ids"][:, start:])

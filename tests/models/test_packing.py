@@ -97,7 +97,7 @@ def test_packed_qwen2_vl_with_images_of_several_samples_in_one_row_equals_the_un
             else:
                 embeds = model.embed(
                     batch["input_ids"], batch["image_feature_index"], batch["pixel_values"], batch["image_grid_thw"]
-                )
+                )[0]
                 hidden = model.vlm.model.language_model(
                     inputs_embeds=embeds, position_ids=batch["position_ids"].permute(2, 0, 1), use_cache=True
                 ).last_hidden_state

@@ -44,11 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=3, help="samples to print")
     parser.add_argument("--split", choices=("train", "eval"), default="train")
     args, overrides = parser.parse_known_args(argv)
-    from veomni_lite.trainer.sft import IMAGE_TOKEN, build_sft_data
+    from veomni_lite.trainer.sft import build_sft_data
 
     try:
         config = load_config(args.config, overrides, world_size=1)
-        _, tokenizer, train, evaluation, images = build_sft_data(config)
+        model_config, tokenizer, train, evaluation, images = build_sft_data(config)
     except (ConfigError, DataError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     if dataset is None:
         print("no eval data: data.eval_path is not set (the trainer holds out data.eval_fraction)", file=sys.stderr)
         return 2
-    image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN) if images is not None else None
+    image_token_id = model_config.image_token_id if images is not None else None
     for index in range(min(args.n, len(dataset))):
         sample = dataset.samples[index]
         ids, labels = sample.input_ids.tolist(), sample.labels.tolist()

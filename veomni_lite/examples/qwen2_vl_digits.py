@@ -12,7 +12,7 @@ import torch
 from veomni_lite.distributed.collectives import all_reduce
 from veomni_lite.examples.digits import NUM_CODES, DigitsDataset, load_or_train_tokenizer
 from veomni_lite.loss_keys import is_labels_key
-from veomni_lite.models.qwen2_vl import Qwen2VLWithImageHead, collate_qwen2_vl
+from veomni_lite.models.qwen2_vl import QwenVLWithImageHead, collate_qwen2_vl
 from veomni_lite.trainer.base import BaseTrainer
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -42,7 +42,7 @@ class DigitsVLTrainer(BaseTrainer):
         evaluation = DigitsDataset(self.tokenizer, "eval", **geometry)
         return train, evaluation if self.config.data.eval_samples else None
 
-    def build_model(self) -> Qwen2VLWithImageHead:
+    def build_model(self) -> QwenVLWithImageHead:
         from transformers import Qwen2VLConfig
 
         data = self.train_dataset
@@ -65,7 +65,7 @@ class DigitsVLTrainer(BaseTrainer):
             image_decoder_classes=NUM_CODES,
             **{k: v for k, v in hf.items() if k not in ("text_config", "vision_config")},
         )
-        return Qwen2VLWithImageHead.from_config(config)
+        return QwenVLWithImageHead.from_config(config)
 
     @property
     def pad_id(self) -> int:

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from veomni_lite.distributed.sequence_parallel import ulysses_attention
 from veomni_lite.examples.attention import AttentionFn, causal_attention
 from veomni_lite.models.heads import decoder_flops_per_token, masked_mean_cross_entropy
+from veomni_lite.trainer.model import TrainableModel
 
 __all__ = [
     "Attention",
@@ -143,7 +144,7 @@ def init_linear_and_embedding(module: nn.Module, std: float) -> None:
             sub.reset_parameters()
 
 
-class TinyCausalLM(nn.Module):
+class TinyCausalLM(TrainableModel):
     """Token embedding -> `layers` (nn.ModuleList of DecoderBlock) -> RMSNorm -> untied `lm_head`."""
 
     def __init__(self, config: TinyLMConfig) -> None:

@@ -27,6 +27,7 @@ from veomni_lite.examples.tiny_lm import (
     init_linear_and_embedding,
 )
 from veomni_lite.models.heads import decoder_flops_per_token, masked_mean_cross_entropy
+from veomni_lite.trainer.model import TrainableModel
 
 __all__ = ["ImageDecoderHead", "PatchEncoder", "TinyVLM", "TinyVLMConfig"]
 
@@ -88,7 +89,7 @@ class ImageDecoderHead(nn.Module):
         return self.out(F.gelu(self.proj(hidden)))
 
 
-class TinyVLM(nn.Module):
+class TinyVLM(TrainableModel):
     """Vision encoder + projector feed image placeholders of the `decoder`; two heads: LM and image codes."""
 
     def __init__(self, config: TinyVLMConfig) -> None:

@@ -22,6 +22,9 @@ from torch import nn
 from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS
 from veomni_lite.models.heads import decoder_flops_per_token, masked_mean_cross_entropy
 from veomni_lite.models.hf_attention import decoder_attention_inputs, enable_ulysses
+from veomni_lite.models.pretrained import LOCAL_ONLY, load_config, save_config
+from veomni_lite.models.registry import dtype_of
+from veomni_lite.trainer.model import TrainableModel
 
 
 def hf_config_from_dict(settings: Mapping[str, Any]) -> Any:
@@ -35,27 +38,32 @@ def hf_config_from_dict(settings: Mapping[str, Any]) -> Any:
     return AutoConfig.for_model(model_type, **settings)
 
 
-class HFCausalLM(nn.Module):
-    """`AutoModelForCausalLM` with the loss head of the contract; `hf_model` is the plain transformers model."""
+class HFCausalLM(TrainableModel):
+    """`AutoModelForCausalLM` with the loss head of the contract; `hf_model` is the plain transformers model.
+    `export_dtype`: the dtype `veomni_lite.export` writes by default (the source directory's or config's)."""
 
-    def __init__(self, hf_model: nn.Module) -> None:
+    def __init__(self, hf_model: nn.Module, export_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.hf_model = hf_model
+        self.export_dtype = export_dtype
 
     @classmethod
-    def from_config(cls, config: Any) -> HFCausalLM:
+    def from_config(cls, config: Any, dtype: torch.dtype = torch.float32) -> HFCausalLM:
         from transformers import AutoModelForCausalLM
 
-        return cls(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"))
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+        return cls(model, dtype_of(config))
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path) -> HFCausalLM:
+    def from_pretrained(cls, directory: str | Path, dtype: torch.dtype = torch.float32) -> HFCausalLM:
+        """The directory's weights, cast to `dtype` whatever dtype the files hold."""
         from transformers import AutoModelForCausalLM
 
+        source = dtype_of(load_config(directory))
         model = AutoModelForCausalLM.from_pretrained(
-            str(directory), attn_implementation="sdpa", trust_remote_code=False, local_files_only=True
+            str(directory), attn_implementation="sdpa", dtype=dtype, **LOCAL_ONLY
         )
-        return cls(model)
+        return cls(model, source)
 
     @property
     def config(self) -> Any:
@@ -106,8 +114,9 @@ class HFCausalLM(nn.Module):
         enable_ulysses(self.config, (layer.self_attn for layer in self.layers), sp_group)
 
     def save_config(self, directory: str | Path) -> None:
-        """`directory/config.json`: the transformers config this model is rebuilt from (see `veomni_lite.export`)."""
-        self.config.save_pretrained(str(directory))
+        """`directory/config.json`: the transformers config this model is rebuilt from (see `veomni_lite.export`),
+        with the dtype the export writes by default."""
+        save_config(self.config, directory, self.export_dtype)
 
     def save_pretrained(self, directory: str | Path) -> list[str]:
         """Write a directory `AutoModelForCausalLM.from_pretrained` loads (config + safetensors); returns the files."""

@@ -2,8 +2,8 @@
 
 Every loader passes `trust_remote_code=False` and `local_files_only=True`; a directory whose config maps to custom
 code (`auto_map`) is refused with an error naming it, before anything is built. `load_model` returns the model behind
-the trainer's contract: Qwen2-VL (`model_type: qwen2_vl`) as `Qwen2VLWithImageHead` without the image head, any other
-architecture through `AutoModelForCausalLM` as `HFCausalLM`, so a causal LM transformers ships needs no code here.
+the trainer's contract, as its family (`veomni_lite.models.registry`) wraps it, with float32 parameters by default
+whatever dtype the directory stores (bf16 releases included: a bf16 master weight rounds small updates away).
 """
 
 from __future__ import annotations
@@ -12,7 +12,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-VISION_LANGUAGE = ("qwen2_vl",)
+import torch
+
+from veomni_lite.models.registry import family_of
+
 LOCAL_ONLY = {"trust_remote_code": False, "local_files_only": True}  # every from_pretrained here
 _PLAIN_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
@@ -37,7 +40,17 @@ def load_config(directory: str | Path) -> Any:
 
 
 def is_vision_language(config: Any) -> bool:
-    return config.model_type in VISION_LANGUAGE
+    return family_of(config).vision is not None
+
+
+def save_config(config: Any, directory: str | Path, dtype: torch.dtype) -> None:
+    """`directory/config.json` of `config`, saying `dtype` as the weights' dtype (what an export writes by default)."""
+    trained = config.dtype
+    config.dtype = dtype
+    try:
+        config.save_pretrained(str(directory))
+    finally:
+        config.dtype = trained
 
 
 def text_config(config: Any) -> Any:
@@ -76,13 +89,6 @@ def load_image_processor(directory: str | Path) -> Any:
         raise PretrainedDirError(f"model.pretrained_dir: {directory} has no usable image processor: {exc}") from None
 
 
-def load_model(directory: str | Path) -> Any:
-    """The model of `directory` behind the trainer's model contract (see the module docstring)."""
-    config = load_config(directory)
-    if is_vision_language(config):
-        from veomni_lite.models.qwen2_vl import Qwen2VLWithImageHead
-
-        return Qwen2VLWithImageHead.from_pretrained(directory)
-    from veomni_lite.models.hf_causal_lm import HFCausalLM
-
-    return HFCausalLM.from_pretrained(directory)
+def load_model(directory: str | Path, dtype: torch.dtype = torch.float32) -> Any:
+    """The model of `directory` behind the trainer's model contract, parameters in `dtype` (module docstring)."""
+    return family_of(load_config(directory)).load(directory, dtype)

@@ -24,7 +24,8 @@ several samples sit in one row, each feature placed by its index as above.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,9 @@ from veomni_lite.data.collator import packed_positions, sequence_ids, shift_labe
 from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS, IGNORE_INDEX, SEQUENCE_IDS
 from veomni_lite.models.heads import decoder_flops_per_token, masked_mean_cross_entropy
 from veomni_lite.models.hf_attention import decoder_attention_inputs, enable_ulysses
+from veomni_lite.models.pretrained import load_config, save_config
+from veomni_lite.models.registry import dtype_of, family_of
+from veomni_lite.trainer.model import TrainableModel
 
 IMAGE_HEAD_FILE = "image_decoder_head.safetensors"
 _LABEL_KEYS = ("labels", "image_decoder_labels")
@@ -124,37 +128,48 @@ def _pad_rows(values: list[Tensor], length: int, key: str, pad_id: int) -> Tenso
     return torch.stack(out)
 
 
-class Qwen2VLWithImageHead(nn.Module):
-    """`Qwen2VLForConditionalGeneration` (as `vlm`) plus `image_head`; see the module docstring."""
+class QwenVLWithImageHead(TrainableModel):
+    """A Qwen VL family's `...ForConditionalGeneration` (as `vlm`: Qwen2-VL, Qwen2.5-VL or Qwen3-VL, see
+    `veomni_lite.models.registry`) plus `image_head`; see the module docstring."""
 
     def __init__(self, config: Any, vlm: nn.Module | None = None) -> None:
         super().__init__()
-        from transformers import Qwen2VLForConditionalGeneration
-
-        self.vlm = Qwen2VLForConditionalGeneration(config) if vlm is None else vlm
+        self.family = family_of(config)
+        if self.family.vision is None:
+            raise ValueError(f"{type(self).__name__} takes a Qwen VL config; got model_type {config.model_type!r}")
+        self.vlm = self.family.hf_class()(config) if vlm is None else vlm
+        self.export_dtype = dtype_of(config)  # what `veomni_lite.export` writes by default
         classes = getattr(config, "image_decoder_classes", None)
         hidden = config.text_config.hidden_size
         self.image_head = (
             nn.Sequential(nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, classes)) if classes else None
         )
+        if self.family.vision.deepstack:  # features arrive placed on every token (see `embed`)
+            text_model = self.vlm.model.language_model
+            text_model._deepstack_process = functools.partial(_add_placed_features, text_model._deepstack_process)
 
     @classmethod
-    def from_config(cls, config: Any) -> Qwen2VLWithImageHead:
-        """`config`: a `Qwen2VLConfig` with an extra `image_decoder_classes` (the image head's number of codes)."""
+    def from_config(cls, config: Any, dtype: torch.dtype = torch.float32) -> QwenVLWithImageHead:
+        """`config`: the family's config, optionally with `image_decoder_classes` (the image head's number of codes)."""
         config.text_config._attn_implementation = "sdpa"
         config.vision_config._attn_implementation = "sdpa"
-        return cls(config)
+        return cls(config).to(dtype)
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path) -> Qwen2VLWithImageHead:
-        """A `Qwen2VLForConditionalGeneration` directory (weights loaded, local files only, no remote code); without
+    def from_pretrained(cls, directory: str | Path, dtype: torch.dtype = torch.float32) -> QwenVLWithImageHead:
+        """The directory's model (local files only, no remote code), its weights cast to `dtype`; without
         `image_decoder_classes` in its config it has only the language-model head."""
-        from transformers import Qwen2VLForConditionalGeneration
-
-        vlm = Qwen2VLForConditionalGeneration.from_pretrained(
-            str(directory), attn_implementation="sdpa", trust_remote_code=False, local_files_only=True
+        config = load_config(directory)
+        vlm = (
+            family_of(config)
+            .hf_class()
+            .from_pretrained(
+                str(directory), attn_implementation="sdpa", dtype=dtype, trust_remote_code=False, local_files_only=True
+            )
         )
-        return cls(vlm.config, vlm)
+        model = cls(vlm.config, vlm)
+        model.export_dtype = dtype_of(config)
+        return model.to(dtype)
 
     @property
     def config(self) -> Any:
@@ -175,21 +190,45 @@ class Qwen2VLWithImageHead(nn.Module):
     def set_attn_implementation(self, name: str) -> None:
         """The text decoder's attention (`model.attn_implementation`); the vision tower keeps sdpa (it is given
         host boundaries for it, see `_vision_inputs`)."""
+        if name not in self.family.attention:
+            raise ValueError(f"{self.family.name} decoders run {list(self.family.attention)}, not {name!r}")
         self.vlm.set_attn_implementation({"text_config": name, "vision_config": "sdpa"})
 
-    def _vision_inputs(self, grid: Tensor, device: torch.device) -> dict[str, Tensor]:
-        """The vision tower's inputs. From a host `grid`, its attention boundaries (kept on the host: the SDPA path
-        only splits by them) and rotary positions are computed here, so transformers reads no device tensor for them
-        (`grid_thw.tolist()` once and `cu_seqlens.tolist()` in every vision block otherwise)."""
+    def _vision_inputs(self, grid: Tensor, device: torch.device) -> dict[str, Any]:
+        """The vision tower's inputs from a host `grid`: every boundary, window and position table it would
+        otherwise compute with reads of a device tensor (`tolist`) is computed here on the host; what stays on the
+        host (the SDPA path only splits by them) is left there, the rest is copied without blocking."""
+        from transformers import vision_utils
+
         if grid.device.type != "cpu":
-            return {"grid_thw": grid}
-        from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids
+            raise ValueError(f"image_grid_thw must stay on the host (a model host input); got it on {grid.device}")
+        visual, vision = self.vlm.model.visual, self.family.vision
+        merge = visual.spatial_merge_size
+        on_device = {"position_ids": vision_utils.get_vision_position_ids(grid, merge)}
+        inputs: dict[str, Any] = {"cu_seqlens": vision_utils.get_vision_cu_seqlens(grid)}
+        if vision.window_attention:
+            window_index, inputs["cu_window_seqlens"] = vision_utils.get_vision_window_index(
+                grid, merge, visual.window_size, visual.patch_size
+            )
+            on_device["window_index"] = window_index
+        if vision.interpolated_position_embedding:
+            on_device["interp_indices"], on_device["interp_weights"] = (
+                vision_utils.get_vision_interpolation_indices_and_weights(
+                    grid,
+                    num_grid_per_side=visual.num_grid_per_side,
+                    mode=visual.interpolation_mode,
+                    align_corners=visual.interpolation_align_corners,
+                    spatial_merge_size=merge,
+                )
+            )
+        moved = {key: value.to(device, non_blocking=True) for key, value in {"grid_thw": grid, **on_device}.items()}
+        return {**inputs, **moved}
 
-        merge = self.vlm.model.visual.spatial_merge_size
-        positions = get_vision_position_ids(grid, merge).to(device, non_blocking=True)
-        return {"grid_thw": grid.to(device), "cu_seqlens": get_vision_cu_seqlens(grid), "position_ids": positions}
-
-    def embed(self, input_ids: Tensor, image_feature_index: Tensor, pixel_values: Tensor | None, grid: Tensor | None):
+    def embed(
+        self, input_ids: Tensor, image_feature_index: Tensor, pixel_values: Tensor | None, grid: Tensor | None
+    ) -> tuple[Tensor, list[Tensor] | None]:
+        """(input embeddings with each image token's feature in place, Qwen3-VL's deepstack features placed the same
+        way or None). Without images the tower runs on one zero block that adds exactly 0 (see the module doc)."""
         model = self.vlm.model
         embeds = model.get_input_embeddings()(input_ids)
         visual = model.visual
@@ -198,11 +237,20 @@ class Qwen2VLWithImageHead(nn.Module):
             merge = vision.spatial_merge_size
             width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
             dummy = embeds.new_zeros(merge * merge, width)
-            dummy_grid = torch.tensor([[1, merge, merge]])
-            return embeds + 0.0 * visual(dummy, **self._vision_inputs(dummy_grid, embeds.device)).pooler_output.sum()
-        features = visual(pixel_values.to(embeds.dtype), **self._vision_inputs(grid, embeds.device)).pooler_output
-        placed = features[image_feature_index.clamp(min=0)].to(embeds.dtype)
-        return torch.where((image_feature_index >= 0).unsqueeze(-1), placed, embeds)
+            out = visual(dummy, **self._vision_inputs(torch.tensor([[1, merge, merge]]), embeds.device))
+            unused = out.pooler_output.sum() + sum(f.sum() for f in getattr(out, "deepstack_features", None) or ())
+            return embeds + 0.0 * unused, None
+        out = visual(pixel_values.to(embeds.dtype), **self._vision_inputs(grid, embeds.device))
+        is_image = (image_feature_index >= 0).unsqueeze(-1)
+        at = image_feature_index.clamp(min=0)
+        embeds = torch.where(is_image, out.pooler_output[at].to(embeds.dtype), embeds)
+        if not self.deepstack:
+            return embeds, None
+        return embeds, [torch.where(is_image, f[at].to(embeds.dtype), 0.0) for f in out.deepstack_features]
+
+    @property
+    def deepstack(self) -> bool:
+        return self.family.vision.deepstack
 
     def hidden_states(
         self,
@@ -213,10 +261,11 @@ class Qwen2VLWithImageHead(nn.Module):
         image_grid_thw: Tensor | None = None,
         attention_sequence_ids: Tensor | None = None,
     ) -> Tensor:
-        embeds = self.embed(input_ids, image_feature_index, pixel_values, image_grid_thw)
+        embeds, deepstack = self.embed(input_ids, image_feature_index, pixel_values, image_grid_thw)
         attention = decoder_attention_inputs(self.config.text_config, attention_sequence_ids, embeds.device)
+        extra = {"deepstack_visual_embeds": deepstack} if deepstack is not None else {}
         out = self.vlm.model.language_model(
-            inputs_embeds=embeds, position_ids=position_ids.permute(2, 0, 1), use_cache=False, **attention
+            inputs_embeds=embeds, position_ids=position_ids.permute(2, 0, 1), use_cache=False, **attention, **extra
         )
         return out.last_hidden_state
 
@@ -259,12 +308,13 @@ class Qwen2VLWithImageHead(nn.Module):
         enable_ulysses(self.config.text_config, (layer.self_attn for layer in layers), sp_group)
 
     def save_config(self, directory: str | Path) -> None:
-        """`directory/config.json`: the transformers config this model is rebuilt from (see `veomni_lite.export`)."""
-        self.config.save_pretrained(str(directory))
+        """`directory/config.json`: the transformers config this model is rebuilt from (see `veomni_lite.export`),
+        with the dtype the export writes by default (the source directory's)."""
+        save_config(self.config, directory, self.export_dtype)
 
     def save_pretrained(self, directory: str | Path) -> list[str]:
-        """`Qwen2VLForConditionalGeneration.from_pretrained(directory)` loads the backbone and LM head; the image head
-        (no transformers class has it) goes to `image_decoder_head.safetensors`. Returns the files written."""
+        """The family's `from_pretrained(directory)` loads the backbone and LM head; the image head (no transformers
+        class has it) goes to `image_decoder_head.safetensors`. Returns the files written."""
         from safetensors.torch import save_file
 
         self.config.text_config._attn_implementation = "sdpa"
@@ -273,3 +323,17 @@ class Qwen2VLWithImageHead(nn.Module):
             head = {key: value.detach().contiguous().cpu() for key, value in self.image_head.state_dict().items()}
             save_file(head, str(Path(directory) / IMAGE_HEAD_FILE), metadata={"layout": "Linear-GELU-Linear"})
         return sorted(p.name for p in Path(directory).iterdir())
+
+
+Qwen2VLWithImageHead = QwenVLWithImageHead  # the name before Qwen2.5-VL and Qwen3-VL joined
+
+
+def _add_placed_features(
+    transformers_step: Callable[..., Tensor], hidden_states: Tensor, visual_pos_masks: Any, features: Tensor
+) -> Tensor:
+    """Qwen3-VL's deepstack step. Features already placed on every token (0 off the images, as `embed` gives them)
+    are added; transformers' own step, which scatters image-token features by a boolean mask (a device read of the
+    mask), still serves its own forward."""
+    if features.shape[:-1] != hidden_states.shape[:-1]:
+        return transformers_step(hidden_states, visual_pos_masks, features)
+    return hidden_states + features.to(hidden_states.dtype)

@@ -15,8 +15,8 @@ not saved (rotary frequencies) with transformers' own initializer for them.
 
 Names are mapped through transformers' own key renamings for the model class (Qwen2-VL directories keep an older
 layout). `loadable(model, directory)` says whether every weight is found that way; where a model class's conversions
-do more than rename (split or merge tensors), it is not, and the trainer falls back to `from_pretrained` on every
-rank.
+do more than rename (split or merge tensors), it is not, and rank 0 loads the directory whole and scatters it
+(`BaseTrainer.pretrained_model`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from veomni_lite.models.pretrained import load_config
+from veomni_lite.models.registry import family_of
 
 
 def _hf_child(model: nn.Module) -> tuple[str, Any]:
@@ -56,19 +57,12 @@ def weight_names(directory: str | Path) -> set[str]:
     return names
 
 
-def build_on_meta(directory: str | Path) -> nn.Module:
-    """The model of `directory` (see `pretrained.load_model`) with every parameter and buffer on the meta device."""
-    from veomni_lite.models.pretrained import is_vision_language
-
+def build_on_meta(directory: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The model of `directory` (see `pretrained.load_model`) with every parameter and buffer on the meta device, in
+    `dtype` (the shards are filled in that dtype, whatever the files store)."""
     config = load_config(directory)
     with torch.device("meta"):
-        if is_vision_language(config):
-            from veomni_lite.models.qwen2_vl import Qwen2VLWithImageHead
-
-            return Qwen2VLWithImageHead.from_config(config)
-        from veomni_lite.models.hf_causal_lm import HFCausalLM
-
-        return HFCausalLM.from_config(config)
+        return family_of(config).build(config, dtype)
 
 
 def _checkpoint_names(hf_model: Any, directory: str | Path) -> dict[str, str]:

@@ -52,6 +52,7 @@ from veomni_lite.distributed.parallel_state import ParallelState, init_parallel_
 from veomni_lite.distributed.sequence_parallel import slice_micro_batch
 from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS, loss_weights_key, name_of_loss
 from veomni_lite.models.pretrained import load_model
+from veomni_lite.models.registry import DTYPES, family_of
 from veomni_lite.models.sharded_load import (
     build_on_meta,
     load_into_shards,
@@ -181,8 +182,7 @@ class BaseTrainer(ABC):
             self._resume()
         if self.is_main:
             config.save(self.output_dir / "config.yaml")
-            if hasattr(model, "save_config"):  # what `python -m veomni_lite.export` rebuilds the model from
-                model.save_config(self.output_dir / MODEL_CONFIG_DIR)
+            model.save_config(self.output_dir / MODEL_CONFIG_DIR)  # what `python -m veomni_lite.export` rebuilds
 
     @property
     def _sharded_build(self) -> bool:
@@ -210,26 +210,26 @@ class BaseTrainer(ABC):
         return model.to("meta"), True, weights
 
     def pretrained_model(self, directory: str | Path) -> Any:
-        """The model of a local `from_pretrained` directory. In a sharded build (several ranks, `model.load_sharded`)
-        it is built on the meta device and `materialize` reads each rank's shards from the safetensors; where the
-        directory's weight names do not map to the model's, rank 0 loads it whole and scatters it."""
+        """The model of a local `from_pretrained` directory, its parameters in `parallel.master_dtype` (float32 by
+        default, whatever the files store). In a sharded build (several ranks, `model.load_sharded`) it is built on
+        the meta device and `materialize` reads each rank's shards from the safetensors; where the directory's weight
+        names do not map to the model's (or its family loads whole, see the registry), rank 0 loads it whole and
+        scatters it."""
+        dtype = DTYPES[self.config.parallel.master_dtype]
         if self._sharded_build:
-            model = build_on_meta(directory)
-            if loadable(model, directory) or not self.is_main:
+            model = build_on_meta(directory, dtype)
+            if not self.is_main or (family_of(model.config).sharded_load and loadable(model, directory)):
                 return model
-            logger.info("model.load_sharded: %s needs more than renamed weights; rank 0 loads it whole", directory)
-        return load_model(directory)
+            logger.info("model.load_sharded: %s is not read shard by shard; rank 0 loads it whole", directory)
+        return load_model(directory, dtype)
 
     def _set_attention(self, model: TrainableModel) -> None:
         """Apply `model.attn_implementation` (a ConfigError naming it where the model or the machine cannot run it)."""
         name = self.config.model.attn_implementation
         if name == "sdpa":
             return
-        setter = getattr(model, "set_attn_implementation", None)
-        if setter is None:
-            raise ConfigError(f"model.attn_implementation {name!r}: {type(model).__name__} runs its own attention")
         try:
-            setter(name)
+            model.set_attn_implementation(name)
         except (ImportError, ValueError) as exc:
             raise ConfigError(f"model.attn_implementation {name!r}: {exc}") from exc
 
@@ -348,7 +348,7 @@ class BaseTrainer(ABC):
     def preforward(self, micro_batch: Mapping[str, Any]) -> dict[str, Any]:
         """Move tensors to the device, except the model's `host_inputs` (what it reads on the host, so that reading
         them costs no device sync; the model moves them itself)."""
-        host = getattr(self.model, "host_inputs", ())
+        host = self.model.host_inputs
         return {
             key: value.to(self.device, non_blocking=True)
             if isinstance(value, torch.Tensor) and key not in host

@@ -16,6 +16,7 @@ from veomni_lite.config import NAMED_ARCHES, ConfigError, load_config
 from veomni_lite.data.checks import DataError
 from veomni_lite.log import setup_logging
 from veomni_lite.models.pretrained import PretrainedDirError
+from veomni_lite.models.registry import CAUSAL_LM, family_of
 from veomni_lite.trainer.base import BaseTrainer
 
 
@@ -29,7 +30,8 @@ def main(trainers: Mapping[str, type[BaseTrainer]], argv: list[str] | None = Non
     try:
         config = load_config(argv[0], argv[1:])
         arch = config.model.arch
-        trainer_cls = trainers.get(arch, trainers.get("*") if arch not in NAMED_ARCHES else None)
+        causal_lm = arch not in NAMED_ARCHES and family_of(arch) is CAUSAL_LM
+        trainer_cls = trainers.get(arch, trainers.get("*") if causal_lm else None)
         if trainer_cls is None:
             names = sorted(name if name != "*" else "any causal LM (qwen2, llama, ...)" for name in trainers)
             raise ConfigError(f"model.arch: {sys.argv[0]} trains {names}, not {arch!r}")

@@ -2,45 +2,66 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Iterable
+from pathlib import Path
 
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 
 
-@runtime_checkable
-class TrainableModel(Protocol):
-    """`forward(**micro_batch)` returns `{"<name>_loss": this rank's mean over its valid local tokens}` for every name
-    in `loss_keys` (an exact, graph-keeping 0 for a head with no targets, never NaN).
+class TrainableModel(nn.Module):
+    """The base of every model the trainer trains.
 
-    `layers` are the blocks FSDP shards one by one; `flops_per_token(full_seq_len)` the forward+backward FLOPs per
-    token for the throughput metrics; `enable_sequence_parallel(sp_group)` switches the model's attention to Ulysses
-    over `sp_group` (called once, before sharding, only when sp_size > 1). A model that can be exported also has
-    `save_config(directory)` (what `veomni_lite.export` needs to rebuild it) and `save_pretrained(directory)`.
+    Required (a subclass defines them):
+    - `forward(**micro_batch)` returns `{"<name>_loss": this rank's mean over its valid local tokens}` for every name
+      in `loss_keys` (an exact, graph-keeping 0 for a head with no targets, never NaN);
+    - `layers`: the blocks FSDP shards one by one;
+    - `flops_per_token(full_seq_len)`: forward + backward FLOPs per token, for the throughput metrics;
+    - `enable_sequence_parallel(sp_group)`: switch the attention to Ulysses over `sp_group` (called once, before
+      sharding, only when sp_size > 1).
+
+    Optional (the defaults here say what a model without them gets):
+    - `host_inputs`: batch keys the trainer leaves on the host, because the model reads them there (boundaries,
+      grids), so reading them costs no device sync;
+    - `set_attn_implementation(name)`: `model.attn_implementation`; the default refuses anything but sdpa;
+    - `save_config(directory)` / `save_pretrained(directory)`: what `python -m veomni_lite.export` rebuilds the model
+      from, and the export itself; the default writes nothing (the run then has no transformers format).
     """
 
-    @property
-    def loss_keys(self) -> tuple[str, ...]: ...
+    loss_keys: tuple[str, ...]  # an attribute or property of the subclass
+    layers: Iterable[nn.Module]  # likewise (an nn.ModuleList attribute is one)
+    host_inputs: tuple[str, ...] = ()
 
-    @property
-    def layers(self) -> Iterable[nn.Module]: ...
+    def flops_per_token(self, seq_len: int) -> float:
+        raise NotImplementedError
 
-    def flops_per_token(self, seq_len: int) -> float: ...
+    def enable_sequence_parallel(self, sp_group: dist.ProcessGroup) -> None:
+        raise NotImplementedError
 
-    def enable_sequence_parallel(self, sp_group: dist.ProcessGroup) -> None: ...
+    def set_attn_implementation(self, name: str) -> None:
+        raise ValueError(f"{type(self).__name__} runs its own attention (sdpa only)")
 
-    def __call__(self, **micro_batch: Any) -> Mapping[str, Tensor]: ...
+    def save_config(self, directory: str | Path) -> None:
+        """Write what the export needs to rebuild this model into `directory` (nothing by default)."""
+
+    def save_pretrained(self, directory: str | Path) -> list[str]:
+        raise NotImplementedError(f"{type(self).__name__} has no transformers format to export")
 
 
-_MEMBERS = ("loss_keys", "layers", "flops_per_token", "enable_sequence_parallel")
+_REQUIRED_METHODS = ("flops_per_token", "enable_sequence_parallel")
 
 
 def check_model_contract(model: nn.Module) -> TrainableModel:
     """Return `model` if it keeps the contract; else raise TypeError naming what it lacks (before any collective)."""
-    missing = [name for name in _MEMBERS if not hasattr(model, name)]
+    if not isinstance(model, TrainableModel):
+        raise TypeError(
+            f"{type(model).__name__} does not keep the model contract: subclass "
+            "veomni_lite.trainer.model.TrainableModel and define its required members"
+        )
+    missing = [name for name in ("loss_keys", "layers") if not hasattr(model, name)]
+    missing += [name for name in _REQUIRED_METHODS if getattr(type(model), name) is getattr(TrainableModel, name)]
     if missing:
         raise TypeError(
             f"{type(model).__name__} does not keep the model contract: it lacks {missing} (see TrainableModel)"
         )
-    return model  # type: ignore[return-value]
+    return model

@@ -1,12 +1,13 @@
 """Supervised fine-tuning of any local transformers model on the user's own files, from the config alone.
 
-`model.pretrained_dir` names the model directory (a causal LM, or Qwen2-VL for images): its config, weights,
+`model.pretrained_dir` names the model directory (a causal LM, or a vision-language family of
+`veomni_lite.models.registry` for images): its config, weights,
 tokenizer with its chat template (or `data.chat_template`) and image processor. `data.train_path` / `data.eval_path`
 (or `data.eval_fraction` of the rows) name the data, `data.format` and `data.columns` how rows read (see
 `veomni_lite.data.sft`). Every row is checked when the trainer is built, on every rank alike; the rows truncated or
 dropped by `data.overlength` are logged. Besides the eval losses, `eval/answer_accuracy` is the share of eval
 samples whose every trained token the model predicts greedily. `data.packing` and `data.max_tokens_per_micro_batch`
-apply (text and Qwen2-VL). Entry point: `trainers/train_sft.py`.
+apply (text and the vision-language families). Entry point: `trainers/train_sft.py`.
 """
 
 from __future__ import annotations
@@ -38,7 +39,18 @@ from veomni_lite.trainer.base import MODEL_CONFIG_DIR, BaseTrainer
 
 logger = logging.getLogger(__name__)
 
-IMAGE_TOKEN = "<|image_pad|>"  # Qwen2-VL's image placeholder
+
+def image_token(tokenizer: Any, model_config: Any, directory: str) -> str:
+    """The image placeholder token of a vision-language directory: its config's `image_token_id`, as the tokenizer
+    spells it (a PretrainedDirError where the tokenizer does not have it)."""
+    token_id = getattr(model_config, "image_token_id", None)
+    token = tokenizer.convert_ids_to_tokens(token_id) if isinstance(token_id, int) else None
+    if not token or tokenizer.convert_tokens_to_ids(token) != token_id:
+        raise PretrainedDirError(
+            f"model.pretrained_dir: {directory}: config.json's image_token_id {token_id!r} is not a token of its "
+            "tokenizer"
+        )
+    return token
 
 
 def _max_seq_len(data: Any) -> int:
@@ -60,7 +72,8 @@ def build_sft_data(config: Any) -> tuple[Any, Any, SFTDataset, SFTDataset | None
     check_vocabulary(tokenizer, model_config, model.pretrained_dir)
     vision = is_vision_language(model_config)
     images = ImageProcessing(load_image_processor(model.pretrained_dir)) if vision else None
-    encoder = ChatEncoder(tokenizer, data.chat_template, data.train_on_prompt, IMAGE_TOKEN if vision else "")
+    placeholder = image_token(tokenizer, model_config, model.pretrained_dir) if vision else ""
+    encoder = ChatEncoder(tokenizer, data.chat_template, data.train_on_prompt, placeholder)
     options = {
         "fmt": data.format,
         "columns": data.columns,
@@ -139,8 +152,8 @@ class SFTTrainer(BaseTrainer):
         multiple, packing = self.config.data.pad_to_multiple_of, self.config.data.packing
         if self.images is None:
             return collate(samples, pad_to_multiple_of=multiple, pad_id=self.pad_id, packing=packing)
-        image_token = self.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
-        return collate_qwen2_vl(samples, image_token, self.images.merge, self.pad_id, multiple, packing)
+        image_token_id = self.model_config.image_token_id
+        return collate_qwen2_vl(samples, image_token_id, self.images.merge, self.pad_id, multiple, packing)
 
     @torch.no_grad()
     def extra_eval_metrics(self) -> dict[str, float]:

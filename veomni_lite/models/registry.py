@@ -1,0 +1,114 @@
+"""The model families veomni_lite trains from transformers: the one place an architecture is named.
+
+A `Family` says, for the `model_type`s it covers: which transformers class loads and exports its directories, which
+wrapper puts it behind the trainer's model contract (`veomni_lite.trainer.model.TrainableModel`), whether it takes
+images and how (`Vision`: the placeholder token is the config's `image_token_id`, pixels go through the directory's
+own image processor, `collate_vl` lays out the M-RoPE positions, the vision tower's boundaries are computed on the
+host), which attention implementations, packing and Ulysses SP it supports, and whether its weights load straight
+into FSDP2 shards. Any other causal LM transformers ships (Llama, Qwen3, Mistral, Gemma, ...) is `CAUSAL_LM`.
+
+Adding a family is one entry in `FAMILIES` plus its tests. Everything here runs no code from a model directory.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+VARLEN_KERNELS = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
+
+
+@dataclass(frozen=True)
+class Vision:
+    """How a vision-language family's tower takes its inputs, each computed on the host from the image grid."""
+
+    window_attention: bool = False
+    """Qwen2.5-VL: windowed blocks (`window_index`, `cu_window_seqlens`) besides the full-attention ones."""
+    interpolated_position_embedding: bool = False
+    """Qwen3-VL: a learned position grid resampled to each image (`interp_indices`, `interp_weights`)."""
+    deepstack: bool = False
+    """Qwen3-VL: features of early vision blocks are added to the first decoder layers' image tokens."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family (see the module docstring)."""
+
+    name: str
+    model_types: tuple[str, ...]
+    """The config `model_type`s it covers; empty: any causal LM transformers ships."""
+    transformers_class: str
+    """The class that loads its directories and that its export loads (`from_pretrained`)."""
+    wrapper: str
+    """`module:Class` of the trainer-contract wrapper (`from_config(config, dtype)`, `from_pretrained(dir, dtype)`)."""
+    vision: Vision | None = None
+    attention: tuple[str, ...] = ("sdpa", *VARLEN_KERNELS)
+    """Decoder attention implementations (`model.attn_implementation`); vision towers always run SDPA."""
+    packing: bool = True
+    sequence_parallel: bool = True
+    sharded_load: bool = True
+    """Weights read straight into each rank's shards (`model.load_sharded`); else rank 0 loads and scatters."""
+
+    @property
+    def wrapper_class(self) -> type:
+        module, _, name = self.wrapper.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+    def hf_class(self) -> type:
+        import transformers
+
+        return getattr(transformers, self.transformers_class)
+
+    def build(self, config: Any, dtype: torch.dtype = torch.float32) -> Any:
+        """The wrapper around a randomly initialized model of `config`, parameters in `dtype`."""
+        return self.wrapper_class.from_config(config, dtype=dtype)
+
+    def load(self, directory: str | Path, dtype: torch.dtype = torch.float32) -> Any:
+        """The wrapper around the directory's weights, cast to `dtype` (whatever dtype the files hold)."""
+        return self.wrapper_class.from_pretrained(directory, dtype=dtype)
+
+
+_VL_WRAPPER = "veomni_lite.models.qwen2_vl:QwenVLWithImageHead"
+FAMILIES = (
+    Family("qwen2_vl", ("qwen2_vl",), "Qwen2VLForConditionalGeneration", _VL_WRAPPER, Vision()),
+    Family(
+        "qwen2_5_vl", ("qwen2_5_vl",), "Qwen2_5_VLForConditionalGeneration", _VL_WRAPPER, Vision(window_attention=True)
+    ),
+    Family(
+        "qwen3_vl",
+        ("qwen3_vl",),
+        "Qwen3VLForConditionalGeneration",
+        _VL_WRAPPER,
+        Vision(interpolated_position_embedding=True, deepstack=True),
+    ),
+)
+CAUSAL_LM = Family("causal_lm", (), "AutoModelForCausalLM", "veomni_lite.models.hf_causal_lm:HFCausalLM")
+
+
+def family_of(config_or_model_type: Any) -> Family:
+    """The family of a transformers config (or a `model_type` string): a listed one, else `CAUSAL_LM`."""
+    model_type = getattr(config_or_model_type, "model_type", config_or_model_type)
+    for family in FAMILIES:
+        if model_type in family.model_types:
+            return family
+    return CAUSAL_LM
+
+
+def is_model_type(name: str) -> bool:
+    """Whether `name` is a `model_type` some family trains (a listed one, or a causal LM transformers ships)."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    listed = any(name in family.model_types for family in FAMILIES)
+    return listed or (name in CONFIG_MAPPING and name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def dtype_of(config: Any) -> torch.dtype:
+    """The dtype a transformers config says its weights are stored in (float32 when it says none)."""
+    dtype = getattr(config, "dtype", None) or torch.float32
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
