@@ -53,6 +53,27 @@ def build_vl() -> torch.nn.Module:
     return make_vl(seed=3).double()
 
 
+def build_qwen2_5_vl() -> torch.nn.Module:
+    return make_vl(seed=3, family="qwen2_5_vl").double()
+
+
+def build_qwen3_vl() -> torch.nn.Module:
+    return make_vl(seed=3, family="qwen3_vl").double()
+
+
+def build_qwen3_vl_no_deepstack_on_sp() -> torch.nn.Module:
+    """The negative control: Qwen3-VL that drops its deepstack features once sequence parallel is on."""
+    model = build_qwen3_vl()
+    enable = model.enable_sequence_parallel
+
+    def enable_and_drop(group: object) -> None:
+        enable(group)
+        model.vlm.model.language_model._deepstack_process = lambda hidden, _mask, _features: hidden
+
+    model.enable_sequence_parallel = enable_and_drop
+    return model
+
+
 def build_text_varlen(use_boundaries: bool = True) -> torch.nn.Module:
     """`build_text` on `VarlenReference`, flash-attention's stand-in (registered in this process)."""
     varlen_reference.register(use_boundaries)
