@@ -97,8 +97,10 @@ def write_tokenizer(directory: Path, texts: list[str], vocab_size: int) -> Any:
     return tokenizer
 
 
-def write_vl_model(directory: Path, texts: list[str]) -> None:
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor
+def write_vl_model(directory: Path, texts: list[str], family: str = "qwen2_vl") -> None:
+    """A tiny vision-language directory of `family` (qwen2_vl, qwen2_5_vl or qwen3_vl): weights, tokenizer with the
+    chat template, and a `Qwen2VLImageProcessor` of 2x2 patches merged 2x2."""
+    import transformers
 
     tokenizer = write_tokenizer(directory, texts, vocab_size=300)
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL}
@@ -117,9 +119,24 @@ def write_vl_model(directory: Path, texts: list[str]) -> None:
         "tie_word_embeddings": False,
         "initializer_range": 0.05,
     }
-    vision = {"depth": 1, "embed_dim": 32, "num_heads": 2, "mlp_ratio": 2, "in_channels": 3, "patch_size": 2}
-    vision |= {"temporal_patch_size": 1, "spatial_merge_size": 2, "hidden_size": 64, "initializer_range": 0.05}
-    config = Qwen2VLConfig(
+    vision = {"num_heads": 2, "in_channels": 3, "patch_size": 2, "temporal_patch_size": 1, "spatial_merge_size": 2}
+    vision["initializer_range"] = 0.05
+    if family == "qwen2_vl":
+        vision |= {"depth": 1, "embed_dim": 32, "mlp_ratio": 2, "hidden_size": 64}
+    else:
+        vision |= {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "out_hidden_size": 64}
+        if family == "qwen2_5_vl":
+            vision |= {"window_size": 8, "fullatt_block_indexes": [1]}
+        else:
+            vision |= {"num_position_embeddings": 16, "deepstack_visual_indexes": [0]}
+            text["rope_parameters"]["mrope_interleaved"] = True
+    classes = {
+        "qwen2_vl": (transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration),
+        "qwen2_5_vl": (transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration),
+        "qwen3_vl": (transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration),
+    }
+    config_class, model_class = classes[family]
+    config = config_class(
         text_config=text,
         vision_config=vision,
         image_token_id=ids["<|image_pad|>"],
@@ -127,8 +144,10 @@ def write_vl_model(directory: Path, texts: list[str]) -> None:
         vision_end_token_id=ids["<|vision_end|>"],
     )
     torch.manual_seed(0)
-    Qwen2VLForConditionalGeneration(config).save_pretrained(str(directory), safe_serialization=True)
-    processor = Qwen2VLImageProcessor(patch_size=2, temporal_patch_size=1, merge_size=2, min_pixels=64, max_pixels=4096)
+    model_class(config).save_pretrained(str(directory), safe_serialization=True)
+    processor = transformers.Qwen2VLImageProcessor(
+        patch_size=2, temporal_patch_size=1, merge_size=2, min_pixels=64, max_pixels=4096
+    )
     processor.save_pretrained(str(directory))
 
 
