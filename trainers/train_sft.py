@@ -1,13 +1,14 @@
 """torchrun --standalone --nproc_per_node N trainers/train_sft.py CONFIG.yaml [--section.key VALUE ...]
 
 Supervised fine-tuning of the local model directory `model.pretrained_dir` (any causal LM transformers ships, or
-Qwen2-VL) on the user's files `data.train_path` (see veomni_lite/trainer/sft.py and configs/sft_*.yaml).
+Qwen2-VL) on the user's files `data.train_path` (see veomni_lite/trainer/sft.py and configs/sft_*.yaml). Unless the
+YAML says otherwise it trains with `SFT_DEFAULTS`: 3 epochs, lr 1e-5, 3% warmup, cosine decay, no weight decay.
 """
 
 import sys
 
 from veomni_lite.trainer.launch import main
-from veomni_lite.trainer.sft import SFTTrainer
+from veomni_lite.trainer.sft import SFT_DEFAULTS, SFTTrainer
 
 if __name__ == "__main__":
-    sys.exit(main({"auto": SFTTrainer, "qwen2_vl": SFTTrainer, "*": SFTTrainer}))
+    sys.exit(main({"auto": SFTTrainer, "qwen2_vl": SFTTrainer, "*": SFTTrainer}, defaults=SFT_DEFAULTS))
