@@ -90,7 +90,8 @@ class DataConfig:
     tokenizer_vocab_size: int = 2048
     """qwen2 text: the BPE vocabulary trained on the corpus (saved as output_dir/tokenizer.json)."""
     eval_fraction: float = 0.2
-    """The held-out share of the corpus, the images, or (SFT without `eval_path`) the rows."""
+    """The held-out share of the corpus, the images, or (SFT without `eval_path`) the rows; SFT holds none out when
+    the run does not evaluate (`train.eval_interval` or `train.eval_batches` 0)."""
     train_path: list[str] = field(default_factory=list)
     """SFT: the training data: files (.jsonl, .json, .parquet, .arrow), `save_to_disk` directories, directories of
     files, or globs; one or a list."""
@@ -140,7 +141,7 @@ class TrainConfig:
     eval_interval: int = 0
     """Evaluate every this many steps (0: never)."""
     eval_batches: int = 2
-    """Global batches per evaluation."""
+    """Global batches per evaluation (0: no evaluation)."""
     nonfinite: Literal["error", "skip"] = "error"
     """A non-finite loss on any rank or a non-finite global grad norm: raise on every rank, or skip the step on all."""
     output_dir: str = "outputs/run"
