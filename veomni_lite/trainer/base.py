@@ -131,12 +131,16 @@ def build_optimizer(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.A
     )
 
 
+def warmup_steps(optim: OptimConfig, max_steps: int) -> int:
+    """`optim.warmup_steps`, or `optim.warmup_ratio` of a run of `max_steps` steps."""
+    return optim.warmup_steps or ratio_steps(optim.warmup_ratio, max_steps)
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, max_steps: int) -> LambdaLR:
-    """`optim.schedule` over a run of `max_steps` steps, its warmup `optim.warmup_steps` or `optim.warmup_ratio` of
-    them (see `veomni_lite.trainer.lr_schedule`)."""
-    warmup = optim.warmup_steps or ratio_steps(optim.warmup_ratio, max_steps)
+    """`optim.schedule` over a run of `max_steps` steps (see `veomni_lite.trainer.lr_schedule`)."""
     decay = ratio_steps(optim.decay_ratio, max_steps)
-    return LambdaLR(optimizer, lr_lambda(optim.schedule, warmup, max_steps, optim.min_lr_ratio, decay))
+    schedule = lr_lambda(optim.schedule, warmup_steps(optim, max_steps), max_steps, optim.min_lr_ratio, decay)
+    return LambdaLR(optimizer, schedule)
 
 
 class BaseTrainer(ABC):
@@ -209,6 +213,7 @@ class BaseTrainer(ABC):
         return train.epochs * self.loader.steps_per_epoch if train.epochs else train.max_steps
 
     def _log_run_length(self) -> None:
+        """Rank 0 logs the run's length in steps and epochs, and its schedule."""
         if not self.is_main:
             return
         train, optim = self.config.train, self.config.optim
@@ -225,7 +230,7 @@ class BaseTrainer(ABC):
             samples - per_epoch * train.global_batch_size,
             optim.lr,
             optim.schedule,
-            optim.warmup_steps or ratio_steps(optim.warmup_ratio, self.max_steps),
+            warmup_steps(optim, self.max_steps),
         )
 
     @property
