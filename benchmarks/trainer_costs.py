@@ -141,9 +141,8 @@ def build_bare(trainer: VLMTrainer) -> tuple[torch.nn.Module, torch.optim.Optimi
     with torch.no_grad():
         for bare, trained in zip(model.parameters(), trainer.model.parameters()):
             bare.copy_(trained)
-    optim = trainer.config.optim  # the trainer's own parameter groups: the same optimizer work in both loops
-    groups = base.parameter_groups(model, optim.weight_decay, optim.weight_decay_on)
-    return model, torch.optim.AdamW(groups, lr=optim.lr)
+    # the trainer's own parameter groups and AdamW settings: the same optimizer work in both loops
+    return model, base.build_optimizer(model, trainer.config.optim)
 
 
 def bare_step(

@@ -19,6 +19,7 @@ import copy
 import json
 import os
 import typing
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -90,7 +91,8 @@ class DataConfig:
     tokenizer_vocab_size: int = 2048
     """qwen2 text: the BPE vocabulary trained on the corpus (saved as output_dir/tokenizer.json)."""
     eval_fraction: float = 0.2
-    """The held-out share of the corpus, the images, or (SFT without `eval_path`) the rows."""
+    """The held-out share of the corpus, the images, or (SFT without `eval_path`) the rows; SFT holds none out when
+    the run does not evaluate (`train.eval_interval` or `train.eval_batches` 0)."""
     train_path: list[str] = field(default_factory=list)
     """SFT: the training data: files (.jsonl, .json, .parquet, .arrow), `save_to_disk` directories, directories of
     files, or globs; one or a list."""
@@ -131,11 +133,16 @@ class TrainConfig:
     global_batch_size: int = 16
     """Samples per optimizer step over all ranks; gradient accumulation = global / (micro x dp)."""
     max_steps: int = 100
-    """Optimizer steps of the whole run (a resumed run continues to this step)."""
+    """Optimizer steps of the whole run (a resumed run continues to this step); 0 when `epochs` sets the length."""
+    epochs: int = 0
+    """Epochs of the training samples instead of `max_steps` (0: off): the run trains epochs x (training samples //
+    global_batch_size) steps, the loader's epoch (it drops a trailing partial global batch), counted once the data is
+    built and logged at start. `max_steps` and `epochs` are alternatives: the one a YAML or the command line sets
+    replaces the other's default; both nonzero is an error."""
     eval_interval: int = 0
     """Evaluate every this many steps (0: never)."""
     eval_batches: int = 2
-    """Global batches per evaluation."""
+    """Global batches per evaluation (0: no evaluation)."""
     nonfinite: Literal["error", "skip"] = "error"
     """A non-finite loss on any rank or a non-finite global grad norm: raise on every rank, or skip the step on all."""
     output_dir: str = "outputs/run"
@@ -174,18 +181,35 @@ class ParallelConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW with linear warmup then cosine decay."""
+    """AdamW and its learning-rate schedule (see `veomni_lite.trainer.lr_schedule`)."""
 
     lr: float = 3e-3
     """Peak learning rate."""
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    """After the linear warmup: cosine (a half-cosine down to lr x min_lr_ratio at the end of the run), linear (a
+    straight line down to it), constant (the peak), wsd (warmup-stable-decay: the peak, then a linear decay to it over
+    the last `decay_ratio` of the steps)."""
     min_lr_ratio: float = 0.1
-    """The cosine decays to lr x min_lr_ratio at max_steps."""
+    """The cosine, linear and wsd decays end at lr x min_lr_ratio, the rate after the last step."""
     warmup_steps: int = 10
-    """Steps of linear warmup (step s trains with lr x (s / warmup_steps))."""
+    """Steps of linear warmup (step s, counted from 1, trains with lr x s / warmup_steps)."""
+    warmup_ratio: float = 0.0
+    """Warmup as a fraction of the run's steps, ceil(warmup_ratio x steps), instead of `warmup_steps` (0: off). The
+    two are alternatives: the one a YAML or the command line sets replaces the other's default; both nonzero is an
+    error."""
+    decay_ratio: float = 0.1
+    """wsd: the fraction of the run's steps, ceil(decay_ratio x steps), that the final decay takes."""
     weight_decay: float = 0.01
     """AdamW weight decay."""
     weight_decay_on: Literal["matrices", "all"] = "matrices"
     """matrices: weight matrices only (no biases, norms or embeddings, what users expect); all: every parameter."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW's (beta1, beta2): the decay rates of the gradient's running mean and running square, e.g. [0.9, 0.95]."""
+    eps: float = 1e-8
+    """AdamW's epsilon, added to the root of the running square."""
+    implementation: Literal["auto", "fused", "foreach", "for_loop"] = "auto"
+    """AdamW's kernels: auto is torch's own choice (foreach on CUDA, for_loop on CPU); fused (one kernel for all the
+    parameters, on CUDA and CPU), foreach (batched tensor ops) or for_loop (per parameter)."""
     max_grad_norm: float = 1.0
     """Clip to this global gradient norm (0: no clipping; the norm is still logged)."""
 
@@ -335,6 +359,15 @@ def _coerce(key: str, value: Any, expected: Any) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r} ({type(value).__name__})")
         return value
+    if typing.get_origin(expected) is list and typing.get_args(expected) == (float,):
+        if isinstance(value, str):  # `--optim.betas "[0.9, 0.95]"`
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError as exc:
+                raise ConfigError(f"{key}: cannot parse {value!r}: {exc}") from None
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list of numbers, got {value!r} ({type(value).__name__})")
+        return [_coerce(key, item, float) for item in value]
     if typing.get_origin(expected) is list:
         if isinstance(value, str):
             with contextlib.suppress(yaml.YAMLError):
@@ -369,7 +402,8 @@ def _coerce(key: str, value: Any, expected: Any) -> Any:
     raise ConfigError(f"{key}: expected {expected.__name__}, got {value!r} ({type(value).__name__})")
 
 
-def _set(config: Config, dotted: str, value: Any, source: str) -> None:
+def _set(config: Config, dotted: str, value: Any, source: str) -> str:
+    """Set one key; returns the field it set, `section.name` (old flat names resolved)."""
     dotted = ALIASES.get(dotted, dotted)
     section, _, name = dotted.partition(".")
     if section not in _SECTIONS or not name:
@@ -386,12 +420,13 @@ def _set(config: Config, dotted: str, value: Any, source: str) -> None:
             _set_nested(getattr(getattr(config, section), name), dotted, nested, value)
         except ConfigError as exc:
             raise ConfigError(f"{source}: {exc}") from None
-        return
+        return f"{section}.{name}"
     try:
         coerced = _coerce(dotted, value, _field_type(section_cls, name))
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
     setattr(getattr(config, section), name, coerced)
+    return f"{section}.{name}"
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
@@ -447,6 +482,34 @@ def _check_arch(model: ModelConfig) -> None:
         )
 
 
+def _check_run_length(config: Config) -> None:
+    train, optim = config.train, config.optim
+    if train.max_steps and train.epochs:
+        raise ConfigError(
+            f"train.max_steps ({train.max_steps}) and train.epochs ({train.epochs}) are both set: they are "
+            "alternatives, set one (the other to 0)"
+        )
+    if not (train.max_steps or train.epochs):
+        raise ConfigError("train.max_steps: must be >= 1, or train.epochs >= 1 (both are 0)")
+    if optim.warmup_steps and optim.warmup_ratio:
+        raise ConfigError(
+            f"optim.warmup_steps ({optim.warmup_steps}) and optim.warmup_ratio ({optim.warmup_ratio}) are both set: "
+            "they are alternatives, set one (the other to 0)"
+        )
+
+
+def _check_optim(optim: OptimConfig) -> None:
+    if optim.lr <= 0:
+        raise ConfigError(f"optim.lr: must be > 0, got {optim.lr}")
+    if not 0 <= optim.warmup_ratio < 1:
+        raise ConfigError(f"optim.warmup_ratio: must be in [0, 1), got {optim.warmup_ratio}")
+    for key, value in (("optim.decay_ratio", optim.decay_ratio), ("optim.min_lr_ratio", optim.min_lr_ratio)):
+        if not 0 <= value <= 1:
+            raise ConfigError(f"{key}: must be in [0, 1], got {value}")
+    if len(optim.betas) != 2 or not all(0 <= beta < 1 for beta in optim.betas):
+        raise ConfigError(f"optim.betas: expected [beta1, beta2], each in [0, 1), got {optim.betas}")
+
+
 def validate(config: Config, world_size: int | None = None) -> None:
     """Cross-field checks; raise ConfigError naming the key."""
     world_size = config.world_size if world_size is None else world_size
@@ -455,7 +518,6 @@ def validate(config: Config, world_size: int | None = None) -> None:
         "parallel.sp_size": parallel.sp_size,
         "train.micro_batch_size": train.micro_batch_size,
         "train.global_batch_size": train.global_batch_size,
-        "train.max_steps": train.max_steps,
         "logging.log_interval": config.logging.log_interval,
         "checkpoint.keep_checkpoints": config.checkpoint.keep_checkpoints,
         "model.num_heads": config.model.num_heads,
@@ -471,12 +533,16 @@ def validate(config: Config, world_size: int | None = None) -> None:
         "train.eval_interval": train.eval_interval,
         "train.eval_batches": train.eval_batches,
         "optim.warmup_steps": config.optim.warmup_steps,
+        "train.max_steps": train.max_steps,
+        "train.epochs": train.epochs,
+        "optim.weight_decay": config.optim.weight_decay,
+        "optim.eps": config.optim.eps,
     }
     for key, value in non_negative.items():
         if value < 0:
             raise ConfigError(f"{key}: must be >= 0, got {value}")
-    if config.optim.lr <= 0:
-        raise ConfigError(f"optim.lr: must be > 0, got {config.optim.lr}")
+    _check_run_length(config)
+    _check_optim(config.optim)
     if config.model.hidden_size % config.model.num_heads:
         raise ConfigError(
             f"model.hidden_size ({config.model.hidden_size}) is not divisible by model.num_heads "
@@ -516,9 +582,46 @@ def validate(config: Config, world_size: int | None = None) -> None:
         )
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None, world_size: int | None = None) -> Config:
-    """Defaults <- YAML file <- dotted overrides, then `validate`."""
+# Keys that are alternatives to each other (how long the run is, how long the warmup is): of each pair, the one a YAML
+# or the command line sets replaces the other's default with 0; setting both nonzero is an error.
+ALTERNATIVES: tuple[tuple[str, str], ...] = (
+    ("train.max_steps", "train.epochs"),
+    ("optim.warmup_steps", "optim.warmup_ratio"),
+)
+
+
+def _get(config: Config, dotted: str) -> Any:
+    section, name = dotted.split(".")
+    return getattr(getattr(config, section), name)
+
+
+def _resolve_alternatives(config: Config, explicit: dict[str, str]) -> None:
+    """`explicit`: {key: where it was set} for the keys the YAML and the command line set."""
+    for pair in ALTERNATIVES:
+        given = [key for key in pair if key in explicit]
+        if len(given) == 1:
+            (other,) = set(pair) - set(given)
+            section, name = other.split(".")
+            setattr(getattr(config, section), name, type(_get(config, other))(0))
+        elif len(given) == 2 and all(_get(config, key) > 0 for key in pair):
+            first, second = (f"{key} ({_get(config, key)}, {explicit[key]})" for key in pair)
+            raise ConfigError(f"{first} and {second} are both set: they are alternatives, set one (the other to 0)")
+
+
+def load_config(
+    path: str | Path | None,
+    overrides: list[str] | None = None,
+    world_size: int | None = None,
+    defaults: Mapping[str, Mapping[str, Any]] | None = None,
+) -> Config:
+    """Defaults <- YAML file <- dotted overrides, then `validate`. `defaults`, e.g. `{"optim": {"lr": 1e-5}}`, replace
+    the dataclasses' own (an entry point's defaults, such as `veomni_lite.trainer.sft.SFT_DEFAULTS`); of each pair of
+    `ALTERNATIVES` the key the YAML or the command line sets replaces the other's default."""
     config = Config()
+    for section, values in (defaults or {}).items():
+        for name, value in values.items():
+            _set(config, f"{section}.{name}", value, "defaults")
+    explicit: dict[str, str] = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -535,9 +638,10 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, wor
             if not isinstance(values, dict):
                 raise ConfigError(f"{path}: section {section!r} must be a mapping, got {type(values).__name__}")
             for name, value in values.items():
-                _set(config, f"{section}.{name}", value, str(path))
+                explicit[_set(config, f"{section}.{name}", value, str(path))] = str(path)
     for key, value in parse_overrides(overrides or []):
-        _set(config, key, value, "command line")
+        explicit[_set(config, key, value, "command line")] = "command line"
+    _resolve_alternatives(config, explicit)
     validate(config, world_size)
     return config
 

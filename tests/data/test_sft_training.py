@@ -4,6 +4,8 @@ on-disk form, a fault on one rank, the inspect CLI, export and back, and the pie
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import subprocess
 import sys
@@ -22,7 +24,7 @@ from veomni_lite.data.loader import MicroBatchLoader
 from veomni_lite.examples.sft_demo import write_demo
 from veomni_lite.models.sharded_load import loadable
 from veomni_lite.trainer.base import parameter_groups
-from veomni_lite.trainer.sft import SFTTrainer
+from veomni_lite.trainer.sft import SFT_DEFAULTS, SFTTrainer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -255,3 +257,66 @@ def test_config_paths_archs_and_model_directory_heads(demo, tmp_path):
         )
     settings = json.loads((demo / "models/qwen2_vl_digits/config.json").read_text())
     assert settings["text_config"]["num_key_value_heads"] == 2
+
+
+# ---------------------------------------------------------------- held-out rows and the SFT defaults
+
+
+@pytest.mark.parametrize(
+    ("settings", "evaluates"),
+    [
+        (["--train.eval_interval", "0"], False),
+        (["--train.eval_interval", "100", "--train.eval_batches", "0"], False),
+        (["--train.eval_interval", "100", "--train.eval_batches", "1"], True),
+    ],
+)
+def test_only_a_run_that_evaluates_holds_rows_out_and_the_log_counts_them(demo, tmp_path, caplog, settings, evaluates):
+    """configs/sft_help.yaml has no eval_path and data.eval_fraction 0.05: 5% of the samples are held out for eval,
+    and none when evaluation is off (train.eval_interval or train.eval_batches 0)."""
+    config = load_config(REPO / "configs/sft_help.yaml", help_args(demo, tmp_path, *settings), world_size=1)
+    with caplog.at_level(logging.INFO, logger="veomni_lite"):
+        trainer = SFTTrainer(config)
+    try:
+        stats = trainer.train_dataset.dataset.stats if evaluates else trainer.train_dataset.stats
+        samples = stats.rows - stats.dropped
+        held_out = int(samples * 0.05) if evaluates else 0
+        assert samples == len((demo / "help/train.jsonl").read_text().splitlines())
+        assert len(trainer.train_dataset) == samples - held_out
+        if evaluates:
+            train_rows, eval_rows = set(trainer.train_dataset.indices), set(trainer.eval_dataset.indices)
+            assert len(eval_rows) == held_out and not train_rows & eval_rows
+            assert len(train_rows | eval_rows) == samples
+        else:
+            assert trainer.eval_dataset is None
+        off = "evaluation off: train.eval_interval or train.eval_batches is 0"
+        why = "data.eval_fraction 0.05" if evaluates else off
+        line = f"SFT data: train {stats}; {samples - held_out} samples train, {held_out} held out ({why})"
+        assert line in caplog.text
+    finally:
+        trainer.close()
+
+
+def test_the_sft_defaults_train_three_epochs_with_a_three_percent_warmup(demo, tmp_path, caplog):
+    """A YAML that names only the model and the data trains as `SFT_DEFAULTS` say: 3 epochs of the rows at lr 1e-5,
+    the warmup ceil(0.03 x steps), cosine decay to 0, nothing held out (no evaluation asked for)."""
+    path = tmp_path / "mine.yaml"
+    path.write_text("model:\n  arch: auto\ndata:\n  format: sharegpt\n")
+    config = load_config(path, help_args(demo, tmp_path), world_size=1, defaults=SFT_DEFAULTS)
+    with caplog.at_level(logging.INFO, logger="veomni_lite"):
+        trainer = SFTTrainer(config)
+    try:
+        samples = len((demo / "help/train.jsonl").read_text().splitlines())
+        per_epoch = samples // 16  # the default global batch
+        steps, warmup = 3 * per_epoch, math.ceil(0.03 * 3 * per_epoch)
+        assert (trainer.max_steps, len(trainer.train_dataset), trainer.eval_dataset) == (steps, samples, None)
+        factor = trainer.scheduler.lr_lambdas[0]
+        assert trainer.scheduler.get_last_lr()[0] == pytest.approx(1e-5 / warmup)
+        assert factor(warmup - 1) == 1.0 and factor(steps) == 0.0
+        assert trainer.optimizer.param_groups[0]["weight_decay"] == 0.0
+        assert (
+            f"run: {steps} optimizer steps = train.epochs 3 of {per_epoch} steps ({samples} training samples // "
+            f"train.global_batch_size 16; {samples - 16 * per_epoch} left out of each epoch); lr 1e-05, cosine "
+            f"schedule, {warmup} warmup steps" in caplog.text
+        )
+    finally:
+        trainer.close()

@@ -12,7 +12,7 @@ Per optimizer step:
      collective, no host read);
   4. gradient clipping with the true global norm over FSDP shards: its one all-reduce also counts the ranks whose
      loss is non-finite, so after the step's one host read every rank takes the same decision (step, skip or raise);
-     AdamW + warmup/cosine LR;
+     AdamW + the LR schedule (`veomni_lite.trainer.lr_schedule`);
   5. end-of-step bookkeeping (log-time metric reduction, sink writes) runs on a worker thread and overlaps the next
      step; the next optimizer update waits for it.
 """
@@ -29,14 +29,15 @@ import os
 import signal
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.optim.lr_scheduler import LambdaLR
 
-from veomni_lite.config import Config, ConfigError
+from veomni_lite.config import Config, ConfigError, OptimConfig
 from veomni_lite.data.checks import DataError, validate_micro_batch
 from veomni_lite.data.loader import MicroBatchLoader
 from veomni_lite.data.packing import padding_micro_batch
@@ -61,6 +62,7 @@ from veomni_lite.models.sharded_load import (
     scatter_from_rank0,
 )
 from veomni_lite.trainer.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
+from veomni_lite.trainer.lr_schedule import lr_lambda, ratio_steps
 from veomni_lite.trainer.model import TrainableModel, check_model_contract
 from veomni_lite.trainer.train_metrics import TrainMetrics
 from veomni_lite.utils.loss_utils import (
@@ -108,16 +110,38 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float, decay_on: str 
     return [{"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0}]
 
 
-def warmup_cosine(warmup_steps: int, max_steps: int, min_ratio: float) -> Callable[[int], float]:
-    """LR multiplier: linear warmup to 1, then cosine decay to `min_ratio` at `max_steps`."""
+# optim.implementation -> AdamW's (foreach, fused); auto is torch's own choice.
+ADAMW_KERNELS: dict[str, tuple[bool | None, bool | None]] = {
+    "auto": (None, None),
+    "fused": (None, True),
+    "foreach": (True, None),
+    "for_loop": (False, False),
+}
 
-    def factor(step: int) -> float:
-        if warmup_steps and step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
-    return factor
+def build_optimizer(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.AdamW:
+    """AdamW over `parameter_groups`, with the config's lr, betas, eps and kernels."""
+    foreach, fused = ADAMW_KERNELS[optim.implementation]
+    return torch.optim.AdamW(
+        parameter_groups(model, optim.weight_decay, optim.weight_decay_on),
+        lr=optim.lr,
+        betas=(optim.betas[0], optim.betas[1]),
+        eps=optim.eps,
+        foreach=foreach,
+        fused=fused,
+    )
+
+
+def warmup_steps(optim: OptimConfig, max_steps: int) -> int:
+    """`optim.warmup_steps`, or `optim.warmup_ratio` of a run of `max_steps` steps."""
+    return optim.warmup_steps or ratio_steps(optim.warmup_ratio, max_steps)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, max_steps: int) -> LambdaLR:
+    """`optim.schedule` over a run of `max_steps` steps (see `veomni_lite.trainer.lr_schedule`)."""
+    decay = ratio_steps(optim.decay_ratio, max_steps)
+    schedule = lr_lambda(optim.schedule, warmup_steps(optim, max_steps), max_steps, optim.min_lr_ratio, decay)
+    return LambdaLR(optimizer, schedule)
 
 
 class BaseTrainer(ABC):
@@ -164,13 +188,12 @@ class BaseTrainer(ABC):
             else:
                 self.materialize(self.model)
             del weights
-        groups = parameter_groups(self.model, optim.weight_decay, optim.weight_decay_on)
-        self.optimizer = torch.optim.AdamW(groups, lr=optim.lr)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, warmup_cosine(optim.warmup_steps, train.max_steps, optim.min_lr_ratio)
-        )
         prefetch = config.data.prefetch_steps if config.data.prefetch_steps >= 0 else int(self.device.type != "cpu")
         self.loader = self._make_loader(self.train_dataset, train.seed, prefetch, token_budget=True)
+        self.max_steps = self._run_length()
+        self.optimizer = build_optimizer(self.model, optim)
+        self.scheduler = build_scheduler(self.optimizer, optim, self.max_steps)
+        self._log_run_length()
         self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", keep=config.checkpoint.keep_checkpoints)
         self.checkpoints.check_shared()
         self.metrics = self.build_metrics()
@@ -183,6 +206,32 @@ class BaseTrainer(ABC):
         if self.is_main:
             config.save(self.output_dir / "config.yaml")
             model.save_config(self.output_dir / MODEL_CONFIG_DIR)  # what `python -m veomni_lite.export` rebuilds
+
+    def _run_length(self) -> int:
+        """The run's optimizer steps: `train.max_steps`, or `train.epochs` x the loader's steps per epoch."""
+        train = self.config.train
+        return train.epochs * self.loader.steps_per_epoch if train.epochs else train.max_steps
+
+    def _log_run_length(self) -> None:
+        """Rank 0 logs the run's length in steps and epochs, and its schedule."""
+        if not self.is_main:
+            return
+        train, optim = self.config.train, self.config.optim
+        samples, per_epoch = len(self.train_dataset), self.loader.steps_per_epoch
+        length = f"train.epochs {train.epochs}" if train.epochs else f"{self.max_steps / per_epoch:.3g} epochs"
+        logger.info(
+            "run: %d optimizer steps = %s of %d steps (%d training samples // train.global_batch_size %d; %d left "
+            "out of each epoch); lr %g, %s schedule, %d warmup steps",
+            self.max_steps,
+            length,
+            per_epoch,
+            samples,
+            train.global_batch_size,
+            samples - per_epoch * train.global_batch_size,
+            optim.lr,
+            optim.schedule,
+            warmup_steps(optim, self.max_steps),
+        )
 
     @property
     def _sharded_build(self) -> bool:
@@ -295,13 +344,13 @@ class BaseTrainer(ABC):
         return {}
 
     def build_metrics(self) -> TrainMetrics:
-        train, logs = self.config.train, self.config.logging
+        logs = self.config.logging
         return TrainMetrics(
             loss_names=list(self.loss_keys),
             loss_modes=self.loss_modes,
             output_dir=self.output_dir,
             log_interval=logs.log_interval,
-            max_steps=train.max_steps,
+            max_steps=self.max_steps,
             is_main=self.is_main,
             device=self.device,
             world_size=self.parallel.world_size,
@@ -467,13 +516,14 @@ class BaseTrainer(ABC):
             logger.warning("%s; the step is skipped on every rank (train.nonfinite=skip)", message)
 
     def train(self) -> dict[str, float]:
-        """Run until `train.max_steps`; returns the last logged metrics. Every exit path flushes the metrics."""
+        """Run until `self.max_steps` (`train.max_steps` or `train.epochs`); returns the last logged metrics. Every
+        exit path flushes the metrics."""
         train = self.config.train
         save_interval = self.config.checkpoint.save_interval
         previous_handlers = self._install_signal_handlers()
         progress = self._progress_bar()
         try:
-            while self.step < train.max_steps:
+            while self.step < self.max_steps:
                 micro_batches = [self.shard(mb) for mb in self.loader.next_step()]
                 epoch = self.loader.epoch
                 if self._agree(micro_batches):
@@ -511,7 +561,7 @@ class BaseTrainer(ABC):
             return None
         from tqdm.auto import tqdm
 
-        return tqdm(total=self.config.train.max_steps, initial=self.step, desc="train", dynamic_ncols=True)
+        return tqdm(total=self.max_steps, initial=self.step, desc="train", dynamic_ncols=True)
 
     def _on_interrupt(self) -> None:
         signum = self._stop_signal or signal.SIGTERM

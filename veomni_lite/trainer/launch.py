@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
+from typing import Any
 
 import torch.distributed as dist
 
@@ -20,15 +21,20 @@ from veomni_lite.models.registry import CAUSAL_LM, family_of
 from veomni_lite.trainer.base import BaseTrainer
 
 
-def main(trainers: Mapping[str, type[BaseTrainer]], argv: list[str] | None = None) -> int:
+def main(
+    trainers: Mapping[str, type[BaseTrainer]],
+    argv: list[str] | None = None,
+    defaults: Mapping[str, Mapping[str, Any]] | None = None,
+) -> int:
     """`<entry>.py CONFIG.yaml [--section.key VALUE ...]`; `trainers` maps each `model.arch` this entry trains to its
-    trainer (`"*"`: any transformers causal-LM model_type). Config errors exit 2 before any process group."""
+    trainer (`"*"`: any transformers causal-LM model_type); `defaults`: this entry's own config defaults, under the
+    YAML (see `load_config`). Config errors exit 2 before any process group."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0].startswith("--"):
         print(f"usage: {sys.argv[0]} CONFIG.yaml [--section.key VALUE ...]", file=sys.stderr)
         return 2
     try:
-        config = load_config(argv[0], argv[1:])
+        config = load_config(argv[0], argv[1:], defaults=defaults)
         arch = config.model.arch
         causal_lm = arch not in NAMED_ARCHES and family_of(arch) is CAUSAL_LM
         trainer_cls = trainers.get(arch, trainers.get("*") if causal_lm else None)

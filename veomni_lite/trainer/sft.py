@@ -52,6 +52,23 @@ def image_token(tokenizer: Any, model_config: Any, directory: str) -> str:
         )
     return token
 
+# The defaults `trainers/train_sft.py` starts from, under the YAML and the command line (`load_config(..., defaults=)`),
+# fit for fine-tuning a released model rather than training the tiny examples from scratch: transformers' Trainer
+# defaults, which TRL's SFTTrainer and LLaMA-Factory inherit (3 epochs, no weight decay, AdamW betas (0.9, 0.999) and
+# eps 1e-8, clipping at 1.0), with LLaMA-Factory's full fine-tuning recipe's lr 1e-5 and cosine decay (to 0, as
+# transformers' cosine) and the Alpaca / Vicuna recipes' 3% warmup.
+SFT_DEFAULTS: dict[str, dict[str, Any]] = {
+    "train": {"epochs": 3, "max_steps": 0},
+    "optim": {
+        "lr": 1e-5,
+        "schedule": "cosine",
+        "min_lr_ratio": 0.0,
+        "warmup_ratio": 0.03,
+        "warmup_steps": 0,
+        "weight_decay": 0.0,
+    },
+}
+
 
 def _max_seq_len(data: Any) -> int:
     """`data.max_seq_len`, within `data.max_tokens_per_micro_batch` where a token budget is set (so a longer sample
@@ -114,17 +131,26 @@ class SFTTrainer(BaseTrainer):
         return datasets
 
     def _build_datasets(self) -> tuple[Any, Any | None]:
+        """Evaluation is on when `train.eval_interval` and `train.eval_batches` are both nonzero (the loop evaluates
+        then and only then): the eval set is `data.eval_path`'s rows or, without it, `data.eval_fraction` of the
+        training samples, held out. Off, no eval set is returned and every training sample trains."""
         data, train = self.config.data, self.config.train
         self.model_config, self.tokenizer, dataset, evaluation, self.images = build_sft_data(self.config)
-        if self.is_main:
-            logger.info("SFT data: train %s", dataset.stats)
-            if evaluation is not None:
-                logger.info("SFT data: eval %s", evaluation.stats)
-        if evaluation is None and data.eval_fraction > 0 and train.eval_batches:
+        evaluates = bool(train.eval_interval and train.eval_batches)
+        stats, held_out = dataset.stats, 0
+        if evaluates and evaluation is None and data.eval_fraction > 0:
             order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(train.seed)).tolist()
             held_out = int(len(order) * data.eval_fraction)
             evaluation, dataset = Subset(dataset, sorted(order[:held_out])), Subset(dataset, sorted(order[held_out:]))
-        if evaluation is not None and train.eval_batches and len(evaluation) < train.global_batch_size:
+        if self.is_main:
+            if not evaluates:
+                why = "evaluation off: train.eval_interval or train.eval_batches is 0"
+            else:
+                why = "eval: data.eval_path" if data.eval_path else f"data.eval_fraction {data.eval_fraction}"
+            logger.info("SFT data: train %s; %d samples train, %d held out (%s)", stats, len(dataset), held_out, why)
+            if data.eval_path and evaluation is not None:
+                logger.info("SFT data: eval %s%s", evaluation.stats, "" if evaluates else " (unused: evaluation off)")
+        if evaluates and evaluation is not None and len(evaluation) < train.global_batch_size:
             raise DataError(
                 f"the eval set has {len(evaluation)} samples, fewer than one eval batch (train.global_batch_size = "
                 f"{train.global_batch_size}); add eval data, raise data.eval_fraction or set train.eval_batches: 0"
@@ -134,7 +160,7 @@ class SFTTrainer(BaseTrainer):
                 f"the training set has {len(dataset)} samples, fewer than train.global_batch_size "
                 f"({train.global_batch_size})"
             )
-        return dataset, evaluation if train.eval_batches else None
+        return dataset, evaluation if evaluates else None
 
     def build_model(self) -> Any:
         return self.pretrained_model(self.config.model.pretrained_dir)
