@@ -211,13 +211,16 @@ class SequenceParallel(ExactLossTrainer):
 
 
 def test_what_cannot_be_exact_is_refused_at_construction(tmp_path):
-    from transformers import TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
     from tests.integrations.hf_cases import z_loss_func
 
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     with pytest.raises(ValueError, match=r"data parallelism only .*'sequence': 2"):
         SequenceParallel(model=build("vl"), args=args)
+    dpo = type("DPOTrainer", (Trainer,), {"__module__": "trl.trainer.dpo_trainer"})  # its loss is not over labels
+    with pytest.raises(ValueError, match="of TRL's trainers only SFTTrainer is supported, not DPOTrainer"):
+        exact_loss(dpo)(model=build("vl"), args=args)
     with pytest.raises(ValueError, match="compute_loss_func .* in loss mode 'seq-mean-token-mean'"):
         ExactLossTrainer(model=build("vl"), args=args, compute_loss_func=z_loss_func, loss_modes="seq-mean-token-mean")
     trainer = ExactLossTrainer(model=build("vl"), args=args, compute_loss_func=z_loss_func)

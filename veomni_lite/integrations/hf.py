@@ -42,8 +42,8 @@ Host reads on an accelerator: `verify_loss_keys()` once per step, after the firs
 NaN filter reads every micro-batch's loss anyway); per-sequence modes read the sequence sizes (`mark_sequences`);
 TRL's metrics read theirs per micro-batch, as in TRL.
 Limits, raised at construction: data parallelism only (DDP or FSDP; accelerate's tensor, context and sequence
-parallel sizes 1), no label smoothing, `compute_loss_func` only with a token-mean foundation head, TRL's `loss_type`
-`nll` or `dft`.
+parallel sizes 1), no label smoothing, `compute_loss_func` only with a token-mean foundation head, of TRL only the
+`SFTTrainer` with `loss_type` `nll` or `dft`.
 """
 
 from __future__ import annotations
@@ -111,8 +111,8 @@ def prepare_micro_batch(batch: Mapping[str, Any], modes: LossModes) -> dict[str,
     return mark_sequences(out, modes) if modes.needs_sequences() else out
 
 
-def _is_trl_sft(trainer: Any) -> bool:
-    return any(c.__name__ == "SFTTrainer" and c.__module__.startswith("trl.") for c in type(trainer).__mro__)
+def _trl_classes(trainer: Any) -> list[str]:
+    return [c.__name__ for c in type(trainer).__mro__ if c.__module__.startswith("trl.")]
 
 
 def _output(outputs: Any, key: str) -> Any:
@@ -146,7 +146,10 @@ class ExactLossMixin:
                 f"exact loss: compute_loss_func divides by a token count (num_items_in_batch), so it cannot be exact "
                 f"in loss mode {self.loss_modes.mode(FOUNDATION)!r}; use loss_modes='token-mean' or drop the function"
             )
-        self._trl = _is_trl_sft(self)
+        trl = _trl_classes(self)
+        if trl and "SFTTrainer" not in trl:  # DPO, GRPO, ...: their loss is not a next-token loss over `labels`
+            raise ValueError(f"exact loss: of TRL's trainers only SFTTrainer is supported, not {trl[0]}")
+        self._trl = bool(trl)
         if self._trl:
             loss_type = getattr(self.args, "loss_type", "nll")
             if loss_type not in TRL_LOSS_TYPES:
