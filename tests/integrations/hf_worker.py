@@ -1,6 +1,7 @@
-"""torchrun worker: the Hugging Face Trainer, exact (`ExactLossTrainer`) and stock, on each model of `hf_cases`
-(GA 2, variable-length micro-batches); writes per rank the raw micro-batches it trained on and, on rank 0, the
-parameters at each step's start and the gradients before each optimizer step, to `<out>/<kind>-<trainer>-<rank>.pt`.
+"""torchrun worker: the Hugging Face Trainer (or TRL's SFTTrainer), exact and stock, on each case of `hf_cases`
+(GA 2, variable-length micro-batches); writes per rank the raw micro-batches it trained on, the logged entries and,
+on rank 0, the parameters at each step's start and the gradients before each optimizer step, to
+`<out>/<kind>-<trainer>-<rank>.pt`.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 -m tests.integrations.hf_worker OUT [KINDS...]
 """
@@ -19,11 +20,12 @@ import torch.distributed as dist
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from tests.dist_helpers import counting_calls
-from tests.integrations.hf_cases import build, collate, samples, tokenizer
+from tests.integrations.hf_cases import build, collate, samples, tokenizer, z_loss_func
 from veomni_lite.integrations.hf import ExactLossTrainer, exact_loss
 from veomni_lite.utils import loss_utils
 
 STEPS, GA, MICRO = 2, 2, 2
+TRL_CASES = {"dft": {"loss_type": "dft"}, "pf": {"padding_free": True, "max_length": None}}  # SFTConfig
 COLLECTIVES = ["all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast", "barrier"]
 
 
@@ -40,25 +42,36 @@ class Record(TrainerCallback):
         self.grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
 
 
-def train(kind: str, trainer_class: type[Trainer], out: Path, rank: int) -> dict[str, Any]:
-    seen: list[dict[str, torch.Tensor]] = []
+def is_trl(trainer_class: type[Trainer]) -> bool:
+    return any(c.__name__ == "SFTTrainer" for c in trainer_class.__mro__)
 
-    def recording_collate(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        batch = collate(rows)
-        seen.append({k: v.clone() for k, v in batch.items()})
-        return batch
+
+def train(kind: str, trainer_class: type[Trainer], out: Path, rank: int) -> dict[str, Any]:
+    seen: list[dict[str, Any]] = []
+
+    def recording(collator: Any) -> Any:
+        def recording_collate(rows: list[dict[str, Any]]) -> dict[str, Any]:
+            batch = collator(rows)
+            seen.append({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()})
+            return batch
+
+        return recording_collate
 
     data: Any = samples(kind, STEPS * GA * MICRO * int(os.environ["WORLD_SIZE"]))
     arguments_class, extra, trl = TrainingArguments, {}, {}
-    if trainer_class.__name__ == "ExactSFTTrainer":  # TRL: its config and a `datasets` set, our collator
+    if is_trl(trainer_class):  # TRL: its config and a `datasets` set; our collator, or TRL's padding-free one
         from datasets import Dataset
         from trl import SFTConfig
 
-        arguments_class, extra = SFTConfig, {"dataset_kwargs": {"skip_prepare_dataset": True}}
+        arguments_class = SFTConfig
+        # float64 throughout: TRL defaults to bf16 autocast, under which its fused head runs bf16 tiles
+        extra = {"dataset_kwargs": {"skip_prepare_dataset": True}, "bf16": False, **TRL_CASES.get(kind, {})}
         data, trl = (
             Dataset.from_list([{k: v.tolist() for k, v in s.items()} for s in data]),
             {"processing_class": tokenizer()},
         )
+    if kind == "func":
+        trl["compute_loss_func"] = z_loss_func
     args = arguments_class(
         output_dir=str(out / f"run-{kind}"), per_device_train_batch_size=MICRO, gradient_accumulation_steps=GA,
         max_steps=STEPS, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0,
@@ -70,17 +83,19 @@ def train(kind: str, trainer_class: type[Trainer], out: Path, rank: int) -> dict
         model=build(kind),
         args=args,
         train_dataset=data,
-        data_collator=recording_collate,
+        data_collator=None if kind == "pf" else recording(collate),
         callbacks=[record],
         **trl,
     )
+    if kind == "pf":
+        trainer.data_collator = recording(trainer.data_collator)
     record.trainer = trainer
     with counting_calls(loss_utils, "all_reduce") as loss_reduces, counting_collectives() as collectives:
         trainer.train()
-    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    logs = [e for e in trainer.state.log_history if "loss" in e]
     return {
-        "batches": seen, "params": record.params, "grads": record.grads, "losses": losses,
-        "loss_all_reduces": len(loss_reduces), "collectives": sum(map(len, collectives)),
+        "batches": seen, "params": record.params, "grads": record.grads, "losses": [e["loss"] for e in logs],
+        "logs": logs, "loss_all_reduces": len(loss_reduces), "collectives": sum(map(len, collectives)),
     }  # fmt: skip
 
 
@@ -91,18 +106,25 @@ def counting_collectives() -> Iterator[list[list[int]]]:
         yield [stack.enter_context(counting_calls(dist, name)) for name in COLLECTIVES]
 
 
+def trainers(kind: str, with_trl: bool) -> dict[str, type[Trainer]]:
+    """`exact` and `stock` for the case (TRL's SFTTrainer for the TRL cases); `trl`: also TRL's made exact."""
+    if kind in TRL_CASES or with_trl:
+        from trl import SFTTrainer
+    if kind in TRL_CASES:
+        return {"exact": exact_loss(SFTTrainer), "stock": SFTTrainer}
+    out: dict[str, type[Trainer]] = {"exact": ExactLossTrainer, "stock": Trainer}
+    if kind == "vl25" and with_trl:
+        out["trl"] = exact_loss(SFTTrainer)
+    return out
+
+
 def main() -> None:
     """`--trl`: also TRL's SFTTrainer made exact, on Qwen2.5-VL."""
     out, kinds = Path(sys.argv[1]), [k for k in sys.argv[2:] if k != "--trl"] or ["vl", "vl25", "text"]
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     for kind in kinds:
-        trainers: dict[str, type[Trainer]] = {"exact": ExactLossTrainer, "stock": Trainer}
-        if kind == "vl25" and "--trl" in sys.argv:
-            from trl import SFTTrainer
-
-            trainers["trl"] = exact_loss(SFTTrainer)
-        for name, trainer_class in trainers.items():
+        for name, trainer_class in trainers(kind, "--trl" in sys.argv).items():
             torch.save(train(kind, trainer_class, out, rank), out / f"{kind}-{name}-{rank}.pt")
 
 
