@@ -47,6 +47,7 @@ TOKENIZER_FILES = (
     "tokenizer.model",
     "generation_config.json",
     "preprocessor_config.json",
+    "video_preprocessor_config.json",
     "processor_config.json",
 )
 CHAT_TEMPLATES_DIR = "additional_chat_templates"

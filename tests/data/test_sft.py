@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from veomni_lite.data.checks import DataError
-from veomni_lite.data.sft import CHATML, ChatEncoder, read_sources, to_conversation
+from veomni_lite.data.sft import CHATML, ChatEncoder, override_template, read_sources, to_conversation
 from veomni_lite.data.sft_dataset import ImageProcessing, SFTDataset
 from veomni_lite.examples.sft_demo import write_tokenizer
 from veomni_lite.loss_keys import IGNORE_INDEX
@@ -125,6 +125,12 @@ def test_chatml_for_a_tokenizer_without_a_template(tokenizer):
     encoded, runs = encode(tokenizer, {"messages": CONVERSATION}, "messages", chat_template="chatml")
     assert runs == ["General Kenobi<|im_end|>"]
     assert tokenizer.chat_template != CHATML
+    saved = override_template("chatml", "<|image_pad|>")  # as the export writes it: renders images on its own
+    image_turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which?"}]}]
+    assert tokenizer.apply_chat_template(image_turn, chat_template=saved, tokenize=False).startswith(
+        "<|im_start|>user\n<|image_pad|>Which?"
+    )
+    assert override_template("") == "" and override_template("{{ 'mine' }}") == "{{ 'mine' }}"
 
 
 def test_a_template_that_is_not_prefix_stable_is_an_error_naming_the_row(tokenizer):
