@@ -56,7 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dataset = train if args.split == "train" else evaluation
     if dataset is None:
-        print("no eval data: data.eval_path is not set (a run that evaluates holds out data.eval_fraction)", file=sys.stderr)
+        print(
+            "no eval data: data.eval_path is not set (a run that evaluates holds out data.eval_fraction)",
+            file=sys.stderr,
+        )
         return 2
     image_token_id = model_config.image_token_id if images is not None else None
     for index in range(min(args.n, len(dataset))):
