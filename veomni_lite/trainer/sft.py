@@ -53,6 +53,7 @@ def image_token(tokenizer: Any, model_config: Any, directory: str) -> str:
         )
     return token
 
+
 # The defaults `trainers/train_sft.py` starts from, under the YAML and the command line (`load_config(..., defaults=)`),
 # fit for fine-tuning a released model rather than training the tiny examples from scratch: transformers' Trainer
 # defaults, which TRL's SFTTrainer and LLaMA-Factory inherit (3 epochs, no weight decay, AdamW betas (0.9, 0.999) and
