@@ -3,7 +3,9 @@
 Builds the SFT data of a config exactly as `trainers/train_sft.py` does (tokenizer, template, labels, images, lengths)
 without a process group or a model, and prints the first samples decoded: the tokens that train between `[[` and
 `]]`, image placeholders collapsed to `<image x N>`, and per sample its tokens, trained tokens and images; then what
-`data.overlength` did. Bad data fails here with the same error the trainer would give.
+`data.overlength` did. Bad data (a template that raises on a row included) fails here with the same error the
+trainer would give. `sample K` counts the samples kept; the row it came from is named `row N (0-based)` within its
+file, as in every error.
 """
 
 from __future__ import annotations
