@@ -55,8 +55,8 @@ def help_args(demo: Path, out: Path, *extra: str) -> list[str]:
     return sft_args(demo, out, "qwen2_help", "help/train.jsonl", *extra)
 
 
-def train(config_file: str, args: list[str]) -> SFTTrainer:
-    trainer = SFTTrainer(load_config(REPO / "configs" / config_file, args, world_size=1))
+def train(config_file: str, args: list[str], world_size: int = 1) -> SFTTrainer:
+    trainer = SFTTrainer(load_config(REPO / "configs" / config_file, args, world_size=world_size))
     try:
         trainer.train()
     finally:

@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.data.test_sft_training import REPO, help_args
+from tests.data.test_sft_training import help_args, train
 from tests.dist_helpers import run_distributed
-from veomni_lite.config import load_config
 from veomni_lite.examples.sft_demo import write_help, write_text_model
 from veomni_lite.trainer.sft import SFTTrainer
 
@@ -77,13 +76,7 @@ def checkpoint_dtypes(output_dir: Path) -> set[torch.dtype]:
 
 
 def _train(demo: Path, out: Path, *extra: str, world_size: int = 1) -> SFTTrainer:
-    args = help_args(demo, out, *UPDATE, *extra)
-    trainer = SFTTrainer(load_config(REPO / "configs" / "sft_help.yaml", args, world_size=world_size))
-    try:
-        trainer.train()
-    finally:
-        trainer.metrics.close()
-    return trainer
+    return train("sft_help.yaml", help_args(demo, out, *UPDATE, *extra), world_size)
 
 
 def test_a_bf16_directory_trains_float32_masters_that_keep_a_small_update(demo, tmp_path):

@@ -245,9 +245,7 @@ def test_flash_attention_over_a_device_row_is_a_clear_error(varlen):
     ("kind", "attention", "packed"),
     [("text", "sdpa", False), ("text", "varlen", True), ("qwen2_vl", "varlen", True)],
 )
-def test_the_decoder_computes_no_mask_and_never_reads_the_positions(
-    monkeypatch, varlen, kind, attention, packed
-):
+def test_the_decoder_computes_no_mask_and_never_reads_the_positions(monkeypatch, varlen, kind, attention, packed):
     """No call of transformers' `find_packed_sequence_indices` (a device read of the position ids, so a host sync
     per forward on an accelerator): the models route the decoder's attention through ours (`route_attention`), for
     which transformers computes no mask. The control, on transformers' own attention, calls it and computes the same
