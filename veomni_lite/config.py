@@ -56,6 +56,11 @@ class ModelConfig:
     """The transformers decoder's attention: sdpa, or flash_attention_2 / flash_attention_3 where the package is
     installed (a GPU); packed rows then reach flash-attention's varlen kernel as host-computed boundaries. Under
     `parallel.sp_size` > 1 the decoder runs Ulysses attention (SDPA after the all-to-all); vision towers keep sdpa."""
+    fused_lm_head: bool = True
+    """The transformers models (Qwen2, Qwen2-VL, any causal LM of `pretrained_dir`): compute the LM head's matmul and
+    its cross-entropy chunk by chunk of tokens, so the [tokens, vocab] logits and their gradient are never whole in
+    memory (the same losses and gradients, every loss mode); false: build the logits whole first. The tiny example
+    models always build theirs."""
     hidden_size: int = 64
     """Width of the decoder."""
     num_layers: int = 2

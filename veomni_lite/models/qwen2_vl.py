@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from veomni_lite.data.collator import packed_positions, sequence_ids, shift_labels
 from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS, IGNORE_INDEX, SEQUENCE_IDS
-from veomni_lite.models.heads import decoder_flops_per_token, masked_mean_cross_entropy
+from veomni_lite.models.heads import decoder_flops_per_token, lm_head_loss, masked_mean_cross_entropy
 from veomni_lite.models.hf_attention import decoder_attention_inputs, enable_ulysses
 
 IMAGE_HEAD_FILE = "image_decoder_head.safetensors"
@@ -237,11 +237,12 @@ class Qwen2VLWithImageHead(nn.Module):
         hidden = self.hidden_states(
             input_ids, position_ids, image_feature_index, pixel_values, image_grid_thw, attention_sequence_ids
         )
-        logits = self.vlm.lm_head(hidden)
         head = self.image_head
         if labels is None:
+            logits = self.vlm.lm_head(hidden)
             return {"logits": logits} if head is None else {"logits": logits, "image_logits": head(hidden)}
-        losses = {"foundation_loss": masked_mean_cross_entropy(logits, labels, foundation_loss_weights)}
+        fused = getattr(self, "fused_lm_head", True)  # `model.fused_lm_head`: see `lm_head_loss`
+        losses = {"foundation_loss": lm_head_loss(self.vlm.lm_head, hidden, labels, foundation_loss_weights, fused)}
         if head is not None:
             losses["image_decoder_loss"] = masked_mean_cross_entropy(
                 head(hidden), image_decoder_labels, image_decoder_loss_weights
