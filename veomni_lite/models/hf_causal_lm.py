@@ -5,8 +5,9 @@ Built from a config dict (`{"model_type": "qwen2", "hidden_size": 64, ...}`, no 
 micro-batch with labels already shifted once (a packed row adds `attention_sequence_ids`, its whole row's samples on
 the host, from which `decoder_attention_inputs` builds the block mask or flash-attention's boundaries), and returns
 `{"foundation_loss": mean cross-entropy over this rank's valid targets}` (an exact 0 without targets), the LM head
-fused with the cross-entropy unless `fused_lm_head` is False (`lm_head_loss`); without labels it returns `{"logits"}`. The decoder runs with the positions it is given (global positions under SP), so no model
-code changes for Ulysses.
+fused with the cross-entropy unless `fused_lm_head` is False (`lm_head_loss`); without labels it returns
+`{"logits"}`. The decoder runs with the positions it is given (global positions under SP), so no model code changes
+for Ulysses.
 """
 
 from __future__ import annotations
