@@ -9,10 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.models.test_hf_models import PAD, TEXT_SETTINGS, make_vl, text_sample
-from tests.models.test_packing import text_samples
+from tests.models.test_packing import Shapes, text_samples
 from veomni_lite.data.collator import pack
 from veomni_lite.loss_keys import IGNORE_INDEX
 from veomni_lite.models import heads
@@ -118,26 +117,11 @@ def test_tied_embeddings_accumulate_both_uses_into_one_parameter():
     assert _rel(grads[0], grads[1]) < TOL
 
 
-class _Shapes(TorchDispatchMode):
-    """Records the shape of every tensor an op creates."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.shapes: list[tuple[int, ...]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(tensor, torch.Tensor):
-                self.shapes.append(tuple(tensor.shape))
-        return out
-
-
 @pytest.mark.parametrize("fused", [True, False])
 def test_no_tensor_of_the_whole_logits_size_is_created(fused):
     hidden, weight, bias = _head()
     labels = _labels()
-    with _Shapes() as recorder:
+    with Shapes() as recorder:
         if fused:
             loss = linear_cross_entropy(hidden, weight, labels, bias=bias, chunk_tokens=16)
         else:  # the control: the plain head builds the logits and their gradient whole
