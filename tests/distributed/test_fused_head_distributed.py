@@ -59,3 +59,17 @@ def test_fused_head_under_fsdp2_gives_the_plain_heads_gradients():
             name, param = name_param
             scale = param.grad.abs().max()
             assert float((got - param.grad).abs().max()) <= TOL * float(scale), (tied, name)
+
+
+@pytest.mark.slow
+def test_split_invariance_with_the_fused_head_unpacked_in_every_mode():
+    """The harness on padded micro-batches (GA 8 x 1, DP=2, SP=2, DP=2 x SP=2) for every mode, the fused head on (the
+    packed layouts run in tests/distributed/test_packing_distributed.py, fused too, as the default)."""
+    from tests.distributed import packing_fixtures as fx
+    from tests.distributed.test_packing_distributed import TEXT_MODES
+    from veomni_lite.split_invariance import check_split_invariance, default_layouts
+
+    assert fx.build_text().fused_lm_head
+    report = check_split_invariance(fx.build_text, fx.text_samples(), fx.collate_text, TEXT_MODES, default_layouts(8))
+    print(f"\nfused head, padded layouts:\n{report}")
+    assert report.worst() < 1e-10
