@@ -2,9 +2,9 @@
 (`model.fused_lm_head`) against the plain head (whole logits), at Qwen's vocabulary and a tiny decoder (Qwen2, hidden
 64, two layers, untied embeddings) so the head dominates.
 
-Each (vocabulary, tokens, head) runs in a fresh process on one thread: AdamW's state is made by a 16-token step, then the peak RSS
-is reset (`/proc/self/clear_refs`) and one step of one packed row (samples of 512 tokens) is timed and its peak read
-(`VmHWM`; on the CPU activations are part of the resident set). Growth: the step's peak over the same head's
+Each (vocabulary, tokens, head) runs in a fresh process on one thread: AdamW's state is made by a 16-token step, then
+the peak RSS is reset (`/proc/self/clear_refs`) and one step of one packed row (samples of 512 tokens) is timed and its
+peak read (`VmHWM`; on the CPU activations are part of the resident set). Growth: the step's peak over the same head's
 vocabulary-1,024 step, in units of one float32 [tokens, vocabulary] tensor (target <= 0.25 fused). Where the plain
 head's logits alone would not fit in this machine's memory the row says so instead of swapping.
 """

@@ -6,10 +6,11 @@ budgets 1,536 and 4,096).
 
 Time: one process, the two variants in interleaved blocks of steps on the same trainer; a step is the trainer's own
 (fetch this rank's micro-batches, shard, `train_step`). Real tokens are the samples' own (`sequence_ids` >= 0),
-identical for both, so real tokens per second is their count over the step time; the padding ratio is padding
-positions over all positions run; the spread is the lowest and highest packed / padded ratio of single blocks. Peak memory (CPU: activations are part of the resident set): the process's peak
-RSS is reset before each block (`/proc/self/clear_refs`) and read after it (`VmHWM`), so each variant's peak is
-its own steps' (model, optimizer and data included, the same for both).
+identical for both, so real tokens per second is their count over the step time; the padding ratio is padding positions
+over all positions run; the spread is the lowest and highest packed / padded ratio of single blocks. Peak memory (CPU:
+activations are part of the resident set): the process's peak RSS is reset before each block (`/proc/self/clear_refs`)
+and read after it (`VmHWM`), so each variant's peak is its own steps' (model, optimizer and data included, the same for
+both).
 """
 
 from __future__ import annotations
