@@ -1,19 +1,23 @@
-"""make bench: the help-pages SFT job (`configs/sft_help.yaml`, one paragraph per row, so lengths vary) padded against
-packed with token-budget micro-batches, at equal gradients (each step trains on the same global batch of 32 samples
-either way; `tests/data/test_sft_packing.py` checks that the per-step losses and gradient norms are equal).
+"""make bench: SFT jobs padded against packed with token-budget micro-batches, at equal gradients (each step trains on
+the same global batch of 32 samples either way; `tests/data/test_sft_packing.py` checks that the per-step losses and
+gradient norms are equal): the help pages (`configs/sft_help.yaml`, one paragraph per row, so lengths vary; budget
+512) and conversations (the same model, rows of 20 to 1,500 tokens drawn uniformly from spans of the help pages;
+budgets 1,536 and 4,096).
 
 Time: one process, the two variants in interleaved blocks of steps on the same trainer; a step is the trainer's own
 (fetch this rank's micro-batches, shard, `train_step`). Real tokens are the samples' own (`sequence_ids` >= 0),
-identical for both, so real tokens per second is their count over the step time; the padding ratio is padding
-positions over all positions run. Peak memory (CPU: activations are part of the resident set): the process's peak
-RSS is reset before each block (`/proc/self/clear_refs`) and read after it (`VmHWM`), so each variant's peak is
-its own steps' (model, optimizer and data included, the same for both).
+identical for both, so real tokens per second is their count over the step time; the padding ratio is padding positions
+over all positions run; the spread is the lowest and highest packed / padded ratio of single blocks. Peak memory (CPU:
+activations are part of the resident set): the process's peak RSS is reset before each block (`/proc/self/clear_refs`)
+and read after it (`VmHWM`), so each variant's peak is its own steps' (model, optimizer and data included, the same for
+both).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import time
@@ -22,18 +26,40 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 BUDGET = 512  # tokens per packed micro-batch: two to the longest sample (max_seq_len 256)
-TARGET = 1.5  # packed real tokens per second over padded
+TARGET = 1.5  # packed real tokens per second over padded (the help pages; 1.0 for the conversations)
+CHAT_BUDGETS, CHAT_TARGET, CHAT_LENGTHS = (1536, 4096), 1.0, (20, 1500)
 
 
-def _trainer(work_dir: Path, max_steps: int) -> Any:
+def _write_conversations(path: Path, tokenizer: Any, rows: int = 512, seed: int = 0) -> None:
+    """`rows` sharegpt rows whose answers are spans of the help pages' tokens, 20 to 1,500 tokens per row."""
+    from pydoc_data.topics import topics
+
+    ids = tokenizer("\n\n".join(topics[name] for name in sorted(topics)))["input_ids"]
+    rng, out = random.Random(seed), []
+    for _ in range(rows):
+        length = rng.randint(CHAT_LENGTHS[0], CHAT_LENGTHS[1] - 16)  # the chat template adds about a dozen
+        start = rng.randrange(len(ids) - length)
+        answer = tokenizer.decode(ids[start : start + length])
+        out.append({"conversations": [{"from": "human", "value": "Go on."}, {"from": "gpt", "value": answer}]})
+    path.write_text("".join(json.dumps(row) + "\n" for row in out))
+
+
+def _trainer(work_dir: Path, max_steps: int, chat: bool = False) -> Any:
     from veomni_lite.config import load_config
     from veomni_lite.examples.sft_demo import write_demo
     from veomni_lite.trainer.sft import SFTTrainer
 
     demo = write_demo(work_dir / "sft_demo")
+    data = demo / "help/train.jsonl"
+    if chat:
+        from transformers import AutoTokenizer
+
+        data = work_dir / "conversations.jsonl"
+        _write_conversations(data, AutoTokenizer.from_pretrained(demo / "models/qwen2_help", local_files_only=True))
     args = [
         "--model.pretrained_dir", str(demo / "models/qwen2_help"),
-        "--data.train_path", str(demo / "help/train.jsonl"),
+        "--data.train_path", str(data),
+        "--data.max_seq_len", str(CHAT_LENGTHS[1] if chat else 256),
         "--train.output_dir", str(work_dir / "packing_run"),
         "--train.eval_batches", "0",
         "--train.max_steps", str(max_steps),
@@ -45,22 +71,22 @@ def _trainer(work_dir: Path, max_steps: int) -> Any:
     return SFTTrainer(load_config(REPO / "configs" / "sft_help.yaml", args, world_size=1))
 
 
-def _loaders(trainer: Any) -> dict[str, Any]:
+def _loaders(trainer: Any, budgets: tuple[int, ...]) -> dict[str, Any]:
     from veomni_lite.data.collator import collate
     from veomni_lite.data.loader import MicroBatchLoader
 
     train = trainer.config.train
     common = {"global_batch_size": train.global_batch_size, "micro_batch_size": train.micro_batch_size, "seed": 0}
-    return {
-        "padded": MicroBatchLoader(trainer.train_dataset, trainer.collate, **common),
-        "packed": MicroBatchLoader(
+    loaders = {"padded": MicroBatchLoader(trainer.train_dataset, trainer.collate, **common)}
+    for budget in budgets:
+        loaders[f"packed {budget}"] = MicroBatchLoader(
             trainer.train_dataset,
             lambda samples: collate(samples, pad_id=trainer.pad_id, packing=True),
             **common,
-            max_tokens=BUDGET,
+            max_tokens=budget,
             packing=True,
-        ),
-    }
+        )
+    return loaders
 
 
 def _step(trainer: Any, loader: Any) -> tuple[float, int, int, int]:
@@ -74,25 +100,46 @@ def _step(trainer: Any, loader: Any) -> tuple[float, int, int, int]:
 
 
 def measure(work_dir: Path, steps: int = 20, blocks: int = 4) -> dict[str, Any]:
-    """Per variant: median [IQR] step ms, real tokens per second, padding ratio, micro-batches per step, peak RSS."""
-    trainer = _trainer(work_dir, 10 * steps * blocks)
-    loaders = _loaders(trainer)
+    """The help pages (budget 512, `steps` steps per block) and the conversations (budgets 1,536 and 4,096, a tenth
+    as many steps: their rows are ten times longer), each in `blocks` interleaved blocks, on one thread."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the bench workers (OMP_NUM_THREADS=1): a shared machine's threads stall each other
+    try:
+        jobs = [_measure_job(work_dir, "help pages", steps, blocks, (BUDGET,), TARGET)]
+        chat_steps = max(1, steps // 10)
+        jobs.append(_measure_job(work_dir, "conversations", chat_steps, blocks, CHAT_BUDGETS, CHAT_TARGET))
+    finally:
+        torch.set_num_threads(threads)
+    return {"jobs": jobs}
+
+
+def _measure_job(
+    work_dir: Path, job: str, steps: int, blocks: int, budgets: tuple[int, ...], target: float
+) -> dict[str, Any]:
+    """Per variant: median [IQR] step ms, real tokens per second, padding ratio, micro-batches per step, peak RSS;
+    per budget the packed / padded real tokens per second, overall and its lowest and highest block."""
+    trainer = _trainer(work_dir, 10 * steps * blocks, chat=job != "help pages")
+    loaders = _loaders(trainer, budgets)
     rows: dict[str, list[tuple[float, int, int, int]]] = {name: [] for name in loaders}
+    speeds: dict[str, list[float]] = {name: [] for name in loaders}
     peaks = {name: 0.0 for name in loaders}
     try:
         for _ in range(blocks):
             for name, loader in loaders.items():
                 _reset_peak_rss()
-                for index in range(steps + 1):
-                    row = _step(trainer, loader)
-                    if index:  # the first step of a block warms the variant up
-                        rows[name].append(row)
+                block = [_step(trainer, loader) for _ in range(steps + 1)][1:]  # the first step warms up
+                rows[name] += block
+                speeds[name].append(sum(v[1] for v in block) / sum(v[0] for v in block))
                 peaks[name] = max(peaks[name], _peak_rss_mib())
     finally:
         trainer.close()
-    out: dict[str, Any] = {"steps": steps * blocks, "budget": BUDGET, "target": TARGET, "variants": {}}
+    lengths = [len(trainer.train_dataset[i]["input_ids"]) for i in range(min(len(trainer.train_dataset), 512))]
+    out: dict[str, Any] = {"job": job, "steps": steps * blocks, "target": target, "variants": {}, "speedups": {}}
     out["global_batch_size"] = trainer.config.train.global_batch_size
     out["micro_batch_size"] = trainer.config.train.micro_batch_size
+    out["lengths"] = [min(lengths), max(lengths)]
     for name, values in rows.items():
         seconds = [v[0] for v in values]
         q1, median, q3 = statistics.quantiles(seconds, n=4)
@@ -106,8 +153,13 @@ def measure(work_dir: Path, steps: int = 20, blocks: int = 4) -> dict[str, Any]:
             "micro_batches_per_step": statistics.mean(v[3] for v in values),
             "peak_rss_mib": peaks[name],
         }
-    padded, packed = out["variants"]["padded"], out["variants"]["packed"]
-    out["speedup"] = packed["real_tokens_per_s"] / padded["real_tokens_per_s"]
+    padded = out["variants"]["padded"]["real_tokens_per_s"]
+    for budget in budgets:
+        name = f"packed {budget}"
+        per_block = [p / q for p, q in zip(speeds[name], speeds["padded"])]
+        ratio = out["variants"][name]["real_tokens_per_s"] / padded
+        out["speedups"][str(budget)] = {"speedup": ratio, "low": min(per_block), "high": max(per_block)}
+    print(f"[bench] packing, {job}: {out['speedups']}", flush=True)
     return out
 
 

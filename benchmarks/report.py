@@ -386,29 +386,60 @@ def sft_input_table(sft: Mapping[str, Any] | None) -> str:
 
 
 def packing_table(packing: Mapping[str, Any] | None) -> str:
-    """The help-pages job padded vs packed (token budget): step time, real tokens/s, padding, peak RSS; the verdict."""
+    """Per SFT job, padded vs packed (token budgets): step time, real tokens/s, padding, peak RSS; the verdicts."""
     if not packing:
         return "Not measured in this run."
-    rows = []
-    for name, v in packing["variants"].items():
+    rows, summary = [], []
+    for job in packing["jobs"]:
+        for name, v in job["variants"].items():
+            rows.append(
+                [job["job"], name, f"{v['micro_batches_per_step']:.2f}",
+                 f"{v['median_ms']:.1f} [{v['q1_ms']:.1f}–{v['q3_ms']:.1f}]", f"{v['real_tokens_per_s']:,.0f}",
+                 f"{v['padding_ratio']:.3f}", f"{v['peak_rss_mib']:.0f}"]
+            )  # fmt: skip
+        for budget, r in job["speedups"].items():
+            verdict = "met" if r["speedup"] >= job["target"] and r["low"] >= 1.0 else "missed"
+            summary.append(
+                [job["job"], f"{job['lengths'][0]}–{job['lengths'][1]}", job["steps"], job["global_batch_size"],
+                 budget, f"{r['speedup']:.2f}x [{r['low']:.2f}–{r['high']:.2f}]", f">= {job['target']:g}x", verdict]
+            )  # fmt: skip
+    header = "job|variant|micro-batches per step|step ms median [IQR]|real tokens per s|padding ratio|peak RSS MiB"
+    summary_header = (
+        "job|sample tokens|steps|global batch|packed budget (tokens)|packed / padded real tokens per s "
+        "[lowest–highest block]|target|verdict"
+    )
+    return table(header, rows) + "\n" + table(summary_header, summary)
+
+
+def lm_head_table(head: Mapping[str, Any] | None) -> str:
+    """Fused vs plain LM head: peak RSS of a step at both vocabularies, the growth against one [tokens, vocab]
+    float32 tensor, tokens/s; the verdicts."""
+    if not head:
+        return "Not measured in this run."
+    growth_target, speed_target = head["targets"]
+    rows, plain = [], {r["tokens"]: r for r in head["rows"] if not r["fused"] and "skipped" not in r}
+    for r in head["rows"]:
+        name = "fused" if r["fused"] else "plain"
+        if "skipped" in r:
+            rows.append([r["tokens"], name, f"{r['logits_mib']:,.0f}", "not run: " + r["skipped"], "", "", "", "", ""])
+            continue
+        verdict = ""
+        if r["fused"]:
+            speed = r["tokens_per_s"] / plain[r["tokens"]]["tokens_per_s"] if r["tokens"] in plain else None
+            met = r["growth_per_logits"] <= growth_target and (speed is None or speed >= speed_target)
+            verdict = ("met" if met else "missed") + (
+                " (growth only)" if speed is None else f" ({speed:.2f}x the plain tokens/s)"
+            )
         rows.append(
-            [
-                name,
-                f"{v['micro_batches_per_step']:.2f}",
-                f"{v['median_ms']:.1f} [{v['q1_ms']:.1f}–{v['q3_ms']:.1f}]",
-                f"{v['real_tokens_per_s']:,.0f}",
-                f"{v['padding_ratio']:.3f}",
-                f"{v['peak_rss_mib']:.0f}",
-            ]
-        )
-    verdict = "met" if packing["speedup"] >= packing["target"] else "missed"
-    summary = table(
-        "steps|global batch|packed budget (tokens)|packed / padded real tokens per s|target|verdict",
-        [[packing["steps"], packing["global_batch_size"], packing["budget"], f"{packing['speedup']:.2f}x",
-          f">= {packing['target']:g}x", verdict]],
-    )  # fmt: skip
-    header = "variant|micro-batches per step|step ms median [IQR]|real tokens per s|padding ratio|peak RSS MiB"
-    return table(header, rows) + "\n" + summary
+            [r["tokens"], name, f"{r['logits_mib']:,.0f}", f"{r['base_peak_mib']:,.0f}", f"{r['peak_mib']:,.0f}",
+             f"{r['growth_mib']:,.0f}", f"{r['growth_per_logits']:.2f}", f"{r['tokens_per_s']:,.0f}", verdict]
+        )  # fmt: skip
+    header = (
+        f"tokens|head|one [tokens, vocab] float32 MiB|peak MiB, vocab {head['base_vocab']:,}|peak MiB, vocab "
+        f"{head['vocab']:,}|growth MiB|growth / logits (fused target <= {growth_target:g})|tokens per s|verdict "
+        f"(tokens per s >= {speed_target:g}x plain)"
+    )
+    return table(header, rows)
 
 
 def many_machines_tables(many: Mapping[str, Any] | None) -> str:
@@ -505,6 +536,7 @@ def page_values(results: Mapping[str, Any], records: list[Record], png: str) -> 
         "gpu": gpu_section(results.get("gpu") or []),
         "sft_input": sft_input_table(results.get("sft_input")),
         "packing": packing_table(results.get("packing")),
+        "lm_head": lm_head_table(results.get("lm_head")),
         "many_machines": many_machines_tables(results.get("many_machines")),
         "oversubscribed": f"; {', '.join(over)} processes share {results['machine']['logical_cpus']} CPUs, so those "
         "collectives include scheduling delay (real on a loaded host, larger than on a cluster)"

@@ -188,6 +188,11 @@ def main() -> int:
         packing_start = time.perf_counter()
         packed = packing.measure(scratch / "sft", settings["sft_steps"], settings["sft_blocks"])
         print(f"[bench] packing: done in {time.perf_counter() - packing_start:.0f}s", flush=True)
+        import lm_head
+
+        head_start = time.perf_counter()
+        head = lm_head.measure((4096,) if args.quick else (4096, 32768))
+        print(f"[bench] LM head: done in {time.perf_counter() - head_start:.0f}s", flush=True)
         import many_machines
 
         many_start = time.perf_counter()
@@ -211,6 +216,7 @@ def main() -> int:
             "runs": runs,
             "sft_input": sft,
             "packing": packed,
+            "lm_head": head,
             "many_machines": many,
             "targets": TARGETS,
             "gpu": gpu_results(),

@@ -59,6 +59,11 @@ class ModelConfig:
     installed (a GPU); packed rows then reach flash-attention's varlen kernel as host-computed boundaries. Under
     `parallel.sp_size` > 1 the same attention runs after Ulysses' all-to-all (SDPA or the varlen kernel over the whole
     row). Vision towers keep sdpa."""
+    fused_lm_head: bool = True
+    """The transformers models (Qwen2, Qwen2-VL, any causal LM of `pretrained_dir`): compute the LM head's matmul and
+    its cross-entropy chunk by chunk of tokens, so the [tokens, vocab] logits and their gradient are never whole in
+    memory (the same losses and gradients, every loss mode); false: build the logits whole first. The tiny example
+    models always build theirs."""
     hidden_size: int = 64
     """Width of the decoder."""
     num_layers: int = 2

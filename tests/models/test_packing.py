@@ -1,5 +1,7 @@
 """Packed rows compute exactly what the same samples compute unpacked (float64, one process), for the Qwen2 causal LM
-and Qwen2-VL with images of several samples in one row; negative controls show the comparison catches a leak."""
+and Qwen2-VL with images of several samples in one row; negative controls show the comparison catches a leak. On
+SDPA the packed row's attention runs per sample: no [S, S] tensor is created (the dense block mask, the control,
+creates one)."""
 
 from __future__ import annotations
 
@@ -8,13 +10,15 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.models import varlen_reference
 from tests.models.test_hf_models import IMAGE, PAD, image_sample, make_lm, make_vl, text_sample
 from veomni_lite.data.collator import collate, pack, packed_positions
 from veomni_lite.data.packing import padding_micro_batch, plan_micro_batches
 from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS, IGNORE_INDEX, SEQUENCE_IDS
-from veomni_lite.models.hf_attention import packed_causal_mask
+from veomni_lite.models import hf_attention
+from veomni_lite.models.hf_attention import ATTENTION_NAME, packed_segments
 from veomni_lite.models.qwen2_vl import collate_qwen2_vl
 
 
@@ -68,6 +72,11 @@ def test_packed_text_logits_equal_the_unpacked_and_the_controls_leak():
             leaked = packed_difference(reference, head(hidden()), lengths)
         print(f"\ntext control {name!r}: relative logit difference {leaked:.3f}")
         assert leaked > 1e-3, name
+    assert model.config._attn_implementation == ATTENTION_NAME, "the packed row ran the per-sample attention"
+    one_sample = {**batch, ATTENTION_SEQUENCE_IDS: torch.zeros_like(batch[ATTENTION_SEQUENCE_IDS])}
+    with torch.no_grad():  # the segments ignored: the whole row one sample
+        logits = model(**{k: v for k, v in one_sample.items() if k != "labels"})["logits"]
+    assert packed_difference(reference, logits, lengths) > 1e-3
 
 
 def test_packed_qwen2_vl_with_images_of_several_samples_in_one_row_equals_the_unpacked_and_3_row_ids_leak():
@@ -107,19 +116,47 @@ def test_packed_qwen2_vl_with_images_of_several_samples_in_one_row_equals_the_un
         assert leaked > 1e-3, name
 
 
-def test_the_mask_is_block_diagonal_causal_and_padding_attends_to_padding_only():
-    _, ids = packed_positions([2, 3], 7)
-    assert ids.tolist() == [0, 0, 1, 1, 1, -1, -1]
-    mask = packed_causal_mask(ids[None])[0, 0].int()
-    assert mask.tolist() == [
-        [1, 0, 0, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0, 0, 0],
-        [0, 0, 1, 0, 0, 0, 0],
-        [0, 0, 1, 1, 0, 0, 0],
-        [0, 0, 1, 1, 1, 0, 0],
-        [0, 0, 0, 0, 0, 1, 0],
-        [0, 0, 0, 0, 0, 1, 1],
+def packed_causal_mask(sequence_ids: torch.Tensor) -> torch.Tensor:
+    """The reference: [B, 1, S, S] bool, query q may attend key k iff k <= q and both hold the same id."""
+    length = sequence_ids.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    return ((sequence_ids[:, :, None] == sequence_ids[:, None, :]) & causal)[:, None]
+
+
+def test_the_segments_group_samples_by_length_and_padding_is_a_sample_of_its_own():
+    _, ids = packed_positions([2, 3, 2], 9)
+    assert ids.tolist() == [0, 0, 1, 1, 1, 2, 2, -1, -1]
+    rows = torch.stack([ids, torch.tensor([0] * 4 + [1] * 5)])
+    plan = packed_segments(rows, torch.device("cpu"))
+    assert [(n, index.tolist()) for n, index in plan.groups] == [
+        (2, [[0, 1], [5, 6], [7, 8]]),
+        (3, [[2, 3, 4]]),
+        (4, [[9, 10, 11, 12]]),
+        (5, [[13, 14, 15, 16, 17]]),
     ]
+    gathered = torch.cat([index.reshape(-1) for _, index in plan.groups])
+    assert torch.equal(gathered[plan.order], torch.arange(18)), "order puts the groups' outputs back in row order"
+    with pytest.raises(ValueError, match=r"host attention_sequence_ids \[B, S\]; got shape \[2, 9\] on meta"):
+        packed_segments(rows.to("meta"), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_segment_attention_equals_sdpa_under_the_dense_block_mask(kv_heads):
+    """The per-sample attention against SDPA with the reference mask and expanded key/value heads (rows of different
+    packings, float64); with the segments ignored (one sample per row), it differs."""
+    g = torch.Generator().manual_seed(0)
+    rows = torch.stack([packed_positions([5, 1, 9, 5], 24)[1], packed_positions([12, 3, 7], 24)[1]])
+    q = torch.randn(2, 4, 24, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, kv_heads, 24, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    expand = 4 // kv_heads
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(expand, 1), v.repeat_interleave(expand, 1), attn_mask=packed_causal_mask(rows)
+    ).transpose(1, 2)
+    ours = hf_attention.segment_attention(q, k, v, packed_segments(rows, torch.device("cpu")))
+    assert ours.shape == (2, 24, 4, 8)
+    assert (ours - reference).abs().max() < 1e-14
+    ignored = hf_attention.segment_attention(q, k, v, packed_segments(torch.zeros_like(rows), torch.device("cpu")))
+    assert (ignored - reference).abs().max() > 1e-3
 
 
 def test_pack_shifts_each_sample_alone_and_restarts_positions():
@@ -291,3 +328,45 @@ def test_packing_and_ulysses_refuse_sliding_window_layers():
         enable_ulysses(config, (), None)
     config._attn_implementation = "flash_attention_2"
     check_packing_attention(config)  # flash-attention applies the window itself
+
+
+class Shapes(TorchDispatchMode):
+    """Records the shape of every tensor an op creates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(tensor, torch.Tensor):
+                self.shapes.append(tuple(tensor.shape))
+        return out
+
+
+@pytest.mark.parametrize("dense_mask", [False, True])
+def test_a_packed_sdpa_step_creates_no_tensor_of_the_rows_square(dense_mask):
+    """Forward and backward of Qwen2 on one 200-token packed row of samples of at most 40 tokens: no tensor created
+    has two dims >= 200. The control hands the decoder the dense block mask (the old path): it creates [1, 1, S, S]."""
+    model = make_lm().double()
+    lengths = [40, 17, 33, 40, 29, 8, 31]
+    samples = [{k: v for k, v in text_sample(n, seed=n).items() if k != "image_decoder_labels"} for n in lengths]
+    batch = pack(samples, pad_to_multiple_of=200, pad_id=PAD)
+    row = batch["input_ids"].shape[1]
+    assert row == 200
+    with Shapes() as recorder:
+        if dense_mask:
+            mask = {"full_attention": packed_causal_mask(batch[ATTENTION_SEQUENCE_IDS])}
+            hidden = model.hf_model.model(
+                input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=mask, use_cache=False
+            ).last_hidden_state
+            loss = model.hf_model.lm_head(hidden).sum()
+        else:
+            loss = model(**batch)["foundation_loss"]
+        loss.backward()
+    square = [shape for shape in recorder.shapes if sum(size >= row for size in shape) >= 2]
+    if dense_mask:
+        assert (1, 1, row, row) in square
+    else:
+        assert recorder.shapes and not square, square[:3]

@@ -1,4 +1,5 @@
-"""What every loss head shares: the local mean over valid targets, and the FLOPs estimate of a decoder."""
+"""What every loss head shares: the local mean over valid targets (from logits, or fused with the LM head's matmul:
+`lm_head_loss`), and the FLOPs estimate of a decoder."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from veomni_lite.loss_keys import IGNORE_INDEX
+from veomni_lite.models.fused_ce import linear_cross_entropy
 
 # Tokens per cross-entropy chunk: a chunk's float32 logits and log-probabilities are the most any head holds at once
 # (0: one chunk, the whole micro-batch).
@@ -49,6 +51,17 @@ def masked_mean_cross_entropy(logits: Tensor, labels: Tensor, weights: Tensor | 
         per_token = per_token * weights.reshape(-1).to(per_token.dtype)
     count = (labels != IGNORE_INDEX).sum()
     return per_token.sum() / count.clamp(min=1)
+
+
+def lm_head_loss(
+    head: nn.Module, hidden: Tensor, labels: Tensor, weights: Tensor | None = None, fused: bool = True
+) -> Tensor:
+    """`masked_mean_cross_entropy(head(hidden), labels, weights)`; for a plain `nn.Linear` head and `fused`, computed
+    by `linear_cross_entropy` from its parameters, so the whole logits are never built (`model.fused_lm_head`). Call
+    it inside the model's forward (FSDP2 has all-gathered the head there)."""
+    if fused and type(head) is nn.Linear:  # a wrapped head (an adapter, say) computes its own logits
+        return linear_cross_entropy(hidden, head.weight, labels, weights, head.bias)
+    return masked_mean_cross_entropy(head(hidden), labels, weights)
 
 
 def decoder_flops_per_token(

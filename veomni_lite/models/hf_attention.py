@@ -10,24 +10,29 @@ varlen kernel (registered as `veomni_ulysses_<kernel>`). No mask is needed unpac
 so the causal mask suffices. A vision tower keeps its own attention: it sees whole images on every rank.
 
 Packed rows: `packed_attention_inputs` turns a packed row's `attention_sequence_ids` (the host tensor the collator
-wrote; models list it in `host_inputs`) into what the attention takes, with no position read back from the device.
-For SDPA and `veomni_ulysses`: `packed_causal_mask`, the block-diagonal causal mask of the WHOLE row, moved to the
-device and built there; given as a 4D mask, transformers passes it through unchanged to SDPA and to `veomni_ulysses`,
-which applies it after the all-to-all, where each rank sees the whole row. For flash-attention (`VARLEN_ATTENTION`,
-and Ulysses around it): no mask, and the whole row's boundaries as `cu_seq_lens_q/k` (int32; the padding after the
-samples is a sequence of its own) with `max_length_q/k` (ints), computed on the host, which transformers hands to
+wrote; models list it in `host_inputs`) into what the attention takes, computed on the host, with no position or
+mask read back from the device and no [S, S] mask. For SDPA and `veomni_ulysses`: `packed_segments`, the row's
+samples (the padding after them is a sample of its own) grouped by length as index tensors, for `veomni_ulysses`
+(every decoder runs it, see `route_attention`), which runs `segment_attention`: each group's samples gathered into
+one batch, causal SDPA on it (`enable_gqa`, no key/value heads expanded), the outputs put back in row order. A row
+costs the sum of its samples' squares, not its own. Under Ulysses this runs after the all-to-all, where each rank
+sees the whole row. For flash-attention (`VARLEN_ATTENTION`, and Ulysses around it): no mask, and the whole row's boundaries as `cu_seq_lens_q/k` (int32;
+the padding after the samples is a sequence of its own) with `max_length_q/k` (ints), which transformers hands to
 the varlen kernel as they are (after the all-to-all under Ulysses).
 `check_packing_attention` refuses other implementations (eager adds a mask of its own) and, outside flash-attention,
-sliding-window layers (a 4D mask replaces the window). The models call `decoder_attention_inputs`, which first routes
-the decoder's attention through `ulysses_attention_forward` (`route_attention`; without an sp group it is SDPA or the
-varlen kernel alone) for any architecture, so transformers' mask code and its device read of the position ids
-(`find_packed_sequence_indices`, a host sync per forward on an accelerator) never run.
+sliding-window layers (the per-sample attention is full). The models call `decoder_attention_inputs`, which first
+routes the decoder's attention through `ulysses_attention_forward` (`route_attention`; without an sp group it is SDPA
+per sample or the varlen kernel alone) for any architecture: the name has no mask function, so transformers' mask
+code computes no mask and never reads the position ids (`find_packed_sequence_indices`, a host sync per forward on
+an accelerator).
 """
 
 from __future__ import annotations
 
 import functools
+from collections import defaultdict
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,6 +46,62 @@ ATTENTION_NAME = "veomni_ulysses"
 _GROUP_ATTR = "veomni_sp_group"
 
 
+@dataclass(frozen=True)
+class PackedSegments:
+    """Packed rows' samples as index tensors (on the attention's device), planned on the host: `groups` holds per
+    sample length L the [m, L] flat indices (row * S + position) of the m samples of that length, and `order` the
+    inverse permutation taking the groups' outputs, concatenated, back to row order."""
+
+    groups: tuple[tuple[int, torch.Tensor], ...]
+    order: torch.Tensor
+
+
+def packed_segments(attention_sequence_ids: torch.Tensor, device: torch.device) -> PackedSegments:
+    """The `PackedSegments` of host `attention_sequence_ids` [B, S] (each run of one id is a sample; the padding, -1,
+    is one too, so every position is in one). A ValueError names a device tensor (reading it would sync)."""
+    if attention_sequence_ids.device.type != "cpu" or attention_sequence_ids.dim() != 2:
+        raise ValueError(
+            f"packed attention takes the rows' host attention_sequence_ids [B, S]; got shape "
+            f"{list(attention_sequence_ids.shape)} on {attention_sequence_ids.device}"
+        )
+    starts_by_length: dict[int, list[int]] = defaultdict(list)
+    length = attention_sequence_ids.shape[1]
+    for row, ids in enumerate(attention_sequence_ids):
+        start = row * length
+        for n in torch.unique_consecutive(ids, return_counts=True)[1].tolist():
+            starts_by_length[n].append(start)
+            start += n
+    groups, flat = [], []
+    for n, starts in sorted(starts_by_length.items()):
+        index = torch.tensor(starts)[:, None] + torch.arange(n)
+        groups.append((n, index.to(device, non_blocking=True)))
+        flat.append(index.reshape(-1))
+    positions = torch.cat(flat)
+    order = torch.empty_like(positions)
+    order[positions] = torch.arange(positions.numel())
+    return PackedSegments(tuple(groups), order.to(device, non_blocking=True))
+
+
+def segment_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    segments: PackedSegments,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Causal attention within each sample of packed rows: `query` [B, H, S, D], `key`/`value` [B, H_kv, S, D] ->
+    [B, S, H, D]. One SDPA call per sample length, over that length's samples as a batch."""
+    rows, heads, length, dim = query.shape
+    flat = [t.transpose(1, 2).reshape(rows * length, t.shape[1], dim) for t in (query, key, value)]  # [B*S, h, D]
+    outs = []
+    for _, index in segments.groups:
+        q, k, v = (t[index].transpose(1, 2) for t in flat)  # [m, h, L, D]
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=True)
+        outs.append(out.transpose(1, 2).reshape(-1, heads, dim))
+    return torch.cat(outs)[segments.order].view(rows, length, heads, dim)
+
+
 def ulysses_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -50,11 +111,13 @@ def ulysses_attention_forward(
     scaling: float | None = None,
     dropout: float = 0.0,
     inner: str = "sdpa",
+    packed_segments: PackedSegments | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature; see the module docstring for the layouts. `attention_mask`: None
-    (causal) or a packed row's [B, 1, S, S] boolean mask over the whole sequence. `inner`: the attention run after
-    the all-to-all, SDPA or a varlen kernel (`VARLEN_ATTENTION`), which takes the whole row's boundaries in `kwargs`."""
+    (causal) or a [B, 1, S, S] mask over the whole sequence; `packed_segments`: the whole row's samples (SDPA per
+    sample). `inner`: the attention run after the all-to-all, SDPA or a varlen kernel (`VARLEN_ATTENTION`), which
+    takes the whole row's boundaries in `kwargs`."""
     group = getattr(module, _GROUP_ATTR, None)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, s, H, D]
     if group is not None:
@@ -66,29 +129,17 @@ def ulysses_attention_forward(
         kwargs.pop("position_ids", None)  # this rank's shard: the kernel gets the whole row's boundaries, or none
         out = ALL_ATTENTION_FUNCTIONS[inner](module, q, k, v, None, dropout=dropout, scaling=scaling, **kwargs)[0]
         return (out if group is None else heads_to_seq(out.contiguous(), group)).contiguous(), None
-    repeats = q.shape[1] // k.shape[1]
-    if repeats > 1:  # grouped-query attention: transformers hands over the un-expanded key/value heads
-        k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
-    out = F.scaled_dot_product_attention(
-        q,
-        k,
-        v,
-        attn_mask=attention_mask,
-        dropout_p=dropout if module.training else 0.0,
-        scale=scaling,
-        is_causal=attention_mask is None,
-    ).transpose(1, 2)  # [B, S, H/sp, D]
+    dropout = dropout if module.training else 0.0
+    if packed_segments is not None:
+        out = segment_attention(q, k, v, packed_segments, scaling, dropout)
+    else:
+        causal = attention_mask is None
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=causal, enable_gqa=True
+        ).transpose(1, 2)  # [B, S, H/sp, D]
     if group is not None:
         out = heads_to_seq(out.contiguous(), group)
     return out.contiguous(), None
-
-
-def packed_causal_mask(sequence_ids: torch.Tensor) -> torch.Tensor:
-    """[B, 1, S, S] bool: query q may attend key k iff k <= q and both hold the same id (padding, -1, attends only to
-    the padding before it, so no row is empty)."""
-    length = sequence_ids.shape[-1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=sequence_ids.device).tril()
-    return ((sequence_ids[:, :, None] == sequence_ids[:, None, :]) & causal)[:, None]
 
 
 VARLEN_ATTENTION = {"flash_attention_2", "flash_attention_3", "flash_attention_4"}  # take cu_seq_lens, no mask
@@ -117,12 +168,13 @@ def _sliding_layers(config: Any) -> bool:
 
 
 def packed_attention_inputs(config: Any, attention_sequence_ids: torch.Tensor, device: torch.device) -> dict[str, Any]:
-    """The decoder's attention keywords for a packed row, from its host `attention_sequence_ids` ([1, S], -1 on the
-    padding): `attention_mask` (the block mask, or None for flash-attention) and, for flash-attention, the
-    boundaries (see the module docstring). A ValueError names an attention that cannot take them."""
+    """The decoder's attention keywords for packed rows, from their host `attention_sequence_ids` ([B, S], -1 on the
+    padding; one row for flash-attention): `attention_mask` None and `packed_segments` for SDPA and Ulysses, the
+    boundaries for flash-attention (see the module docstring). A ValueError names an attention that cannot take
+    them."""
     check_packing_attention(config)
     if not _varlen(config._attn_implementation):
-        return {"attention_mask": packed_causal_mask(attention_sequence_ids.to(device, non_blocking=True))}
+        return {"attention_mask": None, "packed_segments": packed_segments(attention_sequence_ids, device)}
     if attention_sequence_ids.device.type != "cpu" or attention_sequence_ids.shape[0] != 1:
         raise ValueError(
             f"flash-attention over packed rows takes one row's host attention_sequence_ids; got shape "

@@ -4,9 +4,10 @@ Built from a config dict (`{"model_type": "qwen2", "hidden_size": 64, ...}`, no 
 `from_pretrained` directory. `forward(input_ids, position_ids, labels)` takes this rank's (possibly SP-sliced)
 micro-batch with labels already shifted once (a packed row adds `attention_sequence_ids`, its whole row's samples on
 the host, from which `decoder_attention_inputs` builds the block mask or flash-attention's boundaries), and returns
-`{"foundation_loss": mean cross-entropy over this rank's valid targets}` (an exact 0 without targets); without labels
-it returns `{"logits"}`. The decoder runs with the positions it is given (global positions under SP), so no model
-code changes for Ulysses.
+`{"foundation_loss": mean cross-entropy over this rank's valid targets}` (an exact 0 without targets), the LM head
+fused with the cross-entropy unless `fused_lm_head` is False (`lm_head_loss`); without labels it returns
+`{"logits"}`. The decoder runs with the positions it is given (global positions under SP), so no model code changes
+for Ulysses.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS
-from veomni_lite.models.heads import decoder_flops_per_token, masked_mean_cross_entropy
+from veomni_lite.models.heads import decoder_flops_per_token, lm_head_loss
 from veomni_lite.models.hf_attention import decoder_attention_inputs, enable_ulysses
 from veomni_lite.models.pretrained import LOCAL_ONLY, load_config, save_config
 from veomni_lite.models.registry import dtype_of
@@ -69,6 +70,7 @@ class HFCausalLM(TrainableModel):
     def config(self) -> Any:
         return self.hf_model.config
 
+    fused_lm_head = True  # `model.fused_lm_head`: the loss without the whole logits (see `lm_head_loss`)
     host_inputs = (ATTENTION_SEQUENCE_IDS,)  # the trainer leaves it on the host: see `decoder_attention_inputs`
 
     def set_attn_implementation(self, name: str) -> None:
@@ -83,12 +85,18 @@ class HFCausalLM(TrainableModel):
     def layers(self) -> nn.ModuleList:
         return self.hf_model.model.layers
 
+    def hidden_states(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_sequence_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The decoder's last hidden states [B, S, H]."""
+        attention = decoder_attention_inputs(self.config, attention_sequence_ids, input_ids.device)
+        hidden = self.hf_model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **attention)
+        return hidden.last_hidden_state
+
     def logits(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_sequence_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
-        attention = decoder_attention_inputs(self.config, attention_sequence_ids, input_ids.device)
-        hidden = self.hf_model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **attention)
-        return self.hf_model.lm_head(hidden.last_hidden_state)
+        return self.hf_model.lm_head(self.hidden_states(input_ids, position_ids, attention_sequence_ids))
 
     def forward(
         self,
@@ -99,10 +107,11 @@ class HFCausalLM(TrainableModel):
         attention_sequence_ids: torch.Tensor | None = None,
         **_: Any,
     ) -> dict[str, torch.Tensor]:
-        logits = self.logits(input_ids, position_ids, attention_sequence_ids)
         if labels is None:
-            return {"logits": logits}
-        return {"foundation_loss": masked_mean_cross_entropy(logits, labels, foundation_loss_weights)}
+            return {"logits": self.logits(input_ids, position_ids, attention_sequence_ids)}
+        hidden = self.hidden_states(input_ids, position_ids, attention_sequence_ids)
+        loss = lm_head_loss(self.hf_model.lm_head, hidden, labels, foundation_loss_weights, self.fused_lm_head)
+        return {"foundation_loss": loss}
 
     def flops_per_token(self, seq_len: int) -> float:
         embed = self.hf_model.get_input_embeddings().weight

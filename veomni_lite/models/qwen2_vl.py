@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from veomni_lite.data.collator import packed_positions, sequence_ids, shift_labels
 from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS, IGNORE_INDEX, SEQUENCE_IDS
-from veomni_lite.models.heads import decoder_flops_per_token, masked_mean_cross_entropy
+from veomni_lite.models.heads import decoder_flops_per_token, lm_head_loss, masked_mean_cross_entropy
 from veomni_lite.models.hf_attention import decoder_attention_inputs, enable_ulysses
 from veomni_lite.models.pretrained import load_config, save_config
 from veomni_lite.models.registry import dtype_of, family_of
@@ -186,6 +186,7 @@ class QwenVLWithImageHead(TrainableModel):
 
     # The trainer leaves these on the host: see `_vision_inputs` and `decoder_attention_inputs`.
     host_inputs = ("image_grid_thw", ATTENTION_SEQUENCE_IDS)
+    fused_lm_head = True  # `model.fused_lm_head`: the loss without the whole logits (see `lm_head_loss`)
 
     def set_attn_implementation(self, name: str) -> None:
         """The text decoder's attention (`model.attn_implementation`); the vision tower keeps sdpa (it is given
@@ -286,11 +287,12 @@ class QwenVLWithImageHead(TrainableModel):
         hidden = self.hidden_states(
             input_ids, position_ids, image_feature_index, pixel_values, image_grid_thw, attention_sequence_ids
         )
-        logits = self.vlm.lm_head(hidden)
         head = self.image_head
         if labels is None:
+            logits = self.vlm.lm_head(hidden)
             return {"logits": logits} if head is None else {"logits": logits, "image_logits": head(hidden)}
-        losses = {"foundation_loss": masked_mean_cross_entropy(logits, labels, foundation_loss_weights)}
+        foundation = lm_head_loss(self.vlm.lm_head, hidden, labels, foundation_loss_weights, self.fused_lm_head)
+        losses = {"foundation_loss": foundation}
         if head is not None:
             losses["image_decoder_loss"] = masked_mean_cross_entropy(
                 head(hidden), image_decoder_labels, image_decoder_loss_weights

@@ -172,6 +172,7 @@ class BaseTrainer(ABC):
         self.loss_keys: tuple[str, ...] = tuple(model.loss_keys)
         self._check_loss_weights(model)
         self._set_attention(model)
+        model.fused_lm_head = config.model.fused_lm_head  # read by the transformers models' loss heads
         self._check_packing(model)
         # Called per micro-batch for the FLOPs metric: the parameter count is walked once per sequence length.
         self.flops_per_token = functools.lru_cache(maxsize=None)(model.flops_per_token)

@@ -1,0 +1,127 @@
+"""The LM head's matmul fused with its cross-entropy, chunk by chunk of tokens: the [tokens, vocab] logits and their
+gradient are never whole in memory.
+
+`linear_cross_entropy(hidden, weight, labels, weights=None, bias=None)` returns exactly what
+`masked_mean_cross_entropy(F.linear(hidden, weight, bias), labels, weights)` returns (the mean over this rank's valid
+targets of the per-token loss times its loss mode's weight; an exact graph-keeping 0 without targets, never NaN).
+`linear_token_cross_entropy` gives the per-token losses it is made of (float32, or float64 for float64 inputs; 0 at
+`IGNORE_INDEX`).
+
+How. Forward: per chunk of `chunk_tokens` tokens, the chunk's logits, their log-sum-exp (kept, one float per token)
+and the target's loss; only the hidden states, the weight and the log-sum-exps are saved. Backward recomputes each
+chunk's logits, turns them in place into (softmax - one-hot) x the token's incoming gradient, and adds that chunk's
+share to the gradients of the hidden states, the weight (accumulated in float32 for a bf16 weight) and the bias.
+Recomputing rather than computing the gradients in forward (Liger's choice) saves one matmul but holds a
+weight-sized gradient from forward to backward and wastes it under `no_grad`; here the step's peak grows by about
+two chunks of float32 logits (see docs/benchmarks.md).
+
+Where. Call it inside the model's forward with the head's parameter itself (`lm_head.weight`, or the embedding's for
+tied embeddings: autograd adds both uses' gradients into the one parameter), so that FSDP2 has all-gathered it.
+Under Ulysses each rank passes its own sequence shard (no collective: the per-token losses are row-local); packed
+rows need nothing more (the labels at sample boundaries are already IGNORE_INDEX).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from veomni_lite.loss_keys import IGNORE_INDEX
+
+# A chunk's float32 logits take at most this many bytes (at least one token per chunk): the most the head adds to a
+# step's peak is about two such chunks (the logits, and the log-sum-exp's or the matmul's temporary).
+FUSED_CE_CHUNK_BYTES = 64 * 2**20
+
+
+def default_chunk_tokens(vocab_size: int) -> int:
+    """Tokens per chunk: as many as keep one chunk's float32 logits within `FUSED_CE_CHUNK_BYTES`."""
+    return max(1, FUSED_CE_CHUNK_BYTES // (4 * vocab_size))
+
+
+def _logits(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """A chunk's logits as the unfused head computes them: the matmul in the weight's dtype, then upcast to
+    float32 (float64 stays float64) for the softmax."""
+    logits = F.linear(hidden, weight, bias)
+    return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """hidden [N, H], weight [V, H], bias [V] or None, labels [N] -> per-token losses [N] (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, chunk: int) -> Tensor:
+        loss_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        losses = hidden.new_empty(labels.shape[0], dtype=loss_dtype)
+        lse = torch.empty_like(losses)
+        for start in range(0, labels.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            logits, targets = _logits(hidden[rows], weight, bias), labels[rows]
+            lse[rows] = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
+            losses[rows] = torch.where(targets != IGNORE_INDEX, lse[rows] - picked, 0.0)
+            del logits
+        ctx.chunk = chunk
+        ctx.save_for_backward(hidden, weight, bias, labels, lse)
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad_losses: Tensor):
+        hidden, weight, bias, labels, lse = ctx.saved_tensors
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        accumulate = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=weight.device) if need_weight else None
+        grad_bias = torch.zeros(bias.shape, dtype=accumulate, device=bias.device) if need_bias else None
+        for start in range(0, labels.shape[0], ctx.chunk):
+            rows = slice(start, start + ctx.chunk)
+            h, targets = hidden[rows], labels[rows]
+            valid = targets != IGNORE_INDEX
+            # d loss_t / d logits_t = softmax(logits_t) - onehot(target_t), built in place in the logits' buffer
+            grad = _logits(h, weight, bias).sub_(lse[rows, None]).exp_()
+            grad.scatter_add_(1, targets.clamp(min=0)[:, None], -valid.to(grad.dtype)[:, None])  # no host read
+            grad.mul_(torch.where(valid, grad_losses[rows], 0.0).to(grad.dtype)[:, None])
+            grad = grad.to(weight.dtype)
+            if grad_hidden is not None:
+                grad_hidden[rows] = grad @ weight
+            if grad_weight is not None:
+                if grad.dtype == accumulate:
+                    grad_weight.addmm_(grad.t(), h)
+                else:
+                    grad_weight.add_(grad.t() @ h)
+            if grad_bias is not None:
+                grad_bias.add_(grad.sum(0))
+            del grad
+        grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
+        grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None
+
+
+def linear_token_cross_entropy(
+    hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None = None, chunk_tokens: int | None = None
+) -> Tensor:
+    """Per-token cross-entropy of `F.linear(hidden, weight, bias)` against `labels` ([..., H] and [...] -> [N]
+    flattened; 0 where `labels == IGNORE_INDEX`), chunked over the tokens (default `default_chunk_tokens`)."""
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(f"fused LM head: hidden {list(hidden.shape)} does not match labels {list(labels.shape)}")
+    chunk = chunk_tokens or default_chunk_tokens(weight.shape[0])
+    flat_labels = labels.reshape(-1).to(hidden.device)
+    return _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, flat_labels, chunk)
+
+
+def linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    weights: Tensor | None = None,
+    bias: Tensor | None = None,
+    chunk_tokens: int | None = None,
+) -> Tensor:
+    """`masked_mean_cross_entropy(F.linear(hidden, weight, bias), labels, weights)` without the whole logits: the
+    mean over entries with `labels != IGNORE_INDEX` of the cross-entropy times `weights` where given (a loss mode's
+    per-token weights, `<name>_loss_weights`); an exact graph-keeping 0 when there are none."""
+    per_token = linear_token_cross_entropy(hidden, weight, labels, bias, chunk_tokens)
+    if weights is not None:
+        per_token = per_token * weights.reshape(-1).to(per_token.dtype)
+    count = (labels != IGNORE_INDEX).sum()
+    return per_token.sum() / count.clamp(min=1)
