@@ -16,9 +16,10 @@ samples (the padding after them is a sample of its own) grouped by length as ind
 (every decoder runs it, see `route_attention`), which runs `segment_attention`: each group's samples gathered into
 one batch, causal SDPA on it (`enable_gqa`, no key/value heads expanded), the outputs put back in row order. A row
 costs the sum of its samples' squares, not its own. Under Ulysses this runs after the all-to-all, where each rank
-sees the whole row. For flash-attention (`VARLEN_ATTENTION`, and Ulysses around it): no mask, and the whole row's boundaries as `cu_seq_lens_q/k` (int32;
-the padding after the samples is a sequence of its own) with `max_length_q/k` (ints), which transformers hands to
-the varlen kernel as they are (after the all-to-all under Ulysses).
+sees the whole row. For flash-attention (`VARLEN_ATTENTION`, and Ulysses around it): no mask, and the whole row's
+boundaries as `cu_seq_lens_q/k` (int32; the padding after the samples is a sequence of its own) with
+`max_length_q/k` (ints), which transformers hands to the varlen kernel as they are (after the all-to-all under
+Ulysses).
 `check_packing_attention` refuses other implementations (eager adds a mask of its own) and, outside flash-attention,
 sliding-window layers (the per-sample attention is full). The models call `decoder_attention_inputs`, which first
 routes the decoder's attention through `ulysses_attention_forward` (`route_attention`; without an sp group it is SDPA
