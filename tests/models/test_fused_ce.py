@@ -175,7 +175,7 @@ def test_qwen2_vl_foundation_head_is_fused_by_default_and_equals_the_plain_one(m
     calls: list[int] = []
     original = heads.linear_cross_entropy
     monkeypatch.setattr(heads, "linear_cross_entropy", lambda *a, **k: calls.append(1) or original(*a, **k))
-    assert not hasattr(model, "fused_lm_head")
+    assert model.fused_lm_head, "on by default"
     with torch.no_grad():
         model(**batch)
     assert calls == [1], "the foundation head is fused by default"
