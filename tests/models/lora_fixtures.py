@@ -82,6 +82,7 @@ def digits_args(demo: Path, out: Path, family: str, *extra: str) -> list[str]:
     return [
         "--model.pretrained_dir", str(demo / "models" / family),
         "--data.train_path", str(demo / "digits" / "train.jsonl"),
+        "--data.eval_path", str(demo / "digits" / "eval.jsonl"),
         "--train.max_steps", "2",
         "--train.micro_batch_size", "4",
         "--train.global_batch_size", "8",
