@@ -193,6 +193,11 @@ def main() -> int:
         many_start = time.perf_counter()
         many = many_machines.measure(scratch / "many_machines", settings["scaling_steps"])
         print(f"[bench] many machines: done in {time.perf_counter() - many_start:.0f}s", flush=True)
+        import lora
+
+        lora_start = time.perf_counter()
+        lora_results = lora.measure(scratch / "lora", settings["scaling_steps"])
+        print(f"[bench] LoRA against full fine-tuning: done in {time.perf_counter() - lora_start:.0f}s", flush=True)
         first = next(iter(runs.values()))
         command = "make bench QUICK=1" if args.quick else "make bench"
         results = {
@@ -212,6 +217,7 @@ def main() -> int:
             "sft_input": sft,
             "packing": packed,
             "many_machines": many,
+            "lora": lora_results,
             "targets": TARGETS,
             "gpu": gpu_results(),
         }
