@@ -116,6 +116,11 @@ def test_the_adapted_layer_is_w_x_plus_b_a_x_times_alpha_over_r_and_keeps_the_ba
     w, b, a, bb = layer.weight, layer.bias, layer.lora_A.weight, layer.lora_B.weight
     expected = x @ w.T + b + (x @ a.T @ bb.T) * (8.0 / 4)
     assert torch.allclose(layer(x), expected, atol=1e-12, rtol=0)
+    dropped = LoraLinear(nn.Linear(4, 3).double(), rank=2, alpha=2.0, dropout=0.5)
+    nn.init.normal_(dropped.lora_A.weight), nn.init.normal_(dropped.lora_B.weight)
+    x = torch.randn(64, 4, dtype=torch.float64)
+    plain = x @ dropped.weight.T + dropped.bias + x @ dropped.lora_A.weight.T @ dropped.lora_B.weight.T
+    assert torch.allclose(dropped.eval()(x), plain) and not torch.allclose(dropped.train()(x), plain)
 
 
 def test_the_init_is_seeded_kaiming_uniform_a_and_zero_b_alike_on_every_build():

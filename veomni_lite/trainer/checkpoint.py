@@ -1,6 +1,7 @@
 """DCP checkpoints that are complete or invisible.
 
-Layout: `<root>/step_00000010/` holds the sharded model + optimizer (`torch.distributed.checkpoint`, `.metadata`),
+Layout: `<root>/step_00000010/` holds the sharded model + optimizer (`torch.distributed.checkpoint`, `.metadata`;
+a LoRA run's adapters and their optimizer state only, see `trainable_only`),
 `trainer_state.pt` (what every rank shares: step, scheduler, data position, token count) and `rank_00003.pt`
 (what each rank owns: its RNG states; a checkpoint never holds an open metric window). Everything is written under
 `step_XXXXXXXX.tmp/` and renamed by rank 0 after every rank has finished, so a crash mid-save leaves no directory
