@@ -500,6 +500,8 @@ def _check_lora(model: ModelConfig) -> None:
         settings = LoraSettings.parse(model.lora)
         if settings is None:
             return
+        if model.arch == "tiny":
+            raise LoraError("model.lora: LoRA adapts a transformers model; model.arch tiny is an example model")
         if not model.pretrained_dir:
             raise LoraError(
                 "model.lora: LoRA adapts a pretrained model, and its base is rebuilt from model.pretrained_dir "

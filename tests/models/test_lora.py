@@ -70,9 +70,11 @@ def test_bad_settings_are_a_config_error_naming_the_key_before_any_process_group
     assert not dist.is_initialized()
 
 
-def test_lora_without_a_pretrained_directory_is_a_config_error():
+def test_lora_without_a_pretrained_directory_or_on_a_tiny_model_is_a_config_error():
     with pytest.raises(ConfigError, match=r"model\.lora: LoRA adapts a pretrained model.*set model\.pretrained_dir"):
         load_config(REPO / "configs" / "qwen2_text.yaml", ["--model.lora", "{rank: 4}"], world_size=1)
+    with pytest.raises(ConfigError, match=r"model\.lora: LoRA adapts a transformers model; model\.arch tiny"):
+        load_config(REPO / "configs" / "text_tiny.yaml", ["--model.lora", "{rank: 4}"], world_size=1)
 
 
 def test_targets_by_name_glob_and_all_linear_leave_out_the_output_head():
@@ -269,6 +271,19 @@ def test_the_adapter_directory_loads_in_peft_with_the_trained_logits_and_merge_g
     assert torch.allclose(ours, merged_logits, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(ours, base_logits, atol=1e-4)  # the adapters changed something
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in (root / "merged").iterdir()}
+
+
+@pytest.mark.parametrize("lora", ["{rank: 4, target_modules: [q_proj]}", "{}"])
+def test_resuming_with_other_lora_settings_is_an_error_naming_them(demo, text_run, tmp_path, lora):
+    import shutil
+
+    from veomni_lite.trainer.checkpoint import CheckpointError
+
+    _, root = text_run
+    shutil.copytree(root / "run/checkpoints", tmp_path / "run/checkpoints")
+    args = help_args(demo, tmp_path / "run", "--checkpoint.resume", "true", "--model.lora", lora)
+    with pytest.raises(CheckpointError, match=r"does not fit this model.*settings that differ: model\.lora: "):
+        SFTTrainer(load_config(HELP_YAML, args, world_size=1))
 
 
 def test_merge_of_a_run_without_lora_is_an_error(tmp_path):
