@@ -125,6 +125,16 @@ def test_the_adapted_layer_is_w_x_plus_b_a_x_times_alpha_over_r_and_keeps_the_ba
     assert torch.allclose(dropped.eval()(x), plain) and not torch.allclose(dropped.train()(x), plain)
 
 
+def test_the_flops_count_no_weight_gradient_for_the_frozen_base():
+    model = make_lm()
+    full = model.flops_per_token(16)
+    apply_lora(model, TEXT_LORA, seed=3)
+    embed = model.hf_model.get_input_embeddings().weight
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad and p is not embed)
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert model.flops_per_token(16) == full - 2 * frozen + 6 * adapters
+
+
 def test_the_init_is_seeded_kaiming_uniform_a_and_zero_b_alike_on_every_build():
     first, second, other = make_lm(), make_lm(seed=5), make_lm()
     for model, seed in ((first, 3), (second, 3), (other, 4)):
