@@ -64,7 +64,8 @@ class ModelConfig:
     attn_implementation: str = "sdpa"
     """The transformers decoder's attention: sdpa, or flash_attention_2 / flash_attention_3 where the package is
     installed (a GPU); packed rows then reach flash-attention's varlen kernel as host-computed boundaries. Under
-    `parallel.sp_size` > 1 the decoder runs Ulysses attention (SDPA after the all-to-all); vision towers keep sdpa."""
+    `parallel.sp_size` > 1 the same attention runs after Ulysses' all-to-all (SDPA or the varlen kernel over the whole
+    row). Vision towers keep sdpa."""
     hidden_size: int = 64
     """Width of the decoder."""
     num_layers: int = 2
@@ -251,7 +252,7 @@ class LoggingConfig:
     wandb_project: str = "veomni_lite"
     """The W&B project name."""
     plot: bool = True
-    """Redraw output_dir/loss_curve.png at every log."""
+    """Redraw output_dir/loss_curve.png at a log, at most once every 30 s (and at the end of the run)."""
     async_step_end: bool = True
     """Reduce and write metrics on a worker thread, overlapping the next step."""
     peak_tflops: float = 0.0

@@ -4,12 +4,15 @@ transformers' `from_pretrained` loads.
 EXPORT_DIR gets `config.json` and `model.safetensors` (which the model family's transformers class loads, see
 `veomni_lite.models.registry`: `AutoModelForCausalLM` for a causal LM, `Qwen2_5_VLForConditionalGeneration` for
 Qwen2.5-VL, ...), in the source directory's dtype unless `--dtype` says otherwise (training keeps float32 masters),
-the run's tokenizer as a `PreTrainedTokenizerFast`
-(`tokenizer.json`, `tokenizer_config.json`; a fine-tuned model directory's own tokenizer with its chat template, and
-its image processor), and, for heads transformers has no class for, their own safetensors
-file (`image_decoder_head.safetensors`: Linear-GELU-Linear on the last hidden states). Only safetensors and JSON are
-written, never a pickle. The model is rebuilt from OUTPUT_DIR/model_config (written by the trainer) and its weights
-are read from the newest complete checkpoint with the same safe readers as a resume, in one process.
+the run's tokenizer, and, for heads transformers has no class for, their own safetensors file
+(`image_decoder_head.safetensors`: Linear-GELU-Linear on the last hidden states). The tokenizer of a fine-tuned model
+directory is its files copied byte for byte (`TOKENIZER_FILES`: the tokenizer, its chat template, generation config
+and image processor files, which the SFT trainer copied from `model.pretrained_dir` into OUTPUT_DIR/model_config),
+never re-saved through `AutoTokenizer`, whose class for the model type may tokenize differently; a run's
+`data.chat_template` is in them as `chat_template.jinja`. A run that trained its own tokenizer
+(OUTPUT_DIR/tokenizer.json) gets it as a `PreTrainedTokenizerFast`. Only safetensors, JSON and the tokenizer's own
+files are written, never a pickle. The model is rebuilt from OUTPUT_DIR/model_config (written by the trainer) and
+its weights are read from the newest complete checkpoint with the same safe readers as a resume, in one process.
 
 A LoRA run (`model.lora`; OUTPUT_DIR/model_config/adapter_config.json) exports a PEFT adapter directory instead:
 `adapter_config.json` (its `base_model_name_or_path` the run's `model.pretrained_dir`) and `adapter_model.safetensors`
@@ -37,7 +40,6 @@ from veomni_lite.models.lora import (
     merge_lora,
     read_adapter_config,
 )
-from veomni_lite.models.pretrained import LOCAL_ONLY as _LOCAL
 from veomni_lite.models.pretrained import load_config, load_model
 from veomni_lite.models.registry import dtype_of, family_of
 from veomni_lite.trainer.base import MODEL_CONFIG_DIR
@@ -45,6 +47,26 @@ from veomni_lite.trainer.checkpoint import CheckpointManager
 
 TOKENIZER_FILE = "tokenizer.json"
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # transformers reads it before tokenizer_config.json's chat_template
+LEGACY_CHAT_TEMPLATE_FILE = "chat_template.json"  # a processor's, read before chat_template.jinja
+# What a model directory's tokenizer, chat template, generation settings and image processor are made of.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    CHAT_TEMPLATE_FILE,
+    LEGACY_CHAT_TEMPLATE_FILE,
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "generation_config.json",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "processor_config.json",
+)
+CHAT_TEMPLATES_DIR = "additional_chat_templates"
 _SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>"}
 
 
@@ -99,6 +121,39 @@ def _export_adapters(output_dir: Path, export_dir: Path, adapter: dict, dtype: s
     return step
 
 
+def copy_tokenizer_files(
+    source: str | Path, target: str | Path, chat_template: str = "", prune: bool = False
+) -> list[str]:
+    """Copy the `TOKENIZER_FILES` (and `additional_chat_templates/`) that `source` has into `target`, byte for byte;
+    returns the names written. A `chat_template` (a run's `data.chat_template`, as Jinja text) is written as
+    chat_template.jinja, which the tokenizer and the processor then read, and a legacy chat_template.json (which a
+    processor would read first) is left out. `prune` removes those files `target` has but `source` lacks (a stale
+    chat template of an earlier run in the same directory)."""
+    import shutil
+
+    source, target = Path(source), Path(target)
+    target.mkdir(parents=True, exist_ok=True)
+    skip = {CHAT_TEMPLATE_FILE, LEGACY_CHAT_TEMPLATE_FILE} if chat_template else set()
+    written = []
+    for name in (*TOKENIZER_FILES, CHAT_TEMPLATES_DIR):
+        origin, copy = source / name, target / name
+        if name in skip or not origin.exists():
+            if prune and copy.is_dir():
+                shutil.rmtree(copy)
+            elif prune:
+                copy.unlink(missing_ok=True)
+            continue
+        if origin.is_dir():
+            shutil.copytree(origin, copy, dirs_exist_ok=True)
+        else:
+            shutil.copyfile(origin, copy)
+        written.append(name)
+    if chat_template:
+        (target / CHAT_TEMPLATE_FILE).write_text(chat_template, encoding="utf-8")
+        written.append(CHAT_TEMPLATE_FILE)
+    return sorted(written)
+
+
 def export(
     output_dir: str | Path, export_dir: str | Path, dtype: str = "auto", merge: bool = False
 ) -> tuple[int, list[str]]:
@@ -122,16 +177,9 @@ def export(
         step = CheckpointManager(output_dir / "checkpoints").load_model_weights(model)
         export_dir.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(export_dir)
-    if (model_config_dir / "tokenizer_config.json").is_file():  # a fine-tuned directory's own tokenizer
-        from transformers import AutoTokenizer
-
-        AutoTokenizer.from_pretrained(str(model_config_dir), **_LOCAL).save_pretrained(str(export_dir))
-    elif (output_dir / TOKENIZER_FILE).is_file():
+    copied = copy_tokenizer_files(model_config_dir, export_dir)  # a fine-tuned directory's own, byte for byte
+    if not {"tokenizer.json", "tokenizer_config.json"} & set(copied) and (output_dir / TOKENIZER_FILE).is_file():
         save_tokenizer(output_dir / TOKENIZER_FILE, export_dir)
-    if (model_config_dir / "preprocessor_config.json").is_file():
-        from transformers import AutoImageProcessor
-
-        AutoImageProcessor.from_pretrained(str(model_config_dir), **_LOCAL).save_pretrained(str(export_dir))
     return step, sorted(p.name for p in export_dir.iterdir())
 
 

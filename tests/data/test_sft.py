@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from veomni_lite.data.checks import DataError
-from veomni_lite.data.sft import CHATML, ChatEncoder, read_sources, to_conversation
+from veomni_lite.data.sft import CHATML, ChatEncoder, override_template, read_sources, to_conversation
 from veomni_lite.data.sft_dataset import ImageProcessing, SFTDataset
 from veomni_lite.examples.sft_demo import write_tokenizer
 from veomni_lite.loss_keys import IGNORE_INDEX
@@ -125,6 +125,12 @@ def test_chatml_for_a_tokenizer_without_a_template(tokenizer):
     encoded, runs = encode(tokenizer, {"messages": CONVERSATION}, "messages", chat_template="chatml")
     assert runs == ["General Kenobi<|im_end|>"]
     assert tokenizer.chat_template != CHATML
+    saved = override_template("chatml", "<|image_pad|>")  # as the export writes it: renders images on its own
+    image_turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which?"}]}]
+    assert tokenizer.apply_chat_template(image_turn, chat_template=saved, tokenize=False).startswith(
+        "<|im_start|>user\n<|image_pad|>Which?"
+    )
+    assert override_template("") == "" and override_template("{{ 'mine' }}") == "{{ 'mine' }}"
 
 
 def test_a_template_that_is_not_prefix_stable_is_an_error_naming_the_row(tokenizer):
@@ -281,7 +287,7 @@ def test_overlength_truncate_drop_and_error_count_or_name_the_row(tmp_path, toke
     assert len(truncated[0]["input_ids"]) == len(truncated[1]["input_ids"]) == limit
     dropped = SFTDataset(sources, ChatEncoder(tokenizer), "messages", {}, limit, "drop")
     assert (dropped.stats.truncated, dropped.stats.dropped, len(dropped)) == (0, 1, 1)
-    with pytest.raises(DataError, match=rf"{path}, row 1: \d+ tokens, over data.max_seq_len={limit}"):
+    with pytest.raises(DataError, match=rf"{path}, row 1 \(0-based\): \d+ tokens, over data.max_seq_len={limit}"):
         SFTDataset(sources, ChatEncoder(tokenizer), "messages", {}, limit, "error")
 
 
@@ -291,35 +297,43 @@ def test_overlength_truncate_drop_and_error_count_or_name_the_row(tmp_path, toke
 @pytest.mark.parametrize(
     ("lines", "fmt", "message"),
     [
-        ([json.dumps({"messages": CONVERSATION}), '{"messages": [', ""], "messages", r"malformed JSON at line 2"),
-        ([json.dumps({"conversations": []})], "messages", r"row 0: missing column 'messages'"),
-        ([json.dumps({"messages": CONVERSATION})], "sharegpt", r"row 0: missing column 'conversations'"),
+        (  # a blank line is no row but counts as a line of the file
+            [json.dumps({"messages": CONVERSATION}), "", '{"messages": ['],
+            "messages",
+            r"malformed JSON at line 3 of the file \(1-based, blank lines counted\)",
+        ),
+        ([json.dumps({"conversations": []})], "messages", r"row 0 \(0-based\): missing column 'messages'"),
+        ([json.dumps({"messages": CONVERSATION})], "sharegpt", r"row 0 \(0-based\): missing column 'conversations'"),
         (
             [json.dumps({"messages": [{"role": "robot", "content": "beep"}, CONVERSATION[1]]})],
             "messages",
-            r"row 0: message 0 has the unknown role 'robot'",
+            r"row 0 \(0-based\): message 0 has the unknown role 'robot'",
         ),
         (
             [json.dumps({"conversations": [{"from": "narrator", "value": "x"}]})],
             "sharegpt",
-            r"row 0: turn 0 has role 'narrator'",
+            r"row 0 \(0-based\): turn 0 has role 'narrator'",
         ),
         (
             [json.dumps({"messages": CONVERSATION}), json.dumps({"messages": [CONVERSATION[0]]})],
             "messages",
-            r"row 1: no assistant turn",
+            r"row 1 \(0-based\): no assistant turn",
         ),
-        ([json.dumps(image_row(["missing.png"]))], "messages", r"row 0: image 'missing.png' does not exist"),
-        ([json.dumps(image_row(["bad.png"]))], "messages", r"row 0: image .*bad.png' does not decode"),
+        (
+            [json.dumps(image_row(["missing.png"]))],
+            "messages",
+            r"row 0 \(0-based\): image 'missing.png' does not exist",
+        ),
+        ([json.dumps(image_row(["bad.png"]))], "messages", r"row 0 \(0-based\): image .*bad.png' does not decode"),
         (
             [json.dumps(image_row(["ok.png", "ok.png"]))],
             "messages",
-            r"row 0: 1 image placeholder\(s\) but 2 image\(s\)",
+            r"row 0 \(0-based\): 1 image placeholder\(s\) but 2 image\(s\)",
         ),
         (
             [json.dumps(image_row([], "<image> twice <image>"))],
             "messages",
-            r"row 0: 2 image placeholder\(s\) but 0 image\(s\)",
+            r"row 0 \(0-based\): 2 image placeholder\(s\) but 0 image\(s\)",
         ),
     ],
     ids=[
@@ -360,7 +374,9 @@ def test_an_empty_file_and_an_image_over_the_decompression_bomb_limit(
     path.write_text(json.dumps(image_row(["big.png"])) + "\n")
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 30)  # an 8 x 8 image is then over the limit
     encoder = ChatEncoder(tokenizer, image_token="<|image_pad|>")
-    with pytest.raises(DataError, match=rf"{path}, row 0: image .*big.png' is over Pillow's decompression-bomb limit"):
+    with pytest.raises(
+        DataError, match=rf"{path}, row 0 \(0-based\): image .*big.png' is over Pillow's decompression-bomb limit"
+    ):
         SFTDataset(read_sources(str(path), "data.train_path"), encoder, "messages", {}, 0, images=image_processing)
 
 

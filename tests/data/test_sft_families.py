@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.data.test_sft_training import REPO, digits_args
+from tests.data.test_sft_training import digits_args, train
 from tests.dist_helpers import run_distributed
 from tests.trainer.helpers import losses_by_step, read_events
-from veomni_lite.config import load_config
 from veomni_lite.examples.sft_demo import PROMPT, WORDS, write_digits, write_vl_model
 from veomni_lite.trainer.sft import SFTTrainer
 
@@ -39,12 +38,7 @@ def family_args(demo: Path, out: Path, family: str, *extra: str) -> list[str]:
 
 
 def _train(args: list[str], world_size: int = 1) -> SFTTrainer:
-    trainer = SFTTrainer(load_config(REPO / "configs" / "sft_digits.yaml", args, world_size=world_size))
-    try:
-        trainer.train()
-    finally:
-        trainer.metrics.close()
-    return trainer
+    return train("sft_digits.yaml", args, world_size)
 
 
 def _sp_packed_budget(rank: int, world_size: int, demo: Path, out: Path) -> dict[str, dict[int, float]]:

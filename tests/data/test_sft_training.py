@@ -55,8 +55,8 @@ def help_args(demo: Path, out: Path, *extra: str) -> list[str]:
     return sft_args(demo, out, "qwen2_help", "help/train.jsonl", *extra)
 
 
-def train(config_file: str, args: list[str]) -> SFTTrainer:
-    trainer = SFTTrainer(load_config(REPO / "configs" / config_file, args, world_size=1))
+def train(config_file: str, args: list[str], world_size: int = 1) -> SFTTrainer:
+    trainer = SFTTrainer(load_config(REPO / "configs" / config_file, args, world_size=world_size))
     try:
         trainer.train()
     finally:
@@ -171,6 +171,59 @@ def test_an_eval_set_smaller_than_one_eval_batch_is_an_error_at_start(demo, tmp_
         SFTTrainer(config)
 
 
+def refusing_template_setup(demo: Path, tmp_path: Path) -> tuple[Path, Path, Path]:
+    """(the demo's Qwen2 directory with a Mistral-style template of its own, 8 good rows, the same with a row 8 whose
+    roles do not alternate, after a blank line)."""
+    import shutil
+
+    from tests.data.test_chat_families import MISTRAL, TURNS
+
+    model = tmp_path / "mistral_style"
+    shutil.copytree(demo / "models/qwen2_help", model)
+    (model / "chat_template.jinja").write_text(MISTRAL)
+    good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
+    lines = [json.dumps({"messages": TURNS[:2]})] * 8
+    good.write_text("\n".join(lines) + "\n")
+    bad.write_text("\n".join([*lines, "", json.dumps({"messages": [TURNS[0], *TURNS[2:4]]})]) + "\n")
+    return model, good, bad
+
+
+REFUSED = "row 8 (0-based): the chat template (the tokenizer's chat template) raised on the first 2 message(s) (roles "
+REFUSED += "user, user): TemplateError: Conversation roles must alternate"
+
+
+def refusing_args(demo: Path, out: Path, model: Path, data: Path) -> list[str]:
+    small = ["--train.eval_batches", "0", "--train.micro_batch_size", "4", "--train.global_batch_size", "8"]
+    return sft_args(demo, out, str(model), str(data), "--data.format", "messages", *small)
+
+
+def test_inspect_names_the_file_and_the_row_a_template_refuses(demo, tmp_path, capsys):
+    model, good, bad = refusing_template_setup(demo, tmp_path)
+    assert inspect.main([str(REPO / "configs/sft_help.yaml"), *refusing_args(demo, tmp_path, model, good)]) == 0
+    out = capsys.readouterr().out  # the template writes ' ' + content + eos_token: the lone space does not train
+    assert "row 0 (0-based)" in out and "[INST] Hello there [/INST] [[General Kenobi<|im_end|>]]" in out
+    assert inspect.main([str(REPO / "configs/sft_help.yaml"), *refusing_args(demo, tmp_path, model, bad)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {bad}, {REFUSED}")
+
+
+def _one_rank_refused_by_the_template(rank: int, world_size: int, demo: Path, out: Path) -> str:
+    model, good, bad = refusing_template_setup(demo, out / f"rank{rank}")
+    args = refusing_args(demo, out / "run", model, bad if rank == 1 else good)
+    try:
+        SFTTrainer(load_config(REPO / "configs/sft_help.yaml", args, world_size=world_size)).close()
+        return "built"
+    except DataError as exc:
+        return str(exc)
+
+
+@pytest.mark.slow
+def test_a_row_the_template_refuses_on_one_rank_is_an_error_on_every_rank(demo, tmp_path):
+    outcomes = run_ranks(_one_rank_refused_by_the_template, 2, demo, tmp_path, timeout_s=120, pg_timeout_s=30)
+    assert all(status == "ok" for status, _ in outcomes.values()), outcomes
+    assert outcomes[1][1].startswith(f"{tmp_path / 'rank1' / 'bad.jsonl'}, {REFUSED}")
+    assert "rank 0: another rank could not build the SFT data" in outcomes[0][1]
+
+
 def test_inspect_prints_the_trained_tokens_and_counts(demo, capsys):
     code = inspect.main(["configs/sft_digits.yaml", "--n", "2", *digits_args(demo, demo / "unused")])
     out = capsys.readouterr().out
@@ -178,6 +231,26 @@ def test_inspect_prints_the_trained_tokens_and_counts(demo, capsys):
     assert "--- sample 0" in out and "--- sample 1" in out and "--- sample 2" not in out
     assert "[[a handwritten" in out and "<image x 4>" in out and "1 image(s)" in out
     assert "1438 samples from 1438 rows, 0 truncated, 0 dropped" in out
+
+
+def assert_byte_for_byte(source: Path, copy: Path, *, but: tuple[str, ...] = ()) -> set[str]:
+    """Every tokenizer / processor file of `source` (but `but`) is in `copy`, the same bytes; returns their names."""
+    from veomni_lite.export import TOKENIZER_FILES
+
+    names = {name for name in TOKENIZER_FILES if (source / name).is_file() and name not in but}
+    for name in names:
+        assert (copy / name).read_bytes() == (source / name).read_bytes(), name
+    return names
+
+
+def same_samples(first: Any, second: Any) -> int:
+    """The two datasets hold the same token ids and labels, sample by sample; returns how many."""
+    assert len(first) == len(second)
+    for mine, theirs in zip(first.samples, second.samples):
+        assert (mine.source, mine.row) == (theirs.source, theirs.row)
+        assert mine.input_ids.tolist() == theirs.input_ids.tolist(), f"row {mine.row} (0-based) tokenizes differently"
+        assert mine.labels.tolist() == theirs.labels.tolist(), f"row {mine.row} (0-based) trains differently"
+    return len(first)
 
 
 def test_export_of_a_fine_tuned_run_is_a_model_directory_again(demo, tmp_path):
@@ -188,6 +261,9 @@ def test_export_of_a_fine_tuned_run_is_a_model_directory_again(demo, tmp_path):
     run = tmp_path / "run"
     trained = train("sft_digits.yaml", digits_args(demo, run, "--train.max_steps", "2", "--train.eval_interval", "0"))
     export(run, tmp_path / "export")
+    source = demo / "models/qwen2_vl_digits"
+    copied = assert_byte_for_byte(source, tmp_path / "export")
+    assert {"tokenizer.json", "chat_template.jinja", "preprocessor_config.json", "generation_config.json"} <= copied
     tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "export"))
     assert tokenizer.chat_template == trained.tokenizer.chat_template
     assert AutoImageProcessor.from_pretrained(str(tmp_path / "export")).merge_size == 2
@@ -198,6 +274,7 @@ def test_export_of_a_fine_tuned_run_is_a_model_directory_again(demo, tmp_path):
         )
     )
     try:
+        assert same_samples(trained.train_dataset, again.train_dataset) == 1438
         for mine, theirs in zip(trained.model.state_dict().values(), again.model.state_dict().values()):
             assert torch.equal(
                 mine.full_tensor() if hasattr(mine, "full_tensor") else mine,
@@ -205,6 +282,49 @@ def test_export_of_a_fine_tuned_run_is_a_model_directory_again(demo, tmp_path):
             )
     finally:
         again.close()
+
+
+def test_export_keeps_the_runs_tokenizer_and_its_chat_template_so_a_run_from_it_tokenizes_alike(demo, tmp_path):
+    """160 help conversations fine-tuned with `data.chat_template: chatml`, exported, and read again from the export
+    (no override): the same token ids and labels, row by row; the tokenizer files are the source's bytes, the template
+    the run's. Control: the export as it was (the tokenizer re-saved through AutoTokenizer, i.e. Qwen2Tokenizer)
+    tokenizes them differently."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from veomni_lite.data.sft import CHATML
+    from veomni_lite.export import export
+    from veomni_lite.trainer.sft import build_sft_data
+
+    rows = tmp_path / "help160.jsonl"
+    rows.write_text("\n".join((demo / "help/train.jsonl").read_text().splitlines()[:160]) + "\n")
+    small = ["--train.eval_batches", "0", "--train.micro_batch_size", "4", "--train.global_batch_size", "8"]
+    run_args = [*small, "--data.chat_template", "chatml", "--train.max_steps", "2", "--train.eval_interval", "0"]
+    trained = train("sft_help.yaml", sft_args(demo, tmp_path / "run", "qwen2_help", str(rows), *run_args))
+    export(tmp_path / "run", tmp_path / "export")
+    assert assert_byte_for_byte(demo / "models/qwen2_help", tmp_path / "export", but=("chat_template.jinja",)) >= {
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    }
+    assert (tmp_path / "export/chat_template.jinja").read_text() == CHATML  # the run's data.chat_template
+
+    def samples_from(directory: Path) -> Any:
+        config_args = [*sft_args(demo, tmp_path / "again", "qwen2_help", str(rows), *small)]
+        config = load_config(REPO / "configs/sft_help.yaml", [*config_args, "--model.pretrained_dir", str(directory)])
+        return build_sft_data(config)[2]
+
+    assert same_samples(trained.train_dataset, samples_from(tmp_path / "export")) == 160
+    resaved = tmp_path / "resaved"  # what export.py wrote before: AutoTokenizer's class for the model type, re-saved
+    shutil.copytree(tmp_path / "export", resaved)
+    AutoTokenizer.from_pretrained(str(tmp_path / "run/model_config")).save_pretrained(str(resaved))
+    control = samples_from(resaved)
+    differ = sum(
+        a.input_ids.tolist() != b.input_ids.tolist() for a, b in zip(trained.train_dataset.samples, control.samples)
+    )
+    print(f"\nre-saved through AutoTokenizer: {differ} of 160 conversations tokenize differently; copied: 0")
+    assert differ > 0
 
 
 # ---------------------------------------------------------------- what the trainer gained with it

@@ -5,6 +5,7 @@ masked_scatter); the image head file reproduces `image_logits`; nothing exported
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -206,3 +207,36 @@ def test_a_pretrained_dir_whose_tokenizer_outgrows_the_embedding_is_a_clear_erro
     config = small_config("text", root / "grown_run", "--model.pretrained_dir", str(directory))
     with pytest.raises(ValueError, match=r"has a tokenizer of 301 tokens but the model embeds only 300"):
         PydocLMTrainer(config)
+
+
+def test_tokenizer_files_are_copied_byte_for_byte_and_a_chat_template_override_wins(tmp_path):
+    """`copy_tokenizer_files`: what the directory has, byte for byte; an override as chat_template.jinja without the
+    processor's legacy chat_template.json (which a processor reads first); stale files pruned where asked."""
+    from tests.data.test_chat_families import write_family
+    from veomni_lite.export import copy_tokenizer_files
+    from veomni_lite.models.pretrained import load_tokenizer
+
+    source = write_family(tmp_path / "source", "llama3")
+    settings = json.loads((source / "tokenizer_config.json").read_text())  # a release's template inline, as older do
+    (source / "tokenizer_config.json").write_text(json.dumps({**settings, "chat_template": "{{ 'inline' }}"}))
+    (source / "chat_template.json").write_text('{"chat_template": "legacy"}')
+    (source / "additional_chat_templates").mkdir()
+    (source / "additional_chat_templates" / "tool_use.jinja").write_text("{{ messages }}")
+    copied = copy_tokenizer_files(source, tmp_path / "plain")
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"} <= set(copied)
+    for name in copied:
+        path = source / name
+        files = sorted(path.rglob("*")) if path.is_dir() else [path]
+        for file in files:
+            assert (tmp_path / "plain" / file.relative_to(source)).read_bytes() == file.read_bytes(), file
+
+    target = tmp_path / "overridden"
+    target.mkdir()
+    (target / "special_tokens_map.json").write_text("{}")  # an earlier run's, which the source does not have
+    copy_tokenizer_files(source, target, "{{ 'override' }}", prune=True)
+    assert not (target / "chat_template.json").exists() and not (target / "special_tokens_map.json").exists()
+    assert (target / "chat_template.jinja").read_text() == "{{ 'override' }}"
+    assert (target / "tokenizer_config.json").read_bytes() == (source / "tokenizer_config.json").read_bytes()
+    tokenizer = load_tokenizer(target)
+    assert tokenizer.chat_template["default"] == "{{ 'override' }}", "chat_template.jinja before tokenizer_config"
+    assert tokenizer.chat_template["tool_use"] == "{{ messages }}"

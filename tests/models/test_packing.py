@@ -245,13 +245,11 @@ def test_flash_attention_over_a_device_row_is_a_clear_error(varlen):
     ("kind", "attention", "packed"),
     [("text", "sdpa", False), ("text", "varlen", True), ("qwen2_vl", "varlen", True)],
 )
-def test_the_decoder_gets_its_mask_precomputed_and_never_reads_the_positions(
-    monkeypatch, varlen, kind, attention, packed
-):
+def test_the_decoder_computes_no_mask_and_never_reads_the_positions(monkeypatch, varlen, kind, attention, packed):
     """No call of transformers' `find_packed_sequence_indices` (a device read of the position ids, so a host sync
-    per forward on an accelerator): the models hand the decoder its {layer type: mask} mapping. The control, with the
-    mapping turned off, calls it and computes the same logits. 'varlen' is `VarlenReference`. (Packed rows on SDPA
-    never read them: a 4D mask is passed through.)"""
+    per forward on an accelerator): the models route the decoder's attention through ours (`route_attention`), for
+    which transformers computes no mask. The control, on transformers' own attention, calls it and computes the same
+    logits. 'varlen' is `VarlenReference`."""
     from transformers import masking_utils
 
     from veomni_lite.models import hf_attention
@@ -274,7 +272,8 @@ def test_the_decoder_gets_its_mask_precomputed_and_never_reads_the_positions(
     with torch.no_grad():
         ours = model(**inputs)["logits"]
         assert reads == []
-        monkeypatch.setattr(hf_attention, "PRECOMPUTED_MASK_MODELS", set())
+        monkeypatch.setattr(hf_attention, "route_attention", lambda config: None)
+        config._attn_implementation = varlen_reference.VarlenReference.name if attention == "varlen" else "sdpa"
         theirs = model(**inputs)["logits"]
     assert reads, "the control: transformers' mask code reads the positions"
     assert (ours - theirs).abs().max() <= 1e-12 * theirs.abs().max()

@@ -9,7 +9,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models.test_hf_models import IMAGE, PAD, VL_FAMILIES, image_sample, make_lm, make_vl, text_sample, vl_config
+from tests.models.test_hf_models import (
+    IMAGE,
+    PAD,
+    VL_FAMILIES,
+    VOCAB,
+    image_sample,
+    make_lm,
+    make_vl,
+    text_sample,
+    vl_config,
+)
 from tests.models.test_packing import packed_difference, unpacked_logits
 from veomni_lite.data.collator import collate
 from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS
@@ -117,15 +127,23 @@ def test_control_transformers_own_vision_tower_reads_the_grid(family):
         model.vlm.model.visual(batch["pixel_values"].to("meta"), grid_thw=batch["image_grid_thw"].to("meta"))
 
 
-def test_control_transformers_own_mask_code_reads_the_positions(monkeypatch):
-    from veomni_lite.models import hf_attention
+@pytest.mark.parametrize("family", ["text", "llama", "qwen3", "mistral", "gemma"])
+def test_any_full_attention_decoder_reads_no_position_and_its_own_sdpa_path_does(family):
+    """Every full-attention causal LM is routed through our attention, so transformers' mask code never reads the
+    position ids (on the meta device, a read raises); the control, the decoder on transformers' own SDPA path,
+    reads them (`find_packed_sequence_indices`)."""
+    from veomni_lite.models.hf_causal_lm import HFCausalLM, hf_config_from_dict
 
-    monkeypatch.setattr(hf_attention, "PRECOMPUTED_MASK_MODELS", set())
+    settings = {"model_type": "qwen2" if family == "text" else family, "vocab_size": VOCAB, "hidden_size": 32}
+    settings |= {"intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    settings |= {"head_dim": 8, "max_position_embeddings": 256}
     with torch.device("meta"):
-        model = make_lm()
-    batch = collate([text_sample(7, seed=1), text_sample(4, seed=2)], pad_id=PAD)
+        model = HFCausalLM.from_config(hf_config_from_dict(settings))
+    batch = _on_meta(collate([text_sample(7, seed=1), text_sample(4, seed=2)], pad_id=PAD), model.host_inputs)
+    model(**batch)["foundation_loss"].backward()
+    model.config._attn_implementation = "sdpa"
     with pytest.raises(RuntimeError, match="meta"):
-        model(**_on_meta(batch, model.host_inputs))
+        model.hf_model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
 
 
 @pytest.mark.parametrize("family", VL_FAMILIES)

@@ -75,6 +75,45 @@ def test_non_finite_loss_on_one_rank_raises_on_every_rank_naming_it(tmp_path):
         assert results[rank]["scheduler_steps"] == 1, "neither rank stepped at step 2"
 
 
+# ---------------------------------------------------------------- a loader error on one rank
+
+
+def _budget_error_on_rank_one(rank: int, world_size: int, config) -> dict:
+    """Rank 1's loader raises what `plan_micro_batches` raises for a sample over the token budget, at step 2."""
+    from veomni_lite.data.checks import DataError
+
+    trainer = TextTrainer(config)
+    next_step = trainer.loader.next_step
+
+    def failing_next_step():
+        if rank == 1 and trainer.step == 1:
+            raise DataError("sample 7 has 40 tokens, over data.max_tokens_per_micro_batch=32")
+        return next_step()
+
+    trainer.loader.next_step = failing_next_step
+    try:
+        trainer.train()
+        outcome = "trained"
+    except BaseException as exc:  # noqa: BLE001 - the test asserts which error each rank raised
+        outcome = f"{type(exc).__name__}: {exc}"
+    finally:
+        trainer.metrics.close()
+    return {"outcome": outcome, "step": trainer.step}
+
+
+@pytest.mark.slow
+def test_a_loader_error_on_one_rank_is_the_same_data_error_on_every_rank_within_seconds(tmp_path):
+    """Before, rank 1 went on to the metrics' closing collective alone while rank 0 waited in the control
+    all-reduce: both stalled until the collective timeout with a CollectiveError hiding the cause."""
+    config = tiny_config("text", tmp_path, max_steps=4)
+    outcomes = run_ranks(_budget_error_on_rank_one, 2, config, timeout_s=120, pg_timeout_s=30)
+    results = {rank: value for rank, (status, value) in outcomes.items()}
+    assert all(status == "ok" for status, _ in outcomes.values()), results
+    assert results[1]["outcome"].startswith("DataError: rank 1, step 2: sample 7 has 40 tokens"), results[1]
+    assert results[0]["outcome"].startswith("DataError: rank 0: another rank reported bad data at step 2"), results[0]
+    assert results[0]["step"] == results[1]["step"] == 1
+
+
 # ---------------------------------------------------------------- a stop signal on one rank, just after the agreement
 
 
@@ -83,8 +122,8 @@ def _signal_after_the_control_all_reduce_on_rank_zero(rank: int, world_size: int
     trainer = TextTrainer(config)
     original = trainer._agree
 
-    def agree(micro_batches):
-        agreed_stop = original(micro_batches)
+    def agree(micro_batches, failed=None):
+        agreed_stop = original(micro_batches, failed)
         if rank == 0 and trainer.step == 1:
             trainer._stop_signal = 15
         return agreed_stop

@@ -3,7 +3,9 @@
 Builds the SFT data of a config exactly as `trainers/train_sft.py` does (tokenizer, template, labels, images, lengths)
 without a process group or a model, and prints the first samples decoded: the tokens that train between `[[` and
 `]]`, image placeholders collapsed to `<image x N>`, and per sample its tokens, trained tokens and images; then what
-`data.overlength` did. Bad data fails here with the same error the trainer would give.
+`data.overlength` did. Bad data (a template that raises on a row included) fails here with the same error the
+trainer would give. `sample K` counts the samples kept; the row it came from is named `row N (0-based)` within its
+file, as in every error.
 """
 
 from __future__ import annotations
@@ -54,7 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dataset = train if args.split == "train" else evaluation
     if dataset is None:
-        print("no eval data: data.eval_path is not set (a run that evaluates holds out data.eval_fraction)", file=sys.stderr)
+        print(
+            "no eval data: data.eval_path is not set (a run that evaluates holds out data.eval_fraction)",
+            file=sys.stderr,
+        )
         return 2
     image_token_id = model_config.image_token_id if images is not None else None
     for index in range(min(args.n, len(dataset))):

@@ -8,12 +8,19 @@
   Column and role names come from `data.columns`. Images: an `images` column of paths (relative to `data.media_dir`,
   default the data file's directory), bytes, or `{"bytes", "path"}` dicts, placed by `<image>` in the text or by
   typed parts, in order.
-- Labels (`ChatEncoder`): the conversation is rendered with the tokenizer's chat template prefix by prefix; the text an
-  assistant turn adds after the generation prompt (its content and the end-of-turn token) trains, unless the message
-  says `train: false` or `loss_weight: 0`; everything else, and every image placeholder token, is IGNORE_INDEX.
-  `train_on_prompt` trains every token but image placeholders. A template whose rendering of a prefix is not a
-  prefix of the next rendering is an error naming the row.
-Every problem is a `DataError` naming the file and the row. Nothing read from a dataset runs code.
+- Labels (`ChatEncoder`): the conversation is rendered with the tokenizer's chat template prefix by prefix; of the
+  text an assistant turn adds after the generation prompt, exactly its content and the end-of-turn token(s) after it
+  train (from the token holding the content's first character through the end-of-turn run; markup before the
+  content and whatever follows the end-of-turn, such as Gemma's newline, do not), unless the message says `train:
+  false` or `loss_weight: 0`; everything else, and every image placeholder token, is IGNORE_INDEX. The end-of-turn
+  ids come from the model directory, never a list of known names: the tokenizer's eos, `generation_config.json`'s
+  `eos_token_id` (an int or a list), and the special token(s) the template writes right after an assistant's content
+  (found by rendering a probe conversation). `train_on_prompt` trains every token but image placeholders. A template
+  that raises (`raise_exception`, e.g. "roles must alternate", or any error inside it) or whose rendering of a prefix
+  is not a prefix of the next rendering is an error naming the row.
+Every problem is a `DataError` naming the file and the row: `row N (0-based)` is the row's index within its file as
+read (blank JSON Lines lines are not rows); a JSON Lines parse error names the 1-based `line` of the file instead.
+Nothing read from a dataset runs code.
 """
 
 from __future__ import annotations
@@ -115,15 +122,21 @@ def _is_saved_dataset(path: Path) -> bool:
     return path.is_dir() and (path / "dataset_info.json").is_file() and (path / "state.json").is_file()
 
 
+def row_name(path: str | Path, row: int) -> str:
+    """How every message names a row: its 0-based index within the file as read (what `where` strings hold)."""
+    return f"{path}, row {row} (0-based)"
+
+
 def _bad_json_line(path: Path) -> str:
-    """Where a JSON Lines file does not parse (for the error message); '' if every line does."""
+    """Where a JSON Lines file does not parse (for the error message), as a 1-based line of the file (blank lines
+    counted, unlike rows); '' if every line does."""
     with path.open(encoding="utf-8") as handle:
         for number, line in enumerate(handle, start=1):
             if line.strip():
                 try:
                     json.loads(line)
                 except json.JSONDecodeError as exc:
-                    return f"line {number}: {exc.msg} (column {exc.colno})"
+                    return f"line {number} of the file (1-based, blank lines counted): {exc.msg} (column {exc.colno})"
     return ""
 
 
@@ -316,6 +329,40 @@ def _content(parts: list[str | None]) -> str | list[dict[str, str]]:
     return [{"type": "image"} if part is None else {"type": "text", "text": part} for part in parts]
 
 
+PROBE_ANSWER = "veomni-lite probe answer"  # an assistant content no template writes on its own
+
+
+def override_template(chat_template: str, image_token: str = "") -> str:
+    """The Jinja text `data.chat_template` names ('' when unset): ChatML for `chatml`, with the model's image
+    placeholder written in where it has one (so the template renders alone, as the export saves it)."""
+    if chat_template == "chatml":
+        return CHATML.replace("{{ image_token }}", image_token) if image_token else CHATML
+    return chat_template
+
+
+def generation_eos_ids(model_dir: str | Path | None) -> list[int]:
+    """`eos_token_id` of the directory's generation_config.json, an int or a list ([] without the file or key); read
+    as JSON, nothing run."""
+    path = Path(model_dir or "") / "generation_config.json"
+    if not model_dir or not path.is_file():
+        return []
+    try:
+        value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+    except (json.JSONDecodeError, AttributeError, UnicodeDecodeError) as exc:
+        raise DataError(f"model.pretrained_dir: {path} is not a JSON object: {exc}") from None
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
+
+def _locate(text: str, content: str) -> tuple[int, int]:
+    """Where `content` (or, for a template that trims it, its stripped form) is in `text`; (0, 0) if neither is."""
+    for candidate in (content, content.strip()):
+        at = text.find(candidate) if candidate else -1
+        if at >= 0:
+            return at, at + len(candidate)
+    return 0, 0
+
+
 @dataclass
 class Encoded:
     input_ids: list[int]
@@ -325,33 +372,88 @@ class Encoded:
 
 class ChatEncoder:
     """Tokens and labels of a conversation (see the module docstring). `image_token` is the tokenizer's image
-    placeholder token (Qwen2-VL: `<|image_pad|>`), repeated per image by `image_lengths`."""
+    placeholder token (Qwen2-VL: `<|image_pad|>`), repeated per image by `image_lengths`; `model_dir` is the model
+    directory, whose generation_config.json adds end-of-turn ids. `end_of_turn` holds the ids found."""
 
     def __init__(
-        self, tokenizer: Any, chat_template: str = "", train_on_prompt: bool = False, image_token: str = ""
+        self,
+        tokenizer: Any,
+        chat_template: str = "",
+        train_on_prompt: bool = False,
+        image_token: str = "",
+        model_dir: str | Path | None = None,
     ) -> None:
         self.tokenizer = tokenizer
-        self.template = CHATML if chat_template == "chatml" else (chat_template or tokenizer.chat_template)
-        if not self.template:
+        template = override_template(chat_template, image_token) or tokenizer.chat_template
+        if isinstance(template, Mapping):  # several named templates: the default one, as transformers picks
+            template = template.get("default")
+        if not template:
             raise DataError("the tokenizer has no chat template; set data.chat_template: chatml (or a Jinja template)")
+        self.template: str = template
+        self.origin = "data.chat_template" if chat_template else "the tokenizer's chat template"
         self.train_on_prompt = train_on_prompt
         self.image_token = image_token
         self.image_token_id = tokenizer.convert_tokens_to_ids(image_token) if image_token else None
-        eos = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
-        self.end_of_turn = {i for i in eos if isinstance(i, int) and i != tokenizer.unk_token_id}
+        self.special_ids = set(tokenizer.all_special_ids)
+        self.special_ids |= {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+        found = [tokenizer.eos_token_id, *generation_eos_ids(model_dir), *self._template_end_of_turn()]
+        self.end_of_turn = {i for i in found if isinstance(i, int) and i != tokenizer.unk_token_id}
 
-    def _render(self, turns: list[Turn], generation_prompt: bool) -> str:
+    def _template_end_of_turn(self) -> list[int]:
+        """The special token(s) the template writes right after an assistant's content (whitespace may come first),
+        from a probe conversation; [] if the template writes none or refuses the probe (it then refuses rows too,
+        each named)."""
+        try:
+            text = self._render([Turn("user", ["Hi"]), Turn("assistant", [PROBE_ANSWER])], False, "the probe")
+        except DataError:
+            return []
+        at = text.rfind(PROBE_ANSWER)
+        if at < 0:
+            return []
+        run: list[int] = []
+        for token in self._tokens(text[at + len(PROBE_ANSWER) :]):
+            if token in self.special_ids:
+                run.append(token)
+            elif run or self.tokenizer.decode([token]).strip():
+                break
+        return run
+
+    def _render(self, turns: list[Turn], generation_prompt: bool, where: str) -> str:
         messages = [{"role": t.role, "content": _content(t.parts)} for t in turns]
-        return self.tokenizer.apply_chat_template(
-            messages,
-            chat_template=self.template,
-            tokenize=False,
-            add_generation_prompt=generation_prompt,
-            image_token=self.image_token,
-        )
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages,
+                chat_template=self.template,
+                tokenize=False,
+                add_generation_prompt=generation_prompt,
+                image_token=self.image_token,
+            )
+        except Exception as exc:  # noqa: BLE001 - the template's raise_exception, or any error inside it
+            roles = ", ".join(t.role for t in turns)
+            raise DataError(
+                f"{where}: the chat template ({self.origin}) raised on the first {len(turns)} message(s) (roles "
+                f"{roles}): {type(exc).__name__}: {exc}"
+            ) from None
 
     def _tokens(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _answer(self, text: str, content: str) -> tuple[list[int], list[bool]]:
+        """The tokens of the text an assistant turn adds and which of them train: from the token holding the
+        content's first character through the end-of-turn run that follows the content. Where the content is not
+        in the text verbatim (a template that rewrites it) or the tokenizer has no offsets, from the start."""
+        try:
+            encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            tokens, offsets = list(encoded["input_ids"]), list(encoded["offset_mapping"])
+        except (NotImplementedError, ValueError, KeyError):  # a tokenizer without offsets
+            tokens, offsets = self._tokens(text), []
+        start, end = _locate(text, content) if offsets else (0, 0)
+        after = [i for i, t in enumerate(tokens) if t in self.end_of_turn and (not offsets or offsets[i][0] >= end)]
+        last = after[0] if after else len(tokens) - 1
+        while last + 1 < len(tokens) and tokens[last + 1] in self.end_of_turn:
+            last += 1
+        first = next((i for i, (_, stop) in enumerate(offsets) if stop > start), 0) if start else 0
+        return tokens, [first <= i <= last for i in range(len(tokens))]
 
     def encode(self, conversation: Conversation, image_lengths: Sequence[int], where: str) -> Encoded:
         """Token ids and labels; each image placeholder token is repeated `image_lengths[i]` times."""
@@ -364,8 +466,8 @@ class ChatEncoder:
         if placeholders and self.image_token_id is None:
             raise DataError(f"{where}: the row has images but the model takes none (not a vision-language model)")
         if conversation.plain_text:
-            pieces = [(p if p is not None else self.image_token, True) for p in conversation.turns[0].parts]
-            pieces.append((self.tokenizer.eos_token or "", True))
+            pieces = [(p if p is not None else self.image_token, True, None) for p in conversation.turns[0].parts]
+            pieces.append((self.tokenizer.eos_token or "", True, None))
         else:
             if not any(t.role == "assistant" and t.train for t in conversation.turns) and not self.train_on_prompt:
                 raise DataError(
@@ -375,12 +477,11 @@ class ChatEncoder:
         ids: list[int] = []
         labels: list[int] = []
         images = iter(image_lengths)
-        for text, trains in pieces:
-            tokens = self._tokens(text)
-            if trains and not self.train_on_prompt and not conversation.plain_text:
-                last = max((i for i, t in enumerate(tokens) if t in self.end_of_turn), default=len(tokens) - 1)
-                mask = [i <= last for i in range(len(tokens))]  # what follows the end-of-turn token does not train
+        for text, trains, answer in pieces:
+            if trains and answer is not None and not self.train_on_prompt:
+                tokens, mask = self._answer(text, answer)
             else:
+                tokens = self._tokens(text)
                 mask = [trains or self.train_on_prompt] * len(tokens)
             for token, train in zip(tokens, mask):
                 if token == self.image_token_id:
@@ -392,23 +493,25 @@ class ChatEncoder:
                     labels.append(token if train else IGNORE_INDEX)
         return Encoded(ids, labels, list(conversation.images))
 
-    def _pieces(self, turns: list[Turn], where: str) -> list[tuple[str, bool]]:
-        """The rendered text cut at turn boundaries: (text, trains) per piece."""
-        pieces: list[tuple[str, bool]] = []
+    def _pieces(self, turns: list[Turn], where: str) -> list[tuple[str, bool, str | None]]:
+        """The rendered text cut at turn boundaries: (text, trains, the assistant's content or None) per piece."""
+        pieces: list[tuple[str, bool, str | None]] = []
         done = ""
         for index, turn in enumerate(turns):
             if turn.role == "assistant":
-                prompt = self._render(turns[:index], generation_prompt=True) if index else ""
+                prompt = self._render(turns[:index], True, where) if index else ""
                 if not prompt.startswith(done):
                     raise self._unstable(where, index)
-                pieces.append((prompt[len(done) :], False))
+                pieces.append((prompt[len(done) :], False, None))
                 done = prompt
-            full = self._render(turns[: index + 1], generation_prompt=False)
+            full = self._render(turns[: index + 1], False, where)
             if not full.startswith(done):
                 raise self._unstable(where, index)
-            pieces.append((full[len(done) :], turn.role == "assistant" and turn.train))
+            answer = turn.role == "assistant" and turn.train
+            content = "".join(part for part in turn.parts if part is not None) if None not in turn.parts else ""
+            pieces.append((full[len(done) :], answer, content if answer else None))
             done = full
-        return [(text, trains) for text, trains in pieces if text]
+        return [piece for piece in pieces if piece[0]]
 
     @staticmethod
     def _unstable(where: str, index: int) -> DataError:

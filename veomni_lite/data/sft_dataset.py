@@ -6,7 +6,8 @@ rendered and labelled (`ChatEncoder`), and the sample is cut to `max_seq_len` by
 image never split; `drop`: left out; `error`: a DataError naming the row). Any bad row raises a `DataError` naming
 the file and the row. Token ids are kept; images are decoded and processed again when a sample is fetched (in the
 loader's prefetch thread), so `__getitem__` returns what the collator takes: `input_ids`, `labels` (unshifted), and
-for images `pixel_values` and `image_grid_thw` from the model's own image processor.
+for images `pixel_values` and `image_grid_thw` from the model's own image processor. Rows are named as everywhere,
+`row N (0-based)` within the file (`row_name`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy
 import torch
 
 from veomni_lite.data.checks import DataError
-from veomni_lite.data.sft import DEFAULT_COLUMNS, ChatEncoder, Source, load_image, to_conversation
+from veomni_lite.data.sft import DEFAULT_COLUMNS, ChatEncoder, Source, load_image, row_name, to_conversation
 from veomni_lite.loss_keys import IGNORE_INDEX
 
 OVERLENGTH = ("truncate", "drop", "error")
@@ -84,7 +85,7 @@ class SFTDataset:
         self.samples: list[_Sample] = []
         for index, source in enumerate(self.sources):
             for row_index, row in enumerate(source.rows):
-                where = f"{source.path}, row {row_index}"
+                where = row_name(source.path, row_index)
                 conversation = to_conversation(row, fmt, columns, where)
                 lengths: list[int] = []
                 if conversation.images:
@@ -141,7 +142,7 @@ class SFTDataset:
 
     def where(self, index: int) -> str:
         sample = self.samples[index]
-        return f"{self.sources[sample.source].path}, row {sample.row}"
+        return row_name(self.sources[sample.source].path, sample.row)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         sample = self.samples[index]

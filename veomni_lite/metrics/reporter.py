@@ -5,8 +5,9 @@ Per micro-batch/step, every rank calls `record(...)` (local). When `should_log(s
 only the main rank writes sinks. Eval metrics have their own window (`record_eval` / `log_eval`) and are logged
 under `eval/`. Output files under `output_dir`: metrics.jsonl, tensorboard/, loss_curve.png.
 
-Checkpoint: `state_dict()` holds the series (the same on every rank) and this rank's open windows (rank-local:
-save it per rank). Resume: `load_state_dict(state)` then `resume(step)`.
+`state_dict()` is the series and this rank's open windows as plain data, for a caller of its own; the trainer's
+checkpoints hold neither (`TrainMetrics.checkpoint_state` logs the open window first, and a resume reads the series
+back from metrics.jsonl). Resume: `load_state_dict(state)` then `resume(step)`.
 `flush()` and `close()` never communicate, so they are safe in exception and SIGTERM paths.
 """
 

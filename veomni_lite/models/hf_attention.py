@@ -18,9 +18,10 @@ and Ulysses around it): no mask, and the whole row's boundaries as `cu_seq_lens_
 samples is a sequence of its own) with `max_length_q/k` (ints), computed on the host, which transformers hands to
 the varlen kernel as they are (after the all-to-all under Ulysses).
 `check_packing_attention` refuses other implementations (eager adds a mask of its own) and, outside flash-attention,
-sliding-window layers (a 4D mask replaces the window). The models call `decoder_attention_inputs`, which also hands
-the mask to the decoders in `PRECOMPUTED_MASK_MODELS` precomputed, so transformers' mask code and its device read of
-the position ids (`find_packed_sequence_indices`, a host sync per forward on an accelerator) never run.
+sliding-window layers (a 4D mask replaces the window). The models call `decoder_attention_inputs`, which first routes
+the decoder's attention through `ulysses_attention_forward` (`route_attention`; without an sp group it is SDPA or the
+varlen kernel alone) for any architecture, so transformers' mask code and its device read of the position ids
+(`find_packed_sequence_indices`, a host sync per forward on an accelerator) never run.
 """
 
 from __future__ import annotations
@@ -139,26 +140,29 @@ def packed_attention_inputs(config: Any, attention_sequence_ids: torch.Tensor, d
     }
 
 
-PRECOMPUTED_MASK_MODELS = {"qwen2", "qwen2_vl_text"}  # decoders that take `attention_mask` as {layer type: mask}
+def route_attention(config: Any) -> None:
+    """Run the decoder's attention through `ulysses_attention_forward` (with no sp group: plain SDPA or the varlen
+    kernel), for any decoder whose every layer is full attention or whose kernel applies windows itself. The name is
+    not one of transformers' mask functions, so its mask code returns what it is given (None, or a packed row's
+    mask) without computing a mask or reading the position ids (`find_packed_sequence_indices`, a host sync per
+    forward on an accelerator), whatever the architecture. SDPA with sliding-window layers keeps transformers' own
+    attention and mask (which apply the window). Idempotent."""
+    name = config._attn_implementation
+    if name == "sdpa" and not _sliding_layers(config):
+        config._attn_implementation = register_ulysses_attention()
+    elif name in VARLEN_ATTENTION:
+        config._attn_implementation = register_ulysses_attention(name)
 
 
 def decoder_attention_inputs(
     config: Any, attention_sequence_ids: torch.Tensor | None, device: torch.device
 ) -> dict[str, Any]:
-    """The decoder's attention keywords: a packed row's (`packed_attention_inputs`) or, given None, causal attention's.
-    For a decoder in `PRECOMPUTED_MASK_MODELS` with full attention in every layer, on an attention that reads no mask
-    as causal, the mask goes in as the {layer type: mask} mapping, so transformers' mask code never runs."""
-    inputs: dict[str, Any] = {"attention_mask": None}
-    if attention_sequence_ids is not None:
-        inputs = packed_attention_inputs(config, attention_sequence_ids, device)
-    name = config._attn_implementation
-    if (
-        config.model_type in PRECOMPUTED_MASK_MODELS
-        and not _sliding_layers(config)
-        and (name in PACKING_ATTENTION or _varlen(name))
-    ):
-        inputs["attention_mask"] = {"full_attention": inputs["attention_mask"]}
-    return inputs
+    """The decoder's attention keywords: a packed row's (`packed_attention_inputs`) or, given None, causal attention's
+    (no mask). The decoder's attention is routed first (`route_attention`), so transformers computes no mask."""
+    route_attention(config)
+    if attention_sequence_ids is None:
+        return {"attention_mask": None}
+    return packed_attention_inputs(config, attention_sequence_ids, device)
 
 
 def register_ulysses_attention(inner: str = "sdpa") -> str:
@@ -184,7 +188,8 @@ def check_heads_divisible(num_heads: int, num_kv_heads: int, sp_size: int) -> No
 def enable_ulysses(text_config: Any, attention_modules: Iterable[nn.Module], sp_group: dist.ProcessGroup) -> None:
     """Route the decoder's attention through Ulysses over `sp_group`, around its varlen kernel if it has one, else
     SDPA (see the module docstring)."""
-    inner = text_config._attn_implementation if _varlen(text_config._attn_implementation) else "sdpa"
+    name = text_config._attn_implementation
+    inner = name.removeprefix(f"{ATTENTION_NAME}_") if _varlen(name) else "sdpa"
     if inner == "sdpa" and _sliding_layers(text_config):
         raise ValueError("sequence parallel: veomni_ulysses runs full attention; this model has sliding-window layers")
     check_heads_divisible(

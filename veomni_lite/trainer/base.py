@@ -456,13 +456,14 @@ class BaseTrainer(ABC):
 
     # ------------------------------------------------------------------ control plane
 
-    def _agree(self, micro_batches: list[dict[str, torch.Tensor]]) -> bool:
+    def _agree(self, micro_batches: list[dict[str, torch.Tensor]], failed: DataError | None = None) -> bool:
         """Validate this rank's data, then one MAX all-reduce on the CPU control group (stop, bad data, counts).
+        `failed`: the error this rank's loader raised instead of giving its micro-batches (every rank then raises).
         Under a token budget, `micro_batches` is then extended with padding micro-batches to the largest count.
 
         Returns whether every rank stops now: the agreed value, never this rank's own flag, which a signal may set
         after the all-reduce (that stop is agreed at the next step)."""
-        problem: str | None = None
+        problem: str | None = None if failed is None else str(failed)
         try:
             for index, micro_batch in enumerate(micro_batches):
                 validate_micro_batch(
@@ -562,9 +563,13 @@ class BaseTrainer(ABC):
         progress = self._progress_bar()
         try:
             while self.step < self.max_steps:
-                micro_batches = [self.shard(mb) for mb in self.loader.next_step()]
+                failed: DataError | None = None
+                try:
+                    micro_batches = [self.shard(mb) for mb in self.loader.next_step()]
+                except DataError as exc:  # e.g. a sample over the token budget: agreed below like bad data
+                    micro_batches, failed = [], exc
                 epoch = self.loader.epoch
-                if self._agree(micro_batches):
+                if self._agree(micro_batches, failed):
                     self._on_interrupt()
                 self.train_step(micro_batches)
                 self.epoch = epoch

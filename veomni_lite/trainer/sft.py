@@ -21,9 +21,10 @@ from torch.utils.data import Subset
 
 from veomni_lite.data.checks import DataError
 from veomni_lite.data.collator import collate
-from veomni_lite.data.sft import ChatEncoder, read_sources
+from veomni_lite.data.sft import ChatEncoder, override_template, read_sources
 from veomni_lite.data.sft_dataset import ImageProcessing, SFTDataset
 from veomni_lite.distributed.collectives import all_reduce
+from veomni_lite.export import copy_tokenizer_files
 from veomni_lite.loss_keys import IGNORE_INDEX, SEQUENCE_IDS, is_labels_key
 from veomni_lite.models.pretrained import (
     PretrainedDirError,
@@ -51,6 +52,7 @@ def image_token(tokenizer: Any, model_config: Any, directory: str) -> str:
             "tokenizer"
         )
     return token
+
 
 # The defaults `trainers/train_sft.py` starts from, under the YAML and the command line (`load_config(..., defaults=)`),
 # fit for fine-tuning a released model rather than training the tiny examples from scratch: transformers' Trainer
@@ -90,7 +92,7 @@ def build_sft_data(config: Any) -> tuple[Any, Any, SFTDataset, SFTDataset | None
     vision = is_vision_language(model_config)
     images = ImageProcessing(load_image_processor(model.pretrained_dir)) if vision else None
     placeholder = image_token(tokenizer, model_config, model.pretrained_dir) if vision else ""
-    encoder = ChatEncoder(tokenizer, data.chat_template, data.train_on_prompt, placeholder)
+    encoder = ChatEncoder(tokenizer, data.chat_template, data.train_on_prompt, placeholder, model.pretrained_dir)
     options = {
         "fmt": data.format,
         "columns": data.columns,
@@ -111,10 +113,14 @@ class SFTTrainer(BaseTrainer):
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
-        if self.is_main:  # beside the model config: what `python -m veomni_lite.export` writes out with the weights
-            self.tokenizer.save_pretrained(str(self.output_dir / MODEL_CONFIG_DIR))
-            if self.images is not None:
-                self.images.processor.save_pretrained(str(self.output_dir / MODEL_CONFIG_DIR))
+        # The directory's tokenizer files byte for byte beside the model config, with a data.chat_template as
+        # chat_template.jinja: what `python -m veomni_lite.export` writes out with the weights.
+        if self.is_main:
+            directory = self.config.model.pretrained_dir
+            vision = self.images is not None
+            placeholder = image_token(self.tokenizer, self.model_config, directory) if vision else ""
+            template = override_template(self.config.data.chat_template, placeholder)
+            copy_tokenizer_files(directory, self.output_dir / MODEL_CONFIG_DIR, template, prune=True)
 
     def build_datasets(self) -> tuple[Any, Any | None]:
         """The datasets, or the same error on every rank: a rank that fails tells the others in one all-reduce on the
