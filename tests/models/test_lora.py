@@ -296,6 +296,22 @@ def test_resuming_with_other_lora_settings_is_an_error_naming_them(demo, text_ru
         SFTTrainer(load_config(HELP_YAML, args, world_size=1))
 
 
+def test_a_run_without_lora_removes_an_earlier_runs_adapter_config(tmp_path):
+    from veomni_lite.models.lora import write_adapter_config
+
+    model = make_lm()
+    apply_lora(model, TEXT_LORA, seed=0)
+    write_adapter_config(model, TEXT_LORA, tmp_path / "base", tmp_path)
+    assert json.loads((tmp_path / ADAPTER_CONFIG).read_text())["target_modules"] == [
+        "down_proj",
+        "k_proj",
+        "q_proj",
+        "v_proj",
+    ]
+    write_adapter_config(make_lm(), None, "", tmp_path)
+    assert not (tmp_path / ADAPTER_CONFIG).exists()
+
+
 def test_merge_of_a_run_without_lora_is_an_error(tmp_path):
     from veomni_lite.export import export
 

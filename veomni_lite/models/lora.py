@@ -269,12 +269,18 @@ def peft_config(settings: LoraSettings, hf_model: nn.Module, targets: list[str],
     }
 
 
-def write_adapter_config(model: nn.Module, settings: LoraSettings, base: str | Path, directory: str | Path) -> None:
-    """`directory/adapter_config.json` for the adapters on `model` (what `veomni_lite.export` writes out)."""
-    targets = [path for path, _ in lora_modules(model)]
-    config = peft_config(settings, hf_child(model)[1], targets, base)
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    (Path(directory) / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+def write_adapter_config(
+    model: nn.Module, settings: LoraSettings | None, base: str | Path, directory: str | Path
+) -> None:
+    """`directory/adapter_config.json` for the adapters on `model` (what `veomni_lite.export` writes out); without
+    `settings` (no LoRA) an earlier run's file there is removed, so the export does not take the run for a LoRA run."""
+    path = Path(directory) / ADAPTER_CONFIG
+    if settings is None:
+        path.unlink(missing_ok=True)
+        return
+    config = peft_config(settings, hf_child(model)[1], [p for p, _ in lora_modules(model)], base)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def read_adapter_config(directory: str | Path) -> dict[str, Any] | None:

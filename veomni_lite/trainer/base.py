@@ -219,8 +219,8 @@ class BaseTrainer(ABC):
         if self.is_main:
             config.save(self.output_dir / "config.yaml")
             model.save_config(self.output_dir / MODEL_CONFIG_DIR)  # what `python -m veomni_lite.export` rebuilds
-            if self.lora is not None:  # the adapters' PEFT config, naming the base directory
-                write_adapter_config(model, self.lora, config.model.pretrained_dir, self.output_dir / MODEL_CONFIG_DIR)
+            # the adapters' PEFT config, naming the base directory (none: an earlier LoRA run's is removed)
+            write_adapter_config(model, self.lora, config.model.pretrained_dir, self.output_dir / MODEL_CONFIG_DIR)
 
     def _run_length(self) -> int:
         """The run's optimizer steps: `train.max_steps`, or `train.epochs` x the loader's steps per epoch."""
