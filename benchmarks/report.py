@@ -442,6 +442,32 @@ def lm_head_table(head: Mapping[str, Any] | None) -> str:
     return table(header, rows)
 
 
+def lora_table(lora: Mapping[str, Any] | None) -> str:
+    """Full fine-tuning against LoRA on one job: per-rank optimizer state, gradients and peak RSS, step time; the
+    verdicts."""
+    if not lora:
+        return "Not measured in this run."
+    rows = [
+        [name, f"{v['trained']:,} of {v['parameters']:,}", f"{v['optimizer_bytes'] / 2**20:.2f}",
+         f"{v['grad_bytes'] / 2**20:.2f}", f"{v['peak_rss_mib']:.0f}", f"{v['median_ms']:.0f}"]
+        for name, v in lora["variants"].items()
+    ]  # fmt: skip
+    header = "variant|parameters trained|optimizer state MiB per rank|gradients MiB per rank|peak RSS MiB per rank|"
+    state_ok, peak_ok = (
+        lora["optimizer_ratio"] <= lora["target"],
+        lora["peak_saved_mib"] >= lora["state_and_grads_saved_mib"],
+    )
+    summary = table(
+        "model|model.lora|steps|optimizer state LoRA / full|target|peak RSS saved MiB|state + gradients saved MiB|"
+        "verdicts",
+        [[", ".join(f"{k} {v}" for k, v in lora["model"].items()), f"`{lora['lora']}`", lora["steps"],
+          f"{lora['optimizer_ratio']:.4f}", f"<= {lora['target']:g}", f"{lora['peak_saved_mib']:.1f}",
+          f"{lora['state_and_grads_saved_mib']:.1f}",
+          f"state {'met' if state_ok else 'missed'}, peak {'met' if peak_ok else 'missed'}"]],
+    )  # fmt: skip
+    return table(header + "median step ms", rows) + "\n" + summary
+
+
 def many_machines_tables(many: Mapping[str, Any] | None) -> str:
     """World x GA: loss all-reduces and host reads per step, the step's, step time; memory growth per choice; peak
     memory while building, whole or scattered."""
@@ -538,6 +564,7 @@ def page_values(results: Mapping[str, Any], records: list[Record], png: str) -> 
         "packing": packing_table(results.get("packing")),
         "lm_head": lm_head_table(results.get("lm_head")),
         "many_machines": many_machines_tables(results.get("many_machines")),
+        "lora": lora_table(results.get("lora")),
         "oversubscribed": f"; {', '.join(over)} processes share {results['machine']['logical_cpus']} CPUs, so those "
         "collectives include scheduling delay (real on a loaded host, larger than on a cluster)"
         if over

@@ -198,6 +198,11 @@ def main() -> int:
         many_start = time.perf_counter()
         many = many_machines.measure(scratch / "many_machines", settings["scaling_steps"])
         print(f"[bench] many machines: done in {time.perf_counter() - many_start:.0f}s", flush=True)
+        import lora
+
+        lora_start = time.perf_counter()
+        lora_results = lora.measure(scratch / "lora", settings["scaling_steps"])
+        print(f"[bench] LoRA against full fine-tuning: done in {time.perf_counter() - lora_start:.0f}s", flush=True)
         first = next(iter(runs.values()))
         command = "make bench QUICK=1" if args.quick else "make bench"
         results = {
@@ -218,6 +223,7 @@ def main() -> int:
             "packing": packed,
             "lm_head": head,
             "many_machines": many,
+            "lora": lora_results,
             "targets": TARGETS,
             "gpu": gpu_results(),
         }

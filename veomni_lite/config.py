@@ -54,6 +54,13 @@ class ModelConfig:
     a pretrained model's shards read straight from its safetensors (no rank holds the whole model); a model built
     from a config built whole on rank 0 only, on the CPU, and scattered (its values are a whole build's). No device
     holds the whole model. false: every rank builds or loads the whole model first."""
+    lora: dict[str, Any] = field(default_factory=dict)
+    """LoRA: `{rank, alpha, dropout, target_modules}` trains low-rank adapters on the listed Linear layers of
+    `pretrained_dir`'s model (module names such as `[q_proj, v_proj]`, `*` globs, or `all-linear`, the default: every
+    Linear but the output head; a vision tower only where an entry names it, e.g. `visual.*.qkv`), the base frozen
+    (no gradients, no optimizer state, not in the checkpoints). `alpha` defaults to the rank, `dropout` to 0. The
+    adapters and their AdamW state are float32; the frozen base keeps `parallel.master_dtype` (bf16 halves it and,
+    as nothing updates it, rounds no update away). `{}` (the default) or `{rank: 0}`: every weight trains."""
     attn_implementation: str = "sdpa"
     """The transformers decoder's attention: sdpa, or flash_attention_2 / flash_attention_3 where the package is
     installed (a GPU); packed rows then reach flash-attention's varlen kernel as host-computed boundaries. Under
@@ -488,6 +495,29 @@ def _check_arch(model: ModelConfig) -> None:
         )
 
 
+def _check_lora(model: ModelConfig) -> None:
+    """`model.lora`'s values, and its target modules against the directory's model (built on the meta device)."""
+    if not model.lora:
+        return
+    from veomni_lite.models.lora import LoraError, LoraSettings, check_directory
+    from veomni_lite.models.pretrained import PretrainedDirError
+
+    try:
+        settings = LoraSettings.parse(model.lora)
+        if settings is None:
+            return
+        if model.arch == "tiny":
+            raise LoraError("model.lora: LoRA adapts a transformers model; model.arch tiny is an example model")
+        if not model.pretrained_dir:
+            raise LoraError(
+                "model.lora: LoRA adapts a pretrained model, and its base is rebuilt from model.pretrained_dir "
+                "on resume and export; set model.pretrained_dir"
+            )
+        check_directory(model.pretrained_dir, settings)
+    except (LoraError, PretrainedDirError) as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def _check_run_length(config: Config) -> None:
     train, optim = config.train, config.optim
     if train.max_steps and train.epochs:
@@ -577,6 +607,7 @@ def validate(config: Config, world_size: int | None = None) -> None:
     if config.data.prefetch_steps < -1:
         raise ConfigError(f"data.prefetch_steps: must be >= -1, got {config.data.prefetch_steps}")
     _check_arch(config.model)
+    _check_lora(config.model)
     try:
         config.loss.resolved()
     except ValueError as exc:

@@ -13,6 +13,13 @@ never re-saved through `AutoTokenizer`, whose class for the model type may token
 (OUTPUT_DIR/tokenizer.json) gets it as a `PreTrainedTokenizerFast`. Only safetensors, JSON and the tokenizer's own
 files are written, never a pickle. The model is rebuilt from OUTPUT_DIR/model_config (written by the trainer) and
 its weights are read from the newest complete checkpoint with the same safe readers as a resume, in one process.
+
+A LoRA run (`model.lora`; OUTPUT_DIR/model_config/adapter_config.json) exports a PEFT adapter directory instead:
+`adapter_config.json` (its `base_model_name_or_path` the run's `model.pretrained_dir`) and `adapter_model.safetensors`
+(PEFT's names, float32 unless `--dtype` says otherwise), which `peft.PeftModel.from_pretrained(base model, EXPORT_DIR)`
+loads; only the adapters are read and allocated. `--merge` writes a full model directory instead, as for a run
+without LoRA: the base directory's weights with the adapters merged in (W + alpha / rank B A), in its dtype unless
+`--dtype` says otherwise.
 """
 
 from __future__ import annotations
@@ -24,7 +31,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from veomni_lite.models.pretrained import load_config
+from veomni_lite.models.lora import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    adapter_state,
+    apply_peft_config,
+    lora_modules,
+    merge_lora,
+    read_adapter_config,
+)
+from veomni_lite.models.pretrained import load_config, load_model
 from veomni_lite.models.registry import dtype_of, family_of
 from veomni_lite.trainer.base import MODEL_CONFIG_DIR
 from veomni_lite.trainer.checkpoint import CheckpointManager
@@ -70,6 +86,41 @@ def save_tokenizer(tokenizer_file: Path, export_dir: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), **specials).save_pretrained(str(export_dir))
 
 
+def _export_adapters(output_dir: Path, export_dir: Path, adapter: dict, dtype: str, merge: bool) -> int:
+    """A LoRA run's adapters as a PEFT adapter directory, or (`merge`) merged into its base's weights as a model
+    directory; returns the checkpoint step."""
+    import json
+
+    from safetensors.torch import save_file
+
+    checkpoints = CheckpointManager(output_dir / "checkpoints", trainable_only=True)
+    base = Path(adapter["base_model_name_or_path"])
+    if merge:
+        if not (base / "config.json").is_file():
+            raise FileNotFoundError(f"--merge: the run's base model directory {base} (model.pretrained_dir) is gone")
+        model = load_model(base)  # float32 whatever the files store: the merge is computed in float32
+        apply_peft_config(model, adapter)
+        step = checkpoints.load_model_weights(model)
+        merge_lora(model)
+        model.to(model.export_dtype if dtype == "auto" else EXPORT_DTYPES[dtype])
+        export_dir.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(export_dir)
+        return step
+    config = load_config(output_dir / MODEL_CONFIG_DIR)
+    with torch.device("meta"):  # only the adapters are allocated and read
+        model = family_of(config).build(config)
+    apply_peft_config(model, adapter)
+    for _, module in lora_modules(model):
+        module.lora_A.to_empty(device="cpu")
+        module.lora_B.to_empty(device="cpu")
+    step = checkpoints.load_model_weights(model)
+    export_dir.mkdir(parents=True, exist_ok=True)
+    weights = adapter_state(model, None if dtype == "auto" else EXPORT_DTYPES[dtype])
+    save_file(weights, str(export_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    (export_dir / ADAPTER_CONFIG).write_text(json.dumps(adapter, indent=2) + "\n")
+    return step
+
+
 def copy_tokenizer_files(
     source: str | Path, target: str | Path, chat_template: str = "", prune: bool = False
 ) -> list[str]:
@@ -103,9 +154,12 @@ def copy_tokenizer_files(
     return sorted(written)
 
 
-def export(output_dir: str | Path, export_dir: str | Path, dtype: str = "auto") -> tuple[int, list[str]]:
+def export(
+    output_dir: str | Path, export_dir: str | Path, dtype: str = "auto", merge: bool = False
+) -> tuple[int, list[str]]:
     """Write EXPORT_DIR from OUTPUT_DIR (see the module docstring) with weights in `dtype` (auto: the source
-    directory's, float32 for a model built from a config); returns (checkpoint step, files written)."""
+    directory's, float32 for a model built from a config; a LoRA run's adapters: float32); `merge`: a LoRA run's
+    adapters merged into a model directory. Returns (checkpoint step, files written)."""
     output_dir, export_dir = Path(output_dir), Path(export_dir)
     model_config_dir = output_dir / MODEL_CONFIG_DIR
     if not (model_config_dir / "config.json").is_file():
@@ -113,10 +167,16 @@ def export(output_dir: str | Path, export_dir: str | Path, dtype: str = "auto") 
             f"{model_config_dir / 'config.json'} not found: export needs a run of a transformers model "
             "(model.arch qwen2 or qwen2_vl); the tiny example models have no transformers format"
         )
-    model = build_model(model_config_dir, dtype)
-    step = CheckpointManager(output_dir / "checkpoints").load_model_weights(model)
-    export_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(export_dir)
+    adapter = read_adapter_config(model_config_dir)
+    if adapter is not None:
+        step = _export_adapters(output_dir, export_dir, adapter, dtype, merge)
+    elif merge:
+        raise ValueError(f"--merge: {output_dir} is not a LoRA run (no {MODEL_CONFIG_DIR}/{ADAPTER_CONFIG})")
+    else:
+        model = build_model(model_config_dir, dtype)
+        step = CheckpointManager(output_dir / "checkpoints").load_model_weights(model)
+        export_dir.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(export_dir)
     copied = copy_tokenizer_files(model_config_dir, export_dir)  # a fine-tuned directory's own, byte for byte
     if not {"tokenizer.json", "tokenizer_config.json"} & set(copied) and (output_dir / TOKENIZER_FILE).is_file():
         save_tokenizer(output_dir / TOKENIZER_FILE, export_dir)
@@ -131,11 +191,17 @@ def main(argv: list[str] | None = None) -> int:
         "--dtype",
         choices=["auto", *EXPORT_DTYPES],
         default="auto",
-        help="the weights' dtype (auto: the source directory's, e.g. bfloat16 for a bf16 release; float32 otherwise)",
+        help="the weights' dtype (auto: the source directory's, e.g. bfloat16 for a bf16 release; float32 otherwise; "
+        "a LoRA adapter directory: float32)",
+    )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA run: write a full model directory with the adapters merged (default: a PEFT adapter directory)",
     )
     args = parser.parse_args(argv)
     try:
-        step, files = export(args.output_dir, args.export_dir, args.dtype)
+        step, files = export(args.output_dir, args.export_dir, args.dtype, args.merge)
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
         print(f"export error: {exc}", file=sys.stderr)
         return 2

@@ -67,7 +67,8 @@ def lm_head_loss(
 def decoder_flops_per_token(
     model: nn.Module, num_layers: int, hidden_size: int, seq_len: int, exclude: Iterable[Tensor] = ()
 ) -> float:
-    """6N + 12 L d T (the PaLM estimate): N = parameters taking part in matmuls, T = sequence length."""
+    """6N + 12 L d T (the PaLM estimate): N = parameters taking part in matmuls, T = sequence length. A frozen
+    parameter (a LoRA base) counts 4 (forward, and the gradient of its input; none of its own)."""
     excluded = {id(p) for p in exclude}
-    num_params = sum(p.numel() for p in model.parameters() if id(p) not in excluded)
-    return float(6 * num_params + 12 * num_layers * hidden_size * seq_len)
+    matmuls = sum((6 if p.requires_grad else 4) * p.numel() for p in model.parameters() if id(p) not in excluded)
+    return float(matmuls + 12 * num_layers * hidden_size * seq_len)

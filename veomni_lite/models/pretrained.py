@@ -53,6 +53,16 @@ def save_config(config: Any, directory: str | Path, dtype: torch.dtype) -> None:
         config.dtype = trained
 
 
+def hf_child(model: torch.nn.Module) -> tuple[str, Any]:
+    """(attribute name, module) of the transformers model inside a trainer-contract wrapper."""
+    from transformers import PreTrainedModel
+
+    for name, child in model.named_children():
+        if isinstance(child, PreTrainedModel):
+            return name, child
+    raise TypeError(f"{type(model).__name__} holds no transformers PreTrainedModel")
+
+
 def text_config(config: Any) -> Any:
     return getattr(config, "text_config", None) or config
 

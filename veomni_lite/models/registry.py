@@ -33,6 +33,8 @@ class Vision:
     """Qwen3-VL: a learned position grid resampled to each image (`interp_indices`, `interp_weights`)."""
     deepstack: bool = False
     """Qwen3-VL: features of early vision blocks are added to the first decoder layers' image tokens."""
+    tower: str = "model.visual"
+    """The vision tower's module path in the transformers model (`model.lora` leaves it out unless named)."""
 
 
 @dataclass(frozen=True)

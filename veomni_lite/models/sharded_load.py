@@ -28,18 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from veomni_lite.models.pretrained import load_config
+from veomni_lite.models.lora import is_adapter_key
+from veomni_lite.models.pretrained import hf_child, load_config
 from veomni_lite.models.registry import family_of
-
-
-def _hf_child(model: nn.Module) -> tuple[str, Any]:
-    """(attribute name, module) of the transformers model inside the wrapper."""
-    from transformers import PreTrainedModel
-
-    for name, child in model.named_children():
-        if isinstance(child, PreTrainedModel):
-            return name, child
-    raise TypeError(f"{type(model).__name__} holds no transformers PreTrainedModel")
 
 
 def weight_names(directory: str | Path) -> set[str]:
@@ -81,13 +72,13 @@ def _checkpoint_names(hf_model: Any, directory: str | Path) -> dict[str, str]:
 
 def _targets(model: nn.Module, directory: str | Path) -> dict[str, torch.Tensor] | None:
     """The state-dict entries to load keyed by their names in the directory (tied duplicates once), or None when
-    some entry has no name there."""
-    prefix, hf_model = _hf_child(model)
+    some entry has no name there. LoRA adapters are not the directory's (`veomni_lite.models.lora` fills them)."""
+    prefix, hf_model = hf_child(model)
     names = _checkpoint_names(hf_model, directory)
     seen: set[int] = set()
     targets = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
-        if id(tensor) in seen:
+        if id(tensor) in seen or is_adapter_key(name):
             continue
         seen.add(id(tensor))
         stored = names.get(name.removeprefix(f"{prefix}."))
@@ -108,7 +99,7 @@ def load_into_shards(model: nn.Module, directory: str | Path) -> None:
     buffers recomputed. Collective (DCP plans the read on every rank)."""
     import torch.distributed.checkpoint as dcp
 
-    _, hf_model = _hf_child(model)
+    _, hf_model = hf_child(model)
     for module in hf_model.modules():
         if module._non_persistent_buffers_set:
             hf_model._init_weights(module)

@@ -52,6 +52,7 @@ from veomni_lite.distributed.grad_norm import clip_global_grad_norm
 from veomni_lite.distributed.parallel_state import ParallelState, init_parallel_state
 from veomni_lite.distributed.sequence_parallel import slice_micro_batch
 from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS, loss_weights_key, name_of_loss
+from veomni_lite.models.lora import LoraError, LoraSettings, apply_lora, init_adapters, write_adapter_config
 from veomni_lite.models.pretrained import load_model
 from veomni_lite.models.registry import DTYPES, family_of
 from veomni_lite.models.sharded_load import (
@@ -100,11 +101,12 @@ def init_distributed(timeout_s: float) -> torch.device:
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float, decay_on: str = "matrices") -> list[dict[str, Any]]:
-    """AdamW groups: with `decay_on="matrices"` only weight matrices decay (parameters of 2+ dimensions outside
-    embeddings); biases, norms and embeddings do not. `"all"`: every parameter decays."""
+    """AdamW groups of the parameters that train (frozen ones, e.g. a LoRA base, get no optimizer state): with
+    `decay_on="matrices"` only weight matrices decay (parameters of 2+ dimensions outside embeddings); biases, norms
+    and embeddings do not. `"all"`: every parameter decays."""
     embeddings = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
     decay, keep = [], []
-    for param in model.parameters():
+    for param in (p for p in model.parameters() if p.requires_grad):
         matrix = param.dim() >= 2 and id(param) not in embeddings
         (decay if decay_on == "all" or matrix else keep).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0}]
@@ -162,6 +164,10 @@ class BaseTrainer(ABC):
         self.is_main = self.rank == 0
         self.control_group = self.parallel.new_group("gloo")
         self.loss_modes = config.loss.resolved()
+        try:
+            self.lora = LoraSettings.parse(config.model.lora)
+        except LoraError as exc:
+            raise ConfigError(str(exc)) from None
         self._sync_every_micro_batch = config.parallel.gradient_sync == "every_micro_batch"
         torch.manual_seed(train.seed)
 
@@ -189,13 +195,20 @@ class BaseTrainer(ABC):
             else:
                 self.materialize(self.model)
             del weights
+            if self.lora is not None:
+                init_adapters(self.model, train.seed)  # each rank its shards of the values a whole build has
+        self.trainable = [param for param in self.model.parameters() if param.requires_grad]
         prefetch = config.data.prefetch_steps if config.data.prefetch_steps >= 0 else int(self.device.type != "cpu")
         self.loader = self._make_loader(self.train_dataset, train.seed, prefetch, token_budget=True)
         self.max_steps = self._run_length()
         self.optimizer = build_optimizer(self.model, optim)
         self.scheduler = build_scheduler(self.optimizer, optim, self.max_steps)
         self._log_run_length()
-        self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", keep=config.checkpoint.keep_checkpoints)
+        self.checkpoints = CheckpointManager(
+            self.output_dir / "checkpoints",
+            keep=config.checkpoint.keep_checkpoints,
+            trainable_only=self.lora is not None,
+        )
         self.checkpoints.check_shared()
         self.metrics = self.build_metrics()
         self.step = 0
@@ -207,6 +220,8 @@ class BaseTrainer(ABC):
         if self.is_main:
             config.save(self.output_dir / "config.yaml")
             model.save_config(self.output_dir / MODEL_CONFIG_DIR)  # what `python -m veomni_lite.export` rebuilds
+            # the adapters' PEFT config, naming the base directory (none: an earlier LoRA run's is removed)
+            write_adapter_config(model, self.lora, config.model.pretrained_dir, self.output_dir / MODEL_CONFIG_DIR)
 
     def _run_length(self) -> int:
         """The run's optimizer steps: `train.max_steps`, or `train.epochs` x the loader's steps per epoch."""
@@ -247,9 +262,9 @@ class BaseTrainer(ABC):
         see `pretrained_model`) is left to `materialize`. One broadcast shares rank 0's choice and CPU RNG state, so
         every rank decides alike and continues from the RNG state a whole build leaves."""
         if not self._sharded_build:
-            return self.build_model(), False, None
+            return self._build_with_adapters(), False, None
         with contextlib.nullcontext() if self.is_main else torch.device("meta"):
-            model = self.build_model()
+            model = self._build_with_adapters()
         on_meta = any(param.is_meta for param in model.parameters())
         shared = torch.cat([torch.tensor([on_meta], dtype=torch.uint8), torch.get_rng_state()])
         dist.broadcast(shared, src=0, group=self.control_group)
@@ -258,6 +273,29 @@ class BaseTrainer(ABC):
             return model, False, None
         weights = rank0_weights(model) if self.is_main else None
         return model.to("meta"), True, weights
+
+    def _build_with_adapters(self) -> TrainableModel:
+        """`build_model`, then `model.lora`'s adapters on it (the base frozen; see `veomni_lite.models.lora`)."""
+        model = self.build_model()
+        if self.lora is None:
+            return model
+        try:
+            targets = apply_lora(model, self.lora, self.config.train.seed)
+        except LoraError as exc:
+            raise ConfigError(str(exc)) from None
+        if self.is_main:
+            trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            total = sum(p.numel() for p in model.parameters())
+            logger.info(
+                "model.lora: rank %d adapters on %d layers (%s); %d of %d parameters train (%.3g%%)",
+                self.lora.rank,
+                len(targets),
+                ", ".join(sorted({path.rsplit(".", 1)[-1] for path in targets})),
+                trained,
+                total,
+                100 * trained / total,
+            )
+        return model
 
     def pretrained_model(self, directory: str | Path) -> Any:
         """The model of a local `from_pretrained` directory, its parameters in `parallel.master_dtype` (float32 by
@@ -483,7 +521,7 @@ class BaseTrainer(ABC):
             self.metrics.record_micro_batch(outputs, micro_batch_token_len, micro_batch)
 
         grad_norm, bad_loss_ranks = clip_global_grad_norm(
-            list(self.model.parameters()), self.config.optim.max_grad_norm, step_loss, self.parallel.world_group
+            self.trainable, self.config.optim.max_grad_norm, step_loss, self.parallel.world_group
         )
         wait_start = time.perf_counter()
         self.metrics.wait_bookkeeping()  # the previous step's bookkeeping finishes before this update

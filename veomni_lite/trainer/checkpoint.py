@@ -1,6 +1,7 @@
 """DCP checkpoints that are complete or invisible.
 
-Layout: `<root>/step_00000010/` holds the sharded model + optimizer (`torch.distributed.checkpoint`, `.metadata`),
+Layout: `<root>/step_00000010/` holds the sharded model + optimizer (`torch.distributed.checkpoint`, `.metadata`;
+a LoRA run's adapters and their optimizer state only, see `trainable_only`),
 `trainer_state.pt` (what every rank shares: step, scheduler, data position, token count) and `rank_00003.pt`
 (what each rank owns: its RNG states; a checkpoint never holds an open metric window). Everything is written under
 `step_XXXXXXXX.tmp/` and renamed by rank 0 after every rank has finished, so a crash mid-save leaves no directory
@@ -36,7 +37,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from veomni_lite.distributed.collectives import all_gather_objects, all_reduce, group_size
 from veomni_lite.trainer.safe_load import (
@@ -107,12 +108,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 class CheckpointManager:
-    """Save, list and load checkpoints under `root`, keeping the newest `keep` complete ones."""
+    """Save, list and load checkpoints under `root`, keeping the newest `keep` complete ones. `trainable_only` (a
+    LoRA run): the model state saved and restored is the parameters that train (`requires_grad`); the frozen base is
+    not copied into each checkpoint but rebuilt as the run built it (`model.pretrained_dir`)."""
 
-    def __init__(self, root: str | Path, keep: int = 2) -> None:
+    def __init__(self, root: str | Path, keep: int = 2, trainable_only: bool = False) -> None:
         self.root = Path(root)
         self.keep = keep
         self.rank = dist.get_rank() if _distributed() else 0
+        self.trainable_only = trainable_only
+        # strict=False on load: the frozen parameters are absent by design (`_check_model_fits` checks the rest)
+        self._options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
 
     def step_dir(self, step: int) -> Path:
         return self.root / f"step_{step:08d}"
@@ -177,7 +183,7 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=self._options)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
         torch.save(rank_state, self.rank_file(tmp))
         if self.rank == 0:
@@ -252,7 +258,7 @@ class CheckpointManager:
             if problem := self._agree(path, code, problem):
                 self._skip(path, problem, on_skip)
                 continue
-            model_sd, optim_sd = get_state_dict(model, optimizer)
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=self._options)
             saved_settings = trainer_state.get("config", {}).get("model", {})
             _check_model_fits(path, metadata, model_sd, saved_settings, model_settings or {})
             try:
@@ -265,21 +271,26 @@ class CheckpointManager:
             if all_reduce(1 if problem else 0, op="max"):
                 self._skip(path, problem or "failed to load on another rank", on_skip)
                 continue
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            loaded = {"model_state_dict": state["model"], "optim_state_dict": state["optim"]}
+            set_state_dict(model, optimizer, **loaded, options=self._options)
             return step, trainer_state, rank_state
         return None
 
     def load_model_weights(self, model: nn.Module) -> int:
         """Load the newest complete checkpoint's model weights into an unsharded `model` in this one process (no
-        process group: DCP reassembles the shards); returns its step. The same safe readers as `load_latest`."""
+        process group: DCP reassembles the shards); returns its step. The same safe readers as `load_latest`. With
+        `trainable_only`, the parameters of `model` that train (a LoRA run's adapters) are loaded, the rest kept."""
         found = self.complete_checkpoints()
         if not found:
             raise CheckpointError(f"no complete checkpoint under {self.root}")
         step, path = found[-1]
         load_dcp_metadata(path / METADATA)  # refuses a tampered file before DCP reads it
         state = {"model": model.state_dict()}
+        if self.trainable_only:
+            trained = {name for name, param in model.named_parameters() if param.requires_grad}
+            state["model"] = {name: value for name, value in state["model"].items() if name in trained}
         dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(path))
-        model.load_state_dict(state["model"])
+        model.load_state_dict(state["model"], strict=not self.trainable_only)
         return step
 
     def _skip(self, path: Path, problem: str, on_skip: Callable[[str], None] | None) -> None:

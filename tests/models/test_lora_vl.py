@@ -1,0 +1,97 @@
+"""LoRA on the vision-language families through the SFT trainer, from their directories: the adapters stay out of
+the vision tower; the exported adapter directory loads in `PeftModel.from_pretrained(<family class>(BASE), EXPORT)`
+with the trained model's logits on images, and `--merge`'s directory in the family class alone; SP=2 packed with a
+token budget on 2 gloo ranks trains the steps of one process padded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dist_helpers import run_distributed
+from tests.models import lora_fixtures as lx
+from tests.trainer.helpers import losses_by_step, read_events
+from veomni_lite.config import load_config
+from veomni_lite.examples.sft_demo import write_digits, write_vl_model
+from veomni_lite.models.lora import ADAPTER_CONFIG, lora_modules
+from veomni_lite.trainer.sft import SFTTrainer
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+SP_PACKED = ["--parallel.sp_size", "2", "--data.packing", "true", "--data.max_tokens_per_micro_batch", "96"]
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("lora_vl_demo")
+    texts = write_digits(out / "digits")
+    for family in FAMILIES:
+        write_vl_model(out / "models" / family, texts, family)
+    return out
+
+
+def _train(demo: Path, out: Path, family: str, world_size: int = 1, *extra: str) -> SFTTrainer:
+    args = lx.digits_args(demo, out, family, *extra)
+    trainer = SFTTrainer(load_config(lx.REPO / "configs/sft_digits.yaml", args, world_size=world_size))
+    try:
+        trainer.train()
+    finally:
+        trainer.metrics.close()
+        trainer.loader.close()
+    return trainer
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_adapter_directory_loads_in_peft_on_the_family_class_with_the_trained_logits(demo, tmp_path, family):
+    import transformers
+    from peft import PeftModel
+
+    from veomni_lite.export import export
+    from veomni_lite.models.qwen2_vl import collate_qwen2_vl
+    from veomni_lite.models.registry import family_of
+
+    trained = _train(demo, tmp_path / "run", family)
+    assert all("visual" not in path for path, _ in lora_modules(trained.model))
+    export(tmp_path / "run", tmp_path / "adapter")
+    export(tmp_path / "run", tmp_path / "merged", merge=True)
+    base = demo / "models" / family
+    config = json.loads((tmp_path / "adapter" / ADAPTER_CONFIG).read_text())
+    assert config["base_model_name_or_path"] == str(base.resolve())
+    hf_class = getattr(transformers, family_of(family).transformers_class)
+    peft_model = PeftModel.from_pretrained(hf_class.from_pretrained(str(base)), str(tmp_path / "adapter")).eval()
+    merged = hf_class.from_pretrained(str(tmp_path / "merged")).eval()
+    samples = [trained.train_dataset[i] for i in range(3)]
+    batch = collate_qwen2_vl(samples, trained.model_config.image_token_id, 2, trained.pad_id)
+    trained.model.eval()
+    with torch.no_grad():
+        ours = trained.model(**{k: v for k, v in batch.items() if "labels" not in k})["logits"]
+        for row, sample in enumerate(samples):
+            ids = sample["input_ids"][None]
+            inputs = {
+                "input_ids": ids,
+                "mm_token_type_ids": (ids == trained.model_config.image_token_id).long(),
+                "pixel_values": sample["pixel_values"],
+                "image_grid_thw": sample["image_grid_thw"],
+            }
+            mine = ours[row, : ids.shape[1]]
+            for name, model in (("peft", peft_model), ("merged", merged)):
+                theirs = model(**inputs).logits[0]
+                assert torch.allclose(mine, theirs, rtol=1e-5, atol=1e-5), (family, name, row)
+
+
+def _sp_packed(rank: int, world_size: int, demo: Path, out: Path) -> dict[int, float]:
+    _train(demo, out, "qwen2_vl", world_size, *SP_PACKED)
+    return losses_by_step(read_events(out)) if rank == 0 else {}
+
+
+@pytest.mark.slow
+def test_sp2_packed_with_a_token_budget_trains_the_lora_steps_of_one_process_padded(demo, tmp_path):
+    sp = run_distributed(_sp_packed, 2, demo, tmp_path / "sp", timeout_s=600)[0]
+    _train(demo, tmp_path / "one", "qwen2_vl")
+    one = losses_by_step(read_events(tmp_path / "one"))
+    print(f"\nqwen2_vl LoRA: 1 process padded {one}, SP=2 packed with a budget {sp}")
+    assert one.keys() == sp.keys() == {1, 2}
+    assert all(sp[step] == pytest.approx(one[step], rel=1e-5) for step in one)
+    assert one[2] != one[1]
