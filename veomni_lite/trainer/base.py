@@ -323,8 +323,9 @@ class BaseTrainer(ABC):
     def _make_loader(
         self, dataset: Any, seed: int, prefetch_steps: int = 0, token_budget: bool = False
     ) -> MicroBatchLoader:
-        """`token_budget`: micro-batches by `data.max_tokens_per_micro_batch` (training only: evaluation keeps
-        `train.micro_batch_size` samples per micro-batch, so every rank runs the same count)."""
+        """`token_budget`: micro-batches by `data.max_tokens_per_micro_batch`, read by `data.num_workers` worker
+        processes (training only: evaluation keeps `train.micro_batch_size` samples per micro-batch, so every rank
+        runs the same count, and reads in this process)."""
         return MicroBatchLoader(
             dataset,
             self.collate,
@@ -336,6 +337,8 @@ class BaseTrainer(ABC):
             prefetch_steps=prefetch_steps,
             max_tokens=self.config.data.max_tokens_per_micro_batch if token_budget else 0,
             packing=self.config.data.packing,
+            num_workers=self.config.data.num_workers if token_budget else 0,
+            pin_memory=self.device.type == "cuda",
         )
 
     def shard(self, micro_batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -369,13 +372,15 @@ class BaseTrainer(ABC):
 
     # ------------------------------------------------------------------ control plane
 
-    def _agree(self, micro_batches: list[dict[str, torch.Tensor]]) -> bool:
+    def _agree(self, micro_batches: list[dict[str, torch.Tensor]], fetch_error: DataError | None = None) -> bool:
         """Validate this rank's data, then one MAX all-reduce on the CPU control group (stop, bad data, counts).
         Under a token budget, `micro_batches` is then extended with padding micro-batches to the largest count.
+        `fetch_error`: the loader could not produce this rank's micro-batches (an image that does not decode): bad
+        data like any other, so every rank stops at this step.
 
         Returns whether every rank stops now: the agreed value, never this rank's own flag, which a signal may set
         after the all-reduce (that stop is agreed at the next step)."""
-        problem: str | None = None
+        problem: str | None = str(fetch_error) if fetch_error is not None else None
         try:
             for index, micro_batch in enumerate(micro_batches):
                 validate_micro_batch(
@@ -474,9 +479,13 @@ class BaseTrainer(ABC):
         progress = self._progress_bar()
         try:
             while self.step < train.max_steps:
-                micro_batches = [self.shard(mb) for mb in self.loader.next_step()]
+                fetch_error = None
+                try:
+                    micro_batches = [self.shard(mb) for mb in self.loader.next_step()]
+                except DataError as exc:  # decided with the other ranks in `_agree`, at this step
+                    micro_batches, fetch_error = [], exc
                 epoch = self.loader.epoch
-                if self._agree(micro_batches):
+                if self._agree(micro_batches, fetch_error) if fetch_error else self._agree(micro_batches):
                     self._on_interrupt()
                 self.train_step(micro_batches)
                 self.epoch = epoch
