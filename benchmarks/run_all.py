@@ -188,6 +188,11 @@ def main() -> int:
         packing_start = time.perf_counter()
         packed = packing.measure(scratch / "sft", settings["sft_steps"], settings["sft_blocks"])
         print(f"[bench] packing: done in {time.perf_counter() - packing_start:.0f}s", flush=True)
+        import data_startup
+
+        startup_start = time.perf_counter()
+        startup = data_startup.measure(scratch / "data_startup", args.quick)
+        print(f"[bench] data start-up: done in {time.perf_counter() - startup_start:.0f}s", flush=True)
         import many_machines
 
         many_start = time.perf_counter()
@@ -212,6 +217,7 @@ def main() -> int:
             "sft_input": sft,
             "packing": packed,
             "many_machines": many,
+            "data_startup": startup,
             "targets": TARGETS,
             "gpu": gpu_results(),
         }

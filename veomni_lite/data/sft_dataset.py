@@ -146,6 +146,8 @@ class SFTDataset:
             "overlength": overlength,
         }
         private = cache_dir is None
+        if private and sft_cache.group_size(group) > 1:
+            raise DataError(f"{what}: several ranks share the preprocessing through a cache_dir they all see; give one")
         root = Path(tempfile.mkdtemp(prefix="veomni_lite_sft_")) if private else Path(cache_dir)
         try:
             self.directory, self.found = sft_cache.build(root, key, self._num_rows, self._write_shard, group, what)
@@ -186,11 +188,12 @@ class SFTDataset:
         return counts
 
     def _encoded_batches(self, start: int, stop: int, counts: dict[str, int]) -> Iterator[dict[str, Any]]:
-        columns: dict[str, list[Any]] = {name: [] for name in _schema().names}
+        names = _schema().names
+        columns: dict[str, list[Any]] = {name: [] for name in names}
         for index, row_index, row in self._rows(start, stop):
             sample = self._encode(index, row_index, row, counts)
             if sample is not None:
-                for name, value in zip(_schema().names, sample):
+                for name, value in zip(names, sample):
                     columns[name].append(value)
             if len(columns["row"]) == BATCH_ROWS:
                 yield columns
