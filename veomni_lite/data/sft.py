@@ -22,6 +22,7 @@ from __future__ import annotations
 import glob as globbing
 import io
 import json
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -384,7 +385,7 @@ def image_reference(value: Any, media_dir: Path, where: str) -> dict[str, Any]:
         path = Path(value) if Path(value).is_absolute() else media_dir / value
         if not path.is_file():
             raise DataError(f"{where}: image {value!r} does not exist (looked at {path})")
-        return {"path": str(path.resolve()), "bytes": None}
+        return {"path": os.path.abspath(path), "bytes": None}  # not resolve(): a stat per path component
     raise DataError(f"{where}: an image is a {type(value).__name__}; expected a path, bytes or {{'bytes', 'path'}}")
 
 
