@@ -468,6 +468,20 @@ def lora_table(lora: Mapping[str, Any] | None) -> str:
     return table(header + "median step ms", rows) + "\n" + summary
 
 
+def data_startup_table(startup: Mapping[str, Any] | None) -> str:
+    """Per set and size: seconds to step 1 and peak RSS per rank on the first and second run, first-run rows/s."""
+    if not startup:
+        return "Not measured in this run."
+    rss = lambda run: " / ".join(f"{v:.0f}" for v in run["peak_rss_mib"])  # noqa: E731
+    rows = [
+        [r["kind"], f"{r['rows']:,}", f"{r['first']['to_first_step_s']:.1f}", f"{r['second']['to_first_step_s']:.1f}",
+         rss(r["first"]), rss(r["second"]), f"{r['rows_per_s']:,.0f}", f"{r.get('cpu_ms_per_row', 0):.2f}"]
+        for r in startup["runs"]
+    ]  # fmt: skip
+    header = "set|rows|first run: s to step 1|second run: s to step 1|first run peak RSS MiB (rank 0 / 1)"
+    return table(header + "|second run peak RSS MiB|first run rows/s (both ranks)|first run CPU ms per row", rows)
+
+
 def many_machines_tables(many: Mapping[str, Any] | None) -> str:
     """World x GA: loss all-reduces and host reads per step, the step's, step time; memory growth per choice; peak
     memory while building, whole or scattered."""
@@ -565,6 +579,7 @@ def page_values(results: Mapping[str, Any], records: list[Record], png: str) -> 
         "lm_head": lm_head_table(results.get("lm_head")),
         "many_machines": many_machines_tables(results.get("many_machines")),
         "lora": lora_table(results.get("lora")),
+        "data_startup": data_startup_table(results.get("data_startup")),
         "oversubscribed": f"; {', '.join(over)} processes share {results['machine']['logical_cpus']} CPUs, so those "
         "collectives include scheduling delay (real on a loaded host, larger than on a cluster)"
         if over

@@ -193,6 +193,11 @@ def main() -> int:
         head_start = time.perf_counter()
         head = lm_head.measure((4096,) if args.quick else (4096, 32768))
         print(f"[bench] LM head: done in {time.perf_counter() - head_start:.0f}s", flush=True)
+        import data_startup
+
+        startup_start = time.perf_counter()
+        startup = data_startup.measure(scratch / "data_startup", args.quick)
+        print(f"[bench] data start-up: done in {time.perf_counter() - startup_start:.0f}s", flush=True)
         import many_machines
 
         many_start = time.perf_counter()
@@ -224,6 +229,7 @@ def main() -> int:
             "lm_head": head,
             "many_machines": many,
             "lora": lora_results,
+            "data_startup": startup,
             "targets": TARGETS,
             "gpu": gpu_results(),
         }

@@ -135,6 +135,17 @@ class DataConfig:
     """Steps of micro-batches read, processed and collated ahead on a background thread while the current step trains;
     0: none; -1: 1 on an accelerator (the device computes meanwhile), 0 on a CPU-only machine, where the thread
     competes with the compute (`make bench` measures both)."""
+    sources: list[dict[str, Any]] = field(default_factory=list)
+    """SFT: weighted sources instead of `train_path`: `[{path, format, weight, columns, media_dir}]` (path as
+    `train_path`; format, columns and media_dir default to the keys above; weight 1). An epoch draws round(weight x
+    samples) of each source (see `veomni_lite.data.mixture`); `eval_fraction` holds out that share of every source."""
+    cache_dir: str = ""
+    """SFT: where the preprocessed samples are kept (memory-mapped Arrow, one directory per fingerprint of everything
+    that changes a sample; later runs and resumes read it); empty: `<train.output_dir>/data_cache`. Every rank must
+    see it (a shared file system); point several runs at one directory to share the work."""
+    num_workers: int = 0
+    """DataLoader worker processes that read, decode and process (images) and collate the training micro-batches
+    ahead of the step (pinned memory on an accelerator); 0: in the trainer's process. The batches are the same."""
 
 
 @dataclass
@@ -372,15 +383,20 @@ def _coerce(key: str, value: Any, expected: Any) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r} ({type(value).__name__})")
         return value
-    if typing.get_origin(expected) is list and typing.get_args(expected) == (float,):
+    if typing.get_origin(expected) is list and typing.get_args(expected)[0] is not str:  # betas; data.sources
+        item_type = typing.get_args(expected)[0]
         if isinstance(value, str):  # `--optim.betas "[0.9, 0.95]"`
             try:
                 value = yaml.safe_load(value)
             except yaml.YAMLError as exc:
                 raise ConfigError(f"{key}: cannot parse {value!r}: {exc}") from None
-        if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list of numbers, got {value!r} ({type(value).__name__})")
-        return [_coerce(key, item, float) for item in value]
+        if item_type is float:
+            if not isinstance(value, list):
+                raise ConfigError(f"{key}: expected a list of numbers, got {value!r} ({type(value).__name__})")
+            return [_coerce(key, item, float) for item in value]
+        if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+            raise ConfigError(f"{key}: expected a list of mappings, got {value!r}")
+        return value
     if typing.get_origin(expected) is list:
         if isinstance(value, str):
             with contextlib.suppress(yaml.YAMLError):
@@ -546,6 +562,33 @@ def _check_optim(optim: OptimConfig) -> None:
         raise ConfigError(f"optim.betas: expected [beta1, beta2], each in [0, 1), got {optim.betas}")
 
 
+SOURCE_KEYS = ("path", "format", "weight", "columns", "media_dir")
+
+
+def _check_sources(data: DataConfig) -> None:
+    """`data.sources` entries: known keys of the right types; not together with `data.train_path`."""
+    if data.sources and data.train_path:
+        raise ConfigError("data.sources and data.train_path are both set: give the training data one way")
+    formats = typing.get_args(_field_type(DataConfig, "format"))
+    for index, entry in enumerate(data.sources):
+        where = f"data.sources[{index}]"
+        unknown = sorted(set(entry) - set(SOURCE_KEYS))
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {unknown}; a source has {list(SOURCE_KEYS)}")
+        path = entry.get("path")
+        if not path or not (
+            isinstance(path, str) or (isinstance(path, list) and all(isinstance(p, str) for p in path))
+        ):
+            raise ConfigError(f"{where}.path: expected a path, glob or list of them, got {path!r}")
+        if entry.get("format", data.format) not in formats:
+            raise ConfigError(f"{where}.format: {entry['format']!r} is not one of {list(formats)}")
+        weight = entry.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            raise ConfigError(f"{where}.weight: expected a number > 0, got {weight!r}")
+        if not isinstance(entry.get("columns", {}), dict) or not isinstance(entry.get("media_dir", ""), str):
+            raise ConfigError(f"{where}: columns must be a mapping and media_dir a string")
+
+
 def validate(config: Config, world_size: int | None = None) -> None:
     """Cross-field checks; raise ConfigError naming the key."""
     world_size = config.world_size if world_size is None else world_size
@@ -606,6 +649,9 @@ def validate(config: Config, world_size: int | None = None) -> None:
         )
     if config.data.prefetch_steps < -1:
         raise ConfigError(f"data.prefetch_steps: must be >= -1, got {config.data.prefetch_steps}")
+    if config.data.num_workers < 0:
+        raise ConfigError(f"data.num_workers: must be >= 0, got {config.data.num_workers}")
+    _check_sources(config.data)
     _check_arch(config.model)
     _check_lora(config.model)
     try:

@@ -170,7 +170,7 @@ def test_every_file_kind_reads_the_same_rows(tmp_path, tokenizer, kind):
     rows = [{"messages": CONVERSATION}, {"messages": [CONVERSATION[0], {"role": "assistant", "content": "x"}]}]
     path = write_rows(tmp_path, kind, rows)
     (source,) = read_sources(str(path), "data.train_path")
-    assert len(source.rows) == 2
+    assert source.num_rows == 2
     dataset = SFTDataset([source], ChatEncoder(tokenizer), "messages", {}, max_seq_len=0)
     assert trained_runs(tokenizer, dataset[0]["input_ids"].tolist(), dataset[0]["labels"].tolist()) == [
         "General Kenobi<|im_end|>"

@@ -63,11 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     image_token_id = model_config.image_token_id if images is not None else None
     for index in range(min(args.n, len(dataset))):
-        sample = dataset.samples[index]
-        ids, labels = sample.input_ids.tolist(), sample.labels.tolist()
+        ids, labels = (column.tolist() for column in dataset.tokens(index))
         trained = sum(label != IGNORE_INDEX for label in labels)
-        where = dataset.where(index)
-        print(f"--- sample {index} ({where}): {len(ids)} tokens, {trained} trained, {sample.num_images} image(s)")
+        where, images = dataset.where(index), len(dataset.image_references(index)[0])
+        print(f"--- sample {index} ({where}): {len(ids)} tokens, {trained} trained, {images} image(s)")
         print(render(tokenizer, ids, labels, image_token_id))
     print(f"--- {args.split}: {len(dataset)} samples from {dataset.stats}")
     return 0

@@ -1,11 +1,14 @@
 """Step-wise micro-batching that gives the same global batches whatever the data-parallel layout.
 
-Contract: step s (counted over all epochs from 0) trains on the global batch of samples [j*G, (j+1)*G) of a seeded
-permutation of the dataset, where j = s mod steps_per_epoch and the permutation is drawn with seed + epoch
-(epoch = s // steps_per_epoch; a trailing partial global batch is dropped). This rank takes the dp_rank-th
-contiguous block of G / dp_size samples and cuts it into grad_accum = G / (micro_batch_size * dp_size) micro-batches
-of micro_batch_size samples, each passed through `collate_fn`. Only `step` is state, so a loader restored with
-`load_state_dict` continues exactly, under any dp layout.
+Contract: step s (counted over all epochs from 0) trains on the global batch of samples [j*G, (j+1)*G) of the
+epoch's order, where j = s mod steps_per_epoch and epoch = s // steps_per_epoch (a trailing partial global batch is
+dropped). The order is a permutation of the dataset drawn with seed + epoch, or, for a dataset that draws its own
+epochs (`epoch_order(epoch, seed)` and `samples_per_epoch`, e.g. `veomni_lite.data.mixture.WeightedMixture`),
+that. This rank takes the dp_rank-th contiguous block of G / dp_size samples and cuts it into
+grad_accum = G / (micro_batch_size * dp_size) micro-batches of micro_batch_size samples, each passed through
+`collate_fn`. Only `step` is state, so a loader restored with
+`load_state_dict` continues exactly, under any dp layout; the state also records the epoch size (and a mixture's
+weights and sizes), and a resume on other data is refused.
 
 With `max_tokens` > 0 (`data.max_tokens_per_micro_batch`), the rank's block is instead planned into as few
 micro-batches as fit that many tokens (`veomni_lite.data.packing.plan_micro_batches`; `packing` says how a
@@ -13,7 +16,9 @@ micro-batch is costed), so the count may differ across ranks and steps; the samp
 
 With `prefetch_steps` k > 0, the next k steps' micro-batches are fetched and collated on a background thread while
 the current step trains (the indices are fixed by the step number, so the batches are the same as without it); an
-error there surfaces from the `next_step` that needs that step.
+error there surfaces from the `next_step` that needs that step. With `num_workers` > 0 the micro-batches are read
+and collated by that many DataLoader worker processes (forked; pinned memory with `pin_memory`), in step order, so
+the batches are again the same; the prefetch thread, if any, then takes them from the workers ahead of the step.
 """
 
 from __future__ import annotations
@@ -24,11 +29,12 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor
-from torch.utils.data import Subset
+from torch.utils.data import DataLoader, Subset
 
+from veomni_lite.data.checks import DataError
 from veomni_lite.data.packing import plan_micro_batches
 
-__all__ = ["MicroBatchLoader"]
+__all__ = ["MicroBatchLoader", "epoch_size"]
 
 
 class IndexableDataset(Protocol):
@@ -64,6 +70,8 @@ class MicroBatchLoader:
         prefetch_steps: int = 0,
         max_tokens: int = 0,
         packing: bool = False,
+        num_workers: int = 0,
+        pin_memory: bool = False,
     ) -> None:
         if min(global_batch_size, micro_batch_size, dp_size) < 1:
             raise ValueError(
@@ -79,8 +87,12 @@ class MicroBatchLoader:
             )
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank ({dp_rank}) must be in [0, dp_size ({dp_size}))")
-        if len(dataset) < global_batch_size:
-            raise ValueError(f"dataset has {len(dataset)} samples, fewer than global_batch_size ({global_batch_size})")
+        self.samples_per_epoch = epoch_size(dataset)
+        if self.samples_per_epoch < global_batch_size:
+            raise ValueError(
+                f"dataset has {self.samples_per_epoch} samples per epoch, fewer than global_batch_size "
+                f"({global_batch_size})"
+            )
         self.dataset = dataset
         self.collate_fn = collate_fn
         self.global_batch_size = global_batch_size
@@ -91,13 +103,15 @@ class MicroBatchLoader:
         self.grad_accum = global_batch_size // (micro_batch_size * dp_size)  # without a token budget
         self.max_tokens = max_tokens
         self.packing = packing
-        self.steps_per_epoch = len(dataset) // global_batch_size
+        self.steps_per_epoch = self.samples_per_epoch // global_batch_size
         self.step = 0  # steps produced so far
-        self._perm_epoch = -1
-        self._perm = torch.empty(0, dtype=torch.long)
+        self._order: tuple[int, Tensor] = (-1, torch.empty(0, dtype=torch.long))  # one tuple: swapped atomically
         self.prefetch_steps = prefetch_steps
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch") if prefetch_steps > 0 else None
         self._ahead: dict[int, Future[list[MicroBatch]]] = {}
+        self.num_workers, self.pin_memory = num_workers, pin_memory
+        self._feed: Iterator[MicroBatch] | None = None  # the workers' micro-batches, from step `_feed_step` on
+        self._feed_step = -1
 
     @property
     def epoch(self) -> int:
@@ -105,11 +119,15 @@ class MicroBatchLoader:
         return max(self.step - 1, 0) // self.steps_per_epoch
 
     def _permutation(self, epoch: int) -> Tensor:
-        if epoch != self._perm_epoch:
-            generator = torch.Generator().manual_seed(self.seed + epoch)
-            self._perm = torch.randperm(len(self.dataset), generator=generator)
-            self._perm_epoch = epoch
-        return self._perm
+        cached = self._order  # read once: the prefetch thread may swap it meanwhile
+        if cached[0] != epoch:
+            order = getattr(self.dataset, "epoch_order", None)
+            if callable(order):
+                perm = order(epoch, self.seed)
+            else:
+                perm = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + epoch))
+            cached = self._order = (epoch, perm)
+        return cached[1]
 
     def global_indices(self, step: int) -> list[int]:
         """Dataset indices of the whole global batch of `step` (identical on every rank and layout)."""
@@ -129,17 +147,46 @@ class MicroBatchLoader:
         mbs = self.micro_batch_size
         return [mine[i * mbs : (i + 1) * mbs] for i in range(self.grad_accum)]
 
-    def _collate(self, indices: list[list[int]]) -> list[MicroBatch]:
-        return [self.collate_fn([self.dataset[i] for i in chunk]) for chunk in indices]
+    def _plans(self, first: int) -> Iterator[list[int]]:
+        """Every micro-batch's indices from step `first` on, in order (what the workers read)."""
+        step = first
+        while True:
+            yield from self.rank_indices(step)
+            step += 1
+
+    def _collate(self, step: int) -> list[MicroBatch]:
+        indices = self.rank_indices(step)
+        if not self.num_workers:
+            return [self.collate_fn([self.dataset[i] for i in chunk]) for chunk in indices]
+        assert self._feed is not None and self._feed_step == step, "the workers read the steps in order"
+        self._feed_step = step + 1
+        try:
+            return [next(self._feed) for _ in indices]
+        except DataError as exc:  # raised again by the DataLoader with the worker's traceback around the message
+            raise DataError(_worker_message(str(exc))) from None
+
+    def _start_workers(self) -> None:
+        """The worker processes, reading from step `self.step` on (forked here, on the caller's thread)."""
+        loader = DataLoader(
+            self.dataset,
+            batch_sampler=self._plans(self.step),
+            collate_fn=self.collate_fn,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            multiprocessing_context="fork",  # the dataset and collate_fn are inherited, never pickled
+        )
+        self._feed, self._feed_step = iter(loader), self.step
 
     def next_step(self) -> list[MicroBatch]:
         """The rank's `grad_accum` micro-batches for the next optimizer step."""
+        if self.num_workers and self._feed is None:
+            self._start_workers()
         if self._pool is None:
-            micro_batches = self._collate(self.rank_indices(self.step))
+            micro_batches = self._collate(self.step)
         else:
             for step in range(self.step, self.step + self.prefetch_steps + 1):
-                if step not in self._ahead:  # indices on this thread: the permutation cache is not shared
-                    self._ahead[step] = self._pool.submit(self._collate, self.rank_indices(step))
+                if step not in self._ahead:
+                    self._ahead[step] = self._pool.submit(self._collate, step)
             micro_batches = self._ahead.pop(self.step).result()
         self.step += 1
         return micro_batches
@@ -151,22 +198,55 @@ class MicroBatchLoader:
         return self.next_step()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "seed": self.seed, "global_batch_size": self.global_batch_size}
+        state = {"step": self.step, "seed": self.seed, "global_batch_size": self.global_batch_size}
+        state["samples_per_epoch"] = self.samples_per_epoch
+        mixture = getattr(self.dataset, "state", None)
+        if callable(mixture):
+            state["mixture"] = mixture()
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume at `state["step"]`; seed and global batch size must match (the dp layout may differ)."""
-        for key in ("seed", "global_batch_size"):
-            if key in state and state[key] != getattr(self, key):
+        """Resume at `state["step"]`; seed, global batch size, epoch size and a mixture's weights and sizes must
+        match (the dp layout and the number of workers may differ)."""
+        mine = self.state_dict()
+        for key in ("seed", "global_batch_size", "samples_per_epoch", "mixture"):
+            if key in state and state[key] != mine.get(key):
                 raise ValueError(
                     f"MicroBatchLoader.load_state_dict: checkpoint {key}={state[key]} but this loader has "
-                    f"{key}={getattr(self, key)}; resuming would replay different global batches"
+                    f"{key}={mine.get(key)}; resuming would replay different global batches"
                 )
+        self._drain()
+        self._stop_workers()  # they read ahead from the old step
         self.step = int(state["step"])
-        self._ahead.clear()  # fetched for other steps
+
+    def _drain(self) -> None:
+        """Forget the steps fetched ahead (letting a running fetch finish first: it may be reading the workers)."""
+        for future in self._ahead.values():
+            if not future.cancel():
+                future.exception()
+        self._ahead.clear()
 
     def close(self) -> None:
-        """Stop the prefetch thread (idempotent)."""
+        """Stop the prefetch thread and the workers (idempotent)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
             self._ahead.clear()
+        self._stop_workers()
+
+    def _stop_workers(self) -> None:
+        shutdown = getattr(self._feed, "_shutdown_workers", None)  # else when the iterator is collected
+        if callable(shutdown):
+            shutdown()
+        self._feed, self._feed_step = None, -1
+
+
+def epoch_size(dataset: Any) -> int:
+    """Samples per epoch: a dataset's own `samples_per_epoch` (a mixture's), else its length."""
+    return int(getattr(dataset, "samples_per_epoch", len(dataset)))
+
+
+def _worker_message(text: str) -> str:
+    """The DataError's own message out of the DataLoader's \"Caught DataError in DataLoader worker process\" text."""
+    marker = "DataError: "
+    return text[text.rindex(marker) + len(marker) :].strip() if marker in text else text

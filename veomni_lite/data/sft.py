@@ -1,7 +1,8 @@
 """Supervised fine-tuning data from the files users already have: read, convert, template, label, cut to length.
 
-- Files (`read_sources`): a file, a directory, a glob, or a list of them; `.jsonl`/`.json`, `.parquet`, `.arrow`
-  files and `save_to_disk` directories, read with Hugging Face `datasets` from local disk only.
+- Files (`read_sources`): a file, a directory, a glob, or a list of them; `.jsonl`/`.json` (read with `json`),
+  `.parquet` (pyarrow, by row group), `.arrow` files and `save_to_disk` directories (`datasets`, memory-mapped),
+  from local disk only, lazily: each rank reads its share of the rows (`Source.read`).
 - Formats (`to_conversation`): `messages` (OpenAI `role`/`content`; content a string or typed parts, `{"type":
   "image"}` among them), `sharegpt` (`conversations` of `from`/`value`), `alpaca` (`instruction`, `input`, `output`,
   optional `system` and `history`), `prompt_completion` (strings or message lists), `text` (plain language modelling).
@@ -28,7 +29,8 @@ from __future__ import annotations
 import glob as globbing
 import io
 import json
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,14 +71,6 @@ CHATML = (
     "{% if part['type'] == 'image' %}{{ image_token }}{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-
-@dataclass
-class Source:
-    """One data file (or `save_to_disk` directory) and its rows."""
-
-    path: Path
-    rows: Any  # a datasets.Dataset
 
 
 @dataclass
@@ -127,53 +121,152 @@ def row_name(path: str | Path, row: int) -> str:
     return f"{path}, row {row} (0-based)"
 
 
-def _bad_json_line(path: Path) -> str:
-    """Where a JSON Lines file does not parse (for the error message), as a 1-based line of the file (blank lines
-    counted, unlike rows); '' if every line does."""
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if line.strip():
-                try:
-                    json.loads(line)
-                except json.JSONDecodeError as exc:
-                    return f"line {number} of the file (1-based, blank lines counted): {exc.msg} (column {exc.colno})"
-    return ""
+def _kind(path: Path) -> str:
+    """How `path` reads: jsonl, json, parquet, arrow or saved (a `save_to_disk` directory)."""
+    if _is_saved_dataset(path):
+        return "saved"
+    if path.suffix not in FILE_KINDS:
+        raise DataError(f"{path}: unsupported file type {path.suffix!r}; use one of {sorted(FILE_KINDS)}")
+    if path.stat().st_size == 0:
+        raise DataError(f"{path}: the file is empty")
+    if path.suffix == ".json":  # a JSON array, or JSON Lines under a .json name
+        with path.open("rb") as handle:
+            return "json" if handle.read(4096).lstrip().startswith(b"[") else "jsonl"
+    return path.suffix[1:]
 
 
-def load_source(path: Path) -> Source:
-    """Read one file or `save_to_disk` directory with `datasets` (local, in memory or memory-mapped)."""
-    import datasets
+class Source:
+    """One data file (or `save_to_disk` directory), read lazily: `identity()` costs a `stat`; `num_rows` and
+    `read(start, stop)` read the file (JSON Lines by line, parquet by row group, Arrow memory-mapped), so a rank
+    reads only its share. Row N of a JSON Lines file is its line N + 1 (blank lines are no sample)."""
 
-    datasets.disable_progress_bars()
-    try:
-        if _is_saved_dataset(path):
-            rows = datasets.load_from_disk(str(path))
-            if isinstance(rows, datasets.DatasetDict):
-                raise DataError(f"{path}: a DatasetDict ({sorted(rows)}); point data.train_path at one split")
-        elif path.suffix not in FILE_KINDS:
-            raise DataError(f"{path}: unsupported file type {path.suffix!r}; use one of {sorted(FILE_KINDS)}")
-        elif path.stat().st_size == 0:
-            raise DataError(f"{path}: the file is empty")
-        elif FILE_KINDS[path.suffix] == "json":
-            where = _bad_json_line(path) if path.suffix == ".jsonl" else ""
-            if where:
-                raise DataError(f"{path}: malformed JSON at {where}")
-            rows = datasets.Dataset.from_json(str(path), keep_in_memory=True)
-        elif FILE_KINDS[path.suffix] == "parquet":
-            rows = datasets.Dataset.from_parquet(str(path), keep_in_memory=True)
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.kind = _kind(path)
+        self._rows: Any = None  # the opened reader (not on a cache hit)
+        self._num_rows: int | None = None
+
+    def identity(self) -> list[Any]:
+        """What the cache key reads of the file: its path, size and modification time (every file of a directory)."""
+        files = sorted(p for p in self.path.rglob("*") if p.is_file()) if self.path.is_dir() else [self.path]
+        return [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+
+    def _open(self) -> Any:
+        if self._rows is not None:
+            return self._rows
+        import datasets
+
+        datasets.disable_progress_bars()
+        try:
+            if self.kind == "saved":
+                rows = datasets.load_from_disk(str(self.path))
+                if isinstance(rows, datasets.DatasetDict):
+                    raise DataError(f"{self.path}: a DatasetDict ({sorted(rows)}); point data.train_path at one split")
+                self._rows, self._num_rows = rows.with_format("arrow"), len(rows)
+            elif self.kind == "arrow":
+                rows = datasets.Dataset.from_file(str(self.path))
+                self._rows, self._num_rows = rows.with_format("arrow"), len(rows)
+            elif self.kind == "parquet":
+                import pyarrow.parquet as pq
+
+                self._rows = pq.ParquetFile(str(self.path))
+                self._num_rows = self._rows.metadata.num_rows
+            elif self.kind == "json":
+                self._rows = json.loads(self.path.read_text(encoding="utf-8"))
+                if not isinstance(self._rows, list):
+                    raise DataError(f"{self.path}: a JSON file holds a list of rows, not a {type(self._rows).__name__}")
+                self._num_rows = len(self._rows)
+            else:
+                self._rows, self._num_rows = self.path, _count_lines(self.path)
+        except DataError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever the reader says, name the file
+            raise DataError(f"{self.path}: cannot read it as {self.kind}: {exc}") from exc
+        if self._num_rows == 0:
+            raise DataError(f"{self.path}: no rows")
+        return self._rows
+
+    def close(self) -> None:
+        """Let go of the opened reader (a JSON file's rows, say); `read` opens it again."""
+        self._rows = None
+
+    @property
+    def num_rows(self) -> int:
+        self._open()
+        assert self._num_rows is not None
+        return self._num_rows
+
+    def read(self, start: int, stop: int, batch: int = 256) -> Iterator[tuple[int, dict[str, Any]]]:
+        """(row index, row) for the rows in [start, stop); images stay undecoded (paths, bytes, {bytes, path})."""
+        rows = self._open()
+        if self.kind == "jsonl":
+            yield from _read_lines(self.path, start, stop)
+        elif self.kind == "json":
+            for index in range(start, stop):
+                yield index, rows[index]
+        elif self.kind == "parquet":
+            at = 0
+            for group in range(rows.num_row_groups):
+                size = rows.metadata.row_group(group).num_rows
+                if at + size > start and at < stop:
+                    for chunk in rows.iter_batches(batch_size=batch, row_groups=[group]):
+                        for offset, row in enumerate(chunk.to_pylist()):
+                            if start <= at + offset < stop:
+                                yield at + offset, row
+                        at += chunk.num_rows
+                else:
+                    at += size
         else:
-            rows = datasets.Dataset.from_file(str(path))
-    except DataError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - whatever the reader says, name the file
-        raise DataError(f"{path}: cannot read it as {FILE_KINDS.get(path.suffix, 'a saved dataset')}: {exc}") from exc
-    if len(rows) == 0:
-        raise DataError(f"{path}: no rows")
-    return Source(path, rows)
+            for first in range(start, stop, batch):
+                table = rows[first : min(first + batch, stop)]
+                for offset, row in enumerate(table.to_pylist()):
+                    yield first + offset, row
+
+
+_CHUNK = 1 << 24
+
+
+def _count_lines(path: Path) -> int:
+    """Lines of a text file (a last line without a newline counts)."""
+    count, last = 0, b"\n"
+    with path.open("rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            count, last = count + chunk.count(b"\n"), chunk[-1:]
+    return count + (last != b"\n")
+
+
+def _line_offset(path: Path, line: int) -> int:
+    """The byte offset where line `line` (0-based) starts."""
+    import numpy
+
+    seen = position = 0
+    with path.open("rb") as handle:
+        while line > seen and (chunk := handle.read(_CHUNK)):
+            newlines = chunk.count(b"\n")
+            if seen + newlines >= line:
+                ends = numpy.flatnonzero(numpy.frombuffer(chunk, dtype=numpy.uint8) == 10)
+                return position + int(ends[line - seen - 1]) + 1
+            seen, position = seen + newlines, position + len(chunk)
+    return position
+
+
+def _read_lines(path: Path, start: int, stop: int) -> Iterator[tuple[int, dict[str, Any]]]:
+    with path.open("rb") as handle:
+        handle.seek(_line_offset(path, start))
+        for index in range(start, stop):
+            line = handle.readline()
+            if not line.strip():
+                continue
+            try:
+                yield index, json.loads(line)
+            except json.JSONDecodeError as exc:
+                where = f"line {index + 1} of the file (1-based, blank lines counted)"
+                raise DataError(f"{path}: malformed JSON at {where}: {exc.msg} (column {exc.colno})") from None
 
 
 def read_sources(spec: str | Sequence[str], key: str) -> list[Source]:
-    return [load_source(path) for path in expand_paths(spec, key)]
+    """Every file `spec` names (`expand_paths`), opened lazily (see `Source`)."""
+    return [Source(path) for path in expand_paths(spec, key)]
 
 
 # ---------------------------------------------------------------- formats -> one conversation shape
@@ -287,36 +380,54 @@ def to_conversation(row: Mapping[str, Any], fmt: str, columns: Mapping[str, str]
 # ---------------------------------------------------------------- images
 
 
-def load_image(value: Any, media_dir: Path, where: str) -> Any:
-    """A PIL RGB image from a path (relative to `media_dir`), bytes, a `{"bytes", "path"}` dict or a PIL image (a
-    `datasets.Image()` column); decoded fully, within Pillow's decompression-bomb limit (`Image.MAX_IMAGE_PIXELS`)."""
-    import warnings
-
+def image_reference(value: Any, media_dir: Path, where: str) -> dict[str, Any]:
+    """What the cache keeps of an image (nothing decoded): `{"path": absolute path, "bytes": None}` for a file, which
+    must exist (relative paths are relative to `media_dir`), or `{"path": None, "bytes": the encoded image}` for an
+    image held in the data (bytes, a `{"bytes", "path"}` dict, or a PIL image, saved as PNG)."""
     from PIL import Image
 
     if isinstance(value, Mapping):
         value = value.get("bytes") or value.get("path")
-    if isinstance(value, Image.Image):  # a `datasets.Image()` column, decoded by `datasets`
-        return value.convert("RGB")
+    if isinstance(value, Image.Image):
+        buffer = io.BytesIO()
+        value.save(buffer, format="PNG")
+        return {"path": None, "bytes": buffer.getvalue()}
     if isinstance(value, (bytes, bytearray)):
-        name, opener = "the image bytes", lambda: Image.open(io.BytesIO(value))
-    elif isinstance(value, str):
+        return {"path": None, "bytes": bytes(value)}
+    if isinstance(value, str):
         path = Path(value) if Path(value).is_absolute() else media_dir / value
         if not path.is_file():
             raise DataError(f"{where}: image {value!r} does not exist (looked at {path})")
-        name, opener = f"image {str(path)!r}", lambda: Image.open(path)
-    else:
-        raise DataError(f"{where}: an image is a {type(value).__name__}; expected a path, bytes or {{'bytes', 'path'}}")
+        return {"path": os.path.abspath(path), "bytes": None}  # not resolve(): a stat per path component
+    raise DataError(f"{where}: an image is a {type(value).__name__}; expected a path, bytes or {{'bytes', 'path'}}")
+
+
+def open_image(reference: Mapping[str, Any], where: str, decode: bool = True) -> Any:
+    """The image of an `image_reference`: decoded to RGB, or with `decode=False` only its header read (`.size` is
+    known, no pixel is); within Pillow's decompression-bomb limit (`Image.MAX_IMAGE_PIXELS`)."""
+    import warnings
+
+    from PIL import Image
+
+    path, data = reference.get("path"), reference.get("bytes")
+    name = f"image {path!r}" if path else "the image bytes"
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = opener()
-            image.load()
+            image = Image.open(path) if path else Image.open(io.BytesIO(data))
+            if decode:
+                image.load()
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise DataError(f"{where}: {name} is over Pillow's decompression-bomb limit: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - name the image whatever Pillow says
         raise DataError(f"{where}: {name} does not decode: {exc}") from None
-    return image.convert("RGB")
+    return image.convert("RGB") if decode else image
+
+
+def load_image(value: Any, media_dir: Path, where: str) -> Any:
+    """A PIL RGB image from a path (relative to `media_dir`), bytes, a `{"bytes", "path"}` dict or a PIL image,
+    decoded fully (see `open_image`)."""
+    return open_image(image_reference(value, media_dir, where), where)
 
 
 # ---------------------------------------------------------------- template + labels

@@ -1,18 +1,27 @@
-"""The tokenized samples of one SFT split, checked row by row before training starts.
+"""The tokenized samples of one SFT split: preprocessed once into the Arrow cache (`sft_cache`), read memory-mapped.
 
-`SFTDataset` reads every row once at construction (on every rank alike, before any collective): the row is converted
-(`to_conversation`), its images are opened and measured by the model's image processor, the conversation is
-rendered and labelled (`ChatEncoder`), and the sample is cut to `max_seq_len` by `overlength` (`truncate`: cut, an
-image never split; `drop`: left out; `error`: a DataError naming the row). Any bad row raises a `DataError` naming
-the file and the row. Token ids are kept; images are decoded and processed again when a sample is fetched (in the
-loader's prefetch thread), so `__getitem__` returns what the collator takes: `input_ids`, `labels` (unshifted), and
-for images `pixel_values` and `image_grid_thw` from the model's own image processor. Rows are named as everywhere,
-`row N (0-based)` within the file (`row_name`).
+Preprocessing (every rank a share of the rows, before any step): each row is converted (`to_conversation`), its
+images are referenced and measured from their header only (`ImageProcessing.token_count`: the image processor's
+own resize rule, nothing decoded), the conversation is rendered and labelled (`ChatEncoder`) and cut to
+`max_seq_len` by `overlength` (`truncate`: cut, an image never split; `drop`: left out; `error`: a DataError naming
+the row). Any bad row raises a `DataError` naming the file and the row, on every rank alike. The cache holds per
+sample: `source` (the file's index) and `row`, `input_ids` and `labels` (int32, unshifted), `length`, and the kept
+images (`images`: `{"path", "bytes"}` references) with their `image_tokens`.
+
+Reading: `__getitem__` returns what the collator takes: `input_ids` and `labels` (int64), and for images
+`pixel_values` and `image_grid_thw` from the model's own image processor; the pixels are decoded there, in the input
+pipeline (the prefetch thread or `data.num_workers` worker processes). An image that does not decode then is a
+`DataError` naming the row, which the trainer turns into the same stop on every rank at that step (`_agree`). No
+rank holds the samples in its heap: `length(i)` and every sample are read from the memory-mapped columns. Rows are
+named as everywhere, `row N (0-based)` within the file (`row_name`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import hashlib
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,11 +29,21 @@ from typing import Any
 import numpy
 import torch
 
+from veomni_lite.data import sft_cache
 from veomni_lite.data.checks import DataError
-from veomni_lite.data.sft import DEFAULT_COLUMNS, ChatEncoder, Source, load_image, row_name, to_conversation
+from veomni_lite.data.sft import (
+    DEFAULT_COLUMNS,
+    ChatEncoder,
+    Source,
+    image_reference,
+    open_image,
+    row_name,
+    to_conversation,
+)
 from veomni_lite.loss_keys import IGNORE_INDEX
 
 OVERLENGTH = ("truncate", "drop", "error")
+BATCH_ROWS = 1024  # samples per Arrow record batch
 
 
 @dataclass
@@ -35,15 +54,6 @@ class LengthStats:
 
     def __str__(self) -> str:
         return f"{self.rows} rows, {self.truncated} truncated, {self.dropped} dropped"
-
-
-@dataclass
-class _Sample:
-    source: int
-    row: int
-    input_ids: numpy.ndarray
-    labels: numpy.ndarray
-    num_images: int
 
 
 class ImageProcessing:
@@ -60,9 +70,52 @@ class ImageProcessing:
     def token_counts(self, grid: torch.Tensor) -> list[int]:
         return (grid.prod(-1) // (self.merge * self.merge)).tolist()
 
+    def token_count(self, image: Any) -> int:
+        """Placeholder tokens of `image` (a PIL image, maybe only its header read): from its size by the processor's
+        own rule (`get_number_of_image_patches`, Qwen2-VL's `smart_resize` grid) without decoding, else processed."""
+        patches = getattr(self.processor, "get_number_of_image_patches", None)
+        if patches is not None:
+            width, height = image.size
+            return int(patches(height, width, {})) // (self.merge * self.merge)
+        return self.token_counts(self([image.convert("RGB")])["image_grid_thw"])[0]
+
+    def settings(self) -> dict[str, Any]:
+        return {"class": type(self.processor).__name__, **self.processor.to_dict()}
+
+
+def tokenizer_hash(tokenizer: Any) -> str:
+    """A hash of everything of the tokenizer that changes a token: its serialization and special tokens."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
+    extra = repr(
+        (type(tokenizer).__name__, tokenizer.special_tokens_map, tokenizer.eos_token_id, tokenizer.unk_token_id)
+    )
+    return hashlib.sha256((text + extra).encode()).hexdigest()
+
+
+def _schema() -> Any:
+    import pyarrow as pa
+
+    image = pa.struct([("path", pa.string()), ("bytes", pa.large_binary())])
+    return pa.schema(
+        [
+            ("source", pa.int32()),
+            ("row", pa.int64()),
+            ("length", pa.int32()),
+            ("input_ids", pa.large_list(pa.int32())),
+            ("labels", pa.large_list(pa.int32())),
+            ("images", pa.list_(image)),
+            ("image_tokens", pa.list_(pa.int32())),
+        ]
+    )
+
 
 class SFTDataset:
-    """Indexable samples of `sources` in order (see the module docstring); `stats` says what `overlength` did."""
+    """Indexable samples of `sources` in order (see the module docstring); `stats` says what `overlength` did.
+
+    `cache_dir`: where the cache lives (`data.cache_dir`); None: a private temporary one, removed once mapped (one
+    process only). `group`: the process group whose ranks share the preprocessing (None: the default group, if any).
+    `found` says whether the cache was there already."""
 
     def __init__(
         self,
@@ -74,55 +127,125 @@ class SFTDataset:
         overlength: str = "truncate",
         media_dir: str = "",
         images: ImageProcessing | None = None,
+        cache_dir: str | Path | None = None,
+        group: Any = None,
+        what: str = "data.train_path",
     ) -> None:
         if overlength not in OVERLENGTH:
             raise DataError(f"data.overlength: {overlength!r} is not one of {list(OVERLENGTH)}")
         self.sources = list(sources)
         self.images = images
-        self.images_column = {**DEFAULT_COLUMNS, **columns}["images"]
+        self.encoder, self.fmt, self.columns = encoder, fmt, dict(columns)
+        self.max_seq_len, self.overlength = max_seq_len, overlength
         self.media_dirs = [Path(media_dir) if media_dir else source.path.parent for source in self.sources]
-        self.stats = LengthStats()
-        self.samples: list[_Sample] = []
-        for index, source in enumerate(self.sources):
-            for row_index, row in enumerate(source.rows):
-                where = row_name(source.path, row_index)
-                conversation = to_conversation(row, fmt, columns, where)
-                lengths: list[int] = []
-                if conversation.images:
-                    if images is None:
-                        raise DataError(f"{where}: the row has images but the model takes none")
-                    decoded = [load_image(value, self.media_dirs[index], where) for value in conversation.images]
-                    lengths = images.token_counts(images(decoded)["image_grid_thw"])
-                encoded = encoder.encode(conversation, lengths, where)
-                self.stats.rows += 1
-                sample = self._fit(encoded.input_ids, encoded.labels, lengths, max_seq_len, overlength, where, encoder)
-                if sample is None:
-                    self.stats.dropped += 1
-                    continue
-                ids, labels, kept_images = sample
-                self.samples.append(_Sample(index, row_index, numpy.array(ids), numpy.array(labels), kept_images))
-        if not self.samples:
+        key = {
+            "version": sft_cache.CACHE_VERSION,
+            "code": sft_cache.code_hash(),
+            "files": [source.identity() for source in self.sources],
+            "format": fmt,
+            "columns": {**DEFAULT_COLUMNS, **columns},
+            "media_dirs": [str(d.resolve()) for d in self.media_dirs],
+            "tokenizer": tokenizer_hash(encoder.tokenizer),
+            "chat_template": encoder.template,
+            "image_token": encoder.image_token,
+            "end_of_turn": sorted(encoder.end_of_turn),
+            "train_on_prompt": encoder.train_on_prompt,
+            "image_processor": images.settings() if images is not None else None,
+            "max_seq_len": max_seq_len,
+            "overlength": overlength,
+        }
+        private = cache_dir is None
+        if private and sft_cache.group_size(group) > 1:
+            raise DataError(f"{what}: several ranks share the preprocessing through a cache_dir they all see; give one")
+        root = Path(tempfile.mkdtemp(prefix="veomni_lite_sft_")) if private else Path(cache_dir)
+        try:
+            self.directory, self.found = sft_cache.build(root, key, self._num_rows, self._write_shard, group, what)
+            meta, tables = sft_cache.open_shards(self.directory)
+        finally:
+            for source in self.sources:
+                source.close()
+            if private:
+                shutil.rmtree(root, ignore_errors=True)  # the mapped files stay readable until unmapped
+        counts = meta["counts"]
+        self.stats = LengthStats(counts["rows"], counts["truncated"], counts["dropped"])
+        self.files = [source.path for source in self.sources]
+        self._batches = [batch for table in tables for batch in table.to_batches()]
+        self._starts = numpy.cumsum([0] + [batch.num_rows for batch in self._batches])
+        self._views: dict[int, dict[str, numpy.ndarray]] = {}
+        if len(self) == 0:
             raise DataError(f"{', '.join(str(s.path) for s in self.sources)}: no sample left ({self.stats})")
 
+    # ------------------------------------------------------------------ preprocessing (a cache miss)
+
+    def _num_rows(self) -> int:
+        return sum(source.num_rows for source in self.sources)
+
+    def _rows(self, start: int, stop: int) -> Iterator[tuple[int, int, dict[str, Any]]]:
+        """(source index, row, row) of the split's rows [start, stop), in file order."""
+        first = 0
+        for index, source in enumerate(self.sources):
+            count = source.num_rows
+            low, high = max(start - first, 0), min(stop - first, count)
+            if low < high:
+                for row_index, row in source.read(low, high):
+                    yield index, row_index, row
+            first += count
+
+    def _write_shard(self, start: int, stop: int, path: Path) -> dict[str, int]:
+        counts = {"rows": 0, "truncated": 0, "dropped": 0, "samples": 0}
+        sft_cache.write_batches(path, _schema(), self._encoded_batches(start, stop, counts))
+        return counts
+
+    def _encoded_batches(self, start: int, stop: int, counts: dict[str, int]) -> Iterator[dict[str, Any]]:
+        names = _schema().names
+        columns: dict[str, list[Any]] = {name: [] for name in names}
+        for index, row_index, row in self._rows(start, stop):
+            sample = self._encode(index, row_index, row, counts)
+            if sample is not None:
+                for name, value in zip(names, sample):
+                    columns[name].append(value)
+            if len(columns["row"]) == BATCH_ROWS:
+                yield columns
+                columns = {name: [] for name in columns}
+        if columns["row"] or not counts["samples"]:  # an empty shard still has its schema
+            yield columns
+
+    def _encode(self, index: int, row_index: int, row: Mapping[str, Any], counts: dict[str, int]) -> tuple | None:
+        where = row_name(self.sources[index].path, row_index)
+        conversation = to_conversation(row, self.fmt, self.columns, where)
+        references: list[dict[str, Any]] = []
+        lengths: list[int] = []
+        if conversation.images:
+            if self.images is None:
+                raise DataError(f"{where}: the row has images but the model takes none")
+            for value in conversation.images:
+                reference = image_reference(value, self.media_dirs[index], where)
+                references.append(reference)
+                lengths.append(self.images.token_count(open_image(reference, where, decode=False)))
+        encoded = self.encoder.encode(conversation, lengths, where)
+        counts["rows"] += 1
+        fitted = self._fit(encoded.input_ids, encoded.labels, lengths, where)
+        if fitted is None:
+            counts["dropped"] += 1
+            return None
+        ids, labels, kept = fitted
+        counts["truncated"] += len(ids) < len(encoded.input_ids)
+        counts["samples"] += 1
+        return index, row_index, len(ids), ids, labels, references[:kept], lengths[:kept]
+
     def _fit(
-        self,
-        ids: list[int],
-        labels: list[int],
-        image_lengths: list[int],
-        max_len: int,
-        overlength: str,
-        where: str,
-        encoder: ChatEncoder,
+        self, ids: list[int], labels: list[int], image_lengths: list[int], where: str
     ) -> tuple[list[int], list[int], int] | None:
-        """The sample within `max_len` tokens (None: dropped); an image whose tokens would be cut is cut whole."""
+        """The sample within `max_seq_len` tokens (None: dropped); an image whose tokens would be cut is cut whole."""
+        max_len = self.max_seq_len
         if max_len <= 0 or len(ids) <= max_len:
             return ids, labels, len(image_lengths)
-        if overlength == "error":
+        if self.overlength == "error":
             raise DataError(f"{where}: {len(ids)} tokens, over data.max_seq_len={max_len} (data.overlength: error)")
-        if overlength == "drop":
+        if self.overlength == "drop":
             return None
         cut, kept, position = max_len, 0, 0
-        image_id = encoder.image_token_id
+        image_id = self.encoder.image_token_id
         while kept < len(image_lengths):  # find where each image's run of placeholder tokens starts
             position = ids.index(image_id, position)
             if position + image_lengths[kept] > cut:
@@ -130,32 +253,75 @@ class SFTDataset:
                 break
             position += image_lengths[kept]
             kept += 1
-        self.stats.truncated += 1
         return ids[:cut], labels[:cut], kept
 
+    # ------------------------------------------------------------------ reading (memory-mapped)
+
     def __len__(self) -> int:
-        return len(self.samples)
+        return int(self._starts[-1])
+
+    def _locate(self, index: int) -> tuple[int, int]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample {index} of {len(self)}")
+        batch = int(numpy.searchsorted(self._starts, index, side="right")) - 1
+        return batch, index - int(self._starts[batch])
+
+    def _view(self, batch: int) -> dict[str, numpy.ndarray]:
+        """Zero-copy numpy views of one record batch's columns (cached: a few small objects per batch)."""
+        view = self._views.get(batch)
+        if view is None:
+            record = self._batches[batch]
+            ids, labels = record.column("input_ids"), record.column("labels")
+            view = {
+                "offsets": ids.offsets.to_numpy(),
+                "ids": ids.values.to_numpy(),
+                "labels": labels.values.to_numpy(),
+                "length": record.column("length").to_numpy(),
+                "source": record.column("source").to_numpy(),
+                "row": record.column("row").to_numpy(),
+            }
+            self._views[batch] = view
+        return view
 
     def length(self, index: int) -> int:
         """Tokens of sample `index` (image placeholders included), without loading its images."""
-        return int(self.samples[index].input_ids.size)
+        batch, local = self._locate(index)
+        return int(self._view(batch)["length"][local])
 
     def where(self, index: int) -> str:
-        sample = self.samples[index]
-        return row_name(self.sources[sample.source].path, sample.row)
+        batch, local = self._locate(index)
+        view = self._view(batch)
+        return row_name(self.files[int(view["source"][local])], int(view["row"][local]))
+
+    def tokens(self, index: int) -> tuple[numpy.ndarray, numpy.ndarray]:
+        """(input_ids, labels) of sample `index`: int32 views of the memory-mapped cache."""
+        batch, local = self._locate(index)
+        view = self._view(batch)
+        low, high = int(view["offsets"][local]), int(view["offsets"][local + 1])
+        return view["ids"][low:high], view["labels"][low:high]
+
+    def image_references(self, index: int) -> tuple[list[dict[str, Any]], list[int]]:
+        batch, local = self._locate(index)
+        record = self._batches[batch]
+        return record.column("images")[local].as_py(), record.column("image_tokens")[local].as_py()
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        sample = self.samples[index]
-        out = {"input_ids": torch.from_numpy(sample.input_ids), "labels": torch.from_numpy(sample.labels)}
-        if sample.num_images:
-            source = self.sources[sample.source]
-            row = source.rows[sample.row]
-            values = row[self.images_column]
-            values = values if isinstance(values, list) else [values]
-            decoded = [load_image(v, self.media_dirs[sample.source], self.where(index)) for v in values]
+        ids, labels = self.tokens(index)
+        out = {
+            "input_ids": torch.from_numpy(ids.astype(numpy.int64)),
+            "labels": torch.from_numpy(labels.astype(numpy.int64)),
+        }
+        references, tokens = self.image_references(index)
+        if references:
             assert self.images is not None
-            out.update(self.images(decoded[: sample.num_images]))
+            where = self.where(index)
+            out.update(self.images([open_image(reference, where) for reference in references]))
+            if self.images.token_counts(out["image_grid_thw"]) != tokens:
+                raise DataError(
+                    f"{where}: its images now take {self.images.token_counts(out['image_grid_thw'])} tokens, the "
+                    f"cache {self.directory} has {tokens}: an image file changed since; delete that directory"
+                )
         return out
 
     def trained_tokens(self, index: int) -> int:
-        return int((self.samples[index].labels != IGNORE_INDEX).sum())
+        return int((self.tokens(index)[1] != IGNORE_INDEX).sum())

@@ -411,8 +411,9 @@ class BaseTrainer(ABC):
     def _make_loader(
         self, dataset: Any, seed: int, prefetch_steps: int = 0, token_budget: bool = False
     ) -> MicroBatchLoader:
-        """`token_budget`: micro-batches by `data.max_tokens_per_micro_batch` (training only: evaluation keeps
-        `train.micro_batch_size` samples per micro-batch, so every rank runs the same count)."""
+        """`token_budget`: micro-batches by `data.max_tokens_per_micro_batch`, read by `data.num_workers` worker
+        processes (training only: evaluation keeps `train.micro_batch_size` samples per micro-batch, so every rank
+        runs the same count, and reads in this process)."""
         return MicroBatchLoader(
             dataset,
             self.collate,
@@ -424,6 +425,8 @@ class BaseTrainer(ABC):
             prefetch_steps=prefetch_steps,
             max_tokens=self.config.data.max_tokens_per_micro_batch if token_budget else 0,
             packing=self.config.data.packing,
+            num_workers=self.config.data.num_workers if token_budget else 0,
+            pin_memory=self.device.type == "cuda",
         )
 
     def shard(self, micro_batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -461,6 +464,8 @@ class BaseTrainer(ABC):
         """Validate this rank's data, then one MAX all-reduce on the CPU control group (stop, bad data, counts).
         `failed`: the error this rank's loader raised instead of giving its micro-batches (every rank then raises).
         Under a token budget, `micro_batches` is then extended with padding micro-batches to the largest count.
+        `fetch_error`: the loader could not produce this rank's micro-batches (an image that does not decode): bad
+        data like any other, so every rank stops at this step.
 
         Returns whether every rank stops now: the agreed value, never this rank's own flag, which a signal may set
         after the all-reduce (that stop is agreed at the next step)."""

@@ -4,8 +4,10 @@
 `veomni_lite.models.registry` for images): its config, weights,
 tokenizer with its chat template (or `data.chat_template`) and image processor. `data.train_path` / `data.eval_path`
 (or `data.eval_fraction` of the rows) name the data, `data.format` and `data.columns` how rows read (see
-`veomni_lite.data.sft`). Every row is checked when the trainer is built, on every rank alike; the rows truncated or
-dropped by `data.overlength` are logged. Besides the eval losses, `eval/answer_accuracy` is the share of eval
+`veomni_lite.data.sft`), or `data.sources` several weighted ones (`veomni_lite.data.mixture`). The rows are
+preprocessed once into `data.cache_dir` (`veomni_lite.data.sft_cache`: the ranks share the rows; a later run or a
+resume reads the cache), every row checked, the same error on every rank; the rows truncated or dropped by
+`data.overlength` are logged. Besides the eval losses, `eval/answer_accuracy` is the share of eval
 samples whose every trained token the model predicts greedily. `data.packing` and `data.max_tokens_per_micro_batch`
 apply (text and the vision-language families). Entry point: `trainers/train_sft.py`.
 """
@@ -14,13 +16,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import Subset
 
 from veomni_lite.data.checks import DataError
 from veomni_lite.data.collator import collate
+from veomni_lite.data.loader import epoch_size
+from veomni_lite.data.mixture import WeightedMixture, hold_out
 from veomni_lite.data.sft import ChatEncoder, override_template, read_sources
 from veomni_lite.data.sft_dataset import ImageProcessing, SFTDataset
 from veomni_lite.distributed.collectives import all_reduce
@@ -79,12 +83,48 @@ def _max_seq_len(data: Any) -> int:
     return min(data.max_seq_len, budget) if budget and data.max_seq_len else budget or data.max_seq_len
 
 
-def build_sft_data(config: Any) -> tuple[Any, Any, SFTDataset, SFTDataset | None, Any]:
-    """(model config, tokenizer, train dataset, eval dataset or None, image processing or None) from the config."""
+def cache_dir(config: Any) -> Path:
+    """`data.cache_dir`, by default `<train.output_dir>/data_cache` (a directory every rank already shares)."""
+    return Path(config.data.cache_dir or Path(config.train.output_dir) / "data_cache")
+
+
+def build_sft_data(config: Any, group: Any = None) -> tuple[Any, Any, Any, SFTDataset | None, Any]:
+    """(model config, tokenizer, train dataset (a `WeightedMixture` with `data.sources`), eval dataset or None,
+    image processing or None) from the config, through the cache (`data.cache_dir`). Collective over `group` when
+    several ranks call it: they share the preprocessing, and every error is raised on every rank."""
+    problem: Exception | None = None
+    try:
+        model_config, tokenizer, images, encoder, splits = _read_sft_inputs(config)
+    except (DataError, PretrainedDirError) as exc:
+        problem = exc
+    if all_reduce([int(problem is not None)], op="max", group=group)[0]:
+        if problem is not None:
+            raise problem
+        raise DataError(f"rank {_rank(group)}: another rank could not build the SFT data (see its error)")
+    data = config.data
+    common = {"max_seq_len": _max_seq_len(data), "overlength": data.overlength, "images": images}
+    common |= {"cache_dir": cache_dir(config), "group": group}
+    built = {name: SFTDataset(sources, encoder, **options, **common, what=name) for name, sources, options, _ in splits}
+    evaluation = built.pop("data.eval_path", None)
+    if data.sources:
+        weights = [weight for name, _, _, weight in splits if name in built]
+        train: Any = WeightedMixture(list(built.values()), weights, list(built))
+    else:
+        train = built["data.train_path"]
+    return model_config, tokenizer, train, evaluation, images
+
+
+def _rank(group: Any) -> int:
+    return torch.distributed.get_rank(group) if torch.distributed.is_initialized() else 0
+
+
+def _read_sft_inputs(config: Any) -> tuple[Any, Any, Any, ChatEncoder, list[tuple[str, list[Any], dict, float]]]:
+    """What every rank reads before the preprocessing (the model directory, the files of each split), where a
+    rank's own problem shows."""
     model, data = config.model, config.data
     if not model.pretrained_dir:
         raise DataError("model.pretrained_dir: SFT needs a local transformers model directory")
-    if not data.train_path:
+    if not data.train_path and not data.sources:
         raise DataError("data.train_path: SFT needs the training data (a file, a list, a directory or a glob)")
     model_config = load_config(model.pretrained_dir)
     tokenizer = load_tokenizer(model.pretrained_dir)
@@ -93,19 +133,21 @@ def build_sft_data(config: Any) -> tuple[Any, Any, SFTDataset, SFTDataset | None
     images = ImageProcessing(load_image_processor(model.pretrained_dir)) if vision else None
     placeholder = image_token(tokenizer, model_config, model.pretrained_dir) if vision else ""
     encoder = ChatEncoder(tokenizer, data.chat_template, data.train_on_prompt, placeholder, model.pretrained_dir)
-    options = {
-        "fmt": data.format,
-        "columns": data.columns,
-        "max_seq_len": _max_seq_len(data),
-        "overlength": data.overlength,
-        "media_dir": data.media_dir,
-        "images": images,
-    }
-    train = SFTDataset(read_sources(data.train_path, "data.train_path"), encoder, **options)
-    evaluation = None
+    plain = {"fmt": data.format, "columns": data.columns, "media_dir": data.media_dir}
+    splits = []
+    for index, entry in enumerate(data.sources):
+        name = f"data.sources[{index}]"
+        options = {
+            "fmt": entry.get("format", data.format),
+            "columns": entry.get("columns", data.columns),
+            "media_dir": entry.get("media_dir", data.media_dir),
+        }
+        splits.append((name, read_sources(entry["path"], f"{name}.path"), options, float(entry.get("weight", 1.0))))
+    if data.train_path:
+        splits.append(("data.train_path", read_sources(data.train_path, "data.train_path"), plain, 1.0))
     if data.eval_path:
-        evaluation = SFTDataset(read_sources(data.eval_path, "data.eval_path"), encoder, **options)
-    return model_config, tokenizer, train, evaluation, images
+        splits.append(("data.eval_path", read_sources(data.eval_path, "data.eval_path"), plain, 1.0))
+    return model_config, tokenizer, images, encoder, splits
 
 
 class SFTTrainer(BaseTrainer):
@@ -141,29 +183,31 @@ class SFTTrainer(BaseTrainer):
         then and only then): the eval set is `data.eval_path`'s rows or, without it, `data.eval_fraction` of the
         training samples, held out. Off, no eval set is returned and every training sample trains."""
         data, train = self.config.data, self.config.train
-        self.model_config, self.tokenizer, dataset, evaluation, self.images = build_sft_data(self.config)
+        built = build_sft_data(self.config, self.control_group)
+        self.model_config, self.tokenizer, dataset, evaluation, self.images = built
         evaluates = bool(train.eval_interval and train.eval_batches)
         stats, held_out = dataset.stats, 0
         if evaluates and evaluation is None and data.eval_fraction > 0:
-            order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(train.seed)).tolist()
-            held_out = int(len(order) * data.eval_fraction)
-            evaluation, dataset = Subset(dataset, sorted(order[:held_out])), Subset(dataset, sorted(order[held_out:]))
+            dataset, evaluation = hold_out(dataset, data.eval_fraction, train.seed)
+            held_out = epoch_size(evaluation)
         if self.is_main:
             if not evaluates:
                 why = "evaluation off: train.eval_interval or train.eval_batches is 0"
             else:
                 why = "eval: data.eval_path" if data.eval_path else f"data.eval_fraction {data.eval_fraction}"
-            logger.info("SFT data: train %s; %d samples train, %d held out (%s)", stats, len(dataset), held_out, why)
+            trains = epoch_size(dataset)
+            logger.info("SFT data: train %s; %d samples train, %d held out (%s)", stats, trains, held_out, why)
             if data.eval_path and evaluation is not None:
                 logger.info("SFT data: eval %s%s", evaluation.stats, "" if evaluates else " (unused: evaluation off)")
-        if evaluates and evaluation is not None and len(evaluation) < train.global_batch_size:
+        held = epoch_size(evaluation) if evaluation is not None else 0
+        if evaluates and evaluation is not None and held < train.global_batch_size:
             raise DataError(
-                f"the eval set has {len(evaluation)} samples, fewer than one eval batch (train.global_batch_size = "
+                f"the eval set has {held} samples, fewer than one eval batch (train.global_batch_size = "
                 f"{train.global_batch_size}); add eval data, raise data.eval_fraction or set train.eval_batches: 0"
             )
-        if len(dataset) < train.global_batch_size:
+        if epoch_size(dataset) < train.global_batch_size:
             raise DataError(
-                f"the training set has {len(dataset)} samples, fewer than train.global_batch_size "
+                f"the training set has {epoch_size(dataset)} samples per epoch, fewer than train.global_batch_size "
                 f"({train.global_batch_size})"
             )
         return dataset, evaluation if evaluates else None
