@@ -239,7 +239,8 @@ def test_a_template_that_raises_is_a_data_error_naming_the_file_and_the_row(tmp_
     path = tmp_path / "data.jsonl"
     path.write_text(json.dumps({"messages": TURNS[:2]}) + "\n\n" + json.dumps({"messages": bad}) + "\n")
     encoder = ChatEncoder(load_tokenizer(directory), model_dir=directory)
-    with pytest.raises(DataError, match=rf"{path}, row 1 \(0-based\): the chat template .* raised .*{message}"):
+    # row 2: a JSON Lines file's rows are its lines, 0-based, the blank one included (so "row N" is line N + 1)
+    with pytest.raises(DataError, match=rf"{path}, row 2 \(0-based\): the chat template .* raised .*{message}"):
         SFTDataset(read_sources(str(path), "data.train_path"), encoder, "messages", {}, 0)
 
 

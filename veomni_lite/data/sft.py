@@ -117,7 +117,8 @@ def _is_saved_dataset(path: Path) -> bool:
 
 
 def row_name(path: str | Path, row: int) -> str:
-    """How every message names a row: its 0-based index within the file as read (what `where` strings hold)."""
+    """How every message names a row: its 0-based index within the file (what `where` strings hold). In a JSON
+    Lines file that is its line, blank lines included: row N is line N + 1 of the file."""
     return f"{path}, row {row} (0-based)"
 
 
