@@ -472,10 +472,11 @@ def data_startup_table(startup: Mapping[str, Any] | None) -> str:
     """Per set and size: seconds to step 1 and peak RSS per rank on the first and second run, first-run rows/s."""
     if not startup:
         return "Not measured in this run."
-    rss = lambda run: " / ".join(f"{v:.0f}" for v in run["peak_rss_mib"])  # noqa: E731
+    rss = lambda run: " / ".join(f"{v:.0f}" for v in run["peak_rss_mib"]) if run else "–"  # noqa: E731
+    step = lambda run: f"{run['to_first_step_s']:.1f}" if run else "–"  # noqa: E731 - the quick mode runs once
     rows = [
-        [r["kind"], f"{r['rows']:,}", f"{r['first']['to_first_step_s']:.1f}", f"{r['second']['to_first_step_s']:.1f}",
-         rss(r["first"]), rss(r["second"]), f"{r['rows_per_s']:,.0f}", f"{r.get('cpu_ms_per_row', 0):.2f}"]
+        [r["kind"], f"{r['rows']:,}", step(r["first"]), step(r["second"]), rss(r["first"]), rss(r["second"]),
+         f"{r['rows_per_s']:,.0f}", f"{r.get('cpu_ms_per_row', 0):.2f}"]
         for r in startup["runs"]
     ]  # fmt: skip
     header = "set|rows|first run: s to step 1|second run: s to step 1|first run peak RSS MiB (rank 0 / 1)"
