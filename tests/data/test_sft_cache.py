@@ -226,7 +226,7 @@ def test_the_pre_pass_decodes_no_image_and_a_bad_one_is_an_error_naming_the_row_
     dataset = build(settings, tmp_path / "cache")
     assert dataset.length(0) == len(dataset.tokens(0)[0])
     monkeypatch.undo()
-    with pytest.raises(DataError, match=rf"{settings['path']}, row 3: image .*a.png' does not decode"):
+    with pytest.raises(DataError, match=rf"{settings['path']}, row 3 \(0-based\): image .*a.png' does not decode"):
         dataset[3]
 
 
@@ -261,7 +261,7 @@ def test_two_ranks_share_the_rows_and_a_bad_row_in_one_share_is_the_same_error_o
     tokenizer_dir = tmp_path / "tokenizer"
     tokenizers["base"].save_pretrained(str(tokenizer_dir))
     first, second = run_distributed(_two_ranks, 2, tmp_path, tokenizer_dir, -1, timeout_s=120)
-    assert first["where"] == second["where"] == [f"{tmp_path / 'data-1.jsonl'}, row {i}" for i in range(10)]
+    assert first["where"] == second["where"] == [f"{tmp_path / 'data-1.jsonl'}, row {i} (0-based)" for i in range(10)]
     assert first["ids"] == second["ids"] and not first["found"]
     assert [s["samples"] for s in first["meta"]["shards"]] == [5, 5], "each rank wrote its share"
     again = run_distributed(_two_ranks, 2, tmp_path, tokenizer_dir, -1, timeout_s=120)
@@ -271,5 +271,5 @@ def test_two_ranks_share_the_rows_and_a_bad_row_in_one_share_is_the_same_error_o
         messages = [value for _, value in outcomes.values()]
         assert all(status == "ok" for status, _ in outcomes.values()), outcomes
         assert messages[0] == messages[1], "the same error on both ranks"
-        assert messages[0].startswith(f"{tmp_path / f'data{bad_row}.jsonl'}, row {bad_row}: missing column")
+        assert messages[0].startswith(f"{tmp_path / f'data{bad_row}.jsonl'}, row {bad_row} (0-based): missing column")
     assert not [p for p in (tmp_path / "c").iterdir() if p.name.startswith(".tmp-")], "a failed build cleans up"

@@ -172,8 +172,8 @@ def test_an_eval_set_smaller_than_one_eval_batch_is_an_error_at_start(demo, tmp_
 
 
 def refusing_template_setup(demo: Path, tmp_path: Path) -> tuple[Path, Path, Path]:
-    """(the demo's Qwen2 directory with a Mistral-style template of its own, 8 good rows, the same with a row 8 whose
-    roles do not alternate, after a blank line)."""
+    """(the demo's Qwen2 directory with a Mistral-style template of its own, 8 good rows, the same with a row 9 whose
+    roles do not alternate, after a blank line: a JSON Lines file's rows are its lines, the blank one included)."""
     import shutil
 
     from tests.data.test_chat_families import MISTRAL, TURNS
@@ -188,7 +188,7 @@ def refusing_template_setup(demo: Path, tmp_path: Path) -> tuple[Path, Path, Pat
     return model, good, bad
 
 
-REFUSED = "row 8 (0-based): the chat template (the tokenizer's chat template) raised on the first 2 message(s) (roles "
+REFUSED = "row 9 (0-based): the chat template (the tokenizer's chat template) raised on the first 2 message(s) (roles "
 REFUSED += "user, user): TemplateError: Conversation roles must alternate"
 
 
@@ -206,9 +206,8 @@ def test_inspect_names_the_file_and_the_row_a_template_refuses(demo, tmp_path, c
     assert capsys.readouterr().err.startswith(f"error: {bad}, {REFUSED}")
 
 
-def _one_rank_refused_by_the_template(rank: int, world_size: int, demo: Path, out: Path) -> str:
-    model, good, bad = refusing_template_setup(demo, out / f"rank{rank}")
-    args = refusing_args(demo, out / "run", model, bad if rank == 1 else good)
+def _one_rank_refused_by_the_template(rank: int, world_size: int, demo: Path, out: Path, model: Path, bad: Path) -> str:
+    args = refusing_args(demo, out / "run", model, bad)
     try:
         SFTTrainer(load_config(REPO / "configs/sft_help.yaml", args, world_size=world_size)).close()
         return "built"
@@ -217,11 +216,15 @@ def _one_rank_refused_by_the_template(rank: int, world_size: int, demo: Path, ou
 
 
 @pytest.mark.slow
-def test_a_row_the_template_refuses_on_one_rank_is_an_error_on_every_rank(demo, tmp_path):
-    outcomes = run_ranks(_one_rank_refused_by_the_template, 2, demo, tmp_path, timeout_s=120, pg_timeout_s=30)
+def test_a_row_the_template_refuses_in_one_ranks_share_is_an_error_on_every_rank(demo, tmp_path):
+    """The ranks share the rows of the file: row 9 (the last) is in rank 1's share only, and both raise its error."""
+    model, _, bad = refusing_template_setup(demo, tmp_path)
+    outcomes = run_ranks(
+        _one_rank_refused_by_the_template, 2, demo, tmp_path, model, bad, timeout_s=120, pg_timeout_s=30
+    )
     assert all(status == "ok" for status, _ in outcomes.values()), outcomes
-    assert outcomes[1][1].startswith(f"{tmp_path / 'rank1' / 'bad.jsonl'}, {REFUSED}")
-    assert "rank 0: another rank could not build the SFT data" in outcomes[0][1]
+    for rank in (0, 1):
+        assert outcomes[rank][1].startswith(f"{bad}, {REFUSED}"), outcomes[rank][1]
 
 
 def test_inspect_prints_the_trained_tokens_and_counts(demo, capsys):
@@ -246,10 +249,11 @@ def assert_byte_for_byte(source: Path, copy: Path, *, but: tuple[str, ...] = ())
 def same_samples(first: Any, second: Any) -> int:
     """The two datasets hold the same token ids and labels, sample by sample; returns how many."""
     assert len(first) == len(second)
-    for mine, theirs in zip(first.samples, second.samples):
-        assert (mine.source, mine.row) == (theirs.source, theirs.row)
-        assert mine.input_ids.tolist() == theirs.input_ids.tolist(), f"row {mine.row} (0-based) tokenizes differently"
-        assert mine.labels.tolist() == theirs.labels.tolist(), f"row {mine.row} (0-based) trains differently"
+    for index in range(len(first)):
+        assert first.where(index) == second.where(index)
+        (ids, labels), (their_ids, their_labels) = first.tokens(index), second.tokens(index)
+        assert ids.tolist() == their_ids.tolist(), f"{first.where(index)} tokenizes differently"
+        assert labels.tolist() == their_labels.tolist(), f"{first.where(index)} trains differently"
     return len(first)
 
 
@@ -320,9 +324,8 @@ def test_export_keeps_the_runs_tokenizer_and_its_chat_template_so_a_run_from_it_
     shutil.copytree(tmp_path / "export", resaved)
     AutoTokenizer.from_pretrained(str(tmp_path / "run/model_config")).save_pretrained(str(resaved))
     control = samples_from(resaved)
-    differ = sum(
-        a.input_ids.tolist() != b.input_ids.tolist() for a, b in zip(trained.train_dataset.samples, control.samples)
-    )
+    first = trained.train_dataset
+    differ = sum(first.tokens(i)[0].tolist() != control.tokens(i)[0].tolist() for i in range(len(control)))
     print(f"\nre-saved through AutoTokenizer: {differ} of 160 conversations tokenize differently; copied: 0")
     assert differ > 0
 
