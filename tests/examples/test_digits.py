@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from tests.models.small_hf import small_config
 from veomni_lite.examples import digits as digits_module
@@ -30,6 +29,7 @@ from veomni_lite.examples.digits import (
 from veomni_lite.examples.qwen2_vl_digits import DigitsVLTrainer, caption_hits
 from veomni_lite.loss_keys import IGNORE_INDEX
 from veomni_lite.models.qwen2_vl import collate_qwen2_vl
+from veomni_lite.trainer.model import TrainableModel
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +173,7 @@ def test_caption_hits_counts_exactly():
     assert caption_hits(logits, positions, gold, torch.zeros(5, dtype=torch.bool)).tolist() == [0, 0]
 
 
-class NextTokenOracle(nn.Module):
+class NextTokenOracle(TrainableModel):
     """Predicts each position's next token of its own (shard of the) sequence, except that it names the word of
     `(d + 1) % 10` where the next token is the word of a digit `d` in `wrong`."""
 
