@@ -327,7 +327,6 @@ class QwenVLWithImageHead(TrainableModel):
         return sorted(p.name for p in Path(directory).iterdir())
 
 
-Qwen2VLWithImageHead = QwenVLWithImageHead  # the name before Qwen2.5-VL and Qwen3-VL joined
 
 
 def _add_placed_features(
