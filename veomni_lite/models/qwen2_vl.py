@@ -327,8 +327,6 @@ class QwenVLWithImageHead(TrainableModel):
         return sorted(p.name for p in Path(directory).iterdir())
 
 
-
-
 def _add_placed_features(
     transformers_step: Callable[..., Tensor], hidden_states: Tensor, visual_pos_masks: Any, features: Tensor
 ) -> Tensor:
