@@ -1,15 +1,16 @@
-"""Exact loss normalization for a training loop of your own, in three lines.
+"""The one call sequence of an optimizer step's loss normalization, and a loop of your own in three lines.
 
     for batch, scale in normalized(micro_batches, modes="token-mean"):
         outputs = model(**batch)                      # each "<name>_loss" (or the tensor) = the local mean
         scale(outputs).backward()                     # the micro-batch's share of the step's exact global value
 
-`normalized` marks the sequences for a per-sequence mode (`mark_sequences`), counts the step once
-(`count_loss_token`) and yields each micro-batch with a `scale` that returns the sum of its `mean_global_loss`
-values: one all-reduce for the step (at its first `scale`), none for the others, under `torchrun` over every rank.
-Give it the step's micro-batches whole; under Ulysses SP, slice them after marking (`slice_micro_batch`) and pass
-`marked=True`. `scale` takes a loss tensor (the `foundation` head), a `{"<name>_loss": tensor}` dict, or a model
-output with a `.loss` (a transformers `ModelOutput`).
+`LossStep` is the sequence every loop here runs (the trainer, the HF drop-in, the split-invariance harness, the GPU
+audit and `normalized`): mark the sequences for a per-sequence mode (`mark_sequences`, on whole micro-batches), count
+the step once (`count_loss_token`), count each micro-batch, scale each micro-batch's losses with `mean_global_loss`
+(one all-reduce for the step, at the first scale; none after), then `verify` the ranks' key agreement where the step
+reads the host anyway. Under Ulysses SP, mark the whole micro-batches, slice them (`slice_micro_batch`) and pass
+`marked=True`. A loss is a tensor (the `foundation` head), a `{"<name>_loss": tensor}` dict, or a model output with a
+`.loss` (a transformers `ModelOutput`).
 """
 
 from __future__ import annotations
@@ -19,9 +20,15 @@ from typing import Any
 
 import torch
 
-from veomni_lite.utils.loss_utils import LossModes, count_loss_token, mark_sequences, mean_global_loss
+from veomni_lite.utils.loss_utils import (
+    LossModes,
+    count_loss_token,
+    mark_sequences,
+    mean_global_loss,
+    verify_loss_keys,
+)
 
-__all__ = ["normalized"]
+__all__ = ["LossStep", "normalized"]
 
 
 def _losses(outputs: Any) -> torch.Tensor | Mapping[str, torch.Tensor]:
@@ -41,17 +48,62 @@ def _losses(outputs: Any) -> torch.Tensor | Mapping[str, torch.Tensor]:
     return found
 
 
+class LossStep:
+    """One optimizer step's micro-batches, marked and counted once: iterate `(micro_batch, its counts)`, scale each
+    micro-batch's losses with `scaled`/`loss`, then call `verify` once.
+
+    `extra_counts`: counts every micro-batch adds besides its labels' (e.g. `{"router_aux_tokens": 1}` for a head
+    averaged over micro-batches); the step's count of such a key is its sum over the micro-batches."""
+
+    def __init__(
+        self,
+        micro_batches: Sequence[Mapping[str, Any]],
+        modes: LossModes | str | None = None,
+        *,
+        marked: bool = False,
+        extra_counts: Mapping[str, int] | None = None,
+    ) -> None:
+        self.modes = LossModes.of(modes)
+        mark = not marked and self.modes.needs_sequences()
+        self.micro_batches = [mark_sequences(b, self.modes) if mark else dict(b) for b in micro_batches]
+        extra = dict(extra_counts or {})
+        self.micro_tokens: list[dict[str, Any]] = [{**count_loss_token(b), **extra} for b in self.micro_batches]
+        # The step's count dict: `mean_global_loss` reduces it once, keyed by its identity (build one per step).
+        self.tokens: dict[str, Any] = count_loss_token(self.micro_batches)
+        self.tokens.update({key: value * len(self.micro_batches) for key, value in extra.items()})
+
+    def __iter__(self) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+        return zip(self.micro_batches, self.micro_tokens)
+
+    def __len__(self) -> int:
+        return len(self.micro_batches)
+
+    def scaled(self, outputs: Any, tokens: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """Each loss of `outputs` scaled to its share of the step's exact global value (`mean_global_loss`), given the
+        micro-batch's counts `tokens`."""
+        return mean_global_loss(_losses(outputs), tokens, self.tokens, modes=self.modes)
+
+    def loss(self, outputs: Any, tokens: Mapping[str, Any]) -> torch.Tensor:
+        """The sum of `scaled`: what the micro-batch backpropagates."""
+        return sum(self.scaled(outputs, tokens).values())
+
+    @staticmethod
+    def verify() -> None:
+        """The ranks' loss-key agreement (`verify_loss_keys`): a host read on an accelerator, so call it once per step
+        where the step reads the host anyway; a no-op on CPU (checked at the reduce)."""
+        verify_loss_keys()
+
+
 def normalized(
     micro_batches: Sequence[Mapping[str, Any]], modes: LossModes | str | None = None, marked: bool = False
 ) -> Iterator[tuple[dict[str, Any], Callable[[Any], torch.Tensor]]]:
-    """(micro-batch, scale) per micro-batch of one optimizer step (see the module docstring)."""
-    modes = LossModes.of(modes)
-    batches = [dict(b) if marked or not modes.needs_sequences() else mark_sequences(b, modes) for b in micro_batches]
-    step_tokens = count_loss_token(batches)
-    for batch in batches:
-        tokens = count_loss_token(batch)
+    """(micro-batch, scale) per micro-batch of one optimizer step (see the module docstring); the step's key agreement
+    is verified after the last micro-batch."""
+    step = LossStep(micro_batches, modes, marked=marked)
+    for batch, tokens in step:
 
-        def scale(outputs: Any, tokens: dict[str, torch.Tensor] = tokens) -> torch.Tensor:
-            return sum(mean_global_loss(_losses(outputs), tokens, step_tokens, modes=modes).values())
+        def scale(outputs: Any, tokens: dict[str, Any] = tokens) -> torch.Tensor:
+            return step.loss(outputs, tokens)
 
         yield batch, scale
+    step.verify()

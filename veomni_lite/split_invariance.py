@@ -3,9 +3,9 @@
 `check_split_invariance(build_model, samples, collate, modes=...)` trains one optimizer step of `build_model()` on
 `samples` (the whole global batch) in one process with one micro-batch (the reference), then under each `Layout`
 (gradient accumulation, DP and Ulysses SP, on real gloo processes of this machine; a one-process layout runs in this
-process) through the same call sequence a
-trainer uses: `mark_sequences` on the whole micro-batch, `slice_micro_batch` for SP, `count_loss_token` once per step,
-`mean_global_loss` per micro-batch, backward, gradients averaged over dp x sp as FSDP does. It returns a
+process) through the trainer's call sequence: `mark_sequences` on the whole micro-batch, `slice_micro_batch` for SP,
+then `LossStep` (the step counted once, `mean_global_loss` per micro-batch), backward, gradients averaged over dp x sp
+as FSDP does. It returns a
 `SplitReport`: per layout and mode, the largest gradient difference (relative to the largest reference gradient
 entry) and the absolute loss difference against the reference, and the loss all-reduces each step issued (1 is the
 contract on more than one process, 0 on one).
@@ -36,7 +36,8 @@ import torch.multiprocessing as mp
 from veomni_lite.data.packing import padding_micro_batch, plan_micro_batches
 from veomni_lite.distributed.parallel_state import destroy_parallel_state, get_parallel_state, init_parallel_state
 from veomni_lite.distributed.sequence_parallel import slice_micro_batch
-from veomni_lite.utils.loss_utils import LossModes, count_loss_token, mark_sequences, mean_global_loss, reset_loss_memo
+from veomni_lite.plain_loop import LossStep
+from veomni_lite.utils.loss_utils import LossModes, mark_sequences, reset_loss_memo
 
 __all__ = ["Layout", "SplitReport", "check_split_invariance", "default_layouts"]
 
@@ -102,14 +103,14 @@ def _one_step(model: torch.nn.Module, micro_batches: list[dict[str, Any]], modes
 
     dist.all_reduce = counted
     try:
-        step_tokens = count_loss_token(micro_batches)
+        step = LossStep(micro_batches, modes, marked=True)
         total = 0.0
-        for micro_batch in micro_batches:
+        for micro_batch, tokens in step:
             outputs = model(**micro_batch)
-            losses = {key: outputs[key] for key in model.loss_keys}
-            loss = sum(mean_global_loss(losses, count_loss_token(micro_batch), step_tokens, modes=modes).values())
+            loss = step.loss({key: outputs[key] for key in model.loss_keys}, tokens)
             loss.backward()
             total += float(loss.detach())
+        step.verify()
     finally:
         dist.all_reduce = original
     return total, len(calls)

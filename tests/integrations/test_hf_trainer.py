@@ -115,8 +115,8 @@ def test_trls_metrics_are_logged_with_the_stock_sft_trainers_values(trained, kin
     exact, stock = (trained[kind, t][0]["logs"] for t in ("exact", "stock"))
     keys = ["entropy", "mean_token_accuracy"] + (["aux_loss"] if kind == "pf" else [])
     print(f"\n{kind}: step-1 metrics exact {[exact[0][k] for k in keys]}, stock {[stock[0][k] for k in keys]}")
-    for key in keys:
-        assert exact[0][key] == pytest.approx(stock[0][key], rel=1e-12, abs=1e-12), key
+    for key in keys:  # float32 statistics: the two paths may sum in another order (6e-8 seen on this machine)
+        assert exact[0][key] == pytest.approx(stock[0][key], rel=1e-6, abs=1e-7), key
     assert [e["num_tokens"] for e in exact] == [e["num_tokens"] for e in stock]
     batches = [b for run in trained[kind, "exact"] for b in run["batches"]]
     real = sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].shape[1] for b in batches)

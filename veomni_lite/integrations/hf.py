@@ -11,7 +11,7 @@ micro-batch means for), models whose forward drops `num_items_in_batch`, and ext
 - `get_batch_samples` (the Trainer's prefetch of the step's micro-batches) shifts `labels` once (a collator's
   `shift_labels` is taken as given), masks the targets that would cross from one sequence into the next
   (`sequence_ids`, or restarts of 2-D `position_ids` as padding-free collators write), marks sequences for the
-  per-sequence modes and counts the step (`count_loss_token`, plus the micro-batches for the router loss). The
+  per-sequence modes and counts the step once (its `LossStep`, the micro-batches counted for the router loss). The
   step's count dict goes to `compute_loss` as `num_items_in_batch`, so the Trainer's own count never runs.
 - `compute_loss` while training, the terms the wrapped Trainer trains on, each normalized over the whole step:
   - `foundation`: the per-token next-token loss from `foundation_token_losses` (the seam for another LM head):
@@ -38,7 +38,7 @@ micro-batch means for), models whose forward drops `num_items_in_batch`, and ext
 - The logged `loss` is then the step's exact value (the Trainer sums the scaled losses and averages over ranks).
 
 Not seen: a term a model adds to its own `loss` beyond the above (the model is called without `labels`).
-Host reads on an accelerator: `verify_loss_keys()` once per step, after the first micro-batch (the Trainer's default
+Host reads on an accelerator: `LossStep.verify()` once per step, after the first micro-batch (the Trainer's default
 NaN filter reads every micro-batch's loss anyway); per-sequence modes read the sequence sizes (`mark_sequences`);
 TRL's metrics read theirs per micro-batch, as in TRL.
 Limits, raised at construction: data parallelism only (DDP or FSDP; accelerate's tensor, context and sequence
@@ -69,13 +69,8 @@ from veomni_lite.loss_keys import (
     tokens_key,
 )
 from veomni_lite.models.heads import token_cross_entropy
-from veomni_lite.utils.loss_utils import (
-    LossModes,
-    count_loss_token,
-    mark_sequences,
-    mean_global_loss,
-    verify_loss_keys,
-)
+from veomni_lite.plain_loop import LossStep
+from veomni_lite.utils.loss_utils import LossModes, mark_sequences
 
 __all__ = ["ROUTER_AUX", "TRL_LOSS_TYPES", "ExactLossMixin", "ExactLossTrainer", "exact_loss", "prepare_micro_batch"]
 
@@ -175,11 +170,16 @@ class ExactLossMixin:
                 "exact loss: compute_loss_func takes `labels`, but the collator writes `shift_labels` (whose "
                 "targets the function would not see); collate `labels` only"
             )
-        batches = [prepare_micro_batch(b, self.loss_modes) for b in raw]
-        step_tokens: dict[str, Any] = {**count_loss_token(batches), tokens_key(ROUTER_AUX): len(batches)}
-        for batch in batches:
-            batch[_TOKENS] = {**count_loss_token(batch), tokens_key(ROUTER_AUX): 1}
-        return batches, step_tokens
+        step = LossStep(
+            [prepare_micro_batch(b, self.loss_modes) for b in raw],
+            self._modes,
+            marked=True,
+            extra_counts={tokens_key(ROUTER_AUX): 1},
+        )
+        self._loss_step = step
+        for batch, tokens in step:
+            batch[_TOKENS] = tokens
+        return step.micro_batches, step.tokens
 
     def foundation_token_losses(
         self, model: torch.nn.Module, inputs: dict[str, Any], labels: torch.Tensor | None
@@ -269,9 +269,9 @@ class ExactLossMixin:
         if isinstance(aux, torch.Tensor) and self._router_coef and self.compute_loss_func is None:
             losses[loss_key(ROUTER_AUX)] = self._router_coef * aux
         if self.compute_loss_func is not None and labels is not None:
-            value, tokens = self._loss_func_term(outputs, labels, losses, tokens, num_items_in_batch)
+            value, tokens = self._loss_func_term(outputs, labels, losses, tokens)
             losses[loss_key(FOUNDATION)] = value
-        loss = sum(mean_global_loss(losses, tokens, num_items_in_batch, modes=self._modes).values())
+        loss = self._loss_step.loss(losses, tokens)
         return (loss, outputs) if return_outputs else loss
 
     def _loss_func_term(
@@ -280,16 +280,13 @@ class ExactLossMixin:
         labels: torch.Tensor,
         losses: Mapping[str, torch.Tensor],
         tokens: Mapping[str, Any],
-        step_tokens: Mapping[str, Any],
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         """`compute_loss_func`'s value with the step's global count N, and the micro-batch counts that make
         `mean_global_loss` scale it by the world size only (it is already / N)."""
         names = sorted({FOUNDATION, *map(name_of_loss, losses)})
         one = torch.ones((), dtype=torch.float64, device=labels.device)
         # W / D per head from the step's one all-reduce (memoized: the call with the real losses reuses it).
-        unit = mean_global_loss(
-            {loss_key(n): one for n in names}, {tokens_key(n): 1 for n in names}, step_tokens, modes=self._modes
-        )
+        unit = self._loss_step.scaled({loss_key(n): one for n in names}, {tokens_key(n): 1 for n in names})
         world = group_size(get_parallel_state().world_group)
         count = (world / unit[loss_key(FOUNDATION)]).round().long()
         unshifted = F.pad(labels[..., :-1], (1, 0), value=IGNORE_INDEX)  # its causal shift: exactly `labels`
@@ -298,7 +295,7 @@ class ExactLossMixin:
 
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         loss = super().training_step(*args, **kwargs)
-        verify_loss_keys()  # no-op on CPU and after the step's first micro-batch
+        LossStep.verify()  # no-op on CPU and after the step's first micro-batch
         return loss
 
 

@@ -6,7 +6,7 @@ Per optimizer step:
   2. every micro-batch is validated on the host (it is still on the CPU) and one small control all-reduce on a CPU
      group agrees, across ranks, on stop requests (SIGTERM), bad data and the micro-batch count, before any
      collective that could hang;
-  3. `micro_batches_token_len = count_loss_token(micro_batches)`; per micro-batch: `preforward` (to device) ->
+  3. the step's `LossStep` (veomni_lite.plain_loop) counts it once; per micro-batch: `preforward` (to device) ->
      model -> `postforward` (`mean_global_loss`, keys summed) -> backward. Loss normalization costs one small
      all-reduce per step (13 int64), inside `mean_global_loss`; metrics are recorded locally (no
      collective, no host read);
@@ -62,18 +62,12 @@ from veomni_lite.models.sharded_load import (
     rank0_weights,
     scatter_from_rank0,
 )
+from veomni_lite.plain_loop import LossStep
 from veomni_lite.trainer.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
 from veomni_lite.trainer.lr_schedule import lr_lambda, ratio_steps
 from veomni_lite.trainer.model import TrainableModel, check_model_contract
 from veomni_lite.trainer.train_metrics import TrainMetrics
-from veomni_lite.utils.loss_utils import (
-    LossKeyMismatchError,
-    count_loss_token,
-    mark_sequences,
-    mean_global_loss,
-    reset_loss_memo,
-    verify_loss_keys,
-)
+from veomni_lite.utils.loss_utils import LossKeyMismatchError, mark_sequences, mean_global_loss, reset_loss_memo
 
 logger = logging.getLogger(__name__)
 
@@ -453,7 +447,7 @@ class BaseTrainer(ABC):
         micro_batch_token_len: Mapping[str, torch.Tensor],
         micro_batches_token_len: Mapping[str, torch.Tensor],
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(loss to backpropagate, scaled per-key losses): the only place loss normalization happens."""
+        """(loss to backpropagate, scaled per-key losses): VeOmni's hook, where loss normalization happens."""
         losses = {key: outputs[key] for key in self.loss_keys}
         scaled = mean_global_loss(losses, micro_batch_token_len, micro_batches_token_len, modes=self.loss_modes)
         return sum(scaled.values()), scaled
@@ -513,14 +507,13 @@ class BaseTrainer(ABC):
         """One optimizer step over this rank's micro-batches (already SP-sharded and agreed)."""
         step_start = time.perf_counter()
         lr = self.scheduler.get_last_lr()[0]  # the rate this step trains with
-        micro_batches_token_len = count_loss_token(micro_batches)
+        self.loss_step = LossStep(micro_batches, self.loss_modes, marked=True)
         last = len(micro_batches) - 1
         step_loss = torch.zeros((), device=self.device)
-        for index, micro_batch in enumerate(micro_batches):
+        for index, (micro_batch, micro_batch_token_len) in enumerate(self.loss_step):
             set_gradient_sync(self.model, index == last, self._sync_every_micro_batch)
-            micro_batch_token_len = count_loss_token(micro_batch)
             outputs = self.model(**self.preforward(micro_batch))
-            loss, _scaled = self.postforward(outputs, micro_batch_token_len, micro_batches_token_len)
+            loss, _scaled = self.postforward(outputs, micro_batch_token_len, self.loss_step.tokens)
             loss.backward()
             step_loss = step_loss + loss.detach()
             self.metrics.record_micro_batch(outputs, micro_batch_token_len, micro_batch)
@@ -531,7 +524,7 @@ class BaseTrainer(ABC):
         wait_start = time.perf_counter()
         self.metrics.wait_bookkeeping()  # the previous step's bookkeeping finishes before this update
         bookkeeping_wait = time.perf_counter() - wait_start
-        verify_loss_keys()
+        self.loss_step.verify()
         norm, bad_loss_count = torch.stack([grad_norm.double(), bad_loss_ranks]).cpu().tolist()  # the one host read
         finite = math.isfinite(norm) and bad_loss_count == 0  # global values: every rank decides alike
         self.step += 1
@@ -632,12 +625,10 @@ class BaseTrainer(ABC):
         loader = self._make_loader(self.eval_dataset, self.config.train.seed + 1)
         totals: dict[str, torch.Tensor] = {}
         for _ in range(self.config.train.eval_batches):
-            micro_batches = [self.shard(mb) for mb in loader.next_step()]
-            token_len = count_loss_token(micro_batches)
-            for micro_batch in micro_batches:
+            step = LossStep([self.shard(mb) for mb in loader.next_step()], self.loss_modes, marked=True)
+            for micro_batch, tokens in step:
                 outputs = self.model(**self.preforward(micro_batch))
-                losses = {key: outputs[key] for key in self.loss_keys}
-                scaled = mean_global_loss(losses, count_loss_token(micro_batch), token_len, modes=self.loss_modes)
+                scaled = step.scaled({key: outputs[key] for key in self.loss_keys}, tokens)
                 for key, value in scaled.items():
                     totals[key] = totals.get(key, 0) + value.detach() / self.config.train.eval_batches
         extra = self.extra_eval_metrics()
