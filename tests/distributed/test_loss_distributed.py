@@ -260,9 +260,8 @@ def _mismatched_keys(rank: int, world_size: int) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_ranks_with_different_loss_keys_all_raise_naming_the_keys():
-    start = time.monotonic()
+    # A hang would end in the 20 s collective timeout with another error than the ones asserted below.
     outcomes = run_ranks(_mismatched_keys, 2, timeout_s=60, pg_timeout_s=20)
-    assert time.monotonic() - start < 30
     for rank in range(2):
         status, messages = outcomes[rank]
         assert status == "ok", messages

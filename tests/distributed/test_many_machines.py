@@ -212,9 +212,11 @@ def _assert_curves(got: dict[str, dict[int, float]], expected: dict[str, dict[in
 
 def test_a_node_local_checkpoint_directory_is_an_error_on_every_rank(two_ranks):
     _, results = two_ranks
-    for rank, result in enumerate(results):
-        assert result["local"].startswith(f"rank {rank}: checkpoint directory"), result["local"]
-        assert "rank(s) [1] cannot read" in result["local"]
+    assert results[0]["local"] == results[1]["local"], "the same error on every rank"
+    for result in results:
+        assert result["local"].startswith("checkpoint directory"), result["local"]
+        assert "is not shared by every rank" in result["local"] and "rank 1: cannot read the file" in result["local"]
+        assert "rank 0:" not in result["local"], "rank 0 reads its own probe"
         assert result["probe_left"] == [], "a shared directory passes and keeps no probe file"
 
 

@@ -64,9 +64,8 @@ def test_non_finite_loss_on_one_rank_is_skipped_on_every_rank(tmp_path):
 @pytest.mark.slow
 def test_non_finite_loss_on_one_rank_raises_on_every_rank_naming_it(tmp_path):
     config = tiny_config("text", tmp_path, max_steps=4)
-    start = time.monotonic()
+    # A hang would end in the 30 s collective timeout with a CollectiveError, not the errors asserted below.
     outcomes = run_ranks(_nan_loss_on_rank_one, 2, config, timeout_s=120, pg_timeout_s=30)
-    assert time.monotonic() - start < 60
     results = {rank: value for rank, (status, value) in outcomes.items()}
     assert all(status == "ok" for status, _ in outcomes.values()), results
     for rank in (0, 1):
@@ -109,8 +108,8 @@ def test_a_loader_error_on_one_rank_is_the_same_data_error_on_every_rank_within_
     outcomes = run_ranks(_budget_error_on_rank_one, 2, config, timeout_s=120, pg_timeout_s=30)
     results = {rank: value for rank, (status, value) in outcomes.items()}
     assert all(status == "ok" for status, _ in outcomes.values()), results
-    assert results[1]["outcome"].startswith("DataError: rank 1, step 2: sample 7 has 40 tokens"), results[1]
-    assert results[0]["outcome"].startswith("DataError: rank 0: another rank reported bad data at step 2"), results[0]
+    assert results[1]["outcome"].startswith("DataError: step 2: rank 1: sample 7 has 40 tokens"), results[1]
+    assert results[0]["outcome"] == results[1]["outcome"], "the same error, naming the rank and the cause"
     assert results[0]["step"] == results[1]["step"] == 1
 
 

@@ -91,9 +91,9 @@ def _corrupt_rank_one(rank: int, world_size: int, config, corruption: str) -> st
 @pytest.mark.parametrize(
     ("corruption", "rank1_message"),
     [
-        ("label_out_of_vocab", r"rank 1, step 2: micro-batch 0: 'labels' holds 999, outside \[0, 25\)"),
-        ("missing_labels", r"rank 1, step 2: micro-batch 1: missing key\(s\) \['labels'\]"),
-        ("float_labels", r"rank 1, step 2: micro-batch 0: 'labels' must be an integer tensor"),
+        ("label_out_of_vocab", r"step 2: rank 1: micro-batch 0: 'labels' holds 999, outside \[0, 25\)"),
+        ("missing_labels", r"step 2: rank 1: micro-batch 1: missing key\(s\) \['labels'\]"),
+        ("float_labels", r"step 2: rank 1: micro-batch 0: 'labels' must be an integer tensor"),
         (
             "ends_early",
             r"rank 1: ranks disagree on the number of micro-batches at step 2 \(this rank 1, min 1, max 2\)",
@@ -102,16 +102,15 @@ def _corrupt_rank_one(rank: int, world_size: int, config, corruption: str) -> st
 )
 def test_bad_data_on_one_rank_is_a_clear_error_on_every_rank(tmp_path, corruption, rank1_message):
     config = tiny_config("vlm", tmp_path, max_steps=3)
-    start = time.monotonic()
+    # A hang would end in the 30 s collective timeout with a CollectiveError, not the cause asserted below.
     outcomes = run_ranks(_corrupt_rank_one, 2, config, corruption, timeout_s=120, pg_timeout_s=30)
-    assert time.monotonic() - start < 60
     messages = {rank: value for rank, (status, value) in outcomes.items()}
     assert all(status == "ok" for status, _ in outcomes.values()), messages
     assert re.search(rank1_message, messages[1]), messages[1]
     if corruption == "ends_early":
         assert "this rank 2, min 1, max 2" in messages[0]
     else:
-        assert "another rank reported bad data at step 2" in messages[0]
+        assert messages[0] == messages[1], "the same error on every rank"
 
 
 # ---------------------------------------------------------------- layout and collectives

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_helpers import counting_calls, run_distributed
-from veomni_lite.distributed.collectives import all_reduce
+from veomni_lite.distributed.collectives import agree, all_reduce
 
 
 def test_without_process_group_returns_local_values():
@@ -58,3 +58,39 @@ def test_reduces_across_two_gloo_ranks_one_collective_per_call():
         assert torch.allclose(out["tensor_mean"], torch.tensor([1.5, 4.5], dtype=torch.float64))
         assert [int(t) for t in out["tensor_list"]] == [1, 2]
         assert out["calls"] == 8  # one collective per call, lists packed
+
+
+class _Fault(Exception):
+    pass
+
+
+def _agree_with_a_fault_on_rank_one(rank: int, world_size: int) -> dict:
+    out: dict = {}
+    with counting_calls(dist, "all_reduce") as reduces, counting_calls(dist, "all_gather_object") as gathers:
+        out["flags"] = agree(None, _Fault, flags=[rank, -rank])
+        out["calm"] = (len(reduces), len(gathers))
+        try:
+            agree(ValueError("sample 7 has 40 tokens") if rank == 1 else None, _Fault, flags=[rank], where="step 2: ")
+            out["error"] = "no error"
+        except _Fault as exc:
+            out["error"] = str(exc)
+            out["cause"] = type(exc.__cause__).__name__
+        out["calls"] = (len(reduces), len(gathers))
+    return out
+
+
+@pytest.mark.slow
+def test_agree_raises_the_same_error_naming_the_rank_and_cause_on_every_rank_when_one_rank_fails():
+    results = run_distributed(_agree_with_a_fault_on_rank_one, 2)
+    for rank, out in enumerate(results):
+        assert out["flags"] == [1, 0], "the flags reduced by MAX"
+        assert out["calm"] == (1, 0), "no problem: one all-reduce, no gather"
+        assert out["error"] == "step 2: rank 1: sample 7 has 40 tokens", out
+        assert out["calls"] == (2, 1), "a problem: the same all-reduce, then one gather of the causes"
+        assert out["cause"] == ("ValueError" if rank == 1 else "NoneType")
+
+
+def test_agree_without_a_process_group_raises_the_local_problem():
+    assert agree(None, _Fault, flags=[3]) == [3]
+    with pytest.raises(_Fault, match=r"^rank 0: broken$"):
+        agree("broken", _Fault)

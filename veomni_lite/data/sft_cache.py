@@ -34,7 +34,7 @@ from typing import Any
 import torch.distributed as dist
 
 from veomni_lite.data.checks import DataError
-from veomni_lite.distributed.collectives import all_gather_objects, group_size
+from veomni_lite.distributed.collectives import agree, all_gather_objects, group_size
 
 logger = logging.getLogger(__name__)
 
@@ -67,13 +67,6 @@ def is_complete(directory: Path, fingerprint_: str) -> bool:
 
 def _rank(group: Any) -> int:
     return dist.get_rank(group) if group_size(group) > 1 else 0
-
-
-def _agree(problem: str | None, group: Any) -> None:
-    """One exchange: the first rank's problem (in rank order) is raised on every rank."""
-    first = next((p for p in all_gather_objects(problem, group) if p), None)
-    if first is not None:
-        raise DataError(first)
 
 
 def _attempt(work: Callable[[], Any]) -> tuple[Any, str | None]:
@@ -110,7 +103,7 @@ def build(
             "every rank must read the same files"
         )
     if seen[0][1]:
-        _agree(None if is_complete(final, fp) else f"rank {rank}: cannot see the cache {final}", group)
+        agree(None if is_complete(final, fp) else f"cannot see the cache {final}", DataError, group)
         return final, True
     tmp = root / seen[0][2]
     if rank == 0:
@@ -133,9 +126,9 @@ def build(
     problem = None
     if rank == 0:
         _, problem = _attempt(lambda: _publish(tmp, final, fp, key, shards))
-    _agree(problem, group)
-    _agree(None if is_complete(final, fp) else f"rank {rank}: cannot see the cache {final} that rank 0 wrote: "
-           "data.cache_dir must be a directory every rank shares", group)  # fmt: skip
+    agree(problem, DataError, group)
+    unseen = f"cannot see the cache {final} that rank 0 wrote: data.cache_dir must be a directory every rank shares"
+    agree(None if is_complete(final, fp) else unseen, DataError, group)
     return final, False
 
 

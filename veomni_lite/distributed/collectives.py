@@ -116,3 +116,35 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list
         message = f"rank {dist.get_rank()}: all_gather_object over a group of {size} ranks failed: {exc}"
         raise CollectiveError(message) from exc
     return gathered
+
+
+def rank_problems(
+    problem: BaseException | str | None, group: dist.ProcessGroup | None = None, flags: Sequence[int] = ()
+) -> tuple[dict[int, str], list[int]]:
+    """Collective: every rank's problem (None: this rank has none), agreed. One MAX all-reduce of [has a problem,
+    *flags]; only when some rank has a problem, one all-gather of the messages (an error path every rank reaches
+    together). Returns ({global rank: message} of the ranks with a problem, the `flags` reduced by MAX)."""
+    reduced = all_reduce([int(problem is not None), *flags], op="max", group=group)
+    if not reduced[0]:
+        return {}, reduced[1:]
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    gathered = all_gather_objects((rank, None if problem is None else str(problem)), group)
+    return {r: message for r, message in gathered if message is not None}, reduced[1:]
+
+
+def agree(
+    problem: BaseException | str | None,
+    error: type[Exception],
+    group: dist.ProcessGroup | None = None,
+    flags: Sequence[int] = (),
+    where: str = "",
+) -> list[int]:
+    """Collective: "if any rank has a problem, every rank raises `error`, naming each such rank and its cause"
+    (`where` + "rank R: cause; ..."), before any later collective could wait for a rank that stopped. Call it at the
+    same point on every rank, with the problem this rank met (e.g. the exception it caught) or None. Else returns
+    `flags` reduced by MAX (other agreed values folded into the same all-reduce)."""
+    problems, reduced = rank_problems(problem, group, flags)
+    if problems:
+        causes = "; ".join(f"rank {rank}: {message}" for rank, message in sorted(problems.items()))
+        raise error(where + causes) from (problem if isinstance(problem, BaseException) else None)
+    return reduced

@@ -41,7 +41,7 @@ from veomni_lite.config import Config, ConfigError, OptimConfig
 from veomni_lite.data.checks import DataError, validate_micro_batch
 from veomni_lite.data.loader import MicroBatchLoader
 from veomni_lite.data.packing import padding_micro_batch
-from veomni_lite.distributed.collectives import all_gather_objects, all_reduce
+from veomni_lite.distributed.collectives import agree, all_gather_objects
 from veomni_lite.distributed.fsdp import (
     apply_fsdp,
     checkpoint_activations,
@@ -455,41 +455,36 @@ class BaseTrainer(ABC):
     # ------------------------------------------------------------------ control plane
 
     def _agree(self, micro_batches: list[dict[str, torch.Tensor]], failed: DataError | None = None) -> bool:
-        """Validate this rank's data, then one MAX all-reduce on the CPU control group (stop, bad data, counts).
-        `failed`: the error this rank's loader raised instead of giving its micro-batches (every rank then raises).
-        Under a token budget, `micro_batches` is then extended with padding micro-batches to the largest count.
-        `fetch_error`: the loader could not produce this rank's micro-batches (an image that does not decode): bad
-        data like any other, so every rank stops at this step.
+        """Validate this rank's data, then one MAX all-reduce on the CPU control group (stop, bad data, counts):
+        bad data on any rank (or `failed`, the error this rank's loader raised instead of giving its micro-batches:
+        a sample over the token budget, an image that does not decode) is a DataError on every rank naming each such
+        rank and its cause. Under a token budget, `micro_batches` is then extended with padding micro-batches to the
+        largest count.
 
         Returns whether every rank stops now: the agreed value, never this rank's own flag, which a signal may set
         after the all-reduce (that stop is agreed at the next step)."""
-        problem: str | None = None if failed is None else str(failed)
+        problem: DataError | None = failed
         try:
             for index, micro_batch in enumerate(micro_batches):
                 validate_micro_batch(
                     micro_batch, self.vocab_size, self.loss_keys, self.label_limits, where=f"micro-batch {index}"
                 )
         except DataError as exc:
-            problem = str(exc)
+            problem = problem or exc
         count = len(micro_batches)
-        flags = [int(self._stop_signal is not None), int(problem is not None), count, -count]
-        if self.control_group is not None:
-            flags = all_reduce(flags, op="max", group=self.control_group)
-        if problem is not None:
-            raise DataError(f"rank {self.rank}, step {self.step + 1}: {problem}")
-        if flags[1]:
-            raise DataError(f"rank {self.rank}: another rank reported bad data at step {self.step + 1} (see its error)")
-        if flags[2] != -flags[3] and self.config.data.max_tokens_per_micro_batch:
+        flags = [int(self._stop_signal is not None), count, -count]
+        stop, most, fewest = agree(problem, DataError, self.control_group, flags, where=f"step {self.step + 1}: ")
+        if most != -fewest and self.config.data.max_tokens_per_micro_batch:
             # token-budget plans differ in count: run no-target micro-batches up to the longest plan
-            micro_batches.extend(padding_micro_batch(micro_batches[0]) for _ in range(flags[2] - count))
-        elif flags[2] != -flags[3]:
+            micro_batches.extend(padding_micro_batch(micro_batches[0]) for _ in range(most - count))
+        elif most != -fewest:
             raise DataError(
                 f"rank {self.rank}: ranks disagree on the number of micro-batches at step {self.step + 1} "
-                f"(this rank {count}, min {-flags[3]}, max {flags[2]}): a data source ended early on some rank"
+                f"(this rank {count}, min {-fewest}, max {most}): a data source ended early on some rank"
             )
-        if flags[0] and self._stop_signal is None:
+        if stop and self._stop_signal is None:
             self._stop_signal = signal.SIGTERM
-        return bool(flags[0])
+        return bool(stop)
 
     def _install_signal_handlers(self) -> dict[int, Any]:
         def request_stop(signum: int, _frame: Any) -> None:

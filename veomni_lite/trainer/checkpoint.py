@@ -39,7 +39,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from veomni_lite.distributed.collectives import all_gather_objects, all_reduce, group_size
+from veomni_lite.distributed.collectives import agree, all_gather_objects, all_reduce, rank_problems
 from veomni_lite.trainer.safe_load import (
     RefusedFileError,
     SafeFileSystemReader,
@@ -54,9 +54,6 @@ logger = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 TRAINER_STATE = "trainer_state.pt"
 METADATA = ".metadata"
-# Per-rank problem codes for one all-reduce: 1 + kind * len(_FILES) + file, so rank 0 can name another rank's file.
-_KINDS = ("missing", "refused", "could not read")
-_FILES = (METADATA, TRAINER_STATE, "rank file")
 # DCP warns on every single-process save/load; single process is a supported layout here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 
@@ -65,8 +62,8 @@ class CheckpointError(RuntimeError):
     """A checkpoint directory that cannot be used; the message names it."""
 
 
-def _code(kind: str, file_index: int) -> int:
-    return 1 + _KINDS.index(kind) * len(_FILES) + file_index
+def _named(problems: dict[int, str]) -> str:
+    return "; ".join(f"rank {rank}: {message}" for rank, message in sorted(problems.items()))
 
 
 def _describe(exc: BaseException) -> str:
@@ -153,18 +150,16 @@ class CheckpointManager:
             seen = probe.read_text() == str(token)
         except OSError:
             seen = False
-        blind = [0] * group_size()
-        blind[self.rank] = int(not seen)
-        blind = all_reduce(blind, op="max")
-        if self.rank == 0 and seen:
-            probe.unlink()
-        if any(blind):
-            ranks = [rank for rank, flag in enumerate(blind) if flag]
-            raise CheckpointError(
-                f"rank {self.rank}: checkpoint directory {self.root} is not shared by every rank: rank(s) {ranks} "
-                f"cannot read the file {probe.name} that rank 0 wrote there. Put train.output_dir on a filesystem "
-                "that every node mounts (rank 0 renames each checkpoint, and every rank reads each one on resume)"
+        try:
+            agree(
+                None if seen else f"cannot read the file {probe.name} that rank 0 wrote there",
+                CheckpointError,
+                where=f"checkpoint directory {self.root} is not shared by every rank (put train.output_dir on a "
+                "filesystem that every node mounts: rank 0 renames each save; every rank reads each checkpoint): ",
             )
+        finally:
+            if self.rank == 0 and seen:
+                probe.unlink()
 
     def save(
         self,
@@ -201,14 +196,12 @@ class CheckpointManager:
     def rank_file(self, path: Path, rank: int | None = None) -> Path:
         return path / f"rank_{self.rank if rank is None else rank:05d}.pt"
 
-    def _read_small_files(
-        self, path: Path
-    ) -> tuple[int, str | None, Any, dict[str, Any] | None, dict[str, Any] | None]:
-        """(problem code, problem, DCP metadata, trainer_state, rank_state): this rank's small files, read safely,
+    def _read_small_files(self, path: Path) -> tuple[str | None, Any, dict[str, Any] | None, dict[str, Any] | None]:
+        """(problem naming the file, DCP metadata, trainer_state, rank_state): this rank's small files, read safely,
         before DCP."""
-        for index, name in enumerate((METADATA, TRAINER_STATE)):
+        for name in (METADATA, TRAINER_STATE):
             if not (path / name).is_file():
-                return _code("missing", index), f"missing {name}", None, None, None
+                return f"missing {path / name}", None, None, None
         readers = ((path / METADATA, load_dcp_metadata), (path / TRAINER_STATE, load_plain))
         rank_file = self.rank_file(path)
         if rank_file.is_file():  # absent when resuming on more ranks than saved
@@ -219,23 +212,8 @@ class CheckpointManager:
                 loaded[index] = read(file)
             except Exception as exc:  # noqa: BLE001 - refused or unreadable: fall back to the previous checkpoint
                 kind = "refused" if isinstance(exc, RefusedFileError) else "could not read"
-                return _code(kind, index), _describe(exc), None, None, None
-        return 0, None, loaded[0], loaded[1], loaded[2]
-
-    def _agree(self, path: Path, code: int, problem: str | None) -> str | None:
-        """All-reduce every rank's problem code; this rank's problem, else the other ranks' named, else None."""
-        codes = [0] * group_size()
-        codes[self.rank] = code
-        codes = all_reduce(codes, op="max")
-        if problem is not None:
-            return problem
-        others = []
-        for rank, other in enumerate(codes):
-            if other:
-                kind, index = divmod(other - 1, len(_FILES))
-                name = self.rank_file(path, rank).name if index == 2 else _FILES[index]
-                others.append(f"rank {rank}: {_KINDS[kind]} {path / name}")
-        return "; ".join(others) or None
+                return f"{kind} {file}: {_describe(exc)}", None, None, None
+        return None, loaded[0], loaded[1], loaded[2]
 
     def load_latest(
         self,
@@ -254,9 +232,9 @@ class CheckpointManager:
         already has (else they are agreed here).
         """
         for step, path in reversed(self.agreed_checkpoints() if checkpoints is None else checkpoints):
-            code, problem, metadata, trainer_state, rank_state = self._read_small_files(path)
-            if problem := self._agree(path, code, problem):
-                self._skip(path, problem, on_skip)
+            problem, metadata, trainer_state, rank_state = self._read_small_files(path)
+            if problems := rank_problems(problem)[0]:
+                self._skip(path, _named(problems), on_skip)
                 continue
             model_sd, optim_sd = get_state_dict(model, optimizer, options=self._options)
             saved_settings = trainer_state.get("config", {}).get("model", {})
@@ -268,8 +246,8 @@ class CheckpointManager:
             except (Exception, CheckpointException) as exc:  # noqa: BLE001 - unreadable: fall back to the previous
                 # (DCP's CheckpointException derives from BaseException.)
                 problem = _describe(exc)
-            if all_reduce(1 if problem else 0, op="max"):
-                self._skip(path, problem or "failed to load on another rank", on_skip)
+            if problems := rank_problems(problem)[0]:
+                self._skip(path, _named(problems), on_skip)
                 continue
             loaded = {"model_state_dict": state["model"], "optim_state_dict": state["optim"]}
             set_state_dict(model, optimizer, **loaded, options=self._options)

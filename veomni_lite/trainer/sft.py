@@ -27,7 +27,7 @@ from veomni_lite.data.loader import epoch_size
 from veomni_lite.data.mixture import WeightedMixture, hold_out
 from veomni_lite.data.sft import ChatEncoder, override_template, read_sources
 from veomni_lite.data.sft_dataset import ImageProcessing, SFTDataset
-from veomni_lite.distributed.collectives import all_reduce
+from veomni_lite.distributed.collectives import agree, all_reduce
 from veomni_lite.export import copy_tokenizer_files
 from veomni_lite.loss_keys import IGNORE_INDEX, SEQUENCE_IDS, is_labels_key
 from veomni_lite.models.pretrained import (
@@ -97,10 +97,7 @@ def build_sft_data(config: Any, group: Any = None) -> tuple[Any, Any, Any, SFTDa
         model_config, tokenizer, images, encoder, splits = _read_sft_inputs(config)
     except (DataError, PretrainedDirError) as exc:
         problem = exc
-    if all_reduce([int(problem is not None)], op="max", group=group)[0]:
-        if problem is not None:
-            raise problem
-        raise DataError(f"rank {_rank(group)}: another rank could not build the SFT data (see its error)")
+    agree(problem, DataError, group, where="SFT data: ")
     data = config.data
     common = {"max_seq_len": _max_seq_len(data), "overlength": data.overlength, "images": images}
     common |= {"cache_dir": cache_dir(config), "group": group}
@@ -112,10 +109,6 @@ def build_sft_data(config: Any, group: Any = None) -> tuple[Any, Any, Any, SFTDa
     else:
         train = built["data.train_path"]
     return model_config, tokenizer, train, evaluation, images
-
-
-def _rank(group: Any) -> int:
-    return torch.distributed.get_rank(group) if torch.distributed.is_initialized() else 0
 
 
 def _read_sft_inputs(config: Any) -> tuple[Any, Any, Any, ChatEncoder, list[tuple[str, list[Any], dict, float]]]:
@@ -165,23 +158,11 @@ class SFTTrainer(BaseTrainer):
             copy_tokenizer_files(directory, self.output_dir / MODEL_CONFIG_DIR, template, prune=True)
 
     def build_datasets(self) -> tuple[Any, Any | None]:
-        """The datasets, or the same error on every rank: a rank that fails tells the others in one all-reduce on the
-        control group, before any collective of training could wait for it."""
-        problem: Exception | None = None
-        try:
-            datasets = self._build_datasets()
-        except (DataError, PretrainedDirError) as exc:
-            problem = exc
-        if all_reduce([int(problem is not None)], op="max", group=self.control_group)[0]:
-            if problem is not None:
-                raise problem
-            raise DataError(f"rank {self.rank}: another rank could not build the SFT data (see its error)")
-        return datasets
-
-    def _build_datasets(self) -> tuple[Any, Any | None]:
-        """Evaluation is on when `train.eval_interval` and `train.eval_batches` are both nonzero (the loop evaluates
-        then and only then): the eval set is `data.eval_path`'s rows or, without it, `data.eval_fraction` of the
-        training samples, held out. Off, no eval set is returned and every training sample trains."""
+        """The datasets (`build_sft_data`: an input error on one rank is a DataError on every rank; the checks here
+        read only what every rank shares). Evaluation is on when `train.eval_interval` and `train.eval_batches` are
+        both nonzero (the loop evaluates then and only then): the eval set is `data.eval_path`'s rows or, without
+        it, `data.eval_fraction` of the training samples, held out. Off, no eval set is returned and every training
+        sample trains."""
         data, train = self.config.data, self.config.train
         built = build_sft_data(self.config, self.control_group)
         self.model_config, self.tokenizer, dataset, evaluation, self.images = built
