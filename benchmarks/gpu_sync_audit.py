@@ -36,6 +36,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+# The example models and data live in the repository's top-level examples/ (not part of the installed library);
+# run as a script, this file's folder comes first on sys.path, so put the repository root there too.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import torch
 import torch.distributed as dist
 from baselines import Oracle

@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 import torch
 
+from examples.sft_demo import write_demo
 from tests.dist_helpers import run_distributed, run_ranks
 from tests.trainer.helpers import read_events
 from veomni_lite.config import ConfigError, load_config
 from veomni_lite.data import inspect
 from veomni_lite.data.checks import DataError
 from veomni_lite.data.loader import MicroBatchLoader
-from veomni_lite.examples.sft_demo import write_demo
 from veomni_lite.models.sharded_load import loadable
 from veomni_lite.trainer.base import parameter_groups
 from veomni_lite.trainer.sft import SFT_DEFAULTS, SFTTrainer

@@ -5,11 +5,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from examples.attention import causal_attention
+from examples.synthetic_data import SyntheticVLMDataset
+from examples.tiny_lm import TinyCausalLM, TinyLMConfig, set_attention_fn
+from examples.tiny_vlm import TinyVLM, TinyVLMConfig
 from veomni_lite.data.collator import collate
-from veomni_lite.examples.attention import causal_attention
-from veomni_lite.examples.synthetic_data import SyntheticVLMDataset
-from veomni_lite.examples.tiny_lm import TinyCausalLM, TinyLMConfig, set_attention_fn
-from veomni_lite.examples.tiny_vlm import TinyVLM, TinyVLMConfig
 from veomni_lite.loss_keys import IGNORE_INDEX
 
 LM_CONFIG = TinyLMConfig(vocab_size=32, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64)
