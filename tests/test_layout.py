@@ -115,7 +115,7 @@ def test_the_examples_live_outside_the_package_and_the_wheel_leaves_them_out():
 
 def test_the_data_side_loads_without_the_loss_module_or_distributed_pieces():
     code = (
-        "import sys, veomni_lite.data.collator, veomni_lite.data.loader, veomni_lite.examples.synthetic_data;"
+        "import sys, veomni_lite.data.collator, veomni_lite.data.loader, examples.synthetic_data;"
         "print(sorted(m for m in sys.modules if m.startswith('veomni_lite')))"
     )
     loaded = subprocess.run(
