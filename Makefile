@@ -44,10 +44,10 @@ train-text: install
 	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) trainers/train_text.py $(TEXT_CONFIG) $(ARGS)
 
 # Fine-tuning from files on disk: writes the digits as a messages JSONL + PNGs and a tiny Qwen2-VL model directory
-# (python -m veomni_lite.examples.sft_demo), then trains on them through trainers/train_sft.py alone.
+# (python -m examples.sft_demo), then trains on them through trainers/train_sft.py alone.
 SFT_CONFIG ?= configs/sft_digits.yaml
 train-sft: install
-	$(PY) -m veomni_lite.examples.sft_demo outputs/sft_demo
+	$(PY) -m examples.sft_demo outputs/sft_demo
 	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) trainers/train_sft.py $(SFT_CONFIG) $(ARGS)
 
 bench: install

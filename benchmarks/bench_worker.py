@@ -22,10 +22,15 @@ import datetime
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+# The example models and data live in the repository's top-level examples/ (not part of the installed library);
+# run as a script, this file's folder comes first on sys.path, so put the repository root there too.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.distributed as dist
@@ -53,11 +58,11 @@ from harness import (
 )
 from trainer_costs import bench_trainer
 
+from examples.attention import causal_attention
+from examples.tiny_lm import TinyLMConfig, set_attention_fn
+from examples.tiny_vlm import TinyVLM, TinyVLMConfig
 from veomni_lite.distributed.parallel_state import destroy_parallel_state, init_parallel_state
 from veomni_lite.distributed.sequence_parallel import ulysses_attention
-from veomni_lite.examples.attention import causal_attention
-from veomni_lite.examples.tiny_lm import TinyLMConfig, set_attention_fn
-from veomni_lite.examples.tiny_vlm import TinyVLM, TinyVLMConfig
 from veomni_lite.trainer.train_metrics import train_metric_specs
 from veomni_lite.utils import loss_utils
 from veomni_lite.utils.loss_utils import count_loss_token, reset_loss_memo

@@ -3,7 +3,7 @@
 Per size, two torchrun launches of `trainers/train_sft.py`'s trainer on the same files and `data.cache_dir`: the
 first run preprocesses (and writes the cache), the second finds it. Per run: the time from the launch to the end of
 step 1, each rank's peak RSS (`VmHWM`), and the first run's preprocessing rate (rows over the slowest rank's time
-to build its datasets). The model is a tiny Qwen2 (Qwen2-VL for images) directory of `veomni_lite.examples.sft_demo`.
+to build its datasets). The model is a tiny Qwen2 (Qwen2-VL for images) directory of `examples.sft_demo`.
 `python benchmarks/data_startup.py --rows 10000 [--images]` runs one size by hand.
 """
 
@@ -68,7 +68,7 @@ def write_rows(path: Path, rows: int, images: bool) -> None:
 
 
 def model_dir(work: Path, images: bool) -> Path:
-    from veomni_lite.examples.sft_demo import write_text_model, write_vl_model
+    from examples.sft_demo import write_text_model, write_vl_model
 
     directory = work / ("qwen2_vl" if images else "qwen2")
     if not (directory / "config.json").is_file():
@@ -174,6 +174,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=REPO / "benchmarks" / "results" / "raw" / "data_startup")
     parser.add_argument("extra", nargs="*")
     args = parser.parse_args()
+    sys.path.insert(0, str(REPO))  # the repository's top-level examples/ (sft_demo's model directories)
     if args.worker:
         worker(args)
     else:

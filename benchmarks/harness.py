@@ -27,10 +27,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from examples.synthetic_data import SyntheticVLMDataset
 from veomni_lite.data.collator import collate
 from veomni_lite.data.loader import MicroBatchLoader
 from veomni_lite.distributed.sequence_parallel import slice_micro_batch
-from veomni_lite.examples.synthetic_data import SyntheticVLMDataset
 
 MicroBatch = dict[str, torch.Tensor]
 

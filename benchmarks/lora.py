@@ -31,7 +31,7 @@ def write_model(work_dir: Path) -> Path:
     """The help pages and a Qwen2 directory of `MODEL`'s size (skipped where they exist)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from veomni_lite.examples.sft_demo import write_help, write_tokenizer
+    from examples.sft_demo import write_help, write_tokenizer
 
     directory = work_dir / "qwen2_512"
     if not (directory / "config.json").is_file():

@@ -79,8 +79,8 @@ def _scaling_worker(out: Path, steps: int) -> None:
     import torch.distributed as dist
     from harness import OpCounter, max_over_ranks
 
+    from examples.vlm_trainer import VLMTrainer
     from veomni_lite.config import load_config
-    from veomni_lite.examples.vlm_trainer import VLMTrainer
 
     world = int(os.environ["WORLD_SIZE"])
     rows = []
@@ -138,8 +138,8 @@ def _memory_worker(out: Path, size: str, choice: str, load_sharded: bool) -> Non
     import torch.distributed as dist
     from packing import _peak_rss_mib, _reset_peak_rss
 
+    from examples.qwen2_pydoc_text import TOKENIZER_FILE, PydocLMTrainer
     from veomni_lite.config import load_config
-    from veomni_lite.examples.qwen2_pydoc_text import TOKENIZER_FILE, PydocLMTrainer
     from veomni_lite.models import heads
 
     sync, chunk, recompute = CHOICES[choice]

@@ -45,8 +45,8 @@ def _write_conversations(path: Path, tokenizer: Any, rows: int = 512, seed: int 
 
 
 def _trainer(work_dir: Path, max_steps: int, chat: bool = False) -> Any:
+    from examples.sft_demo import write_demo
     from veomni_lite.config import load_config
-    from veomni_lite.examples.sft_demo import write_demo
     from veomni_lite.trainer.sft import SFTTrainer
 
     demo = write_demo(work_dir / "sft_demo")

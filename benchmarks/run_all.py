@@ -32,6 +32,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 DOCS = REPO / "docs"
 WORKER = BENCH_DIR / "bench_worker.py"
+sys.path.insert(0, str(REPO))  # the benches below import the repository's top-level examples/
 
 # What the page checks, as paired ratios num / den of one bench and kind (see report.targets_section); `sp` and
 # `ga` restrict where a target is set (absent: everywhere measured).

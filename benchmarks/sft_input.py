@@ -19,8 +19,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def measure(work_dir: Path, steps: int = 20, blocks: int = 4) -> dict[str, Any]:
     """{"steps": timed steps per variant, "median_ms": {without, with}, "q1_ms", "q3_ms"} (see the module docstring)."""
+    from examples.sft_demo import write_demo
     from veomni_lite.config import load_config
-    from veomni_lite.examples.sft_demo import write_demo
     from veomni_lite.trainer.sft import SFTTrainer
 
     demo = write_demo(work_dir / "sft_demo")

@@ -37,11 +37,11 @@ from baselines import Oracle
 from harness import MicroBatch, OpCounter, interleaved_times, maybe, summarize
 
 import veomni_lite.trainer.base as base
+from examples.vlm_trainer import VLMTrainer
 from veomni_lite.config import load_config, replace
 from veomni_lite.distributed.fsdp import apply_fsdp, set_gradient_sync
 from veomni_lite.distributed.grad_norm import clip_global_grad_norm
 from veomni_lite.distributed.parallel_state import destroy_parallel_state, get_parallel_state
-from veomni_lite.examples.vlm_trainer import VLMTrainer
 from veomni_lite.utils.loss_utils import count_loss_token, reset_loss_memo
 
 REPO = Path(__file__).resolve().parents[1]

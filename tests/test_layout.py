@@ -1,5 +1,5 @@
-"""The layout's promises: no import cycle inside veomni_lite, no library module imports an example, and the data
-side loads without the loss module or the distributed pieces."""
+"""The layout's promises: no import cycle inside veomni_lite, no library module imports the top-level examples/ (which
+the wheel leaves out), and the data side loads without the loss module or the distributed pieces."""
 
 from __future__ import annotations
 
@@ -71,24 +71,56 @@ def test_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
+def imported_names(source: str) -> set[str]:
+    """Every module name an `import` or `from ... import` in `source` names (relative imports left out)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+    return found
+
+
+def imports_an_example(source: str) -> bool:
+    return any(name == "examples" or name.startswith("examples.") for name in imported_names(source))
+
+
 def test_the_library_never_imports_an_example():
-    graph = import_graph()
-    back_edges = {
-        (name, target)
-        for name, targets in graph.items()
-        if not name.startswith("veomni_lite.examples")
-        for target in targets
-        if target.startswith("veomni_lite.examples")
-    }
-    assert not back_edges
+    offenders = sorted(str(p) for p in PACKAGE.rglob("*.py") if imports_an_example(p.read_text()))
+    assert not offenders
+    # negative control: the check sees both import forms, at top level and inside a function
+    assert imports_an_example("from examples.tiny_lm import TinyLMConfig")
+    assert imports_an_example("def f():\n    import examples.sft_demo")
+    assert not imports_an_example("from veomni_lite.data import examples_of")
+
+
+def test_the_examples_live_outside_the_package_and_the_wheel_leaves_them_out():
+    """setup.cfg's package list (what `pip install .` ships) holds the library and not the top-level examples/."""
+    import configparser
+
+    from setuptools import find_packages
+
+    assert not (PACKAGE / "examples").exists()
+    assert (PACKAGE.parent / "examples" / "__init__.py").is_file()
+    setup = configparser.ConfigParser()
+    setup.read(PACKAGE.parent / "setup.cfg")
+    include = setup["options.packages.find"]["include"].split()
+    shipped = find_packages(where=str(PACKAGE.parent), include=include)
+    assert "veomni_lite" in shipped and "veomni_lite.trainer" in shipped
+    assert not [name for name in shipped if name.split(".")[0] in {"examples", "tests", "benchmarks", "trainers"}]
+    # negative control: without the include filter the same search does find the examples
+    assert "examples" in find_packages(where=str(PACKAGE.parent))
 
 
 def test_the_data_side_loads_without_the_loss_module_or_distributed_pieces():
     code = (
-        "import sys, veomni_lite.data.collator, veomni_lite.data.loader, veomni_lite.examples.synthetic_data;"
+        "import sys, veomni_lite.data.collator, veomni_lite.data.loader, examples.synthetic_data;"
         "print(sorted(m for m in sys.modules if m.startswith('veomni_lite')))"
     )
-    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], cwd=PACKAGE.parent, capture_output=True, text=True, check=True
+    ).stdout
     assert "veomni_lite.loss_keys" in loaded
     for heavy in ("veomni_lite.utils.loss_utils", "veomni_lite.distributed", "veomni_lite.trainer"):
         assert heavy not in loaded, loaded

@@ -1,4 +1,4 @@
-"""The README's snippets run as written and do what the README says."""
+"""The README's snippets (and the harness script on docs/loss.md) run as written and do what the text says."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ import torch
 import torch.nn.functional as F
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+LOSS_DOC = README.parent / "docs" / "loss.md"  # the README links there for the harness's script
 
 
-def python_block(heading: str) -> str:
-    text = README.read_text()
+def python_block(heading: str, page: Path = README) -> str:
+    """The first python code block after `heading` on `page`."""
+    text = page.read_text()
     return re.search(r"```python\n(.*?)```", text[text.index(heading) :], re.S).group(1)
 
 
@@ -29,7 +31,7 @@ def test_the_loss_snippet_trains_on_the_exact_token_mean_of_the_step(monkeypatch
         return original_step(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.optim.AdamW, "step", capture_then_step)
-    exec(compile(python_block("## Use the loss module in a loop of your own"), "README.md", "exec"), namespace)
+    exec(compile(python_block("### Use the loss module in a loop of your own"), "README.md", "exec"), namespace)
     model, batches = namespace["model"], namespace["micro_batches"]
     assert len(grads) == len(list(model.parameters()))
 
@@ -50,9 +52,34 @@ def test_the_loss_snippet_trains_on_the_exact_token_mean_of_the_step(monkeypatch
 @pytest.mark.slow
 def test_the_split_invariance_script_runs_and_finds_the_heads_exact(tmp_path):
     script = tmp_path / "check_my_head.py"
-    script.write_text(python_block("### Prove your own head is exact"))
+    script.write_text(python_block("### Prove your own head is exact", LOSS_DOC))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     for layout in ("dp1xsp1/mbs1", "dp2xsp1/mbs2", "dp1xsp2/mbs4", "dp2xsp2/mbs2"):
         assert layout in done.stdout
     assert "seq-mean-token-mean" in done.stdout
+
+
+def broken_links(page: Path) -> list[str]:
+    """The relative links of a markdown page whose file does not exist (anchors and web addresses left out)."""
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text())
+    return [t for t in targets if not t.startswith(("http://", "https://")) and not (page.parent / t).exists()]
+
+
+def test_the_readme_and_the_docs_pages_link_to_files_that_exist(tmp_path):
+    pages = [README, *sorted((README.parent / "docs").glob("*.md"))]
+    assert len(pages) > 5
+    assert {page.name: broken_links(page) for page in pages} == {page.name: [] for page in pages}
+    assert "(docs/loss.md)" in README.read_text(), "the README links the depth"
+    # negative control: a link to a missing page is found
+    page = tmp_path / "page.md"
+    page.write_text("see [a](missing.md), [b](https://example.com) and [c](page.md#top)")
+    assert broken_links(page) == ["missing.md"]
+
+
+def test_the_quick_start_commands_are_makefile_targets():
+    quick_start = README.read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    targets = set(re.findall(r"^([a-z-]+):", (README.parent / "Makefile").read_text(), re.M))
+    commands = re.findall(r"^make ([a-z-]+)", quick_start, re.M)
+    assert {"train", "train-text", "train-sft", "test", "quality", "bench"} <= set(commands)
+    assert set(commands) <= targets, set(commands) - targets

@@ -4,9 +4,14 @@
 """
 
 import sys
+from pathlib import Path
 
-from veomni_lite.examples.qwen2_vl_digits import DigitsVLTrainer
-from veomni_lite.examples.vlm_trainer import VLMTrainer
+# The example jobs live in the repository's top-level examples/ (the installed library does not ship them);
+# torchrun puts this script's folder, trainers/, first on sys.path, so put the repository root there too.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from examples.qwen2_vl_digits import DigitsVLTrainer
+from examples.vlm_trainer import VLMTrainer
 from veomni_lite.trainer.launch import main
 
 if __name__ == "__main__":

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from examples.pydoc_text import train_bpe
 from tests.data.test_sft import TEXTS, trained_runs
 from veomni_lite.data.checks import DataError
 from veomni_lite.data.sft import ChatEncoder, generation_eos_ids, read_sources, to_conversation
 from veomni_lite.data.sft_dataset import SFTDataset
-from veomni_lite.examples.pydoc_text import train_bpe
 from veomni_lite.loss_keys import IGNORE_INDEX
 from veomni_lite.models.pretrained import load_tokenizer
 

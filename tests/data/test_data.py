@@ -7,8 +7,7 @@ import pytest
 import torch
 from einops import rearrange
 
-from veomni_lite.data import MicroBatchLoader, collate
-from veomni_lite.examples.synthetic_data import (
+from examples.synthetic_data import (
     BOI_ID,
     BOS_ID,
     EOS_ID,
@@ -19,6 +18,7 @@ from veomni_lite.examples.synthetic_data import (
     SyntheticVLMDataset,
     patch_codes,
 )
+from veomni_lite.data import MicroBatchLoader, collate
 from veomni_lite.loss_keys import IGNORE_INDEX
 
 

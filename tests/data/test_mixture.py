@@ -10,13 +10,13 @@ from collections import Counter
 import pytest
 import torch
 
+from examples.sft_demo import write_tokenizer
 from veomni_lite.config import ConfigError, load_config
 from veomni_lite.data.collator import collate
 from veomni_lite.data.loader import MicroBatchLoader
 from veomni_lite.data.mixture import WeightedMixture, hold_out
 from veomni_lite.data.sft import ChatEncoder, read_sources
 from veomni_lite.data.sft_dataset import SFTDataset
-from veomni_lite.examples.sft_demo import write_tokenizer
 
 
 class Tagged:

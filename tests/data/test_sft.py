@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from examples.sft_demo import write_tokenizer
 from veomni_lite.data.checks import DataError
 from veomni_lite.data.sft import CHATML, ChatEncoder, override_template, read_sources, to_conversation
 from veomni_lite.data.sft_dataset import ImageProcessing, SFTDataset
-from veomni_lite.examples.sft_demo import write_tokenizer
 from veomni_lite.loss_keys import IGNORE_INDEX
 from veomni_lite.models.pretrained import PretrainedDirError, load_config
 

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from examples.sft_demo import write_tokenizer
 from tests.dist_helpers import run_distributed, run_ranks
 from veomni_lite.data import sft_cache
 from veomni_lite.data.checks import DataError
 from veomni_lite.data.sft import ChatEncoder, image_reference, open_image, read_sources
 from veomni_lite.data.sft_dataset import ImageProcessing, SFTDataset
-from veomni_lite.examples.sft_demo import write_tokenizer
 
 TEXTS = ["Hello there", "General Kenobi", "You are a bold one", "What digit is this?", "a handwritten seven"]
 IMAGE_TOKEN = "<|image_pad|>"

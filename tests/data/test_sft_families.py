@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from examples.sft_demo import PROMPT, WORDS, write_digits, write_vl_model
 from tests.data.test_sft_training import digits_args, train
 from tests.dist_helpers import run_distributed
 from tests.trainer.helpers import losses_by_step, read_events
-from veomni_lite.examples.sft_demo import PROMPT, WORDS, write_digits, write_vl_model
 from veomni_lite.trainer.sft import SFTTrainer
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")

@@ -7,10 +7,10 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from examples.synthetic_data import SyntheticVLMDataset
+from examples.tiny_lm import TinyLMConfig
+from examples.tiny_vlm import TinyVLM, TinyVLMConfig
 from veomni_lite.data.collator import collate
-from veomni_lite.examples.synthetic_data import SyntheticVLMDataset
-from veomni_lite.examples.tiny_lm import TinyLMConfig
-from veomni_lite.examples.tiny_vlm import TinyVLM, TinyVLMConfig
 from veomni_lite.loss_keys import IGNORE_INDEX
 
 NUM_SAMPLES = 8

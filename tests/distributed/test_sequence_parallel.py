@@ -6,13 +6,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from examples.attention import causal_attention
+from examples.tiny_lm import TinyLMConfig, set_attention_fn
+from examples.tiny_vlm import TinyVLM, TinyVLMConfig
 from tests.dist_helpers import counting_calls, run_distributed
 from tests.trainer.helpers import losses_by_step, read_events, run_trainer, tiny_config
 from veomni_lite.distributed.parallel_state import init_parallel_state
 from veomni_lite.distributed.sequence_parallel import slice_micro_batch, ulysses_attention
-from veomni_lite.examples.attention import causal_attention
-from veomni_lite.examples.tiny_lm import TinyLMConfig, set_attention_fn
-from veomni_lite.examples.tiny_vlm import TinyVLM, TinyVLMConfig
 from veomni_lite.utils import loss_utils
 from veomni_lite.utils.loss_utils import IGNORE_INDEX, count_loss_token, mean_global_loss
 

@@ -13,10 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.models.small_hf import small_config
-from veomni_lite.examples import digits as digits_module
-from veomni_lite.examples import qwen2_vl_digits
-from veomni_lite.examples.digits import (
+from examples import digits as digits_module
+from examples import qwen2_vl_digits
+from examples.digits import (
     CODE_TOKENS,
     DIGIT_WORDS,
     NUM_CODES,
@@ -26,7 +25,8 @@ from veomni_lite.examples.digits import (
     patchify,
     train_tokenizer,
 )
-from veomni_lite.examples.qwen2_vl_digits import DigitsVLTrainer, caption_hits
+from examples.qwen2_vl_digits import DigitsVLTrainer, caption_hits
+from tests.models.small_hf import small_config
 from veomni_lite.loss_keys import IGNORE_INDEX
 from veomni_lite.models.qwen2_vl import collate_qwen2_vl
 from veomni_lite.trainer.model import TrainableModel

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models.small_hf import REPO
-from veomni_lite.examples import pydoc_text
-from veomni_lite.examples.pydoc_text import (
+from examples import pydoc_text
+from examples.pydoc_text import (
     PydocTextDataset,
     corpus_documents,
     load_or_train_tokenizer,
     train_tokenizer,
 )
+from tests.models.small_hf import REPO
 from veomni_lite.loss_keys import IGNORE_INDEX
 
 VOCAB, SEQ_LEN = 300, 32
@@ -97,12 +97,12 @@ def test_tokenizers_are_identical_in_other_processes(tokenizer):
     import subprocess
     import sys
 
-    from veomni_lite.examples.digits import train_tokenizer as train_digits_tokenizer
+    from examples.digits import train_tokenizer as train_digits_tokenizer
 
     script = (
         "import hashlib\n"
-        "from veomni_lite.examples.pydoc_text import train_tokenizer\n"
-        "from veomni_lite.examples.digits import train_tokenizer as digits\n"
+        "from examples.pydoc_text import train_tokenizer\n"
+        "from examples.digits import train_tokenizer as digits\n"
         f"print(hashlib.sha256(train_tokenizer({VOCAB}).to_str().encode()).hexdigest(),"
         " hashlib.sha256(digits().to_str().encode()).hexdigest())\n"
     )

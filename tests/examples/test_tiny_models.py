@@ -5,11 +5,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from examples.attention import causal_attention
+from examples.synthetic_data import SyntheticVLMDataset
+from examples.tiny_lm import TinyCausalLM, TinyLMConfig, set_attention_fn
+from examples.tiny_vlm import TinyVLM, TinyVLMConfig
 from veomni_lite.data.collator import collate
-from veomni_lite.examples.attention import causal_attention
-from veomni_lite.examples.synthetic_data import SyntheticVLMDataset
-from veomni_lite.examples.tiny_lm import TinyCausalLM, TinyLMConfig, set_attention_fn
-from veomni_lite.examples.tiny_vlm import TinyVLM, TinyVLMConfig
 from veomni_lite.loss_keys import IGNORE_INDEX
 
 LM_CONFIG = TinyLMConfig(vocab_size=32, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64)
@@ -132,11 +132,43 @@ def test_set_attention_fn_replaces_every_layer() -> None:
         set_attention_fn(torch.nn.Linear(2, 2), capture)
 
 
-def test_flops_per_token() -> None:
+def plain_causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Causal attention as two explicit batched matmuls over the whole [S, S] score matrix (what 12 L d T counts)."""
+    s = q.shape[1]
+    scores = torch.einsum("bshd,bthd->bhst", q, k) / q.shape[-1] ** 0.5
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("bhst,bthd->bshd", scores.softmax(-1), v)
+
+
+def counted_flops_per_token(model: TinyCausalLM, seq: int) -> float:
+    """torch's FlopCounterMode over one forward + backward of a [1, seq] batch, per token: every matmul, counted."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    ids = torch.randint(0, LM_CONFIG.vocab_size, (1, seq), generator=torch.Generator().manual_seed(seq))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=ids, position_ids=torch.arange(seq)[None])["foundation_loss"].backward()
+    return counter.get_total_flops() / seq
+
+
+@pytest.mark.parametrize("frozen_head", [False, True])
+@pytest.mark.parametrize("seq", [16, 64])
+def test_flops_per_token_matches_a_count_of_the_matmuls(seq: int, frozen_head: bool) -> None:
+    """The estimate against torch's own count of every matmul in a forward + backward. The estimate also counts the
+    norm weights at 6 FLOPs each (they take part in no matmul), so exactly that much is the difference; a frozen
+    parameter (the LM head here) has no weight gradient and counts 4."""
     model = make_lm()
-    params = sum(p.numel() for p in model.parameters()) - model.embed_tokens.weight.numel()
-    assert model.flops_per_token(16) == 6 * params + 12 * 2 * 32 * 16
-    assert model.flops_per_token(64) > model.flops_per_token(16)
+    set_attention_fn(model, plain_causal_attention)
+    model.lm_head.weight.requires_grad_(not frozen_head)
+    norms = sum(p.numel() for name, p in model.named_parameters() if "norm" in name)
+    counted = counted_flops_per_token(model, seq)
+    assert model.flops_per_token(seq) - 6 * norms == counted
+    # negative controls: the count does see what the formula's terms stand for
+    unfrozen = make_lm()
+    set_attention_fn(unfrozen, plain_causal_attention)
+    head = model.lm_head.weight.numel()
+    assert counted_flops_per_token(unfrozen, seq) - counted == (2 * head if frozen_head else 0)
+    d, layers = LM_CONFIG.hidden_size, LM_CONFIG.num_layers
+    assert counted_flops_per_token(unfrozen, 2 * seq) - counted_flops_per_token(unfrozen, seq) == 12 * layers * d * seq
 
 
 def vlm_batch(dataset: SyntheticVLMDataset, indices: range) -> dict[str, Tensor]:

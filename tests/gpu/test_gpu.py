@@ -44,7 +44,7 @@ def torchrun(nproc: int, script: Path, *args: str, timeout: float = 600) -> subp
 def test_the_trainers_step_makes_no_host_sync_per_micro_batch(tmp_path_factory, kind: str, sp: int) -> None:
     """`BaseTrainer.train_step` itself (packing, a token budget, the fused head, bf16, NCCL, flash-attention varlen
     where installed), through tests/gpu/sync_audit.py; its JSON lands in benchmarks/results/gpu/."""
-    from veomni_lite.examples.sft_demo import write_demo
+    from examples.sft_demo import write_demo
 
     world = world_size()
     if world % sp:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from veomni_lite.examples.sft_demo import write_demo
+from examples.sft_demo import write_demo
 
 REPO = Path(__file__).resolve().parents[2]
 

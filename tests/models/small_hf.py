@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from examples.qwen2_pydoc_text import PydocLMTrainer
+from examples.qwen2_vl_digits import DigitsVLTrainer
 from veomni_lite.config import Config, load_config
-from veomni_lite.examples.qwen2_pydoc_text import PydocLMTrainer
-from veomni_lite.examples.qwen2_vl_digits import DigitsVLTrainer
 from veomni_lite.trainer.base import BaseTrainer
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,12 +10,12 @@ import sys
 import pytest
 import torch.distributed as dist
 
+from examples.qwen2_pydoc_text import PydocLMTrainer
+from examples.qwen2_vl_digits import DigitsVLTrainer
+from examples.text_trainer import TextTrainer
+from examples.vlm_trainer import VLMTrainer
 from tests.models.small_hf import CONFIGS, REPO
 from veomni_lite.config import ConfigError, load_config
-from veomni_lite.examples.qwen2_pydoc_text import PydocLMTrainer
-from veomni_lite.examples.qwen2_vl_digits import DigitsVLTrainer
-from veomni_lite.examples.text_trainer import TextTrainer
-from veomni_lite.examples.vlm_trainer import VLMTrainer
 from veomni_lite.trainer import launch
 
 VL, TEXT = str(CONFIGS["vl"]), str(CONFIGS["text"])

@@ -30,10 +30,10 @@ from typing import Any
 
 import pytest
 
+from examples import qwen2_vl_digits
 from tests.dist_helpers import counting_calls, run_distributed
 from tests.trainer.helpers import losses_by_step, run_trainer, tiny_config
 from veomni_lite.config import Config
-from veomni_lite.examples import qwen2_vl_digits
 from veomni_lite.trainer.base import BaseTrainer
 from veomni_lite.utils import loss_utils
 from veomni_lite.utils.loss_utils import count_loss_token

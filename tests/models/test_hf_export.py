@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch import nn
 
+from examples.qwen2_pydoc_text import PydocLMTrainer
 from tests.models.small_hf import REPO, small_config, train_small
 from tests.trainer.helpers import run_trainer, tiny_config
 from veomni_lite import export as export_module
-from veomni_lite.examples.qwen2_pydoc_text import PydocLMTrainer
 from veomni_lite.export import export
 from veomni_lite.loss_keys import is_labels_key
 from veomni_lite.models.qwen2_vl import IMAGE_HEAD_FILE

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from veomni_lite.examples.digits import DigitsDataset, train_tokenizer
+from examples.digits import DigitsDataset, train_tokenizer
 from veomni_lite.loss_keys import IGNORE_INDEX, is_labels_key
 from veomni_lite.models import hf_attention
 from veomni_lite.models.hf_attention import ATTENTION_NAME, ulysses_attention_forward

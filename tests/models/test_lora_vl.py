@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from examples.sft_demo import write_digits, write_vl_model
 from tests.dist_helpers import run_distributed
 from tests.models import lora_fixtures as lx
 from tests.trainer.helpers import losses_by_step, read_events
 from veomni_lite.config import load_config
-from veomni_lite.examples.sft_demo import write_digits, write_vl_model
 from veomni_lite.models.lora import ADAPTER_CONFIG, lora_modules
 from veomni_lite.trainer.sft import SFTTrainer
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from examples.sft_demo import write_help, write_text_model
 from tests.data.test_sft_training import help_args, train
 from tests.dist_helpers import run_distributed
-from veomni_lite.examples.sft_demo import write_help, write_text_model
 from veomni_lite.trainer.sft import SFTTrainer
 
 UPDATE = [

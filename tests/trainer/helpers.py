@@ -12,11 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from examples.qwen2_pydoc_text import TOKENIZER_FILE, PydocLMTrainer
+from examples.qwen2_vl_digits import DigitsVLTrainer
+from examples.text_trainer import TextTrainer
+from examples.vlm_trainer import VLMTrainer
 from veomni_lite.config import Config, load_config, replace
-from veomni_lite.examples.qwen2_pydoc_text import TOKENIZER_FILE, PydocLMTrainer
-from veomni_lite.examples.qwen2_vl_digits import DigitsVLTrainer
-from veomni_lite.examples.text_trainer import TextTrainer
-from veomni_lite.examples.vlm_trainer import VLMTrainer
 from veomni_lite.trainer.base import BaseTrainer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,7 +39,7 @@ SHRINK: dict[str, dict[str, dict[str, Any]]] = {
 
 @functools.cache
 def _pydoc_tokenizer_json(vocab_size: int) -> str:
-    from veomni_lite.examples.pydoc_text import train_tokenizer
+    from examples.pydoc_text import train_tokenizer
 
     return train_tokenizer(vocab_size).to_str()
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from examples.text_trainer import TextTrainer
 from tests.dist_helpers import run_ranks
 from tests.trainer.helpers import read_events, tiny_config
 from veomni_lite.distributed.collectives import CollectiveError, all_reduce
 from veomni_lite.distributed.parallel_state import destroy_parallel_state, init_parallel_state
-from veomni_lite.examples.text_trainer import TextTrainer
 from veomni_lite.metrics import new_metrics_group
 from veomni_lite.trainer.base import NonFiniteError
 

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import torch
 
+from examples.text_trainer import TextTrainer
 from tests.dist_helpers import run_distributed
 from tests.trainer.helpers import losses_by_step, ranked_run, run_trainer, tiny_config
-from veomni_lite.examples.text_trainer import TextTrainer
 from veomni_lite.trainer.checkpoint import CheckpointManager
 from veomni_lite.trainer.safe_load import (
     DCP_METADATA_GLOBALS,

@@ -6,9 +6,9 @@ import logging
 
 import pytest
 
+from examples.text_trainer import TextTrainer
 from tests.trainer.helpers import read_events, run_trainer, tiny_config
 from veomni_lite.config import replace
-from veomni_lite.examples.text_trainer import TextTrainer
 
 SETTINGS = {"max_steps": 7, "log_interval": 3, "save_interval": 2, "eval_interval": 2, "eval_batches": 1}
 SAME = ("train/loss", "train/grad_norm", "train/lr", "train/tokens")

@@ -10,10 +10,10 @@ import runpy
 import pytest
 import torch
 
+from examples.text_trainer import TextTrainer
 from tests.dist_helpers import run_distributed
 from tests.trainer.helpers import REPO, losses_by_step, ranked_run, run_trainer, tiny_config
 from veomni_lite.config import ConfigError, load_config, replace, validate
-from veomni_lite.examples.text_trainer import TextTrainer
 from veomni_lite.trainer import launch
 from veomni_lite.trainer.base import build_scheduler
 from veomni_lite.trainer.lr_schedule import constant, cosine, linear, lr_lambda, ratio_steps, wsd

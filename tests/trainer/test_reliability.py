@@ -10,14 +10,14 @@ import time
 import pytest
 import torch
 
+from examples.text_trainer import TextTrainer
+from examples.vlm_trainer import VLMTrainer
 from tests.dist_helpers import run_ranks
 from tests.trainer.helpers import losses_by_step, read_events, run_trainer, tiny_config
 from veomni_lite.config import replace
 from veomni_lite.data.checks import DataError
 from veomni_lite.distributed.collectives import CollectiveError, all_reduce
 from veomni_lite.distributed.parallel_state import init_parallel_state
-from veomni_lite.examples.text_trainer import TextTrainer
-from veomni_lite.examples.vlm_trainer import VLMTrainer
 from veomni_lite.trainer.base import NonFiniteError
 from veomni_lite.trainer.checkpoint import CheckpointError
 

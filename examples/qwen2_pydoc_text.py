@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
+from examples.pydoc_text import PydocTextDataset, load_or_train_tokenizer
 from veomni_lite.data.collator import collate
-from veomni_lite.examples.pydoc_text import PydocTextDataset, load_or_train_tokenizer
 from veomni_lite.models.hf_causal_lm import HFCausalLM, hf_config_from_dict
 from veomni_lite.models.pretrained import check_vocabulary, load_config, load_tokenizer
 from veomni_lite.trainer.base import BaseTrainer

@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from examples.synthetic_data import SyntheticTextDataset
+from examples.tiny_lm import TinyCausalLM, TinyLMConfig
 from veomni_lite.data.collator import collate
-from veomni_lite.examples.synthetic_data import SyntheticTextDataset
-from veomni_lite.examples.tiny_lm import TinyCausalLM, TinyLMConfig
 from veomni_lite.trainer.base import BaseTrainer
 
 

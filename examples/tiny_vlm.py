@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from veomni_lite.examples.tiny_lm import (
+from examples.tiny_lm import (
     TinyCausalLM,
     TinyLMConfig,
     init_linear_and_embedding,

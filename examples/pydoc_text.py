@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from veomni_lite.examples.tokenizer_file import load_or_train
+from examples.tokenizer_file import load_or_train
 from veomni_lite.loss_keys import IGNORE_INDEX
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"

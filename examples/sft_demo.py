@@ -1,6 +1,6 @@
 """What a user brings to `trainers/train_sft.py`, written to disk from data that ships offline.
 
-`python -m veomni_lite.examples.sft_demo OUT_DIR` writes (idempotent; nothing is downloaded):
+`python -m examples.sft_demo OUT_DIR` writes (idempotent; nothing is downloaded):
 - `OUT_DIR/digits/{train,eval}.jsonl` + `OUT_DIR/digits/images/*.png`: scikit-learn's 1,797 handwritten digits as an
   OpenAI `messages` dataset, the image a typed part of the user turn, the answer "a handwritten seven"; the held-out
   20% are the images the built-in digits job holds out (the same seeded permutation);
@@ -87,7 +87,7 @@ def write_tokenizer(directory: Path, texts: list[str], vocab_size: int) -> Any:
     """A byte-level BPE tokenizer trained on `texts`, with the chat tokens and template, saved for AutoTokenizer."""
     from transformers import PreTrainedTokenizerFast
 
-    from veomni_lite.examples.pydoc_text import train_bpe
+    from examples.pydoc_text import train_bpe
 
     core = train_bpe(texts, vocab_size, SPECIAL)
     tokenizer = PreTrainedTokenizerFast(
@@ -181,7 +181,7 @@ def write_demo(out: str | Path) -> Path:
     help_texts = write_help(out / "help")
     write_vl_model(out / "models" / "qwen2_vl_digits", digit_texts)
     write_text_model(out / "models" / "qwen2_help", help_texts)
-    done.write_text("written by python -m veomni_lite.examples.sft_demo\n")
+    done.write_text("written by python -m examples.sft_demo\n")
     return out
 
 

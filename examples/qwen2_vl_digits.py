@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
+from examples.digits import NUM_CODES, DigitsDataset, load_or_train_tokenizer
 from veomni_lite.distributed.collectives import all_reduce
-from veomni_lite.examples.digits import NUM_CODES, DigitsDataset, load_or_train_tokenizer
 from veomni_lite.loss_keys import is_labels_key
 from veomni_lite.models.qwen2_vl import QwenVLWithImageHead, collate_qwen2_vl
 from veomni_lite.trainer.base import BaseTrainer

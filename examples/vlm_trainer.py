@@ -8,10 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from examples.synthetic_data import SyntheticVLMDataset
+from examples.tiny_lm import TinyLMConfig
+from examples.tiny_vlm import TinyVLM, TinyVLMConfig
 from veomni_lite.data.collator import collate
-from veomni_lite.examples.synthetic_data import SyntheticVLMDataset
-from veomni_lite.examples.tiny_lm import TinyLMConfig
-from veomni_lite.examples.tiny_vlm import TinyVLM, TinyVLMConfig
 from veomni_lite.trainer.base import BaseTrainer
 
 

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
+from examples.attention import AttentionFn, causal_attention
 from veomni_lite.distributed.sequence_parallel import ulysses_attention
-from veomni_lite.examples.attention import AttentionFn, causal_attention
 from veomni_lite.models.heads import decoder_flops_per_token, masked_mean_cross_entropy
 from veomni_lite.trainer.model import TrainableModel
 
