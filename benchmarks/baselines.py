@@ -73,17 +73,7 @@ class _SPReduceLoss(torch.autograd.Function):
         return grad * ctx.sp_size * local_count / total_count.clamp(min=1), None, None
 
 
-def sp_reduce_loss(loss: torch.Tensor, count: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """The SP-group token mean of `loss` (this rank's local mean over `count` tokens); see `_SPReduceLoss`."""
-    return _SPReduceLoss.apply(loss, count, group)
-
-
-def _veomni_scale(
-    losses: Mapping[str, torch.Tensor],
-    micro_token_len: Mapping[str, torch.Tensor],
-    step_denominator: Mapping[str, int | float] | None,
-    step_token_len: Mapping[str, torch.Tensor],
-) -> dict[str, torch.Tensor]:
+def _veomni_scale(losses: Counts, micro_token_len: Counts, denominator: Mapping | None, step_token_len: Counts) -> dict:
     """VeOmni's per-micro-batch path; `step_denominator=None` all-reduces the step count here (scheme (a))."""
     state = get_parallel_state()
     world = state.world_size
@@ -92,12 +82,12 @@ def _veomni_scale(
         name = key[: -len("_loss")]
         tokens = micro_token_len[f"{name}_tokens"]
         if state.sp_enabled:
-            loss = sp_reduce_loss(loss, tokens, state.sp_group)
+            loss = _SPReduceLoss.apply(loss, tokens, state.sp_group)
             tokens = all_reduce(tokens.item(), op="sum", group=state.sp_group)
-        if step_denominator is None:
+        if denominator is None:
             total = all_reduce(step_token_len[f"{name}_tokens"].item(), op="sum")
         else:
-            total = step_denominator[f"{name}_tokens"]
+            total = denominator[f"{name}_tokens"]
         if total != 0:
             loss = loss * tokens / total * world
         elif not torch.allclose(loss, torch.zeros_like(loss)):
@@ -108,19 +98,6 @@ def _veomni_scale(
     return scaled
 
 
-class PerMicroBatchDenominator:
-    """(a) VeOmni before denominator reuse: the step denominator all-reduced (after a host read) per micro-batch."""
-
-    key = "a"
-    label = "(a) per-micro-batch denominator (VeOmni before reuse)"
-
-    def start_step(self, step_token_len: Counts, grad_accum: int) -> None:
-        pass
-
-    def scale(self, losses: Counts, micro_token_len: Counts, step_token_len: Counts) -> dict[str, torch.Tensor]:
-        return _veomni_scale(losses, micro_token_len, None, step_token_len)
-
-
 class StepStartDenominator:
     """(b) VeOmni 0.1.12: one all-reduce per token key at step start; under SP, per-micro-batch SP reduces."""
 
@@ -128,13 +105,23 @@ class StepStartDenominator:
     label = "(b) step-start per-key reduce + SP reduces (VeOmni 0.1.12)"
 
     def __init__(self) -> None:
-        self._denominator: dict[str, int | float] = {}
+        self._denominator: dict[str, int | float] | None = None
 
     def start_step(self, step_token_len: Counts, grad_accum: int) -> None:
         self._denominator = {key: all_reduce(value.item(), op="sum") for key, value in step_token_len.items()}
 
     def scale(self, losses: Counts, micro_token_len: Counts, step_token_len: Counts) -> dict[str, torch.Tensor]:
         return _veomni_scale(losses, micro_token_len, self._denominator, step_token_len)
+
+
+class PerMicroBatchDenominator(StepStartDenominator):
+    """(a) VeOmni before denominator reuse: the step denominator all-reduced (after a host read) per micro-batch."""
+
+    key = "a"
+    label = "(a) per-micro-batch denominator (VeOmni before reuse)"
+
+    def start_step(self, step_token_len: Counts, grad_accum: int) -> None:
+        self._denominator = None  # `_veomni_scale` all-reduces it on every micro-batch
 
 
 class VeOmniLite:

@@ -57,17 +57,11 @@ def _trainer(work_dir: Path, max_steps: int, chat: bool, global_batch: int) -> A
         data = work_dir / "conversations.jsonl"
         _write_conversations(data, AutoTokenizer.from_pretrained(demo / "models/qwen2_help", local_files_only=True))
     args = [
-        "--model.pretrained_dir", str(demo / "models/qwen2_help"),
-        "--data.train_path", str(data),
-        "--data.max_seq_len", str(CHAT_LENGTHS[1] if chat else 256),
-        "--train.output_dir", str(work_dir / "packing_run"),
-        "--train.eval_batches", "0",
-        "--train.max_steps", str(max_steps),
-        "--train.global_batch_size", str(global_batch),
-        "--checkpoint.save_interval", "0",
-        "--logging.progress_bar", "false",
-        "--logging.tensorboard", "false",
-        "--logging.plot", "false",
+        "--model.pretrained_dir", str(demo / "models/qwen2_help"), "--data.train_path", str(data),
+        "--data.max_seq_len", str(CHAT_LENGTHS[1] if chat else 256), "--train.output_dir", str(work_dir / "run"),
+        "--train.eval_batches", "0", "--train.max_steps", str(max_steps), "--train.global_batch_size",
+        str(global_batch), "--checkpoint.save_interval", "0", "--logging.progress_bar", "false",
+        "--logging.tensorboard", "false", "--logging.plot", "false",
     ]  # fmt: skip
     return SFTTrainer(load_config(REPO / "configs" / "sft_help.yaml", args, world_size=1))
 
