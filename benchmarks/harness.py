@@ -164,4 +164,5 @@ def torchrun(script: Path, nproc: int, args: list[str], timeout_s: float, env: d
 
 def prose(doc: str) -> str:
     """A module docstring as page text: its paragraphs unwrapped, without the leading 'make bench: '."""
-    return "\n\n".join(" ".join(part.split()) for part in doc.removeprefix("make bench: ").split("\n\n"))
+    text = "\n\n".join(" ".join(part.split()) for part in doc.removeprefix("make bench: ").split("\n\n"))
+    return text[:1].upper() + text[1:]
