@@ -29,7 +29,7 @@ test-quick: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # CUDA-only tests (tests/gpu): the NCCL/bf16 host-sync audit with step times, a short GPU training run.
-# Without a GPU they skip; results land in benchmarks/results/gpu/, which make bench puts on its page.
+# Without a GPU they skip; the audit prints its results and writes them to benchmarks/results/gpu/.
 test-gpu: install
 	$(PY) -m pytest -q -s -m cuda $(PYTEST_ARGS)
 

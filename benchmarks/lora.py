@@ -1,12 +1,12 @@
 """make bench: full fine-tuning against LoRA on the same job, 2 gloo ranks through the real SFT trainer.
 
-The help-pages job (`configs/sft_help.yaml`, max_seq_len 256, 4 samples per micro-batch, 16 per step: GA 2) on a
-Qwen2 directory of hidden size 512, 4 layers (14.7M parameters, written here with the job's tokenizer), trained
-whole or with `model.lora` rank 8 on the attention and MLP projections. One torchrun launch per variant, so each
-process's peak RSS is its own: reset (`/proc/self/clear_refs`) once the trainer is built, read (`VmHWM`) after the
-steps, with glibc serving large blocks from mmap so freed tensors leave the resident set. Per rank: the optimizer
-state's bytes (AdamW's moments of this rank's shards), the gradients' bytes at the optimizer step, the peak RSS
-during the steps; the median step time, the max over ranks of each step after a warm-up step.
+The help-pages job (`configs/sft_help.yaml`, max_seq_len 256, 4 samples per micro-batch, 16 per step: GA 2) on a Qwen2
+directory of hidden size 512, 4 layers (14.7M parameters; quick: 256, 2 layers; written here with the job's
+tokenizer), trained whole or with `model.lora` rank 8 on the attention and MLP projections. One torchrun launch per
+variant, so each process's peak RSS is its own: reset (`/proc/self/clear_refs`) once the trainer is built, read
+(`VmHWM`) after the steps, with glibc serving large blocks from mmap so freed tensors leave the resident set. Per
+rank: the optimizer state's bytes (AdamW's moments of this rank's shards), the gradients' bytes at the optimizer step,
+the peak RSS during the steps; the median step time, the max over ranks of each step after a warm-up step.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,19 +23,20 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 LORA = "{rank: 8, alpha: 16, target_modules: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]}"
 MODEL = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4, "num_attention_heads": 8}
+QUICK_MODEL = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 2, "num_attention_heads": 8}
 TARGET_OPTIMIZER_RATIO = 0.05  # LoRA's optimizer state over full fine-tuning's, at most
 
 
-def write_model(work_dir: Path) -> Path:
-    """The help pages and a Qwen2 directory of `MODEL`'s size (skipped where they exist)."""
+def write_model(work_dir: Path, model: dict[str, int]) -> Path:
+    """The help pages and a Qwen2 directory of `model`'s size (skipped where they exist)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from examples.sft_demo import write_help, write_tokenizer
 
-    directory = work_dir / "qwen2_512"
+    directory = work_dir / f"qwen2_{model['hidden_size']}x{model['num_hidden_layers']}"
     if not (directory / "config.json").is_file():
         tokenizer = write_tokenizer(directory, write_help(work_dir / "help"), vocab_size=2048)
-        config = Qwen2Config(vocab_size=len(tokenizer), num_key_value_heads=4, max_position_embeddings=512, **MODEL)
+        config = Qwen2Config(vocab_size=len(tokenizer), num_key_value_heads=4, max_position_embeddings=512, **model)
         config.eos_token_id, config.pad_token_id, config.tie_word_embeddings = tokenizer.eos_token_id, 0, False
         AutoModelForCausalLM.from_config(config).save_pretrained(str(directory))
     return directory
@@ -48,15 +48,15 @@ def _local_bytes(tensors: Any) -> int:
     return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
 
 
-def _worker(work_dir: Path, variant: str, steps: int, out: Path) -> None:
+def _worker(work_dir: Path, model_dir: Path, variant: str, steps: int, out: Path) -> None:
     import torch.distributed as dist
-    from packing import _peak_rss_mib, _reset_peak_rss
+    from harness import peak_rss_mib, reset_peak_rss
 
     from veomni_lite.config import load_config
     from veomni_lite.trainer.sft import SFTTrainer
 
     args = [
-        "--model.pretrained_dir", str(work_dir / "qwen2_512"), "--data.train_path", str(work_dir / "help/train.jsonl"),
+        "--model.pretrained_dir", str(model_dir), "--data.train_path", str(work_dir / "help/train.jsonl"),
         "--train.output_dir", str(work_dir / f"run_{variant}"), "--train.micro_batch_size", "4",
         "--train.global_batch_size", "16", "--train.eval_interval", "0", "--train.max_steps", "1000",
         "--checkpoint.save_interval", "0", "--logging.log_interval", "1000", "--logging.progress_bar", "false",
@@ -74,14 +74,14 @@ def _worker(work_dir: Path, variant: str, steps: int, out: Path) -> None:
         return step(*a, **k)
 
     trainer.optimizer.step = counted_step
-    _reset_peak_rss()
+    reset_peak_rss()
     seconds = []
     for _ in range(steps + 1):
         dist.barrier()
         start = time.perf_counter()
         trainer.train_step([trainer.shard(micro_batch) for micro_batch in trainer.loader.next_step()])
         seconds.append(time.perf_counter() - start)
-    peak = _peak_rss_mib()
+    peak = peak_rss_mib()
     state = _local_bytes(v for s in trainer.optimizer.state.values() for k, v in s.items() if k != "step")
     row = {"optimizer_bytes": state, "grad_bytes": grads[-1], "peak_rss_mib": peak, "seconds": seconds[1:]}
     rows: list[Any] = [None] * dist.get_world_size()
@@ -94,31 +94,40 @@ def _worker(work_dir: Path, variant: str, steps: int, out: Path) -> None:
     trainer.close()
 
 
-def measure(work_dir: Path, steps: int = 5, timeout_s: float = 900) -> dict[str, Any]:
+def block(work_dir: Path, quick: bool) -> dict[str, Any]:
     """Per variant: the largest per-rank optimizer-state and gradient bytes and peak RSS, the median step time."""
+    from harness import prose, torchrun
+
+    model, steps = (QUICK_MODEL, 2) if quick else (MODEL, 5)
     work_dir.mkdir(parents=True, exist_ok=True)
-    write_model(work_dir)
+    model_dir = write_model(work_dir, model)
     variants = {}
     for variant in ("full", "lora"):
         out = work_dir / f"{variant}.json"
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__]
-        command += ["--worker", variant, "--work-dir", str(work_dir), "--steps", str(steps), "--out", str(out)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "MALLOC_MMAP_THRESHOLD_": "65536"}
-        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} exited {done.returncode}:\n{done.stderr[-3000:]}")
+        args = ["--worker", variant, "--work-dir", str(work_dir), "--model-dir", str(model_dir), "--steps", str(steps)]
+        torchrun(Path(__file__), 2, [*args, "--out", str(out)], 900, {"MALLOC_MMAP_THRESHOLD_": "65536"})
         result = json.loads(out.read_text())
         ranks = result.pop("ranks")
         step_s = [max(values) for values in zip(*(rank["seconds"] for rank in ranks))]
         per_rank = {key: max(rank[key] for rank in ranks) for key in ("optimizer_bytes", "grad_bytes", "peak_rss_mib")}
         variants[variant] = {**result, **per_rank, "median_ms": statistics.median(step_s) * 1e3}
+    rows = [
+        [name, v["parameters"], v["trained"], v["optimizer_bytes"] / 2**20, v["grad_bytes"] / 2**20]
+        + [v["peak_rss_mib"], v["median_ms"]]
+        for name, v in variants.items()
+    ]
     full, lora = variants["full"], variants["lora"]
-    saved_mib = (full["optimizer_bytes"] + full["grad_bytes"] - lora["optimizer_bytes"] - lora["grad_bytes"]) / 2**20
+    ratio = lora["optimizer_bytes"] / full["optimizer_bytes"]
+    target = {"name": "LoRA / full optimizer state per rank", "op": "<=", "bound": TARGET_OPTIMIZER_RATIO * 100}
+    columns = ["variant", "parameters", "trained", "optimizer state MiB per rank", "gradients MiB per rank"]
+    columns += ["peak RSS MiB per rank", "step ms (median)"]
+    about = prose(__doc__) + f" {steps} timed steps after a warm-up step; LoRA: `{LORA}`."
     return {
-        "steps": steps, "model": MODEL, "lora": LORA, "variants": variants, "target": TARGET_OPTIMIZER_RATIO,
-        "optimizer_ratio": lora["optimizer_bytes"] / full["optimizer_bytes"], "state_and_grads_saved_mib": saved_mib,
-        "peak_saved_mib": full["peak_rss_mib"] - lora["peak_rss_mib"],
-    }  # fmt: skip
+        "title": "LoRA against full fine-tuning",
+        "about": about,
+        "tables": [{"columns": columns, "rows": rows}],
+        "targets": [target | {"unit": "%", "values": [ratio * 100]}],
+    }
 
 
 if __name__ == "__main__":
@@ -126,10 +135,11 @@ if __name__ == "__main__":
     parser.add_argument("--worker", choices=["full", "lora"])
     parser.add_argument("--work-dir", type=Path, default=REPO / "benchmarks" / "results" / "raw" / "lora")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--model-dir", type=Path)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
     if args.worker:
-        _worker(args.work_dir, args.worker, args.steps, args.out)
+        _worker(args.work_dir, args.model_dir, args.worker, args.steps, args.out)
     else:
-        print(json.dumps(measure(args.work_dir, args.steps), indent=1))
+        print(json.dumps(block(args.work_dir, quick=False), indent=1))

@@ -1,5 +1,5 @@
 """make bench: SFT jobs padded against packed with token-budget micro-batches, at equal gradients (each step trains on
-the same global batch of 32 samples either way; `tests/data/test_sft_packing.py` checks that the per-step losses and
+the same global batch either way; `tests/data/test_sft_packing.py` checks that the per-step losses and
 gradient norms are equal): the help pages (`configs/sft_help.yaml`, one paragraph per row, so lengths vary; budget
 512) and conversations (the same model, rows of 20 to 1,500 tokens drawn uniformly from spans of the help pages;
 budgets 1,536 and 4,096).
@@ -15,14 +15,14 @@ both).
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from harness import peak_rss_mib, prose, reset_peak_rss
 
 REPO = Path(__file__).resolve().parents[1]
 BUDGET = 512  # tokens per packed micro-batch: two to the longest sample (max_seq_len 256)
@@ -44,7 +44,7 @@ def _write_conversations(path: Path, tokenizer: Any, rows: int = 512, seed: int 
     path.write_text("".join(json.dumps(row) + "\n" for row in out))
 
 
-def _trainer(work_dir: Path, max_steps: int, chat: bool = False) -> Any:
+def _trainer(work_dir: Path, max_steps: int, chat: bool, global_batch: int) -> Any:
     from examples.sft_demo import write_demo
     from veomni_lite.config import load_config
     from veomni_lite.trainer.sft import SFTTrainer
@@ -57,16 +57,11 @@ def _trainer(work_dir: Path, max_steps: int, chat: bool = False) -> Any:
         data = work_dir / "conversations.jsonl"
         _write_conversations(data, AutoTokenizer.from_pretrained(demo / "models/qwen2_help", local_files_only=True))
     args = [
-        "--model.pretrained_dir", str(demo / "models/qwen2_help"),
-        "--data.train_path", str(data),
-        "--data.max_seq_len", str(CHAT_LENGTHS[1] if chat else 256),
-        "--train.output_dir", str(work_dir / "packing_run"),
-        "--train.eval_batches", "0",
-        "--train.max_steps", str(max_steps),
-        "--checkpoint.save_interval", "0",
-        "--logging.progress_bar", "false",
-        "--logging.tensorboard", "false",
-        "--logging.plot", "false",
+        "--model.pretrained_dir", str(demo / "models/qwen2_help"), "--data.train_path", str(data),
+        "--data.max_seq_len", str(CHAT_LENGTHS[1] if chat else 256), "--train.output_dir", str(work_dir / "run"),
+        "--train.eval_batches", "0", "--train.max_steps", str(max_steps), "--train.global_batch_size",
+        str(global_batch), "--checkpoint.save_interval", "0", "--logging.progress_bar", "false",
+        "--logging.tensorboard", "false", "--logging.plot", "false",
     ]  # fmt: skip
     return SFTTrainer(load_config(REPO / "configs" / "sft_help.yaml", args, world_size=1))
 
@@ -99,28 +94,55 @@ def _step(trainer: Any, loader: Any) -> tuple[float, int, int, int]:
     return seconds, real, sum(mb["input_ids"].numel() for mb in micro_batches), len(micro_batches)
 
 
-def measure(work_dir: Path, steps: int = 20, blocks: int = 4) -> dict[str, Any]:
-    """The help pages (budget 512, `steps` steps per block) and the conversations (budgets 1,536 and 4,096, a tenth
-    as many steps: their rows are ten times longer), each in `blocks` interleaved blocks, on one thread."""
+def block(work_dir: Path, quick: bool) -> dict[str, Any]:
+    """The help pages (budget 512) and the conversations (budgets 1,536 and 4,096, rows ten times longer, so a tenth
+    of the steps), interleaved blocks of steps on one thread; quick: fewer steps and blocks, conversations of 8."""
     import torch
 
+    steps, blocks, chat_batch = (5, 3, 8) if quick else (20, 4, 32)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the bench workers (OMP_NUM_THREADS=1): a shared machine's threads stall each other
     try:
-        jobs = [_measure_job(work_dir, "help pages", steps, blocks, (BUDGET,), TARGET)]
-        chat_steps = max(1, steps // 10)
-        jobs.append(_measure_job(work_dir, "conversations", chat_steps, blocks, CHAT_BUDGETS, CHAT_TARGET))
+        jobs = [_measure_job(work_dir, "help pages", steps, blocks, (BUDGET,), 32)]
+        jobs.append(_measure_job(work_dir, "conversations", max(1, steps // 10), blocks, CHAT_BUDGETS, chat_batch))
     finally:
         torch.set_num_threads(threads)
-    return {"jobs": jobs}
+    rows, targets = [], []
+    for job in jobs:
+        for name, v in job["variants"].items():
+            step_ms = f"{v['median_ms']:.0f} [{v['q1_ms']:.0f}–{v['q3_ms']:.0f}]"
+            cells = [
+                v["micro_batches_per_step"],
+                step_ms,
+                v["real_tokens_per_s"],
+                v["padding_ratio"],
+                v["peak_rss_mib"],
+            ]
+            rows.append([job["job"], "{}–{}".format(*job["lengths"]), job["global_batch_size"], name, *cells])
+        for budget, per_block in job["speedups"].items():
+            name = f"packed {budget} / padded real tokens/s, {job['job']}"
+            bound = TARGET if job["job"] == "help pages" else CHAT_TARGET
+            targets.append({"name": name, "op": ">=", "bound": bound, "unit": "x", "values": per_block})
+    columns = ["job", "sample tokens", "global batch", "variant", "micro-batches per step", "step ms median [IQR]"]
+    columns += ["real tokens/s", "padding ratio", "peak RSS MiB"]
+    about = prose(__doc__) + (
+        f" Steps per block: {jobs[0]['steps'] // blocks} (help pages), {jobs[1]['steps'] // blocks} (conversations); "
+        f"{blocks} blocks; a target's values are the blocks' packed / padded ratios."
+    )
+    return {
+        "title": "Packing against padding",
+        "about": about,
+        "tables": [{"columns": columns, "rows": rows}],
+        "targets": targets,
+    }
 
 
 def _measure_job(
-    work_dir: Path, job: str, steps: int, blocks: int, budgets: tuple[int, ...], target: float
+    work_dir: Path, job: str, steps: int, blocks: int, budgets: tuple[int, ...], global_batch: int
 ) -> dict[str, Any]:
     """Per variant: median [IQR] step ms, real tokens per second, padding ratio, micro-batches per step, peak RSS;
     per budget the packed / padded real tokens per second, overall and its lowest and highest block."""
-    trainer = _trainer(work_dir, 10 * steps * blocks, chat=job != "help pages")
+    trainer = _trainer(work_dir, 10 * steps * blocks, job != "help pages", global_batch)
     loaders = _loaders(trainer, budgets)
     rows: dict[str, list[tuple[float, int, int, int]]] = {name: [] for name in loaders}
     speeds: dict[str, list[float]] = {name: [] for name in loaders}
@@ -128,15 +150,15 @@ def _measure_job(
     try:
         for _ in range(blocks):
             for name, loader in loaders.items():
-                _reset_peak_rss()
+                reset_peak_rss()
                 block = [_step(trainer, loader) for _ in range(steps + 1)][1:]  # the first step warms up
                 rows[name] += block
                 speeds[name].append(sum(v[1] for v in block) / sum(v[0] for v in block))
-                peaks[name] = max(peaks[name], _peak_rss_mib())
+                peaks[name] = max(peaks[name], peak_rss_mib())
     finally:
         trainer.close()
     lengths = [len(trainer.train_dataset[i]["input_ids"]) for i in range(min(len(trainer.train_dataset), 512))]
-    out: dict[str, Any] = {"job": job, "steps": steps * blocks, "target": target, "variants": {}, "speedups": {}}
+    out: dict[str, Any] = {"job": job, "steps": steps * blocks, "variants": {}, "speedups": {}}
     out["global_batch_size"] = trainer.config.train.global_batch_size
     out["micro_batch_size"] = trainer.config.train.micro_batch_size
     out["lengths"] = [min(lengths), max(lengths)]
@@ -153,32 +175,8 @@ def _measure_job(
             "micro_batches_per_step": statistics.mean(v[3] for v in values),
             "peak_rss_mib": peaks[name],
         }
-    padded = out["variants"]["padded"]["real_tokens_per_s"]
     for budget in budgets:
         name = f"packed {budget}"
-        per_block = [p / q for p, q in zip(speeds[name], speeds["padded"])]
-        ratio = out["variants"][name]["real_tokens_per_s"] / padded
-        out["speedups"][str(budget)] = {"speedup": ratio, "low": min(per_block), "high": max(per_block)}
+        out["speedups"][str(budget)] = [p / q for p, q in zip(speeds[name], speeds["padded"])]
     print(f"[bench] packing, {job}: {out['speedups']}", flush=True)
     return out
-
-
-def _reset_peak_rss() -> None:
-    Path("/proc/self/clear_refs").write_text("5")
-
-
-def _peak_rss_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work-dir", type=Path, default=REPO / "benchmarks" / "results" / "raw" / "packing")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--blocks", type=int, default=4)
-    args = parser.parse_args()
-    sys.path.insert(0, str(REPO))
-    print(json.dumps(measure(args.work_dir, args.steps, args.blocks), indent=1))

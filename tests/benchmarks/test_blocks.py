@@ -1,0 +1,96 @@
+"""The bench blocks' targets from stubbed measurements (nothing is launched): the values each target gets, and a
+target the mode does not measure left without values, with its reason."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import data_startup  # noqa: E402
+import lm_head  # noqa: E402
+
+
+def by_name(block: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {target["name"]: target for target in block["targets"]}
+
+
+def fake_run(rows: int, images: bool, peaks: list[float], second_s: float, rate: float) -> dict[str, Any]:
+    first = {"to_first_step_s": 20.0, "data_s": rows / rate, "cpu_s": 1.0, "peak_rss_mib": peaks}
+    second = {"to_first_step_s": second_s, "data_s": 1.0, "cpu_s": 0.5, "peak_rss_mib": [p - 10 for p in peaks]}
+    kind = "images" if images else "text"
+    return {"kind": kind, "rows": rows, "first": first, "second": second, "rows_per_s": rate, "cpu_ms_per_row": 0.5}
+
+
+def test_data_startup_targets(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    runs = {
+        (10**4, False): fake_run(10**4, False, [500.0, 510.0], 12.0, 1000.0),
+        (10**5, False): fake_run(10**5, False, [520.0, 530.0], 14.0, 2000.0),
+        (10**6, False): fake_run(10**6, False, [600.0, 700.0], 30.0, 2500.0),
+        (10**4, True): fake_run(10**4, True, [540.0, 545.0], 70.0, 300.0),
+    }
+    monkeypatch.setattr(data_startup, "measure_one", lambda work, rows, images: runs[rows, images])
+    full = by_name(data_startup.block(tmp_path, quick=False))
+    assert full["first-run rate, 1,000,000 text rows, both ranks"]["values"] == [2500.0]
+    assert full["first-run rate, 1,000,000 text rows, both ranks"]["bound"] == 4 * data_startup.OLD_RATE
+    assert full["second run to step 1, 10^6 text rows"]["values"] == [30.0]
+    assert full["peak RSS per rank, 10^6 / 10^4 text rows (first run)"]["values"] == [max(600 / 500, 700 / 510)]
+    assert full["second run to step 1, 10^4 image rows"]["values"] == [70.0]
+    quick = by_name(data_startup.block(tmp_path, quick=True))
+    assert quick["first-run rate, 10,000 text rows, both ranks"]["values"] == [1000.0]
+    for name in ("second run to step 1, 10^6 text rows", "second run to step 1, 10^4 image rows"):
+        assert quick[name]["values"] == [] and "quick mode" in quick[name]["note"]
+
+
+def test_lm_head_targets(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    peaks = {(lm_head.BASE_VOCAB, True): 400.0, (lm_head.BASE_VOCAB, False): 420.0}
+    peaks |= {(lm_head.VOCAB, True): 700.0, (lm_head.VOCAB, False): 7000.0}
+    seconds = {True: [2.0, 4.0, 5.0], False: [4.0, 4.0, 4.0]}
+
+    def run(vocab: int, tokens: int, fused: bool, reps: int) -> dict[str, Any]:
+        return {"seconds": seconds[fused][:reps], "peak_rss_mib": peaks[vocab, fused] + tokens / 1024}
+
+    monkeypatch.setattr(lm_head, "_run", run)
+    monkeypatch.setattr(lm_head, "_available_mib", lambda: 50_000.0)  # the plain head fits at 4,096 tokens, not 32,768
+    full = by_name(lm_head.block(tmp_path, quick=False))
+    logits = 4096 * lm_head.VOCAB * 4 / 2**20
+    assert full["fused growth / one float32 [4,096, vocab] tensor"]["values"] == [300.0 / logits]
+    assert full["fused / plain tokens/s, 4,096 tokens"]["values"] == [2.0, 1.0, 0.8]  # step by step
+    assert full["fused / plain tokens/s, 32,768 tokens"]["values"] == []
+    assert "does not fit" in full["fused / plain tokens/s, 32,768 tokens"]["note"]
+    quick = by_name(lm_head.block(tmp_path, quick=True))
+    assert quick["fused / plain tokens/s, 4,096 tokens"]["values"] == []
+    assert "quick mode" in quick["fused / plain tokens/s, 4,096 tokens"]["note"]
+
+
+def test_step_targets_are_paired_ratios(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import bench_worker
+    import harness
+
+    times = {"a": [3.0, 3.0], "b": [2.0, 4.0], "c": [2.0, 2.0], "d": [1.0, 1.0], "o": [1.0, 4.0]}
+    check, counts = {"grad_rel_diff": 1e-7}, {"collectives": 2, "host_reads": 3}
+    records = [
+        {"bench": "step", "world": 2, "sp": 1, "ga": 8, "strategy": key, "label": f"({key}) scheme {key}"}
+        | {"times_s": value, "check": check, "counts": counts}
+        for key, value in times.items()
+    ]
+    for ga in (1, 8):
+        for name, value in (("trainer", [1.2, 0.9]), ("bare", [1.0, 1.0])):
+            records.append(
+                {"bench": "trainer", "world": 2, "ga": ga, "strategy": name, "times_s": value, "counts": counts}
+            )
+
+    def torchrun(script: Path, nproc: int, args: list[str], timeout_s: float) -> str:
+        Path(args[args.index("--out") + 1]).write_text(json.dumps({"records": records}))
+        return ""
+
+    monkeypatch.setattr(harness, "torchrun", torchrun)
+    block = by_name(bench_worker.block(tmp_path, quick=True))
+    assert block["whole step (c)/(o), world 2, SP 1, GA 8"]["values"] == [2.0, 0.5]
+    assert block["whole step (b)/(c), world 2, SP 1, GA 8"]["values"] == [1.0, 2.0]
+    assert block["trainer step / bare FSDP2 loop, world 2, GA 8"]["values"] == [1.2, 0.9]
+    assert not any("GA 1" in name for name in block)  # GA 1 of the trainer is shown, not a target
