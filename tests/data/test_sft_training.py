@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import torch
 
-from examples.sft_demo import write_demo
 from tests.dist_helpers import run_distributed, run_ranks
 from tests.trainer.helpers import read_events
 from veomni_lite.config import ConfigError, load_config
@@ -31,11 +30,6 @@ REPO = Path(__file__).resolve().parents[2]
 # 2 ranks vs 1 process on the same global batches: the same math, summed in another order (float32; the
 # run of 2026-12-02 agreed to 1.2e-8 relative at every logged step)
 RTOL_TWO_RANKS = 1e-5
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory) -> Path:
-    return write_demo(tmp_path_factory.mktemp("sft_demo"))
 
 
 def sft_args(demo: Path, out: Path, model: str, train: str, *extra: str) -> list[str]:

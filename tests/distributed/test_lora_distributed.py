@@ -66,11 +66,6 @@ def test_lora_gradients_are_split_invariant_at_every_layout_and_mode(kind):
 # ---------------------------------------------------------------- the trainer
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory) -> Path:
-    return lx.write_help_demo(tmp_path_factory.mktemp("lora_dist_demo"))
-
-
 VARIANTS: dict[str, list[str]] = {
     "dp2": ["--train.max_steps", "4", "--checkpoint.save_interval", "2"],
     "hsdp": ["--parallel.dp_replicate", "2"],

@@ -41,15 +41,12 @@ def torchrun(nproc: int, script: Path, *args: str, timeout: float = 600) -> subp
 
 
 @pytest.mark.parametrize(("kind", "sp"), [("qwen2", 1), ("qwen2", 2), ("qwen2_vl", 1), ("qwen2_vl", 2)])
-def test_the_trainers_step_makes_no_host_sync_per_micro_batch(tmp_path_factory, kind: str, sp: int) -> None:
+def test_the_trainers_step_makes_no_host_sync_per_micro_batch(demo: Path, kind: str, sp: int) -> None:
     """`BaseTrainer.train_step` itself (packing, a token budget, the fused head, bf16, NCCL, flash-attention varlen
     where installed), through tests/gpu/sync_audit.py; its JSON lands in benchmarks/results/gpu/."""
-    from examples.sft_demo import write_demo
-
     world = world_size()
     if world % sp:
         pytest.skip(f"SP {sp} needs {sp} GPUs, {world} visible")
-    demo = write_demo(tmp_path_factory.getbasetemp() / "sync_audit_demo")
     out = RESULTS / f"sync_audit_{kind}_world{world}_sp{sp}.json"
     done = torchrun(world, AUDIT, kind, str(demo), "--sp", str(sp), "--steps", "5", "--out", str(out))
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-6000:]

@@ -11,15 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from examples.sft_demo import write_demo
-
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("kind", "sp"), [("qwen2", 1), ("qwen2_vl", 2)])
-def test_the_gpu_audit_runs_the_trainers_step_on_cpu(tmp_path_factory, tmp_path: Path, kind: str, sp: int) -> None:
-    demo = write_demo(tmp_path_factory.getbasetemp() / "sync_audit_demo")
+def test_the_gpu_audit_runs_the_trainers_step_on_cpu(demo: Path, tmp_path: Path, kind: str, sp: int) -> None:
     out = tmp_path / "audit.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))

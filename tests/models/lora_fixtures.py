@@ -40,15 +40,6 @@ def build_vl_lora() -> torch.nn.Module:
     return with_lora(fx.build_vl())
 
 
-def write_help_demo(out: Path) -> Path:
-    """`out/help/train.jsonl` and the tiny Qwen2 directory `out/models/qwen2_help` (as `sft_demo` writes them)."""
-    from examples.sft_demo import write_help, write_text_model
-
-    if not (out / "models" / "qwen2_help" / "config.json").is_file():
-        write_text_model(out / "models" / "qwen2_help", write_help(out / "help"))
-    return out
-
-
 def common_args(out: Path, *extra: str) -> list[str]:
     return [
         "--train.output_dir", str(out),

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.models.lora_fixtures import REPO, TEXT_LORA, help_args, random_b, write_help_demo
+from tests.models.lora_fixtures import REPO, TEXT_LORA, help_args, random_b
 from tests.models.test_hf_models import make_lm, make_vl
 from veomni_lite.config import ConfigError, load_config
 from veomni_lite.models.lora import (
@@ -31,11 +31,6 @@ from veomni_lite.models.lora import (
 from veomni_lite.trainer.sft import SFTTrainer
 
 HELP_YAML = REPO / "configs" / "sft_help.yaml"
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory) -> Path:
-    return write_help_demo(tmp_path_factory.mktemp("lora_demo"))
 
 
 # ---------------------------------------------------------------- settings and targets
