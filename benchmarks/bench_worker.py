@@ -58,7 +58,7 @@ from veomni_lite.distributed.sequence_parallel import ulysses_attention
 from veomni_lite.examples.attention import causal_attention
 from veomni_lite.examples.tiny_lm import TinyLMConfig, set_attention_fn
 from veomni_lite.examples.tiny_vlm import TinyVLM, TinyVLMConfig
-from veomni_lite.trainer.train_metrics import train_metric_specs
+from veomni_lite.metrics import train_metric_specs
 from veomni_lite.utils import loss_utils
 from veomni_lite.utils.loss_utils import count_loss_token, reset_loss_memo
 
