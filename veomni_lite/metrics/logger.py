@@ -1,24 +1,18 @@
-"""`MetricLogger`: what the trainer logs, when, and where.
+"""`MetricLogger`: what the trainer records, when it is reduced, where it is written.
 
-Recording is local (no collective, no host read). Per micro-batch the logger keeps each loss key's local mean and
-its valid tokens and the tokens seen; `record_step` records the step's sums (one record per metric and step) with
-the grad norm, the lr the step trained with, the step's own time, the wait for the previous step's bookkeeping,
-skipped steps and peak memory. Each value is labelled with the step that produced it.
+Recording is local (no collective, no host read): per micro-batch each loss key's local mean and valid tokens and the
+tokens seen are kept; `record_step` records the step's sums with its grad norm, the lr it trained with, its own time,
+its wait for the previous step's bookkeeping, skipped steps and peak memory. Each value carries the step that made it.
+At a log step (every `log_interval`-th, and the final one) a worker thread reduces the window (one SUM + one MAX
+all-reduce on a gloo group of its own, so it never interleaves with training collectives), derives `train/loss` (the
+sum of the loss keys: the objective), `tokens_seen`, `tokens_per_s`, `padding_ratio`, `tflops`, `mfu` (known GPUs),
+and writes the sinks while the next step computes. `train/<name>_loss` is the value its loss mode trains on: over a
+window, the steps' numerators over their denominators (token-sum: the mean of the steps' sums). Tokens are the
+samples' own (`sequence_ids` >= 0) on each rank's sequence shard; samples count once per sp group.
 
-At a log step (every `log_interval`-th and the final one) the open window is handed to a worker thread, which reduces
-it (one SUM + one MAX all-reduce, on a gloo group of its own so it never interleaves with training collectives),
-derives `train/loss` (the sum of the loss keys: the optimizer's objective), `tokens_seen` (cumulative),
-`tokens_per_s`, `padding_ratio`, `tflops` and (on a known GPU) `mfu`, and writes the sinks while the next step
-computes; `wait_bookkeeping()` (before the next optimizer update) waits for it and raises its error.
-Each `train/<name>_loss` is the value its loss mode trains on: a window's steps' numerators over their denominators
-(token-sum: the mean of the steps' sums). Tokens are the samples' own (`sequence_ids` >= 0), counted on each rank's
-sequence shard; samples are counted once per sp group.
-
-Windows are logged once whatever the interrupt: `checkpoint_state()` logs the open window first (an extra row when
-a save step is not a log step), so a checkpoint holds no window and no history; metrics.jsonl is the history, read
-back up to the checkpoint's step on resume (later rows truncated, TensorBoard purged), and the steps after the
-checkpoint are retrained and logged again. `finish()` logs the open window on agreed exits; `abort()` (no collective
-possible) warns which steps were not logged: the newest checkpoint precedes them, so a resume logs them.
+Each window is logged once whatever the interrupt: a checkpoint logs the open window first and holds no window and
+no history; metrics.jsonl is the history, read back on resume up to the checkpoint's step (later rows truncated,
+TensorBoard purged), and the steps after it are retrained and logged again.
 """
 
 from __future__ import annotations
