@@ -126,15 +126,10 @@ class MetricAccumulator:
             weight = 1.0 if count is None else _float64(count, "count", name)
             self._add(name, value * weight, weight)
             return
-        slot = self._window.get(name)
-        if slot is None:
-            self._window[name] = [value, 1.0]
-        elif spec.reduce == "sum":
-            slot[0] = slot[0] + value
-        elif spec.reduce == "last":
-            slot[0] = value
-        else:
-            slot[0] = _extreme(slot[0], value, spec.reduce == "min")
+        old = self._window.get(name)
+        if old is not None and spec.reduce != "last":
+            value = old[0] + value if spec.reduce == "sum" else _extreme(old[0], value, spec.reduce == "min")
+        self._window[name] = [value, 1.0]
 
     def record_total(self, name: str, total: Value, count: Value) -> None:
         """Add to `mean` metric `name` a total already weighted by its counts, and those counts summed: one record

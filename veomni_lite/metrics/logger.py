@@ -171,7 +171,7 @@ class MetricLogger:
         micro_batch_token_len: Mapping[str, torch.Tensor],
         micro_batch: Mapping[str, torch.Tensor],
     ) -> None:
-        """Keep this micro-batch's loss means, their token counts and the tokens it saw (no op on the device)."""
+        """Keep this micro-batch's loss means, their token counts and its tokens seen (one device op, no host read)."""
         losses = [
             (outputs[k].detach(), micro_batch_token_len[t], micro_batch_token_len[w or t])
             for k, t, w, _ in self._loss_keys
