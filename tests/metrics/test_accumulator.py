@@ -177,17 +177,19 @@ def test_sp_dedup_counts_only_sp_rank_zero():
     assert leader.reduce() == {"tokens": 100.0}
 
 
-def test_state_dict_round_trip_of_the_open_window():
-    acc = MetricAccumulator(SPECS)
+def test_an_exported_window_is_plain_data_that_merges_like_the_reduction():
+    acc = MetricAccumulator(SPECS, sp_rank=0)
     acc.record("loss", torch.tensor(3.0), count=torch.tensor(1))
     acc.record("grad_min", torch.tensor(-2.0))
     acc.record("lr", 1e-4)
-    state = pickle.loads(pickle.dumps(acc.state_dict()))
-    assert all(not isinstance(v, torch.Tensor) for entry in state.values() for v in entry.values())
+    state = pickle.loads(pickle.dumps(acc.export_window()))
+    assert all(isinstance(v, float) for items in state.values() for v in items)
+    assert acc.is_empty, "exporting the open window resets it"
 
-    restored = MetricAccumulator(SPECS)
-    restored.load_state_dict(state)
-    restored.record("loss", 1.0, count=9)
-    assert restored.reduce() == pytest.approx({"loss": 1.2, "lr": 1e-4, "grad_min": -2.0})
-    with pytest.raises(KeyError, match="undeclared metric 'gone'"):
-        restored.load_state_dict({"gone": {"total": 1.0}})
+    other = MetricAccumulator(SPECS, sp_rank=0)
+    other.record("loss", 1.0, count=9)
+    assert other.merge_windows([state, other.export_window()]) == pytest.approx(
+        {"loss": 1.2, "lr": 1e-4, "grad_min": -2.0}
+    )
+    with pytest.raises(RuntimeError, match="different layouts"):
+        other.merge_windows([state, MetricAccumulator(SPECS[:1], sp_rank=0).export_window()])

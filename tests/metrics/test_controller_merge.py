@@ -70,11 +70,11 @@ def test_a_controller_merge_of_worker_windows_equals_the_distributed_reduction()
     for name, value in distributed.items():
         assert merged[name] == pytest.approx(value, rel=1e-12, abs=1e-12), name
     # the hand reference of the extrema and the weighted mean
-    records = {rank: record(rank)._window.slots for rank in (0, 2)}
-    assert merged["grad_max"] == max(float(s["grad_max"].high) for s in records.values())
-    assert merged["grad_min"] == min(float(s["grad_min"].low) for s in records.values())
-    total = sum(float(s["loss"].total) for s in records.values())
-    count = sum(float(s["loss"].count) for s in records.values())
+    records = {rank: record(rank).take_window() for rank in (0, 2)}  # {name: [value, weight]}
+    assert merged["grad_max"] == max(float(s["grad_max"][0]) for s in records.values())
+    assert merged["grad_min"] == min(float(s["grad_min"][0]) for s in records.values())
+    total = sum(float(s["loss"][0]) for s in records.values())
+    count = sum(float(s["loss"][1]) for s in records.values())
     assert merged["loss"] == pytest.approx(total / count, rel=1e-14)
     assert merged["only_rank2"] == -7.5 and merged["tokens"] == sum(100 * r + s for r in (0, 2) for s in range(4))
 

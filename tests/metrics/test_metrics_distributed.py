@@ -12,8 +12,9 @@ import torch.distributed as dist
 
 import veomni_lite.metrics.accumulator as accumulator_module
 from tests.dist_helpers import run_distributed, run_ranks
+from tests.metrics.helpers import TIME_KEYS, make_logger, record_step
 from veomni_lite.distributed.parallel_state import destroy_parallel_state, init_parallel_state
-from veomni_lite.metrics import MetricAccumulator, MetricReporter, MetricSpec, StepEndWorker, new_metrics_group
+from veomni_lite.metrics import MetricAccumulator, MetricSpec
 
 SPECS = [
     MetricSpec("loss", "mean"),
@@ -77,23 +78,22 @@ def _scenarios(rank: int, world_size: int, output_dir: str) -> dict:
     out["sp_dedup"] = acc.reduce()
     destroy_parallel_state()
 
-    # Reporter + asynchronous logging over a dedicated gloo group while the main thread issues its own collectives.
-    group = new_metrics_group()
-    reporter = MetricReporter(SPECS, output_dir, log_interval=2, max_steps=5, group=group, console=False)
-    with StepEndWorker() as worker:
-        for step in range(1, 6):
-            worker.wait()
-            reporter.record("loss", torch.tensor(float(step * (rank + 1))))
-            if rank == 1:
-                reporter.record("only_rank1", float(step))
-            if reporter.should_log(step):
-                worker.submit(reporter.log, step, 0, {"grad_norm": 1.0}, reporter.take_window())
-            training_collective = torch.ones(1)
-            dist.all_reduce(training_collective)
-            assert training_collective.item() == world_size
-    reporter.close()
-    out["series"] = reporter.series.state_dict()
-    out["sinks"] = len(reporter.sinks)
+    # The logger: asynchronous logging over its own gloo group while the main thread issues its own collectives.
+    parallel = init_parallel_state(dp_size=2, sp_size=1)
+    logger = make_logger(Path(output_dir), parallel, max_steps=5, log_interval=2, async_step_end=True, plot=False)
+    logger.sinks = logger.sinks[1:]  # no console
+    for step in range(1, 6):
+        logger.wait_bookkeeping()
+        record_step(logger, [(float(step * (rank + 1)), 4)], grad_norm=1.0, skipped=step == 3)
+        logger.end_step(step, 0)
+        training_collective = torch.ones(1)
+        dist.all_reduce(training_collective)
+        assert training_collective.item() == world_size
+    logger.finish(5, 0)
+    logger.close()
+    destroy_parallel_state()
+    out["series"] = logger.series
+    out["sinks"] = len(logger.sinks)
     return out
 
 
@@ -155,12 +155,15 @@ def test_sp_dedup_counts_each_sample_once(results):
 @pytest.mark.slow
 def test_async_logging_on_a_metrics_group(results):
     ranks, output_dir = results
-    assert ranks[0]["series"] == ranks[1]["series"]
+    reduced = [{k: v for k, v in r["series"].items() if k not in TIME_KEYS} for r in ranks]  # not rates: local clocks
+    assert reduced[0] == reduced[1] and "train/loss" in reduced[0]
     loss = ranks[0]["series"]["train/loss"]
     # Steps 1-2: rank 0 logs 1, 2 and rank 1 logs 2, 4 -> mean 2.25; the final step 5 is logged.
     assert [(p["step"], p["value"]) for p in loss] == [(2, 2.25), (4, 5.25), (5, 7.5)]
-    assert [p["value"] for p in ranks[0]["series"]["train/only_rank1"]] == [2.0, 4.0, 5.0]  # max
-    assert [r["sinks"] for r in ranks] == [3, 0]  # only the main rank writes (no console)
+    # recorded by the main rank alone (an asymmetric key): the skipped step 3 counted once
+    assert [p["value"] for p in ranks[0]["series"]["train/skipped_steps"]] == [0.0, 1.0, 0.0]
+    assert [p["value"] for p in ranks[0]["series"]["train/tokens"]] == [16.0, 16.0, 8.0]  # summed over the ranks
+    assert [r["sinks"] for r in ranks] == [2, 0]  # only the main rank writes (JSONL, TensorBoard; no console)
     events = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events] == [2, 4, 5]
     assert all(e["train/grad_norm"] == 1.0 and "train/never" not in e for e in events)

@@ -6,17 +6,10 @@ import sys
 import types
 
 import pytest
-import torch
 
-from veomni_lite.metrics import ConsoleSink, JsonlSink, LossCurveSink, MetricSeries, TensorBoardSink, WandbSink
+from veomni_lite.metrics.sinks import ConsoleSink, JsonlSink, LossCurveSink, TensorBoardSink, WandbSink, append_series
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-NON_SCALARS = {
-    "train/hist": torch.randn(32),
-    "train/table": [["a", 1], ["b", 2]],
-    "train/nested": {"x": {"y": 1}},
-    "train/none": None,
-}
 
 
 def read_scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
@@ -36,74 +29,40 @@ def test_console_line():
 
 def test_jsonl_appends_and_flushes_each_event(tmp_path):
     path = tmp_path / "out" / "metrics.jsonl"
-    sink = JsonlSink(path)
+    sink = JsonlSink(path, {})
     sink.write(1, 0, {"train/loss": 2.0, "train/nan": math.nan})
     assert json.loads(path.read_text()) == {"step": 1, "epoch": 0, "train/loss": 2.0, "train/nan": None}
-    sink.write(2, 0.5, {"train/loss": torch.tensor(1.5)})
+    sink.write(2, 0.5, {"train/loss": 1.5})
     sink.close()
-    JsonlSink(path).write(3, 1, {"train/loss": 1.0})  # a new sink appends
+    JsonlSink(path, {}).write(3, 1, {"train/loss": 1.0})  # a new sink appends
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
 
 
-@pytest.mark.parametrize("kind", ["console", "jsonl", "tensorboard", "png"])
-def test_non_scalars_never_crash_a_sink_and_warn_once_per_key(tmp_path, kind, caplog):
-    series = MetricSeries()
-    sink = {
-        "console": lambda: ConsoleSink(write_line=lambda line: None),
-        "jsonl": lambda: JsonlSink(tmp_path / "metrics.jsonl"),
-        "tensorboard": lambda: TensorBoardSink(tmp_path / "tb"),
-        "png": lambda: LossCurveSink(tmp_path / "loss_curve.png", series),
-    }[kind]()
-    for step in (1, 2):
-        values = {"train/loss": 1.0 / step, "train/nan_loss": math.nan, **NON_SCALARS}
-        series.append(step, 0, {"train/loss": 1.0 / step, "train/nan_loss": math.nan})
-        sink.write(step, 0, values)
-    sink.close()
-    messages = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    if kind == "png":  # plots the series it was given (scalars only), so it never looks at the values
-        assert messages == []
-        assert (tmp_path / "loss_curve.png").read_bytes().startswith(PNG_MAGIC)
-        return
-    assert len(messages) == len(NON_SCALARS)
-    for key in NON_SCALARS:
-        assert sum(f"'{key}'" in m for m in messages) == 1
-    if kind == "jsonl":
-        lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-        assert lines[1] == {"step": 2, "epoch": 0, "train/loss": 0.5, "train/nan_loss": None}
-    if kind == "tensorboard":
-        scalars = read_scalars(tmp_path / "tb")
-        assert scalars["train/loss"] == [(1, 1.0), (2, 0.5)]
-        assert set(scalars) == {"train/loss", "train/nan_loss"}
-
-
-def test_jsonl_resume_truncates_and_rebuilds(tmp_path, caplog):
+def test_jsonl_resume_truncates_and_reads_the_history_back(tmp_path, caplog):
     path = tmp_path / "metrics.jsonl"
-    sink = JsonlSink(path)
+    sink = JsonlSink(path, {})
     for step in (2, 4, 6, 8):
-        sink.write(step, 0, {"train/loss": float(step)})
+        sink.write(step, 0, {"train/loss": float(step), "train/nan_loss": math.nan})
     sink.close()
     with path.open("a") as f:
         f.write('{"step": 10, "train/lo')  # a line torn by a crash
-    series = MetricSeries()
-    sink.resume(4, series)
+    series: dict = {}
+    resumed = JsonlSink(path, series)
+    resumed.resume(4)
     assert "unreadable line 5" in caplog.text
-    sink.write(6, 0, {"train/loss": 6.5})
-    sink.close()
+    assert series == {"train/loss": [{"step": 2, "epoch": 0, "value": 2.0}, {"step": 4, "epoch": 0, "value": 4.0}]}
+    resumed.write(6, 0, {"train/loss": 6.5})
+    resumed.close()
     assert [json.loads(line) for line in path.read_text().splitlines()] == [
-        {"step": 2, "epoch": 0, "train/loss": 2.0},
-        {"step": 4, "epoch": 0, "train/loss": 4.0},
+        {"step": 2, "epoch": 0, "train/loss": 2.0, "train/nan_loss": None},
+        {"step": 4, "epoch": 0, "train/loss": 4.0, "train/nan_loss": None},
         {"step": 6, "epoch": 0, "train/loss": 6.5},
     ]
-    # Without the file (a new output dir) the series is the source.
-    series.append(2, 0, {"train/loss": 2.0, "train/lr": 1e-4})
-    series.append(4, 1, {"train/loss": 4.0})
-    series.append(6, 1, {"train/loss": 6.0})
-    fresh = JsonlSink(tmp_path / "new" / "metrics.jsonl")
-    fresh.resume(4, series)
-    assert [json.loads(line) for line in fresh.path.read_text().splitlines()] == [
-        {"step": 2, "epoch": 0, "train/loss": 2.0, "train/lr": 1e-4},
-        {"step": 4, "epoch": 1, "train/loss": 4.0},
-    ]
+    # Without a file (nothing was logged before the checkpoint) the history is empty and the file starts empty.
+    fresh_series: dict = {}
+    fresh = JsonlSink(tmp_path / "new" / "metrics.jsonl", fresh_series)
+    fresh.resume(4)
+    assert fresh.path.read_text() == "" and fresh_series == {}
 
 
 def test_tensorboard_resume_purges_later_steps(tmp_path):
@@ -111,7 +70,7 @@ def test_tensorboard_resume_purges_later_steps(tmp_path):
     for step in range(1, 7):
         sink.write(step, 0, {"train/loss": float(step)})
     sink.close()
-    sink.resume(3, MetricSeries())
+    sink.resume(3)
     for step in range(4, 6):
         sink.write(step, 0, {"train/loss": step + 0.5})
     sink.close()
@@ -119,13 +78,15 @@ def test_tensorboard_resume_purges_later_steps(tmp_path):
 
 
 def test_loss_curve_plots_loss_keys(tmp_path):
-    series = MetricSeries()
+    series: dict = {}
     path = tmp_path / "loss_curve.png"
     sink = LossCurveSink(path, series)
     sink.write(1, 0, {})
     assert not path.exists()  # nothing to plot yet
-    series.append(1, 0, {"train/loss": 2.0, "train/foundation_loss": 1.5, "train/lr": 1e-4, "eval/loss": math.inf})
-    series.append(2, 0, {"train/loss": 1.0, "train/foundation_loss": 0.5})
+    append_series(
+        series, 1, 0, {"train/loss": 2.0, "train/foundation_loss": 1.5, "train/lr": 1e-4, "eval/loss": math.inf}
+    )
+    append_series(series, 2, 0, {"train/loss": 1.0, "train/foundation_loss": 0.5})
     assert sink.plot_keys() == ["eval/loss", "train/foundation_loss", "train/loss"]
     sink.write(2, 0, {})
     assert path.read_bytes().startswith(PNG_MAGIC)
@@ -159,14 +120,14 @@ def test_wandb_sink_is_offline_by_default_and_resumes_the_same_run(tmp_path, mon
     monkeypatch.setitem(sys.modules, "wandb", fake)
     monkeypatch.delenv("WANDB_MODE", raising=False)
     sink = WandbSink(tmp_path / "wandb", "proj", {"train": {"max_steps": 4}})
-    sink.write(1, 0, {"train/loss": 2.0, "train/hist": torch.ones(3)})
+    sink.write(1, 0, {"train/loss": 2.0})
     sink.write(2, 0, {"train/loss": 1.5})
     sink.close()
     assert fake.inits[0]["mode"] == "offline" and fake.inits[0]["project"] == "proj"
     assert fake.inits[0]["config"] == {"train": {"max_steps": 4}}
     assert fake.logged == [(1, {"train/loss": 2.0, "epoch": 0}), (2, {"train/loss": 1.5, "epoch": 0})]
     resumed = WandbSink(tmp_path / "wandb", "proj")
-    resumed.resume(1, MetricSeries())
+    resumed.resume(1)
     resumed.write(2, 0, {"train/loss": 1.4})
     assert fake.inits[1]["id"] == fake.inits[0]["id"] == "run123" and fake.inits[1]["resume"] == "allow"
     monkeypatch.setenv("WANDB_MODE", "online")
@@ -192,9 +153,9 @@ def test_the_trainer_logs_to_wandb_with_train_wandb_true(tmp_path, monkeypatch):
 
 
 def test_the_loss_curve_costs_the_same_however_long_the_run(tmp_path, monkeypatch):
-    series = MetricSeries()
+    series: dict = {}
     for step in range(1, 100_001):
-        series.append(step, 0, {"train/loss": 1.0 / step})
+        append_series(series, step, 0, {"train/loss": 1.0 / step})
     sink = LossCurveSink(tmp_path / "loss_curve.png", series, max_points=500, min_interval_s=60.0)
     points = sink.points("train/loss")
     assert len(points) <= 500 and points[-1]["step"] == 100_000

@@ -6,13 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from veomni_lite.metrics import MetricSpec, as_scalar, format_value, split_scalars
+from veomni_lite.metrics import MetricSpec
+from veomni_lite.metrics.sinks import as_scalar, format_value, scalars
 
 
 def test_learning_rate_format():
     lr = MetricSpec("lr", "last", ".1e")
-    assert lr.format(1e-4) == "1.0e-04"
-    assert MetricSpec("loss", "mean").format(2.34564) == "2.3456"
+    assert format_value(1e-4, lr.fmt) == "1.0e-04"
+    assert format_value(2.34564, MetricSpec("loss", "mean").fmt) == "2.3456"
     assert format_value(1e-4) == "1.000e-04"  # the default never rounds a small value to 0.0000
     assert format_value(2.5) == "2.5000"
     assert format_value(7) == "7"
@@ -41,11 +42,11 @@ def test_as_scalar():
         assert as_scalar(not_scalar) is None
 
 
-def test_split_scalars_warns_once_per_key(caplog):
+def test_scalars_warns_once_per_key(caplog):
     warned: set[str] = set()
     values = {"a": 1.0, "hist": torch.randn(16), "table": [[1, 2]], "nested": {"x": 1}, "none": None}
-    assert split_scalars(values, warned) == {"a": 1.0}
-    assert split_scalars(values, warned) == {"a": 1.0}
+    assert scalars(values, warned) == {"a": 1.0}
+    assert scalars(values, warned) == {"a": 1.0}
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 4
     for key in ("hist", "table", "nested", "none"):

@@ -141,6 +141,6 @@ def test_checkpoints_stay_the_same_size_as_the_run_grows_and_a_resume_reads_the_
     assert len(set(sizes.values())) == 1, sizes
     trainers = []
     run_trainer("text", replace(config, checkpoint={"resume": True}), setup=trainers.append)
-    series = trainers[0].metrics.reporter.series
+    series = trainers[0].metrics.series
     assert [point["step"] for point in series["train/loss"]] == list(range(1, 13))
     assert [e["step"] for e in read_events(tmp_path)] == list(range(1, 13))

@@ -1,4 +1,4 @@
-"""TrainMetrics keeps each micro-batch's values and records the step's sums: the same logged values as recording every
+"""MetricLogger keeps each micro-batch's values and records the step's sums: the same logged values as recording every
 micro-batch, a zero-token shard's NaN mean dropped, nothing in the window before the step ends."""
 
 from __future__ import annotations
@@ -9,30 +9,27 @@ import math
 import pytest
 import torch
 
+from veomni_lite.config import LoggingConfig
+from veomni_lite.distributed.parallel_state import ParallelState
 from veomni_lite.loss_keys import IGNORE_INDEX
-from veomni_lite.trainer.train_metrics import TrainMetrics
+from veomni_lite.metrics import MetricLogger
 from veomni_lite.utils.loss_utils import LossModes, count_loss_token, mark_sequences
 
 PAD = 0
 
 
-def make_metrics(tmp_path, loss_modes: LossModes | None = None) -> TrainMetrics:
-    return TrainMetrics(
+def make_metrics(tmp_path, loss_modes: LossModes | None = None) -> MetricLogger:
+    settings = LoggingConfig(log_interval=2, progress_bar=False, tensorboard=False, plot=False, async_step_end=False)
+    return MetricLogger(
+        settings,
+        ParallelState(),
         loss_names=["foundation_loss", "aux_loss"],
-        loss_modes=loss_modes,
         output_dir=tmp_path,
-        log_interval=2,
         max_steps=2,
-        is_main=True,
         device=torch.device("cpu"),
-        world_size=1,
-        sp_rank=0,
-        sp_size=1,
-        pad_id=PAD,
         flops_per_token=lambda seq_len: 6.0 * seq_len,
-        tensorboard=False,
-        plot=False,
-        async_step_end=False,
+        loss_modes=loss_modes,
+        pad_id=PAD,
     )
 
 
@@ -69,7 +66,7 @@ def test_a_step_is_recorded_once_with_the_sums_of_its_micro_batches(tmp_path):
             seen = int((batch["input_ids"] != PAD).sum())
             tokens, samples, flops = tokens + seen, samples + 2, flops + seen * 6.0 * batch["input_ids"].shape[1]
         if step == 1:
-            assert metrics.reporter.train.is_empty, "nothing reaches the window before the step ends"
+            assert metrics.train.is_empty, "nothing reaches the window before the step ends"
         metrics.record_step(torch.tensor(1.0), lr=1e-3, skipped=False, step_time=0.1, bookkeeping_wait=0.0)
         metrics.end_step(step, epoch=0)
     metrics.finish(2, 0)

@@ -52,6 +52,7 @@ from veomni_lite.distributed.grad_norm import clip_global_grad_norm
 from veomni_lite.distributed.parallel_state import ParallelState, init_parallel_state
 from veomni_lite.distributed.sequence_parallel import slice_micro_batch
 from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS, loss_weights_key, name_of_loss
+from veomni_lite.metrics import MetricLogger
 from veomni_lite.models.lora import LoraError, LoraSettings, apply_lora, init_adapters, write_adapter_config
 from veomni_lite.models.pretrained import load_model
 from veomni_lite.models.registry import DTYPES, family_of
@@ -66,7 +67,6 @@ from veomni_lite.plain_loop import LossStep
 from veomni_lite.trainer.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
 from veomni_lite.trainer.lr_schedule import lr_lambda, ratio_steps
 from veomni_lite.trainer.model import TrainableModel, check_model_contract
-from veomni_lite.trainer.train_metrics import TrainMetrics
 from veomni_lite.utils.loss_utils import LossKeyMismatchError, mark_sequences, mean_global_loss, reset_loss_memo
 
 logger = logging.getLogger(__name__)
@@ -376,28 +376,18 @@ class BaseTrainer(ABC):
         """Number of classes of every labels key other than `labels` (which uses the vocabulary size)."""
         return {}
 
-    def build_metrics(self) -> TrainMetrics:
-        logs = self.config.logging
-        return TrainMetrics(
+    def build_metrics(self) -> MetricLogger:
+        return MetricLogger(
+            self.config.logging,
+            self.parallel,
             loss_names=list(self.loss_keys),
-            loss_modes=self.loss_modes,
             output_dir=self.output_dir,
-            log_interval=logs.log_interval,
             max_steps=self.max_steps,
-            is_main=self.is_main,
-            device=self.device,
-            world_size=self.parallel.world_size,
-            sp_rank=self.parallel.sp_rank,
-            sp_size=self.parallel.sp_size,
-            pad_id=self.pad_id,
             flops_per_token=self.flops_per_token,
-            progress_bar=logs.progress_bar,
-            tensorboard=logs.tensorboard,
-            plot=logs.plot,
-            wandb_project=logs.wandb_project if logs.wandb else None,
+            device=self.device,
+            loss_modes=self.loss_modes,
+            pad_id=self.pad_id,
             run_config=self.config.to_dict(),
-            async_step_end=logs.async_step_end,
-            peak_tflops=logs.peak_tflops,
         )
 
     # ------------------------------------------------------------------ data
@@ -638,7 +628,7 @@ class BaseTrainer(ABC):
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self) -> Path:
-        """Collective. The open metric window is logged first, so the checkpoint holds none (see TrainMetrics)."""
+        """Collective. The open metric window is logged first, so the checkpoint holds none (see MetricLogger)."""
         metrics_state = self.metrics.checkpoint_state(self.step, self.epoch)
         trainer_state = {
             "step": self.step,

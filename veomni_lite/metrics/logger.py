@@ -1,0 +1,407 @@
+"""`MetricLogger`: what the trainer records, when it is reduced, where it is written.
+
+Recording is local (no collective, no host read): per micro-batch each loss key's local mean and valid tokens and the
+tokens seen are kept; `record_step` records the step's sums with its grad norm, the lr it trained with, its own time,
+its wait for the previous step's bookkeeping, skipped steps and peak memory. Each value carries the step that made it.
+At a log step (every `log_interval`-th, and the final one) a worker thread reduces the window (one SUM + one MAX
+all-reduce on a gloo group of its own, so it never interleaves with training collectives), derives `train/loss` (the
+sum of the loss keys: the objective), `tokens_seen`, `tokens_per_s`, `padding_ratio`, `tflops`, `mfu` (known GPUs),
+and writes the sinks while the next step computes. `train/<name>_loss` is the value its loss mode trains on: over a
+window, the steps' numerators over their denominators (token-sum: the mean of the steps' sums). Tokens are the
+samples' own (`sequence_ids` >= 0) on each rank's sequence shard; samples count once per sp group.
+
+Each window is logged once whatever the interrupt: a checkpoint logs the open window first and holds no window and
+no history; metrics.jsonl is the history, read back on resume up to the checkpoint's step (later rows truncated,
+TensorBoard purged), and the steps after it are retrained and logged again.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import sys
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from veomni_lite.distributed.parallel_state import ParallelState, get_parallel_state
+from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS, SEQUENCE_IDS, name_of_loss, tokens_key
+from veomni_lite.metrics import sinks
+from veomni_lite.metrics.accumulator import MetricAccumulator, MetricSpec
+from veomni_lite.metrics.sinks import Scalar, Series
+from veomni_lite.utils.loss_utils import LossModes
+
+if TYPE_CHECKING:
+    from veomni_lite.config import LoggingConfig
+
+logger = logging.getLogger(__name__)
+
+# Dense bf16 peak FLOP/s by CUDA device name fragment, for the MFU estimate.
+_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "4090": 165e12}
+_FORMATS = {"loss": ".4f", "tokens_per_s": ",.0f", "padding_ratio": ".3f", "tokens_seen": ",.0f", "tflops": ".4f"}
+
+
+def peak_flops(device: torch.device, configured_tflops: float = 0.0) -> float | None:
+    """The accelerator's peak FLOP/s: configured, else looked up for CUDA; None when unknown (e.g. CPU)."""
+    if configured_tflops > 0:
+        return configured_tflops * 1e12
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return next((flops for key, flops in _PEAK_FLOPS.items() if key in name), None)
+    return None
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak allocated device memory (CUDA) or the process's peak RSS (CPU), in MiB. Host-only calls."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
+
+
+def train_metric_specs(loss_names: list[str]) -> list[MetricSpec]:
+    """The metrics a train step records, in display order (loss keys first)."""
+    return [MetricSpec(name, "mean") for name in loss_names] + [
+        MetricSpec("grad_norm", "mean"),
+        MetricSpec("lr", "last", fmt=".1e"),
+        MetricSpec("step_time_s", "mean", fmt=".3f"),
+        MetricSpec("bookkeeping_wait_s", "mean", fmt=".4f"),
+        MetricSpec("tokens", "sum", fmt=",.0f"),
+        MetricSpec("positions", "sum", fmt=",.0f"),
+        MetricSpec("samples", "sum", fmt=",.0f", sp_dedup=True),
+        MetricSpec("flops", "sum", fmt=".3e"),
+        MetricSpec("skipped_steps", "sum", fmt=".0f"),
+        MetricSpec("peak_mem_mb", "max", fmt=".1f"),
+    ]
+
+
+def new_metrics_group() -> dist.ProcessGroup | None:
+    """A gloo group over all ranks for metric reductions (None without a process group); collective, like every
+    group creation. Its timeout is the parallel state's."""
+    return get_parallel_state().new_group("gloo")
+
+
+class StepEndError(RuntimeError):
+    """A step-end bookkeeping task failed; `__cause__` is its own exception, with its traceback."""
+
+
+class MetricLogger:
+    """Owns the train and eval windows, the series, the sinks and the step-end worker of one run.
+
+    `settings` is the `logging` config section. Only the main rank writes sinks: console (`tqdm.write` beside a
+    progress bar), metrics.jsonl, TensorBoard, loss_curve.png, W&B. `flops_per_token(full_seq_len)`: the model's
+    FLOPs per token; `pad_id` marks padding in `input_ids` when a batch has no `sequence_ids`.
+    """
+
+    def __init__(
+        self,
+        settings: LoggingConfig,
+        parallel: ParallelState,
+        *,
+        loss_names: list[str],
+        output_dir: str | Path,
+        max_steps: int,
+        device: torch.device,
+        flops_per_token: Callable[[int], float],
+        loss_modes: LossModes | None = None,
+        pad_id: int = 0,
+        run_config: Mapping[str, Any] | None = None,
+    ) -> None:
+        log_interval, is_main = settings.log_interval, parallel.rank == 0
+        if log_interval < 1:
+            raise ValueError(f"MetricLogger: log_interval must be >= 1; got {log_interval}")
+        self.loss_names = list(loss_names)
+        modes = LossModes.of(loss_modes)
+        # (loss key, its tokens key, the count of its mode's denominator or None for token-sum, that count's factor)
+        self._loss_keys = [
+            (key, tokens_key(name), modes.count_key(name), modes.constant(name))
+            for key, name in ((key, name_of_loss(key)) for key in self.loss_names)
+        ]
+        self.log_interval, self.max_steps, self.is_main = log_interval, max_steps, is_main
+        self.device, self.world_size, self.sp_size, self.pad_id = device, parallel.world_size, parallel.sp_size, pad_id
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops(device, settings.peak_tflops)
+        specs = train_metric_specs(self.loss_names)
+        eval_specs = [MetricSpec(name, "sum") for name in ("loss", *self.loss_names)]
+        group = new_metrics_group()
+        self.train = MetricAccumulator(specs, group=group, sp_rank=parallel.sp_rank)
+        self.eval = MetricAccumulator(eval_specs, group=group, sp_rank=parallel.sp_rank)
+        self.series: Series = {}  # every rank appends the same values; the main rank's is read back on resume
+        self.sinks: list[sinks.Sink] = []
+        self._warned: set[str] = set()
+        if is_main:
+            formats = {f"train/{s.name}": s.fmt for s in specs} | {f"eval/{s.name}": s.fmt for s in eval_specs}
+            formats |= {f"train/{key}": fmt for key, fmt in _FORMATS.items()}
+            write: Callable[[str], None] = lambda line: print(line, flush=True)  # noqa: E731
+            if settings.progress_bar:
+                from tqdm.auto import tqdm
+
+                write = tqdm.write  # keeps the progress bar intact
+            output = Path(output_dir)
+            self.sinks += [
+                sinks.ConsoleSink(formats, max_steps, write),
+                sinks.JsonlSink(output / "metrics.jsonl", self.series),
+            ]
+            if settings.tensorboard:
+                self.sinks.append(sinks.TensorBoardSink(output / "tensorboard"))
+            if settings.plot:
+                keys = ["train/loss", *(f"train/{name}" for name in self.loss_names), "eval/loss"]
+                self.sinks.append(sinks.LossCurveSink(output / "loss_curve.png", self.series, keys))
+            if settings.wandb:
+                self.sinks.append(sinks.WandbSink(output / "wandb", settings.wandb_project, run_config))
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="step-end") if settings.async_step_end else None
+        self._pending: list[Future[None]] = []
+        self._failed = False  # a task failed: the tasks queued behind it are skipped
+        self._micro: list[Any] = []  # this step's micro-batch records, until `record_step`
+        self.last_logged: dict[str, Scalar] = {}
+        self.tokens_seen = 0.0  # cumulative over the run (restored on resume)
+        self.window_steps = 0  # steps recorded in the open window (host-side)
+        self._window_start = time.perf_counter()
+        self._closed = False
+
+    # ---------------------------------------------------------------- recording (local)
+
+    def record_micro_batch(
+        self,
+        outputs: Mapping[str, torch.Tensor],
+        micro_batch_token_len: Mapping[str, torch.Tensor],
+        micro_batch: Mapping[str, torch.Tensor],
+    ) -> None:
+        """Keep this micro-batch's loss means, their token counts and its tokens seen (one device op, no host read)."""
+        losses = [
+            (outputs[k].detach(), micro_batch_token_len[t], micro_batch_token_len[w or t])
+            for k, t, w, _ in self._loss_keys
+        ]
+        input_ids = micro_batch["input_ids"]
+        flops = self.flops_per_token(input_ids.shape[1] * self.sp_size)
+        if bool(micro_batch.get("padding_flag", False)):  # a token budget's no-target micro-batch (host tensor)
+            self._micro.append((losses, torch.zeros((), dtype=torch.long), input_ids.numel(), flops, 0))
+            return
+        ids, whole = micro_batch.get(SEQUENCE_IDS), micro_batch.get(ATTENTION_SEQUENCE_IDS)
+        seen = (ids >= 0).sum() if ids is not None else (input_ids != self.pad_id).sum()
+        samples = int(whole.max()) + 1 if whole is not None else input_ids.shape[0]  # packed: whole under SP, host
+        self._micro.append((losses, seen, input_ids.numel(), flops, samples))
+
+    def _record_micro_batches(self) -> None:
+        """The kept micro-batches into the window: per loss key sum(local mean x tokens) (a shard without tokens adds
+        exactly 0, its NaN mean included) over its mode's denominator (the local count, so the ranks' counts add up
+        to the step's; token-sum: 1 / W per rank, so a window averages its steps), tokens, samples, FLOPs."""
+        micro, self._micro = self._micro, []
+        if not micro:
+            return
+        if self.loss_names:
+            n = len(self.loss_names)
+            means = torch.stack([m for losses, *_ in micro for m, _, _ in losses]).view(-1, n).double()
+            counts = (
+                torch.stack([c for losses, *_ in micro for _, c, _ in losses])
+                .view(-1, n)
+                .to(means.device, non_blocking=True)
+            )
+            weights = torch.stack([w for losses, *_ in micro for _, _, w in losses]).view(-1, n).sum(0).double()
+            totals = (torch.where(counts > 0, means, 0.0) * counts).sum(0)
+            for (key, _, weight_key, factor), total, weight in zip(self._loss_keys, totals.unbind(), weights.unbind()):
+                self.train.record_total(key, total, weight * factor if weight_key else 1.0 / self.world_size)
+        seen = torch.stack([m[1] for m in micro])
+        self.train.record("tokens", seen.sum())
+        self.train.record("positions", float(sum(m[2] for m in micro)))
+        self.train.record("samples", float(sum(m[4] for m in micro)))
+        flops = torch.tensor([m[3] for m in micro], dtype=torch.float64, device=seen.device)
+        self.train.record("flops", seen.double() @ flops)
+
+    def record_step(
+        self, grad_norm: torch.Tensor, *, lr: float, skipped: bool, step_time: float, bookkeeping_wait: float
+    ) -> None:
+        """One optimizer step's values with its micro-batches': `lr` is the rate the step trained with; `skipped` is
+        agreed by every rank (counted once)."""
+        self._record_micro_batches()
+        self.train.record("grad_norm", grad_norm.float())
+        self.train.record("lr", lr)
+        self.train.record("step_time_s", step_time)
+        self.train.record("bookkeeping_wait_s", bookkeeping_wait)
+        if self.is_main:
+            self.train.record("skipped_steps", float(skipped))
+        self.train.record("peak_mem_mb", peak_memory_mb(self.device))
+        self.window_steps += 1
+
+    # ---------------------------------------------------------------- log events
+
+    def should_log(self, step: int) -> bool:
+        return step % self.log_interval == 0 or step == self.max_steps
+
+    def end_step(self, step: int, epoch: int, force: bool = False, release: Any = None) -> None:
+        """At a log step (or when forced) hand the window to the worker; `release` (the step's batches) is dropped
+        there, so freeing it is off the critical path too."""
+        if release is not None:
+            self._submit(lambda _batches: None, release)
+        if not (force or self.should_log(step)):
+            return
+        now = time.perf_counter()
+        seconds, self._window_start = now - self._window_start, now
+        self.window_steps = 0
+        self._submit(self._log_train, step, epoch, self.train.take_window(), seconds)
+
+    def _log_train(self, step: int, epoch: int, window: dict, seconds: float) -> None:
+        reduced = self.train.reduce(window)
+        derived: dict[str, float] = {}
+        if reduced:
+            losses = [reduced[name] for name in self.loss_names if name in reduced]
+            if losses:
+                derived["loss"] = sum(losses)
+            if "tokens" in reduced:
+                if reduced.get("positions"):
+                    derived["padding_ratio"] = 1.0 - reduced["tokens"] / reduced["positions"]
+                self.tokens_seen += reduced["tokens"]
+                derived["tokens_seen"] = self.tokens_seen
+                if seconds > 0:
+                    derived["tokens_per_s"] = reduced["tokens"] / seconds
+            if "flops" in reduced and seconds > 0:
+                derived["tflops"] = reduced["flops"] / seconds / 1e12
+                if self.peak_flops:
+                    derived["mfu"] = reduced["flops"] / seconds / (self.peak_flops * self.world_size)
+        values = self._write(step, epoch, "train/", reduced, derived)
+        if values:
+            self.last_logged = values
+
+    def _write(
+        self, step: int, epoch: int, prefix: str, reduced: Mapping[str, float], extra: Mapping[str, object]
+    ) -> dict[str, Scalar]:
+        """Series and sinks get the scalars of `reduced` and `extra` (a bare key gets `prefix`) at `step`."""
+        values: dict[str, object] = {prefix + name: value for name, value in reduced.items()}
+        for key, value in extra.items():
+            key = key if "/" in key else prefix + key
+            if key in values:
+                raise ValueError(f"metrics: extra value {key!r} would overwrite the reduced metric at step {step}")
+            values[key] = value
+        logged = sinks.scalars(values, self._warned if self.is_main else None)
+        if logged:
+            sinks.append_series(self.series, step, epoch, logged)
+            for sink in self.sinks:
+                sink.write(step, epoch, logged)
+        return logged
+
+    def log_eval(
+        self,
+        step: int,
+        epoch: int,
+        scaled_totals: Mapping[str, torch.Tensor],
+        extra: Mapping[str, object] | None = None,
+    ) -> dict[str, Scalar]:
+        """Collective. `scaled_totals`: per loss key, this rank's summed `mean_global_loss` outputs (their sum over
+        ranks / W is the mean); `extra`: values already global (e.g. `caption_accuracy`), logged as they are."""
+        self.wait_bookkeeping()  # eval reduces on the metrics group too: never beside a log task
+        total = torch.zeros((), dtype=torch.float64)
+        for key, value in scaled_totals.items():
+            contribution = value.detach().double().cpu() / self.world_size
+            self.eval.record(key, contribution)
+            total = total + contribution
+        if scaled_totals:
+            self.eval.record("loss", total)
+        return self._write(max(step, 1), epoch, "eval/", self.eval.reduce(), extra or {})
+
+    def postfix(self) -> str:
+        """The progress bar's postfix: the last logged train loss."""
+        return f"loss={self.last_logged['train/loss']:.4f}" if "train/loss" in self.last_logged else ""
+
+    # ---------------------------------------------------------------- the worker thread
+
+    def _submit(self, fn: Callable[..., None], *args: Any) -> None:
+        if self._pool is None:
+            fn(*args)
+            return
+        cuda = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        self._pending.append(self._pool.submit(self._run, cuda, fn, *args))
+
+    def _run(self, cuda: int | None, fn: Callable[..., None], *args: Any) -> None:
+        if self._failed:
+            return
+        if cuda is not None:  # the current CUDA device is per thread
+            torch.cuda.set_device(cuda)
+        try:
+            fn(*args)
+        except BaseException:
+            self._failed = True
+            raise
+
+    def wait_bookkeeping(self) -> None:
+        """Wait for every submitted task; the first failure raises `StepEndError` (the tasks behind it were skipped)."""
+        pending, self._pending = self._pending, []
+        errors = [error for error in (future.exception() for future in pending) if error is not None]
+        self._failed = False
+        if errors:
+            raise StepEndError(f"step-end bookkeeping failed: {errors[0]!r}") from errors[0]
+
+    # ---------------------------------------------------------------- ends of a run
+
+    def finish(self, step: int, epoch: int) -> dict[str, Scalar]:
+        """Collective: log what the window still holds at `step` (the last trained step, of `epoch`; a step that
+        raised on every rank after its micro-batches included), wait for the worker, flush the sinks; returns the
+        last logged values."""
+        self.wait_bookkeeping()
+        self._record_micro_batches()
+        if step > 0 and not self.train.is_empty:
+            self.end_step(step, epoch, force=True)
+        self.wait_bookkeeping()
+        for sink in self.sinks:
+            sink.flush()
+        return self.last_logged
+
+    def abort(self, step: int) -> None:
+        """Exception path (no collective possible): wait for the worker without masking the original error, say
+        which steps were not logged, close the sinks."""
+        try:
+            self.wait_bookkeeping()
+        except StepEndError as exc:
+            logger.error("step-end bookkeeping also failed: %r", exc.__cause__)
+        if self.window_steps and self.is_main:
+            logger.warning(
+                "steps %d-%d were trained but not logged (their reduction needs every rank); resuming retrains them "
+                "from the newest checkpoint and logs them then",
+                step - self.window_steps + 1,
+                step,
+            )
+        self.train.take_window()
+        self._micro, self.window_steps = [], 0
+        for sink in self.sinks:
+            sink.close()
+
+    def close(self) -> None:
+        """Local and idempotent: wait for the worker and close the sinks. An open window cannot be logged here (its
+        reduction is a collective), so a non-empty one is named in a warning, never dropped silently."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait_bookkeeping()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown()
+            for name, accumulator in (("train", self.train), ("eval", self.eval)):
+                if not accumulator.is_empty:
+                    logger.warning(
+                        "metrics: the open %s window (%s) was never logged: its reduction is a collective and close() "
+                        "is local; call finish() on every rank first",
+                        name,
+                        ", ".join(sorted(accumulator.take_window())),
+                    )
+            for sink in self.sinks:
+                sink.close()
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def checkpoint_state(self, step: int, epoch: int) -> dict[str, Any]:
+        """Collective: log the open window at `step` first (a checkpoint holds none), then return what every rank
+        shares: the cumulative token count. The history is metrics.jsonl, so this does not grow with the run."""
+        self.finish(step, epoch)
+        return {"tokens_seen": self.tokens_seen}
+
+    def load_state_dict(self, state: Mapping[str, Any], step: int) -> None:
+        """Continue after the checkpoint at `step`: the sinks drop later rows and the main rank's series is read
+        back from metrics.jsonl."""
+        self.tokens_seen = state.get("tokens_seen", 0.0)
+        self.series.clear()
+        for sink in self.sinks:
+            sink.resume(step)
