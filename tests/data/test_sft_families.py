@@ -9,11 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
-from examples.sft_demo import PROMPT, WORDS, write_digits, write_vl_model
 from tests.data.test_sft_training import digits_args, train
 from tests.dist_helpers import run_distributed
+from tests.models.small_hf import assert_vl_logits_match
 from tests.trainer.helpers import losses_by_step, read_events
 from veomni_lite.trainer.sft import SFTTrainer
 
@@ -23,14 +22,8 @@ STEPS += ["--optim.warmup_steps", "0", "--checkpoint.save_interval", "0"]
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory) -> Path:
-    """The digits on disk and a tiny directory of each family, in the layout `digits_args` expects."""
-    out = tmp_path_factory.mktemp("families")
-    texts = write_digits(out / "digits")
-    assert texts == [PROMPT, *(f"a handwritten {word}" for word in WORDS)]
-    for family in FAMILIES:
-        write_vl_model(out / "models" / family, texts, family)
-    return out
+def demo(families_demo: Path) -> Path:
+    return families_demo
 
 
 def family_args(demo: Path, out: Path, family: str, *extra: str) -> list[str]:
@@ -69,24 +62,10 @@ def test_the_export_loads_in_the_familys_transformers_class_with_the_trained_log
     import transformers
 
     from veomni_lite.export import export
-    from veomni_lite.models.qwen2_vl import collate_qwen2_vl
     from veomni_lite.models.registry import family_of
 
     trained = _train(family_args(demo, tmp_path / "run", family, "--data.packing", "true"))
     export(tmp_path / "run", tmp_path / "export")
     hf_class = getattr(transformers, family_of(family).transformers_class)
     loaded = hf_class.from_pretrained(str(tmp_path / "export"), local_files_only=True).eval()
-    samples = [trained.train_dataset[i] for i in range(3)]
-    batch = collate_qwen2_vl(samples, trained.model_config.image_token_id, 2, trained.pad_id)
-    trained.model.eval()
-    with torch.no_grad():
-        ours = trained.model(**{k: v for k, v in batch.items() if "labels" not in k})["logits"]
-        for row, sample in enumerate(samples):
-            ids = sample["input_ids"][None]
-            theirs = loaded(
-                input_ids=ids,
-                mm_token_type_ids=(ids == trained.model_config.image_token_id).long(),
-                pixel_values=sample["pixel_values"],
-                image_grid_thw=sample["image_grid_thw"],
-            ).logits[0]
-            assert torch.allclose(ours[row, : ids.shape[1]], theirs, rtol=1e-5, atol=1e-5), (family, row)
+    assert_vl_logits_match(trained, {family: loaded})

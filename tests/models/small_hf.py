@@ -1,8 +1,13 @@
-"""Shrunk transformers runs for single-process tests: the shipped qwen2 / qwen2_vl configs at width 32, two steps."""
+"""Shrunk transformers runs for single-process tests (the shipped qwen2 / qwen2_vl configs at width 32, two steps), and
+`assert_vl_logits_match`: a trained VL model against transformers models on its samples."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from examples.qwen2_pydoc_text import PydocLMTrainer
 from examples.qwen2_vl_digits import DigitsVLTrainer
@@ -54,3 +59,23 @@ def train_small(kind: str, output_dir: str | Path, *overrides: str) -> BaseTrain
     finally:
         trainer.close()
     return trainer
+
+
+def assert_vl_logits_match(trained: Any, models: Mapping[str, Any], rows: int = 3) -> None:
+    """The trained VL model's logits on its first `rows` training samples (collated, padded) equal each transformers
+    model's in `models` (name -> model, fed one sample at a time) to 1e-5."""
+    from veomni_lite.models.qwen2_vl import collate_qwen2_vl
+
+    samples = [trained.train_dataset[i] for i in range(rows)]
+    image_token = trained.model_config.image_token_id
+    batch = collate_qwen2_vl(samples, image_token, 2, trained.pad_id)
+    trained.model.eval()
+    with torch.no_grad():
+        ours = trained.model(**{k: v for k, v in batch.items() if "labels" not in k})["logits"]
+        for row, sample in enumerate(samples):
+            ids = sample["input_ids"][None]
+            inputs = {"input_ids": ids, "mm_token_type_ids": (ids == image_token).long()}
+            inputs |= {"pixel_values": sample["pixel_values"], "image_grid_thw": sample["image_grid_thw"]}
+            for name, model in models.items():
+                theirs = model(**inputs).logits[0]
+                assert torch.allclose(ours[row, : ids.shape[1]], theirs, rtol=1e-5, atol=1e-5), (name, row)

@@ -9,11 +9,10 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
-from examples.sft_demo import write_digits, write_vl_model
 from tests.dist_helpers import run_distributed
 from tests.models import lora_fixtures as lx
+from tests.models.small_hf import assert_vl_logits_match
 from tests.trainer.helpers import losses_by_step, read_events
 from veomni_lite.config import load_config
 from veomni_lite.models.lora import ADAPTER_CONFIG, lora_modules
@@ -24,12 +23,8 @@ SP_PACKED = ["--parallel.sp_size", "2", "--data.packing", "true", "--data.max_to
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("lora_vl_demo")
-    texts = write_digits(out / "digits")
-    for family in FAMILIES:
-        write_vl_model(out / "models" / family, texts, family)
-    return out
+def demo(families_demo: Path) -> Path:
+    return families_demo
 
 
 def _train(demo: Path, out: Path, family: str, world_size: int = 1, *extra: str) -> SFTTrainer:
@@ -49,7 +44,6 @@ def test_the_adapter_directory_loads_in_peft_on_the_family_class_with_the_traine
     from peft import PeftModel
 
     from veomni_lite.export import export
-    from veomni_lite.models.qwen2_vl import collate_qwen2_vl
     from veomni_lite.models.registry import family_of
 
     trained = _train(demo, tmp_path / "run", family)
@@ -62,23 +56,7 @@ def test_the_adapter_directory_loads_in_peft_on_the_family_class_with_the_traine
     hf_class = getattr(transformers, family_of(family).transformers_class)
     peft_model = PeftModel.from_pretrained(hf_class.from_pretrained(str(base)), str(tmp_path / "adapter")).eval()
     merged = hf_class.from_pretrained(str(tmp_path / "merged")).eval()
-    samples = [trained.train_dataset[i] for i in range(3)]
-    batch = collate_qwen2_vl(samples, trained.model_config.image_token_id, 2, trained.pad_id)
-    trained.model.eval()
-    with torch.no_grad():
-        ours = trained.model(**{k: v for k, v in batch.items() if "labels" not in k})["logits"]
-        for row, sample in enumerate(samples):
-            ids = sample["input_ids"][None]
-            inputs = {
-                "input_ids": ids,
-                "mm_token_type_ids": (ids == trained.model_config.image_token_id).long(),
-                "pixel_values": sample["pixel_values"],
-                "image_grid_thw": sample["image_grid_thw"],
-            }
-            mine = ours[row, : ids.shape[1]]
-            for name, model in (("peft", peft_model), ("merged", merged)):
-                theirs = model(**inputs).logits[0]
-                assert torch.allclose(mine, theirs, rtol=1e-5, atol=1e-5), (family, name, row)
+    assert_vl_logits_match(trained, {f"{family} peft": peft_model, f"{family} merged": merged})
 
 
 def _sp_packed(rank: int, world_size: int, demo: Path, out: Path) -> dict[int, float]:
