@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.data.test_sft_training import REPO, demo, digits_args, help_args  # noqa: F401 - demo is a fixture
+from tests.data.test_sft_training import REPO, digits_args, help_args
 from tests.trainer.helpers import losses_by_step, read_events
 from veomni_lite.config import load_config
 from veomni_lite.data.loader import MicroBatchLoader
@@ -41,13 +41,13 @@ def assert_same_steps(expected: list[dict], got: list[dict]) -> None:
 
 
 @pytest.fixture(scope="module")
-def padded_help(demo, tmp_path_factory) -> list[dict]:  # noqa: F811
+def padded_help(demo, tmp_path_factory) -> list[dict]:
     """The padded help-pages run both tests compare with."""
     return run("sft_help.yaml", help_args(demo, tmp_path_factory.mktemp("padded_help")))
 
 
 @pytest.mark.parametrize("job", ["help", "digits"])
-def test_packed_and_token_budget_steps_equal_the_padded_steps(demo, tmp_path, job, padded_help):  # noqa: F811
+def test_packed_and_token_budget_steps_equal_the_padded_steps(demo, tmp_path, job, padded_help):
     args = help_args if job == "help" else digits_args
     config = "sft_help.yaml" if job == "help" else "sft_digits.yaml"
     padded = padded_help if job == "help" else run(config, args(demo, tmp_path / "padded"))
@@ -75,7 +75,7 @@ def plan_counts(demo_dir: Path, steps: int = 3) -> list[list[int]]:
 
 @pytest.mark.slow
 def test_token_budget_micro_batches_on_two_ranks_with_different_counts_equal_one_padded_process(
-    demo,  # noqa: F811
+    demo,
     tmp_path,
     padded_help,
 ):

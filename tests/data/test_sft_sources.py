@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.data.test_sft_training import REPO, demo  # noqa: F401 - demo is a fixture
+from tests.data.test_sft_training import REPO
 from tests.dist_helpers import run_distributed, run_ranks
 from veomni_lite.config import load_config
 from veomni_lite.data.checks import DataError
@@ -45,7 +45,7 @@ def write_sources(root: Path) -> list[Path]:
     return paths
 
 
-def _run(rank: int, world_size: int, demo: Path, paths: list[Path], out: Path, steps: int, *extra: str) -> dict:  # noqa: F811
+def _run(rank: int, world_size: int, demo: Path, paths: list[Path], out: Path, steps: int, *extra: str) -> dict:
     sources = f"[{{path: {paths[0]}, weight: 0.5}}, {{path: {paths[1]}, weight: 2.0}}]"
     args = [
         "--model.pretrained_dir", str(demo / "models" / "qwen2_help"), "--data.train_path", "[]",
@@ -70,7 +70,7 @@ def whole_steps(ranks: list[dict]) -> list[list[tuple[int, int]]]:
 
 
 @pytest.mark.slow
-def test_a_run_resumed_on_another_world_size_trains_on_the_samples_of_the_uninterrupted_run(demo, tmp_path):  # noqa: F811
+def test_a_run_resumed_on_another_world_size_trains_on_the_samples_of_the_uninterrupted_run(demo, tmp_path):
     paths = write_sources(tmp_path)
     whole = whole_steps(run_distributed(_run, 2, demo, paths, tmp_path / "whole", 6, timeout_s=300))
     assert len(whole) == 6 and all(len(step) == 8 for step in whole)
@@ -88,7 +88,7 @@ def test_a_run_resumed_on_another_world_size_trains_on_the_samples_of_the_uninte
     assert resumed["seen"] == whole[3:], "world 1 with a worker process continues the 2-rank run exactly"
 
 
-def _bad_image(rank: int, world_size: int, demo: Path, data: Path, out: Path) -> str:  # noqa: F811
+def _bad_image(rank: int, world_size: int, demo: Path, data: Path, out: Path) -> str:
     args = [
         "--model.pretrained_dir", str(demo / "models" / "qwen2_vl_digits"), "--data.train_path", str(data),
         "--data.eval_path", "[]", "--train.output_dir", str(out), "--train.micro_batch_size", "4",
@@ -108,7 +108,7 @@ def _bad_image(rank: int, world_size: int, demo: Path, data: Path, out: Path) ->
 
 
 @pytest.mark.slow
-def test_an_image_that_does_not_decode_stops_every_rank_at_the_same_step(demo, tmp_path):  # noqa: F811
+def test_an_image_that_does_not_decode_stops_every_rank_at_the_same_step(demo, tmp_path):
     lines = (demo / "digits" / "train.jsonl").read_text().splitlines()[:32]
     (tmp_path / "images").mkdir()
     for line in lines:
