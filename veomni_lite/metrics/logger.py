@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+import veomni_lite.metrics.sinks as sinks
 from veomni_lite.distributed.parallel_state import ParallelState, get_parallel_state
 from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS, SEQUENCE_IDS, name_of_loss, tokens_key
-from veomni_lite.metrics import sinks
 from veomni_lite.metrics.accumulator import MetricAccumulator, MetricSpec
 from veomni_lite.metrics.sinks import Scalar, Series
 from veomni_lite.utils.loss_utils import LossModes
