@@ -332,7 +332,8 @@ class SFTDataset:
         ids, labels = self.tokens(index)
         references, tokens = self.image_references(index)
         where = self.where(index) if references else ""
-        return sample_tensors(ids, labels, references, tokens, self.images, where, f"the cache {self.directory}")
+        origin = f"the cache {self.directory}"
+        return sample_tensors(ids, labels, references, tokens, self.images, where, origin, "; delete that directory")
 
     def trained_tokens(self, index: int) -> int:
         return int((self.tokens(index)[1] != IGNORE_INDEX).sum())
@@ -346,10 +347,11 @@ def sample_tensors(
     images: ImageProcessing | None,
     where: str,
     origin: str,
+    remedy: str = "",
 ) -> dict[str, torch.Tensor]:
     """What the collator takes of a sample: `input_ids` and `labels` (int64) and, for images, the image processor's
-    `pixel_values` and `image_grid_thw`, decoded here; an image whose token count is no longer the `tokens` that
-    `origin` measured (the file changed since) is a DataError naming the row."""
+    `pixel_values` and `image_grid_thw`, decoded here; images whose token counts are no longer the `tokens` that
+    `origin` holds (a file changed since) are a DataError naming the row (and `remedy`)."""
     out = {
         "input_ids": torch.from_numpy(ids.astype(numpy.int64)),
         "labels": torch.from_numpy(labels.astype(numpy.int64)),
@@ -360,6 +362,6 @@ def sample_tensors(
         if images.token_counts(out["image_grid_thw"]) != tokens:
             raise DataError(
                 f"{where}: its images now take {images.token_counts(out['image_grid_thw'])} tokens, {origin} has "
-                f"{tokens}: an image file changed since; delete that directory"
+                f"{tokens}: an image file changed since{remedy}"
             )
     return out
