@@ -107,6 +107,53 @@ def test_the_samples_are_the_caches_and_a_pass_drops_its_partial_batch(files):
         stream(files, window=5).take(22)
 
 
+@pytest.mark.parametrize("overlength", ["truncate", "drop"])
+def test_overlength_cuts_and_drops_as_the_cache_does(files, overlength):
+    model, paths = files
+    options = {"max_seq_len": 28, "overlength": overlength}
+    encoder = ChatEncoder(load_tokenizer(model))
+    cached = SFTDataset(read_sources([str(p) for p in paths], "k"), encoder, "messages", {}, **options)
+    assert cached.stats.truncated + cached.stats.dropped > 3, "the limit cuts some rows"
+    expected = {tag(cached.where(i)): [a.tolist() for a in cached.tokens(i)] for i in range(len(cached))}
+    data = SampleStream(
+        read_sources([str(p) for p in paths], "k"), encoder, "messages", {}, window=21, **options
+    )  # one window: the pass
+    _, batch = data.take(len(cached))
+    assert {tag(s.where): [s.input_ids.tolist(), s.labels.tolist()] for s in batch} == expected
+    assert data.counts == {"rows": 21, "truncated": cached.stats.truncated, "dropped": cached.stats.dropped,
+                           "samples": len(cached)}  # fmt: skip
+
+
+def test_images_are_measured_by_the_stream_and_decoded_as_the_cache_does(tmp_path):
+    from transformers import Qwen2VLImageProcessor
+
+    from tests.data.test_sft import TEXTS, image_row, png_bytes
+    from veomni_lite.data.sft_dataset import ImageProcessing
+    from veomni_lite.examples.sft_demo import write_tokenizer
+
+    tokenizer = write_tokenizer(tmp_path / "tok", TEXTS * 20, vocab_size=300)
+    processor = Qwen2VLImageProcessor(patch_size=2, temporal_patch_size=1, merge_size=2, min_pixels=64, max_pixels=4096)
+    for value in range(3):
+        (tmp_path / f"{value}.png").write_bytes(png_bytes(40 * value))
+    rows = [image_row([f"{r % 3}.png"], "<image>What digit is this?") for r in range(6)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    options = {"images": ImageProcessing(processor)}
+    encoder = ChatEncoder(tokenizer, image_token="<|image_pad|>")
+    cached = SFTDataset(read_sources(str(tmp_path / "data.jsonl"), "k"), encoder, "messages", {}, 0, **options)
+    data = SampleStream(read_sources(str(tmp_path / "data.jsonl"), "k"), encoder, "messages", {}, 0, **options)
+    by_row = {tag_row(cached.where(i)): cached[i] for i in range(len(cached))}
+    _, batch = data.take(6)
+    for sample in batch:
+        got, expected = data.tensors(sample), by_row[tag_row(sample.where)]
+        assert sorted(got) == ["image_grid_thw", "input_ids", "labels", "pixel_values"]
+        for key, value in expected.items():
+            assert torch.equal(got[key], value), key
+
+
+def tag_row(where: str) -> int:
+    return int(re.search(r"row (\d+) ", where).group(1))
+
+
 def steps(loader: StreamingLoader, count: int) -> list[list[tuple[int, int]]]:
     """Per step, the (file, row) of every sample of this rank's micro-batches, read back from the tokens."""
     tokenizer = loader.tokenizer
