@@ -289,7 +289,8 @@ def _run(rank: int, world_size: int, model: Path, paths: list[Path], out: Path, 
     trainer = Recording(load_config(REPO / "configs" / "sft_help.yaml", args, world_size=world_size))
     try:
         trainer.train()
-        return {"seen": trainer.seen, "cache": (out / "data_cache").exists()}
+        evaluated = "eval/" in (out / "metrics.jsonl").read_text()
+        return {"seen": trainer.seen, "cache": (out / "data_cache").exists(), "evaluated": evaluated}
     except DataError as exc:
         return {"error": str(exc)}
     finally:
@@ -311,10 +312,12 @@ def test_a_streamed_run_resumed_on_another_world_size_trains_on_the_samples_of_t
     assert not uninterrupted[0]["cache"], "no cache is written"
     cut = run_distributed(_run, 2, model, paths, tmp_path / "cut", 2, "--data.prefetch_steps", "2", timeout_s=300)
     assert global_steps(cut) == whole_run[:2]
+    evaluating = ["--data.eval_path", str(paths[1]), "--train.eval_interval", "3", "--train.eval_batches", "1"]
     (resumed,) = run_distributed(
-        _run, 1, model, paths, tmp_path / "cut", 5, "--checkpoint.resume", "true", timeout_s=300
+        _run, 1, model, paths, tmp_path / "cut", 5, "--checkpoint.resume", "true", *evaluating, timeout_s=300
     )
     assert resumed["seen"] == whole_run[2:], "world 1 continues the 2-rank run exactly, from the stream's position"
+    assert resumed["evaluated"] and resumed["cache"], "the eval set of data.eval_path goes through the cache"
 
 
 @pytest.mark.slow
