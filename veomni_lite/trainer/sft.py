@@ -212,15 +212,14 @@ class SFTTrainer(BaseTrainer):
             logger.info("SFT data: train %s; %s, %d held out (%s)", stats, trains, held_out, why)
             if data.eval_path and evaluation is not None:
                 logger.info("SFT data: eval %s%s", evaluation.stats, "" if evaluates else " (unused: evaluation off)")
-        if isinstance(dataset, SampleStream):  # no length to check: the stream refuses a pass under one batch
-            return dataset, evaluation if evaluates else None
         held = epoch_size(evaluation) if evaluation is not None else 0
         if evaluates and evaluation is not None and held < train.global_batch_size:
             raise DataError(
                 f"the eval set has {held} samples, fewer than one eval batch (train.global_batch_size = "
                 f"{train.global_batch_size}); add eval data, raise data.eval_fraction or set train.eval_batches: 0"
             )
-        if epoch_size(dataset) < train.global_batch_size:
+        streamed = isinstance(dataset, SampleStream)  # no length to check: a stream refuses a pass under one batch
+        if not streamed and epoch_size(dataset) < train.global_batch_size:
             raise DataError(
                 f"the training set has {epoch_size(dataset)} samples per epoch, fewer than train.global_batch_size "
                 f"({train.global_batch_size})"
