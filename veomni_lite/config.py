@@ -146,6 +146,15 @@ class DataConfig:
     num_workers: int = 0
     """DataLoader worker processes that read, decode and process (images) and collate the training micro-batches
     ahead of the step (pinned memory on an accelerator); 0: in the trainer's process. The batches are the same."""
+    streaming: bool = False
+    """SFT: read `train_path` in file order while training, without the cache, for a set that does not fit on disk
+    twice (see `veomni_lite.data.streaming`): every rank reads and tokenizes every row, the global batches are the
+    same on every layout, and a checkpoint holds the stream's position (an exact resume). Gives up a global shuffle
+    (only within `shuffle_window`) and a known epoch length: needs `train.max_steps` (not `train.epochs`) and, to
+    evaluate, `eval_path` (no `eval_fraction`); no weighted `sources`, no `num_workers`."""
+    shuffle_window: int = 1000
+    """SFT streaming: rows read, encoded and shuffled together (each window permuted by the seed, the epoch and
+    where it starts; samples never move across windows); 1: file order. Every rank holds one window's samples."""
 
 
 @dataclass
@@ -589,6 +598,30 @@ def _check_sources(data: DataConfig) -> None:
             raise ConfigError(f"{where}: columns must be a mapping and media_dir a string")
 
 
+def _check_streaming(config: Config) -> None:
+    """`data.streaming` with what a stream cannot do refused, naming the key."""
+    data, train = config.data, config.train
+    if data.shuffle_window < 1:
+        raise ConfigError(f"data.shuffle_window: must be >= 1 (1: file order), got {data.shuffle_window}")
+    if not data.streaming:
+        return
+    why = "data.streaming does not know (it reads the files in order)"
+    if data.sources:
+        raise ConfigError(f"data.sources: weighted sources draw by each source's length, which {why}; use "
+                          "data.train_path (its files are read in order) or turn data.streaming off")  # fmt: skip
+    if train.epochs:
+        raise ConfigError(f"train.epochs ({train.epochs}) needs the epoch's length, which {why}; set train.max_steps")
+    if data.num_workers:
+        raise ConfigError(
+            f"data.num_workers ({data.num_workers}): data.streaming reads in the trainer's process; set 0"
+        )
+    if train.eval_interval and train.eval_batches and not data.eval_path:
+        raise ConfigError(
+            "data.eval_path: evaluation (train.eval_interval, train.eval_batches) under data.streaming needs it: a "
+            "stream holds no rows out (data.eval_fraction); give data.eval_path or set train.eval_batches 0"
+        )
+
+
 def validate(config: Config, world_size: int | None = None) -> None:
     """Cross-field checks; raise ConfigError naming the key."""
     world_size = config.world_size if world_size is None else world_size
@@ -652,6 +685,7 @@ def validate(config: Config, world_size: int | None = None) -> None:
     if config.data.num_workers < 0:
         raise ConfigError(f"data.num_workers: must be >= 0, got {config.data.num_workers}")
     _check_sources(config.data)
+    _check_streaming(config)
     _check_arch(config.model)
     _check_lora(config.model)
     try:

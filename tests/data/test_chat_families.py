@@ -248,3 +248,106 @@ def test_a_template_that_does_not_compile_is_a_data_error_naming_the_row(tmp_pat
     directory = write_family(tmp_path, "qwen2.5")
     with pytest.raises(DataError, match=r"row 0 \(0-based\): the chat template \(data.chat_template\) raised .*Syntax"):
         encode(directory, TURNS, chat_template="{% for message in messages %}")
+
+
+# ---------------------------------------------------------------- the Rust tokenizer, called directly, gives the same
+
+
+def tokenizer_call(self, texts: list[str], offsets: list[bool]) -> list[tuple[list[int], list]]:
+    """The reference: the tokenizer's own call per text, as `ChatEncoder` tokenized before it called the Rust
+    tokenizer directly."""
+    out = []
+    for text, want in zip(texts, offsets):
+        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=want)
+        out.append((list(encoded["input_ids"]), list(encoded["offset_mapping"]) if want else []))
+    return out
+
+
+def samples(encoder: ChatEncoder, rows: list[dict], fmt: str = "messages") -> list:
+    """(ids, labels) of each row, or the error it raises."""
+    out = []
+    for row in rows:
+        try:
+            conversation = to_conversation(row, fmt, {}, WHERE)
+            encoded = encoder.encode(conversation, [3] * len(conversation.images), WHERE)
+            out.append((encoded.input_ids, encoded.labels))
+        except DataError as exc:
+            out.append(str(exc))
+    return out
+
+
+def same_as_the_tokenizer_call(monkeypatch, tokenizer, rows: list[dict], fmt: str = "messages", **options) -> list:
+    """The samples of `rows` through the Rust tokenizer, checked equal to those through the tokenizer's call."""
+    fast = ChatEncoder(tokenizer, **options)
+    assert fast._backend is not None, "a fast tokenizer is called through its Rust tokenizer"
+    got = samples(fast, rows, fmt)
+    with monkeypatch.context() as patch:
+        patch.setattr(ChatEncoder, "_tokenize", tokenizer_call)
+        reference = ChatEncoder(tokenizer, **options)
+        assert reference.end_of_turn == fast.end_of_turn
+        assert got == samples(reference, rows, fmt)
+    return got
+
+
+CONVERSATIONS = [
+    TURNS,
+    [SYSTEM, *TURNS],
+    [TURNS[0], {**TURNS[1], "train": False}, *TURNS[2:4]],
+    [{"role": "user", "content": "Hello <|im_end|> there  \n"}, {"role": "assistant", "content": " a seven\n\n"}],
+    [TURNS[0], TURNS[0], TURNS[1]],  # some families refuse it: the same error
+]
+
+
+@pytest.mark.parametrize("train_on_prompt", [False, True], ids=["assistant-only", "train-on-prompt"])
+def test_the_rust_tokenizer_gives_the_samples_of_the_tokenizer_call_under_every_family(
+    family, train_on_prompt, monkeypatch
+):
+    name, directory = family
+    rows = [{"messages": messages} for messages in CONVERSATIONS]
+    got = same_as_the_tokenizer_call(
+        monkeypatch, load_tokenizer(directory), rows, model_dir=directory, train_on_prompt=train_on_prompt
+    )
+    assert sum(isinstance(sample, tuple) for sample in got) >= 3
+
+
+def test_the_rust_tokenizer_on_the_shipped_help_pages_chatml_images_and_text(tmp_path, monkeypatch):
+    """Every row of the demo's help pages (`sft_demo.write_help`: long, varied paragraphs) with its own tokenizer,
+    ChatML with image parts, and the text format: identical samples through either call."""
+    from examples.sft_demo import write_help, write_tokenizer
+
+    texts = write_help(tmp_path / "help")
+    write_tokenizer(tmp_path / "model", texts, vocab_size=2048)
+    tokenizer = load_tokenizer(tmp_path / "model")
+    rows = [json.loads(line) for line in (tmp_path / "help" / "train.jsonl").read_text().splitlines()]
+    assert len(rows) > 2000
+    same_as_the_tokenizer_call(monkeypatch, tokenizer, rows, "sharegpt")
+    same_as_the_tokenizer_call(monkeypatch, tokenizer, rows[:200], "sharegpt", train_on_prompt=True)
+    image = {"type": "image"}
+    pictured = [
+        {"messages": [{"role": "user", "content": [image, {"type": "text", "text": text}]}, TURNS[1]], "images": [1]}
+        for text in texts[:50]
+    ]
+    got = same_as_the_tokenizer_call(
+        monkeypatch, tokenizer, pictured, chat_template="chatml", image_token="<|image_pad|>"
+    )
+    assert all(ids.count(tokenizer.convert_tokens_to_ids("<|image_pad|>")) == 3 for ids, _ in got)
+    same_as_the_tokenizer_call(monkeypatch, tokenizer, [{"text": text} for text in texts[:200]], "text")
+
+
+def test_the_rust_tokenizer_is_set_up_as_the_tokenizer_call_sets_its_own(tmp_path, monkeypatch):
+    """A tokenizer.json that truncates (as some ship) and `split_special_tokens`: the tokenizer's call turns truncation
+    off and splits the special tokens; so does the copy `ChatEncoder` calls. Negative control: the Rust tokenizer as
+    loaded truncates, so calling it unconfigured would give other samples."""
+    from transformers import PreTrainedTokenizerFast
+
+    core = train_bpe(TEXTS * 20, 300, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    core.enable_truncation(4)
+    PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>").save_pretrained(str(tmp_path))
+    tokenizer = load_tokenizer(tmp_path)
+    assert len(tokenizer.backend_tokenizer.encode("Hello there General Kenobi").ids) == 4, "the control truncates"
+    rows = [{"messages": messages} for messages in CONVERSATIONS]
+    got = same_as_the_tokenizer_call(monkeypatch, tokenizer, rows, chat_template="chatml")
+    assert max(len(ids) for ids, _ in got) > 20
+    tokenizer.split_special_tokens = True
+    split = same_as_the_tokenizer_call(monkeypatch, tokenizer, rows, chat_template="chatml", train_on_prompt=True)
+    assert tokenizer.convert_tokens_to_ids("<|im_start|>") not in split[0][0], "the special tokens are split"

@@ -16,7 +16,7 @@ from tests.dist_helpers import run_distributed, run_ranks
 from veomni_lite.data import sft_cache
 from veomni_lite.data.checks import DataError
 from veomni_lite.data.sft import ChatEncoder, image_reference, open_image, read_sources
-from veomni_lite.data.sft_dataset import ImageProcessing, SFTDataset
+from veomni_lite.data.sft_dataset import ImageProcessing, RowEncoder, SFTDataset
 
 TEXTS = ["Hello there", "General Kenobi", "You are a bold one", "What digit is this?", "a handwritten seven"]
 IMAGE_TOKEN = "<|image_pad|>"
@@ -168,8 +168,8 @@ def test_a_half_written_cache_is_never_read(tmp_path, tokenizers, monkeypatch):
             raise KeyboardInterrupt  # killed mid-write: nothing catches it
         return original(self, *args)
 
-    original = SFTDataset._encode
-    monkeypatch.setattr(SFTDataset, "_encode", crash_after_two)
+    original = RowEncoder.__call__
+    monkeypatch.setattr(RowEncoder, "__call__", crash_after_two)
     with pytest.raises(KeyboardInterrupt):
         build(settings, tmp_path / "cache")
     monkeypatch.undo()

@@ -26,7 +26,8 @@ from veomni_lite.data.checks import DataError
 from veomni_lite.data.loader import sample_length
 
 
-def _generator(*parts: int) -> torch.Generator:
+def seeded_generator(*parts: int) -> torch.Generator:
+    """A generator seeded by a hash of `parts` (e.g. seed, epoch, source): independent draws, alike on every rank."""
     digest = hashlib.sha256(repr(parts).encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
 
@@ -90,10 +91,10 @@ class WeightedMixture:
         parts = []
         for part, (size, count) in enumerate(zip(self.sizes, self.counts)):
             full, rest = divmod(count, size)
-            drawn = torch.randperm(size, generator=_generator(seed, epoch, part))[:rest]
+            drawn = torch.randperm(size, generator=seeded_generator(seed, epoch, part))[:rest]
             parts.append(torch.cat([torch.arange(size).repeat(full), drawn]) + int(self.offsets[part]))
         chosen = torch.cat(parts)
-        return chosen[torch.randperm(len(chosen), generator=_generator(seed, epoch, -1))]
+        return chosen[torch.randperm(len(chosen), generator=seeded_generator(seed, epoch, -1))]
 
     def state(self) -> dict[str, Any]:
         return {"names": self.names, "weights": self.weights, "sizes": self.sizes}

@@ -26,6 +26,7 @@ Nothing read from a dataset runs code.
 
 from __future__ import annotations
 
+import copy
 import glob as globbing
 import io
 import json
@@ -466,6 +467,26 @@ def generation_eos_ids(model_dir: str | Path | None) -> list[int]:
     return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
 
 
+def rust_backend(tokenizer: Any) -> Any | None:
+    """A copy of a fast tokenizer's Rust tokenizer (`tokenizers.Tokenizer`) set up as `tokenizer(text,
+    add_special_tokens=False)` sets its own before each call (no truncation, no padding, its `split_special_tokens`),
+    so that its `encode` gives what that call gives; None for a tokenizer class that encodes otherwise (a slow
+    one, or one that overrides the call)."""
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    cls = type(tokenizer)
+    if not isinstance(tokenizer, TokenizersBackend) or (
+        cls.__call__ is not PreTrainedTokenizerBase.__call__ or cls._encode_plus is not TokenizersBackend._encode_plus
+    ):
+        return None
+    backend = copy.deepcopy(tokenizer.backend_tokenizer)
+    backend.no_truncation()
+    backend.no_padding()
+    backend.encode_special_tokens = bool(tokenizer.split_special_tokens)
+    return backend
+
+
 def _locate(text: str, content: str) -> tuple[int, int]:
     """Where `content` (or, for a template that trims it, its stripped form) is in `text`; (0, 0) if neither is."""
     for candidate in (content, content.strip()):
@@ -508,6 +529,7 @@ class ChatEncoder:
         self.image_token_id = tokenizer.convert_tokens_to_ids(image_token) if image_token else None
         self.special_ids = set(tokenizer.all_special_ids)
         self.special_ids |= {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+        self._backend = rust_backend(tokenizer)
         found = [tokenizer.eos_token_id, *generation_eos_ids(model_dir), *self._template_end_of_turn()]
         self.end_of_turn = {i for i in found if isinstance(i, int) and i != tokenizer.unk_token_id}
 
@@ -523,7 +545,7 @@ class ChatEncoder:
         if at < 0:
             return []
         run: list[int] = []
-        for token in self._tokens(text[at + len(PROBE_ANSWER) :]):
+        for token in self._tokenize([text[at + len(PROBE_ANSWER) :]], [False])[0][0]:
             if token in self.special_ids:
                 run.append(token)
             elif run or self.tokenizer.decode([token]).strip():
@@ -547,25 +569,34 @@ class ChatEncoder:
                 f"{roles}): {type(exc).__name__}: {exc}"
             ) from None
 
-    def _tokens(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+    def _tokenize(self, texts: list[str], offsets: list[bool]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """(ids, character offsets) of each text, exactly as `tokenizer(text, add_special_tokens=False)` gives them;
+        the offsets only where `offsets` asks (else, or for a tokenizer without offsets, []). A fast tokenizer
+        calls its Rust tokenizer directly (`rust_backend`; `encode`, not `encode_batch`, whose thread pool would take
+        the cores of the other ranks preprocessing beside it), else the tokenizer's own call."""
+        if self._backend is not None:
+            encodings = [self._backend.encode(text, add_special_tokens=False) for text in texts]
+            return [(e.ids, e.offsets if want else []) for e, want in zip(encodings, offsets)]
+        out: list[tuple[list[int], list[tuple[int, int]]]] = []
+        for text, want in zip(texts, offsets):
+            try:
+                encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=want)
+                out.append((list(encoded["input_ids"]), list(encoded["offset_mapping"]) if want else []))
+            except (NotImplementedError, ValueError, KeyError):  # a tokenizer without offsets
+                out.append((self.tokenizer(text, add_special_tokens=False)["input_ids"], []))
+        return out
 
-    def _answer(self, text: str, content: str) -> tuple[list[int], list[bool]]:
-        """The tokens of the text an assistant turn adds and which of them train: from the token holding the
-        content's first character through the end-of-turn run that follows the content. Where the content is not
-        in the text verbatim (a template that rewrites it) or the tokenizer has no offsets, from the start."""
-        try:
-            encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-            tokens, offsets = list(encoded["input_ids"]), list(encoded["offset_mapping"])
-        except (NotImplementedError, ValueError, KeyError):  # a tokenizer without offsets
-            tokens, offsets = self._tokens(text), []
+    def _answer_mask(self, text: str, content: str, tokens: list[int], offsets: list[tuple[int, int]]) -> list[bool]:
+        """Which tokens of the text an assistant turn adds train: from the token holding the content's first
+        character through the end-of-turn run that follows the content. Where the content is not in the text
+        verbatim (a template that rewrites it) or the tokenizer has no offsets, from the start."""
         start, end = _locate(text, content) if offsets else (0, 0)
         after = [i for i, t in enumerate(tokens) if t in self.end_of_turn and (not offsets or offsets[i][0] >= end)]
         last = after[0] if after else len(tokens) - 1
         while last + 1 < len(tokens) and tokens[last + 1] in self.end_of_turn:
             last += 1
         first = next((i for i, (_, stop) in enumerate(offsets) if stop > start), 0) if start else 0
-        return tokens, [first <= i <= last for i in range(len(tokens))]
+        return [first <= i <= last for i in range(len(tokens))]
 
     def encode(self, conversation: Conversation, image_lengths: Sequence[int], where: str) -> Encoded:
         """Token ids and labels; each image placeholder token is repeated `image_lengths[i]` times."""
@@ -589,11 +620,13 @@ class ChatEncoder:
         ids: list[int] = []
         labels: list[int] = []
         images = iter(image_lengths)
-        for text, trains, answer in pieces:
-            if trains and answer is not None and not self.train_on_prompt:
-                tokens, mask = self._answer(text, answer)
+        answers = [trains and answer is not None and not self.train_on_prompt for _, trains, answer in pieces]
+        encoded = self._tokenize([text for text, _, _ in pieces], answers)
+        for (text, trains, answer), is_answer, (tokens, offsets) in zip(pieces, answers, encoded):
+            if is_answer:
+                assert answer is not None
+                mask = self._answer_mask(text, answer, tokens, offsets)
             else:
-                tokens = self._tokens(text)
                 mask = [trains or self.train_on_prompt] * len(tokens)
             for token, train in zip(tokens, mask):
                 if token == self.image_token_id:

@@ -110,108 +110,33 @@ def _schema() -> Any:
     )
 
 
-class SFTDataset:
-    """Indexable samples of `sources` in order (see the module docstring); `stats` says what `overlength` did.
-
-    `cache_dir`: where the cache lives (`data.cache_dir`); None: a private temporary one, removed once mapped (one
-    process only). `group`: the process group whose ranks share the preprocessing (None: the default group, if any).
-    `found` says whether the cache was there already."""
+class RowEncoder:
+    """A row of a split to its sample (see the module docstring): converted, its images measured from their headers,
+    templated, labelled and cut to `max_seq_len` by `overlength`; what the cache writes and the stream
+    (`veomni_lite.data.streaming`) trains on."""
 
     def __init__(
         self,
-        sources: Sequence[Source],
         encoder: ChatEncoder,
         fmt: str,
         columns: Mapping[str, str],
         max_seq_len: int,
-        overlength: str = "truncate",
-        media_dir: str = "",
-        images: ImageProcessing | None = None,
-        cache_dir: str | Path | None = None,
-        group: Any = None,
-        what: str = "data.train_path",
+        overlength: str,
+        files: Sequence[Path],
+        media_dirs: Sequence[Path],
+        images: ImageProcessing | None,
     ) -> None:
         if overlength not in OVERLENGTH:
             raise DataError(f"data.overlength: {overlength!r} is not one of {list(OVERLENGTH)}")
-        self.sources = list(sources)
-        self.images = images
         self.encoder, self.fmt, self.columns = encoder, fmt, dict(columns)
         self.max_seq_len, self.overlength = max_seq_len, overlength
-        self.media_dirs = [Path(media_dir) if media_dir else source.path.parent for source in self.sources]
-        key = {
-            "version": sft_cache.CACHE_VERSION,
-            "code": sft_cache.code_hash(),
-            "files": [source.identity() for source in self.sources],
-            "format": fmt,
-            "columns": {**DEFAULT_COLUMNS, **columns},
-            "media_dirs": [str(d.resolve()) for d in self.media_dirs],
-            "tokenizer": tokenizer_hash(encoder.tokenizer),
-            "chat_template": encoder.template,
-            "image_token": encoder.image_token,
-            "end_of_turn": sorted(encoder.end_of_turn),
-            "train_on_prompt": encoder.train_on_prompt,
-            "image_processor": images.settings() if images is not None else None,
-            "max_seq_len": max_seq_len,
-            "overlength": overlength,
-        }
-        private = cache_dir is None
-        if private and sft_cache.group_size(group) > 1:
-            raise DataError(f"{what}: several ranks share the preprocessing through a cache_dir they all see; give one")
-        root = Path(tempfile.mkdtemp(prefix="veomni_lite_sft_")) if private else Path(cache_dir)
-        try:
-            self.directory, self.found = sft_cache.build(root, key, self._num_rows, self._write_shard, group, what)
-            meta, tables = sft_cache.open_shards(self.directory)
-        finally:
-            for source in self.sources:
-                source.close()
-            if private:
-                shutil.rmtree(root, ignore_errors=True)  # the mapped files stay readable until unmapped
-        counts = meta["counts"]
-        self.stats = LengthStats(counts["rows"], counts["truncated"], counts["dropped"])
-        self.files = [source.path for source in self.sources]
-        self._batches = [batch for table in tables for batch in table.to_batches()]
-        self._starts = numpy.cumsum([0] + [batch.num_rows for batch in self._batches])
-        self._views: dict[int, dict[str, numpy.ndarray]] = {}
-        if len(self) == 0:
-            raise DataError(f"{', '.join(str(s.path) for s in self.sources)}: no sample left ({self.stats})")
+        self.files, self.media_dirs, self.images = list(files), list(media_dirs), images
 
-    # ------------------------------------------------------------------ preprocessing (a cache miss)
-
-    def _num_rows(self) -> int:
-        return sum(source.num_rows for source in self.sources)
-
-    def _rows(self, start: int, stop: int) -> Iterator[tuple[int, int, dict[str, Any]]]:
-        """(source index, row, row) of the split's rows [start, stop), in file order."""
-        first = 0
-        for index, source in enumerate(self.sources):
-            count = source.num_rows
-            low, high = max(start - first, 0), min(stop - first, count)
-            if low < high:
-                for row_index, row in source.read(low, high):
-                    yield index, row_index, row
-            first += count
-
-    def _write_shard(self, start: int, stop: int, path: Path) -> dict[str, int]:
-        counts = {"rows": 0, "truncated": 0, "dropped": 0, "samples": 0}
-        sft_cache.write_batches(path, _schema(), self._encoded_batches(start, stop, counts))
-        return counts
-
-    def _encoded_batches(self, start: int, stop: int, counts: dict[str, int]) -> Iterator[dict[str, Any]]:
-        names = _schema().names
-        columns: dict[str, list[Any]] = {name: [] for name in names}
-        for index, row_index, row in self._rows(start, stop):
-            sample = self._encode(index, row_index, row, counts)
-            if sample is not None:
-                for name, value in zip(names, sample):
-                    columns[name].append(value)
-            if len(columns["row"]) == BATCH_ROWS:
-                yield columns
-                columns = {name: [] for name in columns}
-        if columns["row"] or not counts["samples"]:  # an empty shard still has its schema
-            yield columns
-
-    def _encode(self, index: int, row_index: int, row: Mapping[str, Any], counts: dict[str, int]) -> tuple | None:
-        where = row_name(self.sources[index].path, row_index)
+    def __call__(self, index: int, row_index: int, row: Mapping[str, Any], counts: dict[str, int]) -> tuple | None:
+        """The sample of row `row_index` of file `index` as the cache's columns (`_schema`: source, row, length,
+        input_ids, labels, images, image_tokens), or None where `overlength: drop` leaves it out; `counts` (rows,
+        truncated, dropped, samples) are updated."""
+        where = row_name(self.files[index], row_index)
         conversation = to_conversation(row, self.fmt, self.columns, where)
         references: list[dict[str, Any]] = []
         lengths: list[int] = []
@@ -254,6 +179,104 @@ class SFTDataset:
             position += image_lengths[kept]
             kept += 1
         return ids[:cut], labels[:cut], kept
+
+
+class SFTDataset:
+    """Indexable samples of `sources` in order (see the module docstring); `stats` says what `overlength` did.
+
+    `cache_dir`: where the cache lives (`data.cache_dir`); None: a private temporary one, removed once mapped (one
+    process only). `group`: the process group whose ranks share the preprocessing (None: the default group, if any).
+    `found` says whether the cache was there already."""
+
+    def __init__(
+        self,
+        sources: Sequence[Source],
+        encoder: ChatEncoder,
+        fmt: str,
+        columns: Mapping[str, str],
+        max_seq_len: int,
+        overlength: str = "truncate",
+        media_dir: str = "",
+        images: ImageProcessing | None = None,
+        cache_dir: str | Path | None = None,
+        group: Any = None,
+        what: str = "data.train_path",
+    ) -> None:
+        self.sources = list(sources)
+        self.images = images
+        self.media_dirs = [Path(media_dir) if media_dir else source.path.parent for source in self.sources]
+        self.files = [source.path for source in self.sources]
+        self.rows = RowEncoder(encoder, fmt, columns, max_seq_len, overlength, self.files, self.media_dirs, images)
+        key = {
+            "version": sft_cache.CACHE_VERSION,
+            "code": sft_cache.code_hash(),
+            "files": [source.identity() for source in self.sources],
+            "format": fmt,
+            "columns": {**DEFAULT_COLUMNS, **columns},
+            "media_dirs": [str(d.resolve()) for d in self.media_dirs],
+            "tokenizer": tokenizer_hash(encoder.tokenizer),
+            "chat_template": encoder.template,
+            "image_token": encoder.image_token,
+            "end_of_turn": sorted(encoder.end_of_turn),
+            "train_on_prompt": encoder.train_on_prompt,
+            "image_processor": images.settings() if images is not None else None,
+            "max_seq_len": max_seq_len,
+            "overlength": overlength,
+        }
+        private = cache_dir is None
+        if private and sft_cache.group_size(group) > 1:
+            raise DataError(f"{what}: several ranks share the preprocessing through a cache_dir they all see; give one")
+        root = Path(tempfile.mkdtemp(prefix="veomni_lite_sft_")) if private else Path(cache_dir)
+        try:
+            self.directory, self.found = sft_cache.build(root, key, self._num_rows, self._write_shard, group, what)
+            meta, tables = sft_cache.open_shards(self.directory)
+        finally:
+            for source in self.sources:
+                source.close()
+            if private:
+                shutil.rmtree(root, ignore_errors=True)  # the mapped files stay readable until unmapped
+        counts = meta["counts"]
+        self.stats = LengthStats(counts["rows"], counts["truncated"], counts["dropped"])
+        self._batches = [batch for table in tables for batch in table.to_batches()]
+        self._starts = numpy.cumsum([0] + [batch.num_rows for batch in self._batches])
+        self._views: dict[int, dict[str, numpy.ndarray]] = {}
+        if len(self) == 0:
+            raise DataError(f"{', '.join(str(s.path) for s in self.sources)}: no sample left ({self.stats})")
+
+    # ------------------------------------------------------------------ preprocessing (a cache miss)
+
+    def _num_rows(self) -> int:
+        return sum(source.num_rows for source in self.sources)
+
+    def _rows(self, start: int, stop: int) -> Iterator[tuple[int, int, dict[str, Any]]]:
+        """(source index, row, row) of the split's rows [start, stop), in file order."""
+        first = 0
+        for index, source in enumerate(self.sources):
+            count = source.num_rows
+            low, high = max(start - first, 0), min(stop - first, count)
+            if low < high:
+                for row_index, row in source.read(low, high):
+                    yield index, row_index, row
+            first += count
+
+    def _write_shard(self, start: int, stop: int, path: Path) -> dict[str, int]:
+        counts = {"rows": 0, "truncated": 0, "dropped": 0, "samples": 0}
+        sft_cache.write_batches(path, _schema(), self._encoded_batches(start, stop, counts))
+        return counts
+
+    def _encoded_batches(self, start: int, stop: int, counts: dict[str, int]) -> Iterator[dict[str, Any]]:
+        names = _schema().names
+        columns: dict[str, list[Any]] = {name: [] for name in names}
+        for index, row_index, row in self._rows(start, stop):
+            sample = self.rows(index, row_index, row, counts)
+            if sample is not None:
+                for name, value in zip(names, sample):
+                    columns[name].append(value)
+            if len(columns["row"]) == BATCH_ROWS:
+                yield columns
+                columns = {name: [] for name in columns}
+        if columns["row"] or not counts["samples"]:  # an empty shard still has its schema
+            yield columns
 
     # ------------------------------------------------------------------ reading (memory-mapped)
 
@@ -307,21 +330,38 @@ class SFTDataset:
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         ids, labels = self.tokens(index)
-        out = {
-            "input_ids": torch.from_numpy(ids.astype(numpy.int64)),
-            "labels": torch.from_numpy(labels.astype(numpy.int64)),
-        }
         references, tokens = self.image_references(index)
-        if references:
-            assert self.images is not None
-            where = self.where(index)
-            out.update(self.images([open_image(reference, where) for reference in references]))
-            if self.images.token_counts(out["image_grid_thw"]) != tokens:
-                raise DataError(
-                    f"{where}: its images now take {self.images.token_counts(out['image_grid_thw'])} tokens, the "
-                    f"cache {self.directory} has {tokens}: an image file changed since; delete that directory"
-                )
-        return out
+        where = self.where(index) if references else ""
+        origin = f"the cache {self.directory}"
+        return sample_tensors(ids, labels, references, tokens, self.images, where, origin, "; delete that directory")
 
     def trained_tokens(self, index: int) -> int:
         return int((self.tokens(index)[1] != IGNORE_INDEX).sum())
+
+
+def sample_tensors(
+    ids: numpy.ndarray,
+    labels: numpy.ndarray,
+    references: list[dict[str, Any]],
+    tokens: list[int],
+    images: ImageProcessing | None,
+    where: str,
+    origin: str,
+    remedy: str = "",
+) -> dict[str, torch.Tensor]:
+    """What the collator takes of a sample: `input_ids` and `labels` (int64) and, for images, the image processor's
+    `pixel_values` and `image_grid_thw`, decoded here; images whose token counts are no longer the `tokens` that
+    `origin` holds (a file changed since) are a DataError naming the row (and `remedy`)."""
+    out = {
+        "input_ids": torch.from_numpy(ids.astype(numpy.int64)),
+        "labels": torch.from_numpy(labels.astype(numpy.int64)),
+    }
+    if references:
+        assert images is not None
+        out.update(images([open_image(reference, where) for reference in references]))
+        if images.token_counts(out["image_grid_thw"]) != tokens:
+            raise DataError(
+                f"{where}: its images now take {images.token_counts(out['image_grid_thw'])} tokens, {origin} has "
+                f"{tokens}: an image file changed since{remedy}"
+            )
+    return out

@@ -227,6 +227,13 @@ class BaseTrainer(ABC):
         if not self.is_main:
             return
         train, optim = self.config.train, self.config.optim
+        if self.loader.steps_per_epoch is None:  # a stream (data.streaming): epochs of unknown length
+            logger.info(
+                "run: %d optimizer steps of train.global_batch_size %d streamed samples; lr %g, %s schedule, %d warmup "
+                "steps", self.max_steps, train.global_batch_size, optim.lr, optim.schedule,
+                warmup_steps(optim, self.max_steps),
+            )  # fmt: skip
+            return
         samples, per_epoch = len(self.train_dataset), self.loader.steps_per_epoch
         length = f"train.epochs {train.epochs}" if train.epochs else f"{self.max_steps / per_epoch:.3g} epochs"
         logger.info(

@@ -7,7 +7,8 @@ tokenizer with its chat template (or `data.chat_template`) and image processor. 
 `veomni_lite.data.sft`), or `data.sources` several weighted ones (`veomni_lite.data.mixture`). The rows are
 preprocessed once into `data.cache_dir` (`veomni_lite.data.sft_cache`: the ranks share the rows; a later run or a
 resume reads the cache), every row checked, the same error on every rank; the rows truncated or dropped by
-`data.overlength` are logged. Besides the eval losses, `eval/answer_accuracy` is the share of eval
+`data.overlength` are logged. With `data.streaming` the training files are read while training instead
+(`veomni_lite.data.streaming`). Besides the eval losses, `eval/answer_accuracy` is the share of eval
 samples whose every trained token the model predicts greedily. `data.packing` and `data.max_tokens_per_micro_batch`
 apply (text and the vision-language families). Entry point: `trainers/train_sft.py`.
 """
@@ -23,10 +24,11 @@ import torch
 
 from veomni_lite.data.checks import DataError
 from veomni_lite.data.collator import collate
-from veomni_lite.data.loader import epoch_size
+from veomni_lite.data.loader import MicroBatchLoader, epoch_size
 from veomni_lite.data.mixture import WeightedMixture, hold_out
 from veomni_lite.data.sft import ChatEncoder, override_template, read_sources
 from veomni_lite.data.sft_dataset import ImageProcessing, SFTDataset
+from veomni_lite.data.streaming import SampleStream, StreamingLoader
 from veomni_lite.distributed.collectives import agree, all_reduce
 from veomni_lite.export import copy_tokenizer_files
 from veomni_lite.loss_keys import IGNORE_INDEX, SEQUENCE_IDS, is_labels_key
@@ -89,9 +91,10 @@ def cache_dir(config: Any) -> Path:
 
 
 def build_sft_data(config: Any, group: Any = None) -> tuple[Any, Any, Any, SFTDataset | None, Any]:
-    """(model config, tokenizer, train dataset (a `WeightedMixture` with `data.sources`), eval dataset or None,
-    image processing or None) from the config, through the cache (`data.cache_dir`). Collective over `group` when
-    several ranks call it: they share the preprocessing, and every error is raised on every rank."""
+    """(model config, tokenizer, train dataset (a `WeightedMixture` with `data.sources`, a `SampleStream` with
+    `data.streaming`), eval dataset or None, image processing or None) from the config, through the cache
+    (`data.cache_dir`). Collective over `group` when several ranks call it: they share the preprocessing, and every
+    error is raised on every rank."""
     problem: Exception | None = None
     try:
         model_config, tokenizer, images, encoder, splits = _read_sft_inputs(config)
@@ -100,12 +103,22 @@ def build_sft_data(config: Any, group: Any = None) -> tuple[Any, Any, Any, SFTDa
     agree(problem, DataError, group, where="SFT data: ")
     data = config.data
     common = {"max_seq_len": _max_seq_len(data), "overlength": data.overlength, "images": images}
-    common |= {"cache_dir": cache_dir(config), "group": group}
-    built = {name: SFTDataset(sources, encoder, **options, **common, what=name) for name, sources, options, _ in splits}
+    cached = {"cache_dir": cache_dir(config), "group": group}
+    stream = None
+    if data.streaming:  # the training files read while training (veomni_lite.data.streaming); eval through the cache
+        name, sources, options, _ = splits.pop(0)  # data.train_path (config validation refuses data.sources)
+        window, seed = data.shuffle_window, config.train.seed
+        stream = SampleStream(sources, encoder, **options, **common, window=window, seed=seed, what=name)
+    built = {
+        name: SFTDataset(sources, encoder, **options, **common, **cached, what=name)
+        for name, sources, options, _ in splits
+    }
     evaluation = built.pop("data.eval_path", None)
-    if data.sources:
+    if stream is not None:
+        train: Any = stream
+    elif data.sources:
         weights = [weight for name, _, _, weight in splits if name in built]
-        train: Any = WeightedMixture(list(built.values()), weights, list(built))
+        train = WeightedMixture(list(built.values()), weights, list(built))
     else:
         train = built["data.train_path"]
     return model_config, tokenizer, train, evaluation, images
@@ -176,8 +189,8 @@ class SFTTrainer(BaseTrainer):
                 why = "evaluation off: train.eval_interval or train.eval_batches is 0"
             else:
                 why = "eval: data.eval_path" if data.eval_path else f"data.eval_fraction {data.eval_fraction}"
-            trains = epoch_size(dataset)
-            logger.info("SFT data: train %s; %d samples train, %d held out (%s)", stats, trains, held_out, why)
+            trains = "streamed" if isinstance(dataset, SampleStream) else f"{epoch_size(dataset)} samples train"
+            logger.info("SFT data: train %s; %s, %d held out (%s)", stats, trains, held_out, why)
             if data.eval_path and evaluation is not None:
                 logger.info("SFT data: eval %s%s", evaluation.stats, "" if evaluates else " (unused: evaluation off)")
         held = epoch_size(evaluation) if evaluation is not None else 0
@@ -186,12 +199,25 @@ class SFTTrainer(BaseTrainer):
                 f"the eval set has {held} samples, fewer than one eval batch (train.global_batch_size = "
                 f"{train.global_batch_size}); add eval data, raise data.eval_fraction or set train.eval_batches: 0"
             )
-        if epoch_size(dataset) < train.global_batch_size:
+        streamed = isinstance(dataset, SampleStream)  # no length to check: a stream refuses a pass under one batch
+        if not streamed and epoch_size(dataset) < train.global_batch_size:
             raise DataError(
                 f"the training set has {epoch_size(dataset)} samples per epoch, fewer than train.global_batch_size "
                 f"({train.global_batch_size})"
             )
         return dataset, evaluation if evaluates else None
+
+    def _make_loader(
+        self, dataset: Any, seed: int, prefetch_steps: int = 0, token_budget: bool = False
+    ) -> MicroBatchLoader | StreamingLoader:
+        """A `StreamingLoader` for the stream of `data.streaming` (its seed is `train.seed`), else the base loader."""
+        if not isinstance(dataset, SampleStream):
+            return super()._make_loader(dataset, seed, prefetch_steps, token_budget)
+        train, data = self.config.train, self.config.data
+        return StreamingLoader(
+            dataset, self.collate, train.global_batch_size, train.micro_batch_size, self.parallel.dp_size,
+            self.parallel.dp_rank, prefetch_steps, data.max_tokens_per_micro_batch if token_budget else 0, data.packing,
+        )  # fmt: skip
 
     def build_model(self) -> Any:
         return self.pretrained_model(self.config.model.pretrained_dir)
