@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_helpers import counting_calls, run_distributed
-from veomni_lite.distributed.collectives import agree, all_reduce
+from veomni_lite.distributed.collectives import agree, all_reduce, name_problems
 
 
 def test_without_process_group_returns_local_values():
@@ -88,6 +88,10 @@ def test_agree_raises_the_same_error_naming_the_rank_and_cause_on_every_rank_whe
         assert out["error"] == "step 2: rank 1: sample 7 has 40 tokens", out
         assert out["calls"] == (2, 1), "a problem: the same all-reduce, then one gather of the causes"
         assert out["cause"] == ("ValueError" if rank == 1 else "NoneType")
+
+
+def test_problems_are_named_with_the_ranks_that_share_a_message():
+    assert name_problems({3: "b", 0: "a", 1: "a"}) == "ranks 0, 1: a; rank 3: b"
 
 
 def test_agree_without_a_process_group_raises_the_local_problem():

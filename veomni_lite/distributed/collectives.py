@@ -145,6 +145,15 @@ def agree(
     `flags` reduced by MAX (other agreed values folded into the same all-reduce)."""
     problems, reduced = rank_problems(problem, group, flags)
     if problems:
-        causes = "; ".join(f"rank {rank}: {message}" for rank, message in sorted(problems.items()))
-        raise error(where + causes) from (problem if isinstance(problem, BaseException) else None)
+        raise error(where + name_problems(problems)) from (problem if isinstance(problem, BaseException) else None)
     return reduced
+
+
+def name_problems(problems: dict[int, str]) -> str:
+    """`rank_problems`' result in words, ranks with the same message together: "ranks 0, 1: cause; rank 3: other"."""
+    ranks: dict[str, list[int]] = {}
+    for rank, message in sorted(problems.items()):
+        ranks.setdefault(message, []).append(rank)
+    return "; ".join(
+        f"rank{'s' if len(who) > 1 else ''} {', '.join(map(str, who))}: {message}" for message, who in ranks.items()
+    )

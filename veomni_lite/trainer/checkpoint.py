@@ -39,7 +39,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from veomni_lite.distributed.collectives import agree, all_gather_objects, all_reduce, rank_problems
+from veomni_lite.distributed.collectives import agree, all_gather_objects, all_reduce, name_problems, rank_problems
 from veomni_lite.trainer.safe_load import (
     RefusedFileError,
     SafeFileSystemReader,
@@ -60,10 +60,6 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled", categ
 
 class CheckpointError(RuntimeError):
     """A checkpoint directory that cannot be used; the message names it."""
-
-
-def _named(problems: dict[int, str]) -> str:
-    return "; ".join(f"rank {rank}: {message}" for rank, message in sorted(problems.items()))
 
 
 def _describe(exc: BaseException) -> str:
@@ -234,7 +230,7 @@ class CheckpointManager:
         for step, path in reversed(self.agreed_checkpoints() if checkpoints is None else checkpoints):
             problem, metadata, trainer_state, rank_state = self._read_small_files(path)
             if problems := rank_problems(problem)[0]:
-                self._skip(path, _named(problems), on_skip)
+                self._skip(path, name_problems(problems), on_skip)
                 continue
             model_sd, optim_sd = get_state_dict(model, optimizer, options=self._options)
             saved_settings = trainer_state.get("config", {}).get("model", {})
@@ -247,7 +243,7 @@ class CheckpointManager:
                 # (DCP's CheckpointException derives from BaseException.)
                 problem = _describe(exc)
             if problems := rank_problems(problem)[0]:
-                self._skip(path, _named(problems), on_skip)
+                self._skip(path, name_problems(problems), on_skip)
                 continue
             loaded = {"model_state_dict": state["model"], "optim_state_dict": state["optim"]}
             set_state_dict(model, optimizer, **loaded, options=self._options)
