@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, Subset
 from veomni_lite.data.checks import DataError
 from veomni_lite.data.packing import plan_micro_batches
 
-__all__ = ["MicroBatchLoader", "epoch_size"]
+__all__ = ["MicroBatchLoader", "StepLoader", "epoch_size"]
 
 
 class IndexableDataset(Protocol):
@@ -55,7 +55,96 @@ def sample_length(dataset: Any, index: int) -> int:
     return int(length(index)) if callable(length) else int(dataset[index]["input_ids"].numel())
 
 
-class MicroBatchLoader:
+class StepLoader:
+    """What both loaders share (`MicroBatchLoader`, `veomni_lite.data.streaming.StreamingLoader`): the sizes checked,
+    a step's global batch cut into this rank's micro-batches (`share`), the steps produced in order by `_produce`,
+    `prefetch_steps` of them ahead on a background thread, `close`."""
+
+    def __init__(
+        self,
+        collate_fn: Callable[[Sequence[Mapping[str, Tensor]]], MicroBatch],
+        global_batch_size: int,
+        micro_batch_size: int,
+        dp_size: int,
+        dp_rank: int,
+        prefetch_steps: int,
+        max_tokens: int,
+        packing: bool,
+    ) -> None:
+        if min(global_batch_size, micro_batch_size, dp_size) < 1:
+            raise ValueError(
+                f"global_batch_size ({global_batch_size}), micro_batch_size ({micro_batch_size}) and dp_size "
+                f"({dp_size}) must be >= 1"
+            )
+        if max_tokens and global_batch_size % dp_size:
+            raise ValueError(f"global_batch_size ({global_batch_size}) must be divisible by dp_size ({dp_size})")
+        if not max_tokens and global_batch_size % (micro_batch_size * dp_size) != 0:
+            raise ValueError(
+                f"global_batch_size ({global_batch_size}) must be divisible by micro_batch_size ({micro_batch_size}) "
+                f"x dp_size ({dp_size}) = {micro_batch_size * dp_size}"
+            )
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank ({dp_rank}) must be in [0, dp_size ({dp_size}))")
+        self.collate_fn = collate_fn
+        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
+        self.dp_size, self.dp_rank = dp_size, dp_rank
+        self.max_tokens, self.packing = max_tokens, packing
+        self.grad_accum = global_batch_size // (micro_batch_size * dp_size)  # without a token budget
+        self.step = 0  # steps produced so far
+        self.prefetch_steps = prefetch_steps
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch") if prefetch_steps > 0 else None
+        self._ahead: dict[int, Future[list[MicroBatch]]] = {}
+
+    def share(self, step: int, batch: Sequence[Any], length: Callable[[Any], int]) -> list[list[Any]]:
+        """This rank's dp block of step `step`'s global `batch`, one list per micro-batch: `micro_batch_size` items
+        each, or planned by the token budget (`length(item)`: its tokens)."""
+        per_rank = self.global_batch_size // self.dp_size
+        mine = list(batch[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank])
+        if self.max_tokens:
+            where = f"step {step + 1}, dp rank {self.dp_rank}: "
+            plan = plan_micro_batches([length(item) for item in mine], self.max_tokens, self.packing, where)
+            return [[mine[j] for j in micro_batch] for micro_batch in plan]
+        mbs = self.micro_batch_size
+        return [mine[i * mbs : (i + 1) * mbs] for i in range(self.grad_accum)]
+
+    def _produce(self, step: int) -> list[MicroBatch]:
+        """Step `step`'s collated micro-batches for this rank (steps are asked for in order)."""
+        raise NotImplementedError
+
+    def next_step(self) -> list[MicroBatch]:
+        """The rank's micro-batches for the next optimizer step."""
+        if self._pool is None:
+            micro_batches = self._produce(self.step)
+        else:
+            for step in range(self.step, self.step + self.prefetch_steps + 1):
+                if step not in self._ahead:
+                    self._ahead[step] = self._pool.submit(self._produce, step)
+            micro_batches = self._ahead.pop(self.step).result()
+        self.step += 1
+        return micro_batches
+
+    def __iter__(self) -> Iterator[list[MicroBatch]]:
+        return self
+
+    def __next__(self) -> list[MicroBatch]:
+        return self.next_step()
+
+    def _drain(self) -> None:
+        """Forget the steps fetched ahead (letting a running fetch finish first: it may be reading the source)."""
+        for future in self._ahead.values():
+            if not future.cancel():
+                future.exception()
+        self._ahead.clear()
+
+    def close(self) -> None:
+        """Stop the prefetch thread (idempotent)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+            self._ahead.clear()
+
+
+class MicroBatchLoader(StepLoader):
     """Yields, per optimizer step, this rank's list of `grad_accum` collated micro-batches (an endless iterator)."""
 
     def __init__(
@@ -73,42 +162,18 @@ class MicroBatchLoader:
         num_workers: int = 0,
         pin_memory: bool = False,
     ) -> None:
-        if min(global_batch_size, micro_batch_size, dp_size) < 1:
-            raise ValueError(
-                f"global_batch_size ({global_batch_size}), micro_batch_size ({micro_batch_size}) and dp_size "
-                f"({dp_size}) must be >= 1"
-            )
-        if max_tokens and global_batch_size % dp_size:
-            raise ValueError(f"global_batch_size ({global_batch_size}) must be divisible by dp_size ({dp_size})")
-        if not max_tokens and global_batch_size % (micro_batch_size * dp_size) != 0:
-            raise ValueError(
-                f"global_batch_size ({global_batch_size}) must be divisible by micro_batch_size ({micro_batch_size}) "
-                f"x dp_size ({dp_size}) = {micro_batch_size * dp_size}"
-            )
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank ({dp_rank}) must be in [0, dp_size ({dp_size}))")
+        super().__init__(
+            collate_fn, global_batch_size, micro_batch_size, dp_size, dp_rank, prefetch_steps, max_tokens, packing
+        )
         self.samples_per_epoch = epoch_size(dataset)
         if self.samples_per_epoch < global_batch_size:
             raise ValueError(
                 f"dataset has {self.samples_per_epoch} samples per epoch, fewer than global_batch_size "
                 f"({global_batch_size})"
             )
-        self.dataset = dataset
-        self.collate_fn = collate_fn
-        self.global_batch_size = global_batch_size
-        self.micro_batch_size = micro_batch_size
-        self.dp_size = dp_size
-        self.dp_rank = dp_rank
-        self.seed = seed
-        self.grad_accum = global_batch_size // (micro_batch_size * dp_size)  # without a token budget
-        self.max_tokens = max_tokens
-        self.packing = packing
+        self.dataset, self.seed = dataset, seed
         self.steps_per_epoch = self.samples_per_epoch // global_batch_size
-        self.step = 0  # steps produced so far
         self._order: tuple[int, Tensor] = (-1, torch.empty(0, dtype=torch.long))  # one tuple: swapped atomically
-        self.prefetch_steps = prefetch_steps
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch") if prefetch_steps > 0 else None
-        self._ahead: dict[int, Future[list[MicroBatch]]] = {}
         self.num_workers, self.pin_memory = num_workers, pin_memory
         self._feed: Iterator[MicroBatch] | None = None  # the workers' micro-batches, from step `_feed_step` on
         self._feed_step = -1
@@ -137,15 +202,7 @@ class MicroBatchLoader:
 
     def rank_indices(self, step: int) -> list[list[int]]:
         """This rank's dataset indices of `step`, one list per micro-batch."""
-        per_rank = self.global_batch_size // self.dp_size
-        mine = self.global_indices(step)[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
-        if self.max_tokens:
-            lengths = [sample_length(self.dataset, i) for i in mine]
-            where = f"step {step + 1}, dp rank {self.dp_rank}: "
-            plan = plan_micro_batches(lengths, self.max_tokens, self.packing, where)
-            return [[mine[j] for j in micro_batch] for micro_batch in plan]
-        mbs = self.micro_batch_size
-        return [mine[i * mbs : (i + 1) * mbs] for i in range(self.grad_accum)]
+        return self.share(step, self.global_indices(step), lambda index: sample_length(self.dataset, index))
 
     def _plans(self, first: int) -> Iterator[list[int]]:
         """Every micro-batch's indices from step `first` on, in order (what the workers read)."""
@@ -154,7 +211,7 @@ class MicroBatchLoader:
             yield from self.rank_indices(step)
             step += 1
 
-    def _collate(self, step: int) -> list[MicroBatch]:
+    def _produce(self, step: int) -> list[MicroBatch]:
         indices = self.rank_indices(step)
         if not self.num_workers:
             return [self.collate_fn([self.dataset[i] for i in chunk]) for chunk in indices]
@@ -178,24 +235,10 @@ class MicroBatchLoader:
         self._feed, self._feed_step = iter(loader), self.step
 
     def next_step(self) -> list[MicroBatch]:
-        """The rank's `grad_accum` micro-batches for the next optimizer step."""
+        """The rank's micro-batches for the next optimizer step (the workers start at the first)."""
         if self.num_workers and self._feed is None:
             self._start_workers()
-        if self._pool is None:
-            micro_batches = self._collate(self.step)
-        else:
-            for step in range(self.step, self.step + self.prefetch_steps + 1):
-                if step not in self._ahead:
-                    self._ahead[step] = self._pool.submit(self._collate, step)
-            micro_batches = self._ahead.pop(self.step).result()
-        self.step += 1
-        return micro_batches
-
-    def __iter__(self) -> Iterator[list[MicroBatch]]:
-        return self
-
-    def __next__(self) -> list[MicroBatch]:
-        return self.next_step()
+        return super().next_step()
 
     def state_dict(self) -> dict[str, Any]:
         state = {"step": self.step, "seed": self.seed, "global_batch_size": self.global_batch_size}
@@ -219,19 +262,9 @@ class MicroBatchLoader:
         self._stop_workers()  # they read ahead from the old step
         self.step = int(state["step"])
 
-    def _drain(self) -> None:
-        """Forget the steps fetched ahead (letting a running fetch finish first: it may be reading the workers)."""
-        for future in self._ahead.values():
-            if not future.cancel():
-                future.exception()
-        self._ahead.clear()
-
     def close(self) -> None:
         """Stop the prefetch thread and the workers (idempotent)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
-            self._ahead.clear()
+        super().close()
         self._stop_workers()
 
     def _stop_workers(self) -> None:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,14 +41,12 @@ import torch
 from torch import Tensor
 
 from veomni_lite.data.checks import DataError
+from veomni_lite.data.loader import MicroBatch, StepLoader
 from veomni_lite.data.mixture import seeded_generator
-from veomni_lite.data.packing import plan_micro_batches
 from veomni_lite.data.sft import ChatEncoder, Source, row_name
 from veomni_lite.data.sft_dataset import ImageProcessing, RowEncoder, sample_tensors
 
 __all__ = ["SampleStream", "StreamingLoader"]
-
-MicroBatch = dict[str, Tensor]
 
 
 @dataclass(frozen=True)
@@ -190,7 +187,7 @@ class SampleStream:
         return last is not None
 
 
-class StreamingLoader:
+class StreamingLoader(StepLoader):
     """Per optimizer step, this rank's list of collated micro-batches of the stream's next global batch (an endless
     iterator; see the module docstring). The interface of `MicroBatchLoader` (`next_step`, `step`, `epoch`,
     `state_dict`, `load_state_dict`, `close`); `steps_per_epoch` is None: a stream has no known length. With
@@ -209,29 +206,15 @@ class StreamingLoader:
         max_tokens: int = 0,
         packing: bool = False,
     ) -> None:
-        if min(global_batch_size, micro_batch_size, dp_size) < 1:
-            raise ValueError(
-                f"global_batch_size ({global_batch_size}), micro_batch_size ({micro_batch_size}) and dp_size "
-                f"({dp_size}) must be >= 1"
-            )
-        per_step = dp_size if max_tokens else micro_batch_size * dp_size
-        if global_batch_size % per_step:
-            raise ValueError(f"global_batch_size ({global_batch_size}) must be divisible by {per_step}")
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank ({dp_rank}) must be in [0, dp_size ({dp_size}))")
-        self.stream, self.collate_fn = stream, collate_fn
-        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
-        self.dp_size, self.dp_rank = dp_size, dp_rank
-        self.max_tokens, self.packing = max_tokens, packing
+        super().__init__(
+            collate_fn, global_batch_size, micro_batch_size, dp_size, dp_rank, prefetch_steps, max_tokens, packing
+        )
+        self.stream = stream
         self.steps_per_epoch: int | None = None
-        self.step = 0  # steps handed out
         self._lock = threading.Lock()  # the marks are written by the prefetch thread, read by `state_dict`
         # step -> the stream's position before it, and the epoch of the step before it (what a resume needs)
         self._marks: dict[int, dict[str, int]] = {0: {**stream.position(), "last_epoch": 0}}
         self._epochs: dict[int, int] = {}  # step -> its epoch
-        self.prefetch_steps = prefetch_steps
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch") if prefetch_steps > 0 else None
-        self._ahead: dict[int, Future[list[MicroBatch]]] = {}
 
     @property
     def epoch(self) -> int:
@@ -251,34 +234,8 @@ class StreamingLoader:
             for old in [k for k in self._marks if k < oldest]:
                 del self._marks[old]
                 self._epochs.pop(old, None)
-        per_rank = self.global_batch_size // self.dp_size
-        mine = samples[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
-        if self.max_tokens:
-            lengths = [len(sample.input_ids) for sample in mine]
-            where = f"step {step + 1}, dp rank {self.dp_rank}: "
-            plan = plan_micro_batches(lengths, self.max_tokens, self.packing, where)
-        else:
-            size = self.micro_batch_size
-            plan = [list(range(first, first + size)) for first in range(0, per_rank, size)]
-        return [self.collate_fn([self.stream.tensors(mine[j]) for j in chunk]) for chunk in plan]
-
-    def next_step(self) -> list[MicroBatch]:
-        """The rank's micro-batches for the next optimizer step."""
-        if self._pool is None:
-            micro_batches = self._produce(self.step)
-        else:
-            for step in range(self.step, self.step + self.prefetch_steps + 1):
-                if step not in self._ahead:
-                    self._ahead[step] = self._pool.submit(self._produce, step)
-            micro_batches = self._ahead.pop(self.step).result()
-        self.step += 1
-        return micro_batches
-
-    def __iter__(self) -> Iterator[list[MicroBatch]]:
-        return self
-
-    def __next__(self) -> list[MicroBatch]:
-        return self.next_step()
+        plan = self.share(step, samples, lambda sample: len(sample.input_ids))
+        return [self.collate_fn([self.stream.tensors(sample) for sample in chunk]) for chunk in plan]
 
     def state_dict(self) -> dict[str, Any]:
         """The step, the stream's identity, and its position before each step not yet trained (`marks`: [step,
@@ -314,17 +271,3 @@ class StreamingLoader:
             self.step = step
             self._marks = {step: dict(marks[step])}
             self._epochs = {step - 1: int(marks[step]["last_epoch"])}
-
-    def _drain(self) -> None:
-        """Forget the steps read ahead (letting a running read finish first: it uses the stream)."""
-        for future in self._ahead.values():
-            if not future.cancel():
-                future.exception()
-        self._ahead.clear()
-
-    def close(self) -> None:
-        """Stop the prefetch thread (idempotent)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
-            self._ahead.clear()
