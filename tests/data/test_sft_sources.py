@@ -21,7 +21,10 @@ TAG = re.compile(r"source (\d+) row (\d+)\b")
 
 
 class Recording(SFTTrainer):
-    """Records, per trained step, the (source, row) of every sample in this rank's micro-batches, from their tokens."""
+    """Records, per trained step, the (source, row) of every sample in this rank's micro-batches, from their tokens
+    (`tag`: the pattern that writes them in each row's text)."""
+
+    tag = TAG
 
     def train_step(self, micro_batches):
         self.seen = getattr(self, "seen", [])
@@ -29,7 +32,7 @@ class Recording(SFTTrainer):
         for micro_batch in micro_batches:
             for ids in micro_batch["input_ids"]:
                 text = self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
-                step += [(int(s), int(r)) for s, r in TAG.findall(text)]
+                step += [(int(s), int(r)) for s, r in self.tag.findall(text)]
         self.seen.append(step)
         super().train_step(micro_batches)
 

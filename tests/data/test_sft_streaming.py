@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from examples.sft_demo import write_text_model
+from tests.data.test_sft_sources import Recording as SourcesRecording
 from tests.dist_helpers import run_distributed, run_ranks
 from veomni_lite.config import ConfigError, load_config
 from veomni_lite.data.checks import DataError
@@ -23,7 +24,6 @@ from veomni_lite.data.sft import ChatEncoder, read_sources
 from veomni_lite.data.sft_dataset import SFTDataset
 from veomni_lite.data.streaming import SampleStream, StreamingLoader
 from veomni_lite.models.pretrained import load_tokenizer
-from veomni_lite.trainer.sft import SFTTrainer
 
 REPO = Path(__file__).resolve().parents[2]
 TAG = re.compile(r"file (\d) row (\d+)\b")
@@ -264,18 +264,8 @@ def test_the_config_refuses_what_a_stream_cannot_do():
 # ---------------------------------------------------------------- through the real trainer on gloo ranks
 
 
-class Recording(SFTTrainer):
-    """Records, per trained step, the (file, row) of every sample in this rank's micro-batches, from their tokens."""
-
-    def train_step(self, micro_batches):
-        self.seen = getattr(self, "seen", [])
-        step = []
-        for micro_batch in micro_batches:
-            for ids in micro_batch["input_ids"]:
-                text = self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
-                step += [(int(f), int(r)) for f, r in TAG.findall(text)]
-        self.seen.append(step)
-        super().train_step(micro_batches)
+class Recording(SourcesRecording):
+    tag = TAG  # (file, row) of every sample
 
 
 def _run(rank: int, world_size: int, model: Path, paths: list[Path], out: Path, steps: int, *extra: str) -> dict:
