@@ -122,15 +122,17 @@ class RowEncoder:
         columns: Mapping[str, str],
         max_seq_len: int,
         overlength: str,
-        files: Sequence[Path],
-        media_dirs: Sequence[Path],
+        sources: Sequence[Source],
+        media_dir: str,
         images: ImageProcessing | None,
     ) -> None:
         if overlength not in OVERLENGTH:
             raise DataError(f"data.overlength: {overlength!r} is not one of {list(OVERLENGTH)}")
         self.encoder, self.fmt, self.columns = encoder, fmt, dict(columns)
-        self.max_seq_len, self.overlength = max_seq_len, overlength
-        self.files, self.media_dirs, self.images = list(files), list(media_dirs), images
+        self.max_seq_len, self.overlength, self.images = max_seq_len, overlength, images
+        self.files = [source.path for source in sources]
+        # image paths resolve against `media_dir`, else each file's own directory
+        self.media_dirs = [Path(media_dir) if media_dir else path.parent for path in self.files]
 
     def __call__(self, index: int, row_index: int, row: Mapping[str, Any], counts: dict[str, int]) -> tuple | None:
         """The sample of row `row_index` of file `index` as the cache's columns (`_schema`: source, row, length,
@@ -204,9 +206,8 @@ class SFTDataset:
     ) -> None:
         self.sources = list(sources)
         self.images = images
-        self.media_dirs = [Path(media_dir) if media_dir else source.path.parent for source in self.sources]
-        self.files = [source.path for source in self.sources]
-        self.rows = RowEncoder(encoder, fmt, columns, max_seq_len, overlength, self.files, self.media_dirs, images)
+        self.rows = RowEncoder(encoder, fmt, columns, max_seq_len, overlength, self.sources, media_dir, images)
+        self.files, self.media_dirs = self.rows.files, self.rows.media_dirs
         key = {
             "version": sft_cache.CACHE_VERSION,
             "code": sft_cache.code_hash(),

@@ -33,7 +33,6 @@ import itertools
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy
@@ -81,9 +80,7 @@ class SampleStream:
         if window < 1:
             raise DataError(f"data.shuffle_window: must be >= 1, got {window}")
         self.sources, self.window, self.seed, self.what = list(sources), window, seed, what
-        files = [source.path for source in self.sources]
-        media_dirs = [Path(media_dir) if media_dir else path.parent for path in files]
-        self.rows = RowEncoder(encoder, fmt, columns, max_seq_len, overlength, files, media_dirs, images)
+        self.rows = RowEncoder(encoder, fmt, columns, max_seq_len, overlength, self.sources, media_dir, images)
         self.counts = {"rows": 0, "truncated": 0, "dropped": 0, "samples": 0}  # what this process has read
         self._epoch, self._start, self._taken = 0, (0, 0), 0
         self._after = (0, 0)  # where the window after the current one starts
