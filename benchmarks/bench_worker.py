@@ -29,6 +29,7 @@ from harness import MicroBatch, OpCounter, make_steps, timed_reps, vlm_dataset
 from examples.attention import causal_attention
 from examples.tiny_lm import TinyLMConfig, set_attention_fn
 from examples.tiny_vlm import TinyVLM, TinyVLMConfig
+from veomni_lite.distributed.collectives import destroy_process_groups
 from veomni_lite.distributed.parallel_state import destroy_parallel_state, init_parallel_state
 from veomni_lite.distributed.sequence_parallel import ulysses_attention
 from veomni_lite.utils.loss_utils import count_loss_token, reset_loss_memo
@@ -156,7 +157,7 @@ def main() -> None:
     if rank == 0:
         Path(args.out).write_text(json.dumps({"world": world, "records": records}))
     dist.barrier()
-    dist.destroy_process_group()
+    destroy_process_groups()
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from tests.dist_helpers import counting_calls
 from tests.integrations.hf_cases import build, collate, samples, tokenizer, z_loss_func
+from veomni_lite.distributed.collectives import destroy_process_groups
 from veomni_lite.integrations.hf import ExactLossTrainer, exact_loss
 from veomni_lite.utils import loss_utils
 
@@ -126,6 +127,7 @@ def main() -> None:
     for kind in kinds:
         for name, trainer_class in trainers(kind, "--trl" in sys.argv).items():
             torch.save(train(kind, trainer_class, out, rank), out / f"{kind}-{name}-{rank}.pt")
+    destroy_process_groups()
 
 
 if __name__ == "__main__":

@@ -10,10 +10,12 @@ Contract:
 - A failed or timed-out collective raises CollectiveError naming the rank, the op, shape and dtype.
 
 `all_gather_objects` gathers one picklable value per rank, for error paths that every rank reaches together.
+`destroy_process_groups` is how a process run by torchrun tears them down before it exits.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from numbers import Number
 from typing import Any
@@ -157,3 +159,14 @@ def name_problems(problems: dict[int, str]) -> str:
     return "; ".join(
         f"rank{'s' if len(who) > 1 else ''} {', '.join(map(str, who))}: {message}" for message, who in ranks.items()
     )
+
+
+def destroy_process_groups() -> None:
+    """Destroy every process group (when one is up), then sleep 50 ms with the GIL released.
+
+    Why the sleep: a gloo worker thread drops a finished collective's tensors just after `wait()` returned, and that
+    needs the GIL. If it asks for it once the interpreter is finalizing, the process aborts with "terminate called
+    without an active exception" (pytorch/pytorch#179291: one torchrun exit in four did, here, without it)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        time.sleep(0.05)

@@ -41,7 +41,7 @@ from veomni_lite.config import Config, ConfigError, OptimConfig
 from veomni_lite.data.checks import DataError, validate_micro_batch
 from veomni_lite.data.loader import MicroBatchLoader
 from veomni_lite.data.packing import padding_micro_batch
-from veomni_lite.distributed.collectives import agree, all_gather_objects
+from veomni_lite.distributed.collectives import agree, all_gather_objects, destroy_process_groups
 from veomni_lite.distributed.fsdp import (
     apply_fsdp,
     checkpoint_activations,
@@ -687,5 +687,4 @@ class BaseTrainer(ABC):
         """Stop the prefetch thread, tear down the process group (idempotent)."""
         self.loader.close()
         self.metrics.close()
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_process_groups()

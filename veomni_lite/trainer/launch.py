@@ -11,10 +11,9 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-import torch.distributed as dist
-
 from veomni_lite.config import NAMED_ARCHES, ConfigError, load_config
 from veomni_lite.data.checks import DataError
+from veomni_lite.distributed.collectives import destroy_process_groups
 from veomni_lite.log import setup_logging
 from veomni_lite.models.pretrained import PretrainedDirError
 from veomni_lite.models.registry import CAUSAL_LM, family_of
@@ -49,8 +48,7 @@ def main(
         trainer = trainer_cls(config)
     except (DataError, PretrainedDirError) as exc:  # every rank raises it alike (see SFTTrainer.build_datasets)
         print(f"data error: {exc}", file=sys.stderr)
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_process_groups()
         return 2
     try:
         trainer.train()
