@@ -3,14 +3,6 @@ controller's merge), `sinks` (console, metrics.jsonl, TensorBoard, loss_curve.pn
 what the trainer records, the step-end worker, checkpoints and resume)."""
 
 from veomni_lite.metrics.accumulator import REDUCTIONS, MetricAccumulator, MetricSpec
-from veomni_lite.metrics.logger import MetricLogger, StepEndError, new_metrics_group, train_metric_specs
+from veomni_lite.metrics.logger import MetricLogger, StepEndError, new_metrics_group
 
-__all__ = [
-    "REDUCTIONS",
-    "MetricAccumulator",
-    "MetricLogger",
-    "MetricSpec",
-    "StepEndError",
-    "new_metrics_group",
-    "train_metric_specs",
-]
+__all__ = ["REDUCTIONS", "MetricAccumulator", "MetricLogger", "MetricSpec", "StepEndError", "new_metrics_group"]

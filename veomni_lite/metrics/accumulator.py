@@ -1,17 +1,11 @@
 """Declared metrics, recorded locally and reduced across ranks once per logging window.
 
-Recording (`record`, `record_total`) is local: running totals stay 0-d float64 tensors on the value's device (or
-Python floats); no collective, no host read. A window is {name: [value, weight]}: (total, count) for `mean`,
-(sum, 1) for `sum`, (last, 1) for `last`, (extreme, 1) for `min` / `max`.
-
-`reduce` runs on every rank of `group` and costs two all-reduces: ONE packed SUM of (value, weight) for mean/sum/last
-and a presence flag for min/max, and ONE packed MAX of max and -min (min = -max(-x)) with -inf from a rank without a
-value, led by a fingerprint of the specs so ranks that declared different metrics get a clear error. Keys are packed
-in sorted name order whatever each rank recorded. The result is read to the host once; a key without a value on any
-rank (for `mean`: a total count of 0) is omitted, never logged as 0.
-
-A controller merges the windows of N workers without torch.distributed: `export_window()` is a worker's SUM and MAX
-items as plain data and `merge_windows` adds and maxes them as the two all-reduces would.
+Recording is local: totals stay 0-d float64 tensors on the value's device (or Python floats), with no collective and
+no host read. A window is {name: [value, weight]}: (total, count) for `mean`, (sum, 1) for `sum`, (last, 1) for
+`last`, (extreme, 1) for `min` / `max`. `reduce` is ONE packed SUM (value, weight; a presence flag for min/max) and ONE
+packed MAX (max, -min, -inf where a rank has none; led by a fingerprint of the specs), keys in sorted name order, read
+to the host once; a key without a value on any rank is omitted, never logged as 0. A controller merges N workers'
+windows without torch.distributed: `export_window` (plain data) and `merge_windows` (what the all-reduces would do).
 """
 
 from __future__ import annotations
@@ -35,9 +29,8 @@ Window = dict[str, list[Value]]
 
 @dataclass(frozen=True)
 class MetricSpec:
-    """One metric: its name, reduction (see the module docstring; `last` averages the ranks' last values, meant for
-    values every rank shares) and console `format()` spec. `sp_dedup=True`: every rank of a sequence-parallel group
-    records the same value (samples), so only sp_rank 0 contributes it."""
+    """A metric's name, reduction (`last` averages the ranks' last values, for values they share) and console `fmt`.
+    `sp_dedup`: every rank of a sequence-parallel group records the same value (samples); only sp_rank 0 adds it."""
 
     name: str
     reduce: str
@@ -69,15 +62,15 @@ def _extreme(a: Value, b: Value, lower: bool) -> Value:
     """min (lower) or max of two values, without a host read."""
     if isinstance(b, torch.Tensor) and not isinstance(a, torch.Tensor):
         a, b = b, a
-    if isinstance(a, torch.Tensor):
-        if isinstance(b, torch.Tensor):
-            return (torch.minimum if lower else torch.maximum)(a, b.to(a.device))
-        return torch.clamp(a, max=b) if lower else torch.clamp(a, min=b)
-    return min(a, b) if lower else max(a, b)
+    if not isinstance(a, torch.Tensor):
+        return min(a, b) if lower else max(a, b)
+    if isinstance(b, torch.Tensor):
+        return (torch.minimum if lower else torch.maximum)(a, b.to(a.device))
+    return torch.clamp(a, max=b) if lower else torch.clamp(a, min=b)
 
 
 def _pack(items: list[Value], device: torch.device) -> torch.Tensor:
-    """One float64 buffer on `device` from floats and 0-d tensors: one copy per source device, no per-item read."""
+    """One float64 buffer on `device`: floats as they are, tensors in one copy per source device, no per-item read."""
     buffer = torch.tensor(
         [0.0 if isinstance(x, torch.Tensor) else x for x in items], dtype=torch.float64, device=device
     )
@@ -86,18 +79,13 @@ def _pack(items: list[Value], device: torch.device) -> torch.Tensor:
         if isinstance(item, torch.Tensor):
             by_device.setdefault(item.device, []).append(index)
     for indices in by_device.values():
-        stacked = torch.stack([items[i] for i in indices]).to(device=device, dtype=torch.float64)
-        buffer[torch.tensor(indices, device=device)] = stacked
+        buffer[torch.tensor(indices, device=device)] = torch.stack([items[i] for i in indices]).to(device).double()
     return buffer
 
 
 class MetricAccumulator:
-    """Declared metrics, their open window and its packed cross-rank reduction (see the module docstring).
-
-    `group`: the process group to reduce over, holding every rank (None: the default group). `sp_rank`: the
-    sequence-parallel rank for `sp_dedup` (None: the parallel state's at reduce time). One thread records; hand a
-    window to another thread with `take_window()`.
-    """
+    """Declared metrics, their open window and its reduction over `group` (None: the default group). `sp_rank` (None:
+    the parallel state's) decides `sp_dedup`. One thread records; `take_window()` hands a window to another."""
 
     def __init__(self, specs: Iterable[MetricSpec], group: dist.ProcessGroup | None = None, sp_rank: int | None = None):
         declared = list(specs)
@@ -108,16 +96,13 @@ class MetricAccumulator:
         self.specs = tuple(sorted(declared, key=lambda s: s.name))  # packing order, the same on every rank
         self.by_name = {s.name: s for s in declared}  # declaration order: display order
         self.group, self.sp_rank = group, sp_rank
-        text = "\n".join(f"{s.name}\t{s.reduce}\t{int(s.sp_dedup)}" for s in self.specs)
-        n = float(len(self.specs))
-        self._header = [n, -n, float(zlib.crc32(text.encode())), -float(zlib.crc32(text.encode()))]
+        crc = float(zlib.crc32("\n".join(f"{s.name}\t{s.reduce}\t{int(s.sp_dedup)}" for s in self.specs).encode()))
+        self._header = [float(len(self.specs)), -float(len(self.specs)), crc, -crc]
         self._window: Window = {}
 
-    # ---- recording: local, no collective, no host read ----
-
     def record(self, name: str, value: Value, count: Value | None = None) -> None:
-        """Add one value (a number or a one-element tensor, kept on its device) to the open window. `count` weights
-        a `mean` metric (default 1); other reductions take none. An undeclared name raises KeyError."""
+        """Add a number or one-element tensor (kept on its device) to the open window; `count` weights a `mean`
+        metric (default 1), other reductions take none. An undeclared name raises KeyError."""
         spec = self._spec(name)
         if count is not None and spec.reduce != "mean":
             raise ValueError(f"metric {name!r} reduces by {spec.reduce!r}; only 'mean' metrics take a count")
@@ -132,8 +117,7 @@ class MetricAccumulator:
         self._window[name] = [value, 1.0]
 
     def record_total(self, name: str, total: Value, count: Value) -> None:
-        """Add to `mean` metric `name` a total already weighted by its counts, and those counts summed: one record
-        for many values (e.g. a step's micro-batches)."""
+        """Add to `mean` metric `name` a total already weighted by its counts, and their sum (e.g. a step's)."""
         if self._spec(name).reduce != "mean":
             raise ValueError(
                 f"metric {name!r} reduces by {self._spec(name).reduce!r}; only 'mean' metrics take a weighted total"
@@ -141,11 +125,8 @@ class MetricAccumulator:
         self._add(name, _float64(total, "total", name), _float64(count, "count", name))
 
     def _add(self, name: str, total: Value, weight: Value) -> None:
-        slot = self._window.get(name)
-        if slot is None:
-            self._window[name] = [total, weight]
-        else:
-            slot[0], slot[1] = slot[0] + total, slot[1] + weight
+        slot = self._window.setdefault(name, [0.0, 0.0])
+        slot[0], slot[1] = slot[0] + total, slot[1] + weight
 
     def _spec(self, name: str) -> MetricSpec:
         if name not in self.by_name:
@@ -154,15 +135,13 @@ class MetricAccumulator:
 
     @property
     def is_empty(self) -> bool:
-        """Nothing recorded in the open window on this rank (host-side)."""
+        """Nothing recorded in the open window on this rank."""
         return not self._window
 
     def take_window(self) -> Window:
-        """Hand over the open window and open an empty one (no collective, no read)."""
+        """Hand over the open window and open an empty one."""
         window, self._window = self._window, {}
         return window
-
-    # ---- reduction: every rank of the group, two collectives ----
 
     def _contribution(self, window: Window) -> tuple[list[Value], list[Value]]:
         """This rank's SUM and MAX items of `window`, in packing order."""
@@ -186,22 +165,21 @@ class MetricAccumulator:
                 f"reductions and sp_dedup flags); this rank declared {[s.name for s in self.specs]}"
             )
         result: dict[str, float] = {}
-        si, mi = 0, 4
+        sums_left, maxes_left = iter(sums), iter(maxes[4:])
         for spec in self.specs:
             if spec.reduce in ("mean", "sum", "last"):
-                total, weight = sums[si], sums[si + 1]
-                si += 2
+                total, weight = next(sums_left), next(sums_left)
                 if weight > 0:
                     result[spec.name] = total if spec.reduce == "sum" else total / weight
             else:
-                if sums[si] > 0:
-                    result[spec.name] = -maxes[mi] if spec.reduce == "min" else maxes[mi]
-                si, mi = si + 1, mi + 1
+                present, extreme = next(sums_left), next(maxes_left)
+                if present > 0:
+                    result[spec.name] = -extreme if spec.reduce == "min" else extreme
         return {name: result[name] for name in self.by_name if name in result}
 
     def reduce(self, window: Window | None = None) -> dict[str, float]:
-        """Reduce a window across ranks (collective: every rank calls it); {name: value} in declaration order.
-        `window=None`: the open window, reset only after the reduction succeeded."""
+        """Collective on every rank: a window reduced, {name: value} in declaration order. `window=None`: the open
+        window, reset only after the reduction succeeded."""
         sums, maxes = self._contribution(self._window if window is None else window)
         device = collective_device(self.group)
         summed = all_reduce(_pack(sums, device), op="sum", group=self.group)
@@ -212,24 +190,20 @@ class MetricAccumulator:
             self._window = {}
         return result
 
-    # ---- a controller's merge: windows as plain data ----
-
     def export_window(self, window: Window | None = None) -> dict[str, list[float]]:
-        """This worker's contribution to a window (default: the open one, then reset) as lists of floats
-        (picklable, JSON-able) for `merge_windows` on a controller; one host read."""
+        """A worker's share of a window (default: the open one, then reset) as plain lists for `merge_windows`."""
         sums, maxes = self._contribution(self._window if window is None else window)
-        cpu = torch.device("cpu")
         if window is None:
             self._window = {}
-        return {"sum": _pack(sums, cpu).tolist(), "max": _pack(maxes, cpu).tolist()}
+        return {"sum": _pack(sums, torch.device("cpu")).tolist(), "max": _pack(maxes, torch.device("cpu")).tolist()}
 
     def merge_windows(self, windows: Iterable[dict[str, list[float]]]) -> dict[str, float]:
-        """The reduction of N workers' exported windows on one process: what `reduce` gives over their ranks."""
+        """N workers' exported windows reduced on one process: what `reduce` gives over their ranks."""
         windows = list(windows)
+        lengths = {(len(w["sum"]), len(w["max"])) for w in windows}
+        if len(lengths) > 1:
+            raise RuntimeError(f"MetricAccumulator.merge_windows: windows of different layouts {sorted(lengths)}")
         if not windows:
             return {}
-        lengths = {(len(w["sum"]), len(w["max"])) for w in windows}
-        if len(lengths) != 1:
-            raise RuntimeError(f"MetricAccumulator.merge_windows: windows of different layouts {sorted(lengths)}")
         sums = [math.fsum(items) for items in zip(*(w["sum"] for w in windows))]
         return self._finish(sums, [max(items) for items in zip(*(w["max"] for w in windows))])

@@ -1,18 +1,15 @@
 """`MetricLogger`: what the trainer records, when it is reduced, where it is written.
 
-Recording is local (no collective, no host read): per micro-batch each loss key's local mean and valid tokens and the
-tokens seen are kept; `record_step` records the step's sums with its grad norm, the lr it trained with, its own time,
-its wait for the previous step's bookkeeping, skipped steps and peak memory. Each value carries the step that made it.
-At a log step (every `log_interval`-th, and the final one) a worker thread reduces the window (one SUM + one MAX
-all-reduce on a gloo group of its own, so it never interleaves with training collectives), derives `train/loss` (the
-sum of the loss keys: the objective), `tokens_seen`, `tokens_per_s`, `padding_ratio`, `tflops`, `mfu` (known GPUs),
-and writes the sinks while the next step computes. `train/<name>_loss` is the value its loss mode trains on: over a
-window, the steps' numerators over their denominators (token-sum: the mean of the steps' sums). Tokens are the
-samples' own (`sequence_ids` >= 0) on each rank's sequence shard; samples count once per sp group.
+Recording is local (no collective, no host read): per micro-batch the loss keys' local means and valid tokens and the
+tokens seen; per step its grad norm, lr, time, wait for the previous step's bookkeeping, skip and peak memory. At a log
+step (every `log_interval`-th, and the last) a worker thread reduces the window (one SUM + one MAX all-reduce on a gloo
+group of its own, never interleaved with training collectives), derives `train/loss` (the sum of the loss keys),
+`tokens_seen`, `tokens_per_s`, `padding_ratio`, `tflops`, `mfu` (known GPUs) and writes the sinks while the next step
+computes. `train/<name>_loss` is what its loss mode trains on: the window's numerators over its denominators (token-sum:
+the mean of the steps' sums). Tokens are the samples' own on each rank's shard; samples count once per sp group.
 
-Each window is logged once whatever the interrupt: a checkpoint logs the open window first and holds no window and
-no history; metrics.jsonl is the history, read back on resume up to the checkpoint's step (later rows truncated,
-TensorBoard purged), and the steps after it are retrained and logged again.
+Each window is logged once whatever the interrupt: a checkpoint logs the open window first and holds no history;
+metrics.jsonl is the history, read back on resume up to the checkpoint's step (later rows and TensorBoard purged).
 """
 
 from __future__ import annotations
@@ -66,23 +63,20 @@ def peak_memory_mb(device: torch.device) -> float:
 
 def train_metric_specs(loss_names: list[str]) -> list[MetricSpec]:
     """The metrics a train step records, in display order (loss keys first)."""
-    return [MetricSpec(name, "mean") for name in loss_names] + [
-        MetricSpec("grad_norm", "mean"),
+    sums = [("tokens", ",.0f"), ("positions", ",.0f"), ("samples", ",.0f"), ("flops", ".3e"), ("skipped_steps", ".0f")]
+    return [
+        *(MetricSpec(name, "mean") for name in (*loss_names, "grad_norm")),
         MetricSpec("lr", "last", fmt=".1e"),
         MetricSpec("step_time_s", "mean", fmt=".3f"),
         MetricSpec("bookkeeping_wait_s", "mean", fmt=".4f"),
-        MetricSpec("tokens", "sum", fmt=",.0f"),
-        MetricSpec("positions", "sum", fmt=",.0f"),
-        MetricSpec("samples", "sum", fmt=",.0f", sp_dedup=True),
-        MetricSpec("flops", "sum", fmt=".3e"),
-        MetricSpec("skipped_steps", "sum", fmt=".0f"),
+        *(MetricSpec(name, "sum", fmt=fmt, sp_dedup=name == "samples") for name, fmt in sums),
         MetricSpec("peak_mem_mb", "max", fmt=".1f"),
     ]
 
 
 def new_metrics_group() -> dist.ProcessGroup | None:
     """A gloo group over all ranks for metric reductions (None without a process group); collective, like every
-    group creation. Its timeout is the parallel state's."""
+    group creation, with the parallel state's timeout."""
     return get_parallel_state().new_group("gloo")
 
 
@@ -91,11 +85,11 @@ class StepEndError(RuntimeError):
 
 
 class MetricLogger:
-    """Owns the train and eval windows, the series, the sinks and the step-end worker of one run.
+    """The train and eval windows, the series, the sinks and the step-end worker of one run.
 
-    `settings` is the `logging` config section. Only the main rank writes sinks: console (`tqdm.write` beside a
-    progress bar), metrics.jsonl, TensorBoard, loss_curve.png, W&B. `flops_per_token(full_seq_len)`: the model's
-    FLOPs per token; `pad_id` marks padding in `input_ids` when a batch has no `sequence_ids`.
+    `settings`: the `logging` config section. Only the main rank writes sinks (console, beside a progress bar through
+    `tqdm.write`; metrics.jsonl; TensorBoard; loss_curve.png; W&B). `flops_per_token(full_seq_len)`: the model's FLOPs
+    per token; `pad_id` marks padding in `input_ids` when a batch has no `sequence_ids`.
     """
 
     def __init__(
@@ -112,17 +106,16 @@ class MetricLogger:
         pad_id: int = 0,
         run_config: Mapping[str, Any] | None = None,
     ) -> None:
-        log_interval, is_main = settings.log_interval, parallel.rank == 0
-        if log_interval < 1:
-            raise ValueError(f"MetricLogger: log_interval must be >= 1; got {log_interval}")
-        self.loss_names = list(loss_names)
+        if settings.log_interval < 1:
+            raise ValueError(f"MetricLogger: log_interval must be >= 1; got {settings.log_interval}")
         modes = LossModes.of(loss_modes)
+        self.loss_names = list(loss_names)
         # (loss key, its tokens key, the count of its mode's denominator or None for token-sum, that count's factor)
         self._loss_keys = [
             (key, tokens_key(name), modes.count_key(name), modes.constant(name))
             for key, name in ((key, name_of_loss(key)) for key in self.loss_names)
         ]
-        self.log_interval, self.max_steps, self.is_main = log_interval, max_steps, is_main
+        self.log_interval, self.max_steps, self.is_main = settings.log_interval, max_steps, parallel.rank == 0
         self.device, self.world_size, self.sp_size, self.pad_id = device, parallel.world_size, parallel.sp_size, pad_id
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops(device, settings.peak_tflops)
         specs = train_metric_specs(self.loss_names)
@@ -131,37 +124,39 @@ class MetricLogger:
         self.train = MetricAccumulator(specs, group=group, sp_rank=parallel.sp_rank)
         self.eval = MetricAccumulator(eval_specs, group=group, sp_rank=parallel.sp_rank)
         self.series: Series = {}  # every rank appends the same values; the main rank's is read back on resume
-        self.sinks: list[sinks.Sink] = []
-        self._warned: set[str] = set()
-        if is_main:
-            formats = {f"train/{s.name}": s.fmt for s in specs} | {f"eval/{s.name}": s.fmt for s in eval_specs}
-            formats |= {f"train/{key}": fmt for key, fmt in _FORMATS.items()}
-            write: Callable[[str], None] = lambda line: print(line, flush=True)  # noqa: E731
-            if settings.progress_bar:
-                from tqdm.auto import tqdm
-
-                write = tqdm.write  # keeps the progress bar intact
-            output = Path(output_dir)
-            self.sinks += [
-                sinks.ConsoleSink(formats, max_steps, write),
-                sinks.JsonlSink(output / "metrics.jsonl", self.series),
-            ]
-            if settings.tensorboard:
-                self.sinks.append(sinks.TensorBoardSink(output / "tensorboard"))
-            if settings.plot:
-                keys = ["train/loss", *(f"train/{name}" for name in self.loss_names), "eval/loss"]
-                self.sinks.append(sinks.LossCurveSink(output / "loss_curve.png", self.series, keys))
-            if settings.wandb:
-                self.sinks.append(sinks.WandbSink(output / "wandb", settings.wandb_project, run_config))
+        formats = {f"train/{s.name}": s.fmt for s in specs} | {f"eval/{s.name}": s.fmt for s in eval_specs}
+        formats |= {f"train/{key}": fmt for key, fmt in _FORMATS.items()}
+        self.sinks = self._sinks(settings, Path(output_dir), formats, run_config) if self.is_main else []
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="step-end") if settings.async_step_end else None
         self._pending: list[Future[None]] = []
         self._failed = False  # a task failed: the tasks queued behind it are skipped
         self._micro: list[Any] = []  # this step's micro-batch records, until `record_step`
+        self._warned: set[str] = set()
         self.last_logged: dict[str, Scalar] = {}
         self.tokens_seen = 0.0  # cumulative over the run (restored on resume)
         self.window_steps = 0  # steps recorded in the open window (host-side)
-        self._window_start = time.perf_counter()
-        self._closed = False
+        self._window_start, self._closed = time.perf_counter(), False
+
+    def _sinks(
+        self, settings: LoggingConfig, output: Path, formats: dict[str, str], run_config: Mapping[str, Any] | None
+    ) -> list[sinks.Sink]:
+        write: Callable[[str], None] = lambda line: print(line, flush=True)  # noqa: E731
+        if settings.progress_bar:
+            from tqdm.auto import tqdm
+
+            write = tqdm.write  # keeps the progress bar intact
+        out = [
+            sinks.ConsoleSink(formats, self.max_steps, write),
+            sinks.JsonlSink(output / "metrics.jsonl", self.series),
+        ]
+        if settings.tensorboard:
+            out.append(sinks.TensorBoardSink(output / "tensorboard"))
+        if settings.plot:
+            keys = ["train/loss", *(f"train/{name}" for name in self.loss_names), "eval/loss"]
+            out.append(sinks.LossCurveSink(output / "loss_curve.png", self.series, keys))
+        if settings.wandb:
+            out.append(sinks.WandbSink(output / "wandb", settings.wandb_project, run_config))
+        return out
 
     # ---------------------------------------------------------------- recording (local)
 
@@ -172,10 +167,8 @@ class MetricLogger:
         micro_batch: Mapping[str, torch.Tensor],
     ) -> None:
         """Keep this micro-batch's loss means, their token counts and its tokens seen (one device op, no host read)."""
-        losses = [
-            (outputs[k].detach(), micro_batch_token_len[t], micro_batch_token_len[w or t])
-            for k, t, w, _ in self._loss_keys
-        ]
+        counts = micro_batch_token_len
+        losses = [(outputs[k].detach(), counts[t], counts[w or t]) for k, t, w, _ in self._loss_keys]
         input_ids = micro_batch["input_ids"]
         flops = self.flops_per_token(input_ids.shape[1] * self.sp_size)
         if bool(micro_batch.get("padding_flag", False)):  # a token budget's no-target micro-batch (host tensor)
@@ -194,14 +187,10 @@ class MetricLogger:
         if not micro:
             return
         if self.loss_names:
-            n = len(self.loss_names)
-            means = torch.stack([m for losses, *_ in micro for m, _, _ in losses]).view(-1, n).double()
-            counts = (
-                torch.stack([c for losses, *_ in micro for _, c, _ in losses])
-                .view(-1, n)
-                .to(means.device, non_blocking=True)
-            )
-            weights = torch.stack([w for losses, *_ in micro for _, _, w in losses]).view(-1, n).sum(0).double()
+            n, losses = len(self.loss_names), [loss for record in micro for loss in record[0]]
+            means = torch.stack([m for m, _, _ in losses]).view(-1, n).double()
+            counts = torch.stack([c for _, c, _ in losses]).view(-1, n).to(means.device, non_blocking=True)
+            weights = torch.stack([w for _, _, w in losses]).view(-1, n).sum(0).double()
             totals = (torch.where(counts > 0, means, 0.0) * counts).sum(0)
             for (key, _, weight_key, factor), total, weight in zip(self._loss_keys, totals.unbind(), weights.unbind()):
                 self.train.record_total(key, total, weight * factor if weight_key else 1.0 / self.world_size)
@@ -218,13 +207,12 @@ class MetricLogger:
         """One optimizer step's values with its micro-batches': `lr` is the rate the step trained with; `skipped` is
         agreed by every rank (counted once)."""
         self._record_micro_batches()
-        self.train.record("grad_norm", grad_norm.float())
-        self.train.record("lr", lr)
-        self.train.record("step_time_s", step_time)
-        self.train.record("bookkeeping_wait_s", bookkeeping_wait)
+        values = {"grad_norm": grad_norm.float(), "lr": lr, "step_time_s": step_time}
+        values |= {"bookkeeping_wait_s": bookkeeping_wait, "peak_mem_mb": peak_memory_mb(self.device)}
         if self.is_main:
-            self.train.record("skipped_steps", float(skipped))
-        self.train.record("peak_mem_mb", peak_memory_mb(self.device))
+            values["skipped_steps"] = float(skipped)
+        for name, value in values.items():
+            self.train.record(name, value)
         self.window_steps += 1
 
     # ---------------------------------------------------------------- log events
@@ -237,34 +225,28 @@ class MetricLogger:
         there, so freeing it is off the critical path too."""
         if release is not None:
             self._submit(lambda _batches: None, release)
-        if not (force or self.should_log(step)):
-            return
-        now = time.perf_counter()
-        seconds, self._window_start = now - self._window_start, now
-        self.window_steps = 0
-        self._submit(self._log_train, step, epoch, self.train.take_window(), seconds)
+        if force or self.should_log(step):
+            now = time.perf_counter()
+            seconds, self._window_start, self.window_steps = now - self._window_start, now, 0
+            self._submit(self._log_train, step, epoch, self.train.take_window(), seconds)
 
     def _log_train(self, step: int, epoch: int, window: dict, seconds: float) -> None:
-        reduced = self.train.reduce(window)
-        derived: dict[str, float] = {}
-        if reduced:
-            losses = [reduced[name] for name in self.loss_names if name in reduced]
-            if losses:
-                derived["loss"] = sum(losses)
-            if "tokens" in reduced:
-                if reduced.get("positions"):
-                    derived["padding_ratio"] = 1.0 - reduced["tokens"] / reduced["positions"]
-                self.tokens_seen += reduced["tokens"]
-                derived["tokens_seen"] = self.tokens_seen
-                if seconds > 0:
-                    derived["tokens_per_s"] = reduced["tokens"] / seconds
-            if "flops" in reduced and seconds > 0:
-                derived["tflops"] = reduced["flops"] / seconds / 1e12
-                if self.peak_flops:
-                    derived["mfu"] = reduced["flops"] / seconds / (self.peak_flops * self.world_size)
-        values = self._write(step, epoch, "train/", reduced, derived)
-        if values:
-            self.last_logged = values
+        reduced, derived = self.train.reduce(window), {}
+        losses = [reduced[name] for name in self.loss_names if name in reduced]
+        if losses:
+            derived["loss"] = sum(losses)
+        if "tokens" in reduced:
+            if reduced.get("positions"):
+                derived["padding_ratio"] = 1.0 - reduced["tokens"] / reduced["positions"]
+            self.tokens_seen += reduced["tokens"]
+            derived["tokens_seen"] = self.tokens_seen
+            if seconds > 0:
+                derived["tokens_per_s"] = reduced["tokens"] / seconds
+        if "flops" in reduced and seconds > 0:
+            derived["tflops"] = reduced["flops"] / seconds / 1e12
+            if self.peak_flops:
+                derived["mfu"] = reduced["flops"] / seconds / (self.peak_flops * self.world_size)
+        self.last_logged = self._write(step, epoch, "train/", reduced, derived) or self.last_logged
 
     def _write(
         self, step: int, epoch: int, prefix: str, reduced: Mapping[str, float], extra: Mapping[str, object]
@@ -293,13 +275,11 @@ class MetricLogger:
         """Collective. `scaled_totals`: per loss key, this rank's summed `mean_global_loss` outputs (their sum over
         ranks / W is the mean); `extra`: values already global (e.g. `caption_accuracy`), logged as they are."""
         self.wait_bookkeeping()  # eval reduces on the metrics group too: never beside a log task
-        total = torch.zeros((), dtype=torch.float64)
-        for key, value in scaled_totals.items():
-            contribution = value.detach().double().cpu() / self.world_size
-            self.eval.record(key, contribution)
-            total = total + contribution
-        if scaled_totals:
-            self.eval.record("loss", total)
+        contributions = {key: value.detach().double().cpu() / self.world_size for key, value in scaled_totals.items()}
+        for key, value in contributions.items():
+            self.eval.record(key, value)
+        if contributions:
+            self.eval.record("loss", sum(contributions.values()))
         return self._write(max(step, 1), epoch, "eval/", self.eval.reduce(), extra or {})
 
     def postfix(self) -> str:
@@ -310,8 +290,7 @@ class MetricLogger:
 
     def _submit(self, fn: Callable[..., None], *args: Any) -> None:
         if self._pool is None:
-            fn(*args)
-            return
+            return fn(*args)
         cuda = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
         self._pending.append(self._pool.submit(self._run, cuda, fn, *args))
 
@@ -357,11 +336,11 @@ class MetricLogger:
         except StepEndError as exc:
             logger.error("step-end bookkeeping also failed: %r", exc.__cause__)
         if self.window_steps and self.is_main:
+            first = step - self.window_steps + 1
             logger.warning(
                 "steps %d-%d were trained but not logged (their reduction needs every rank); resuming retrains them "
                 "from the newest checkpoint and logs them then",
-                step - self.window_steps + 1,
-                step,
+                *(first, step),
             )
         self.train.take_window()
         self._micro, self.window_steps = [], 0
@@ -381,11 +360,11 @@ class MetricLogger:
                 self._pool.shutdown()
             for name, accumulator in (("train", self.train), ("eval", self.eval)):
                 if not accumulator.is_empty:
+                    unlogged = ", ".join(sorted(accumulator.take_window()))
                     logger.warning(
                         "metrics: the open %s window (%s) was never logged: its reduction is a collective and close() "
                         "is local; call finish() on every rank first",
-                        name,
-                        ", ".join(sorted(accumulator.take_window())),
+                        *(name, unlogged),
                     )
             for sink in self.sinks:
                 sink.close()

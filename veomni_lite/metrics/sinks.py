@@ -1,8 +1,8 @@
 """Where logged scalars go: the console, metrics.jsonl, TensorBoard, loss_curve.png and (optionally) W&B.
 
-A sink gets `write(step, epoch, scalars)` with Python numbers only (`scalars()` filters the rest out, warning once per
-key), `flush()`, `close()` (a later write reopens, appending) and `resume(step)` (continue after checkpoint `step`:
-drop what a crashed run wrote later). Files, writers and the optional packages open on first use.
+A sink gets `write(step, epoch, scalars)` with Python numbers only, `flush()`, `close()` (a later write reopens,
+appending) and `resume(step)` (continue after checkpoint `step`, dropping what a crashed run wrote later). Files,
+writers and optional packages open on first use.
 """
 
 from __future__ import annotations
@@ -32,45 +32,39 @@ def as_scalar(value: object) -> Scalar | None:
         return int(value)
     if isinstance(value, numbers.Real):
         return float(value)
-    if isinstance(value, torch.Tensor):
-        return None if value.numel() != 1 or value.is_complex() else as_scalar(value.detach().reshape(()).item())
-    size = getattr(value, "size", None)
-    if isinstance(size, int) and size == 1 and callable(getattr(value, "item", None)):
-        return as_scalar(value.item())  # a one-element NumPy array
+    one = isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex()
+    if one or (not isinstance(value, torch.Tensor) and getattr(value, "size", None) == 1 and hasattr(value, "item")):
+        return as_scalar(value.item())  # type: ignore[union-attr]
     return None
 
 
 def scalars(values: Mapping[str, object], warned: set[str] | None) -> dict[str, Scalar]:
-    """The scalar entries of `values`, in order; the first drop of a key warns naming it (None: drop silently)."""
-    out: dict[str, Scalar] = {}
-    for key, value in values.items():
-        scalar = as_scalar(value)
-        if scalar is not None:
-            out[key] = scalar
-        elif warned is not None and key not in warned:
+    """The scalar entries of `values`, in order; a key's first drop warns naming it (`warned` None: silently)."""
+    out = {key: as_scalar(value) for key, value in values.items()}
+    for key in [key for key, value in out.items() if value is None]:
+        if warned is not None and key not in warned:
             warned.add(key)
-            logger.warning(
-                "metrics: skipping %r: a %s is not a scalar (later values are skipped silently)",
-                key,
-                type(value).__name__,
-            )
-    return out
+            kind = type(values[key]).__name__
+            logger.warning("metrics: skipping %r: a %s is not a scalar (later values are skipped silently)", key, kind)
+    return {key: value for key, value in out.items() if value is not None}
 
 
 def format_value(value: Scalar, fmt: str | None = None) -> str:
     """`value` with `fmt`; without one (or when it does not apply) a default that never shows 1e-4 as 0.0000."""
-    if fmt is not None:
-        try:
-            return format(value, fmt)
-        except (ValueError, TypeError):
-            pass
+    try:
+        return format(value, fmt) if fmt is not None else _default(value)
+    except (ValueError, TypeError):
+        return _default(value)
+
+
+def _default(value: Scalar) -> str:
     if isinstance(value, int) or not math.isfinite(value) or value == 0.0:
         return str(value)
     return f"{value:.4f}" if 1e-3 <= abs(value) < 1e5 else f"{value:.3e}"
 
 
 def append_series(series: Series, step: int, epoch: Epoch, values: Mapping[str, Scalar]) -> None:
-    """Add one event; an earlier point of a key at step >= `step` is dropped, so a step never appears twice."""
+    """Add one event; a key's earlier points at step >= `step` are dropped, so a step never appears twice."""
     if step < 1:
         raise ValueError(f"metrics: steps count from 1; got step {step}")
     for key, value in values.items():
@@ -103,15 +97,10 @@ class ConsoleSink(Sink):
         self.write_line(" | ".join(parts))
 
 
-def _json(value: Scalar) -> Scalar | None:
-    return value if isinstance(value, int) or math.isfinite(value) else None  # strict JSON: NaN/inf as null
-
-
 class JsonlSink(Sink):
-    """One JSON object per step, `{"step", "epoch", key: value, ...}`, flushed at once (non-finite as null); a second
-    event at the same step (eval after train) is merged into its line. The file is the run's durable history:
-    `resume(step)` keeps the lines with step <= `step` (a line torn by a crash is dropped with a warning) and puts
-    them back into the logger's series."""
+    """One JSON object per step, `{"step", "epoch", key: value, ...}` (non-finite as null), flushed at once; a second
+    event at the same step (eval after train) is merged into its line. It is the run's durable history: `resume(step)`
+    keeps the lines up to `step` (a torn line is dropped with a warning) and reads them back into the series."""
 
     def __init__(self, path: str | os.PathLike[str], series: Series) -> None:
         self.path, self.series = Path(path), series
@@ -119,7 +108,8 @@ class JsonlSink(Sink):
         self._last: tuple[int, int, dict[str, Any]] | None = None  # (step, offset of its line, record)
 
     def write(self, step: int, epoch: Epoch, values: Mapping[str, Scalar]) -> None:
-        record = {"step": step, "epoch": epoch, **{key: _json(value) for key, value in values.items()}}
+        finite = {k: v if isinstance(v, int) or math.isfinite(v) else None for k, v in values.items()}
+        record = {"step": step, "epoch": epoch, **finite}
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open across events
@@ -138,8 +128,7 @@ class JsonlSink(Sink):
 
     def resume(self, step: int) -> None:
         self.close()
-        self._last = None
-        kept = []
+        self._last, kept = None, []
         text = self.path.read_text(encoding="utf-8") if self.path.exists() else ""
         for number, line in enumerate(text.splitlines(), start=1):
             try:
@@ -150,12 +139,12 @@ class JsonlSink(Sink):
                     logger.warning("metrics: dropping unreadable line %d of %s", number, self.path)
                 continue
             if event_step <= step:
-                kept.append(line)
+                kept.append(line + "\n")
                 values = {k: v for k, v in event.items() if k not in ("step", "epoch") and v is not None}
                 append_series(self.series, event_step, event.get("epoch"), values)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        tmp.write_text("".join(kept), encoding="utf-8")
         os.replace(tmp, self.path)
 
 
@@ -193,8 +182,8 @@ class TensorBoardSink(Sink):
 
 class WandbSink(Sink):
     """Weights & Biases (`pip install -e .[wandb]`) under `run_dir`, offline unless `WANDB_MODE` says otherwise. The
-    run id is kept in `run_dir/run_id`, so a resumed run continues the same W&B run; steps <= the checkpoint's are
-    not written again."""
+    run id is kept in `run_dir/run_id`, so a resumed run continues the same W&B run and skips steps <= the
+    checkpoint's."""
 
     def __init__(self, run_dir: str | os.PathLike[str], project: str, config: Mapping[str, Any] | None = None):
         self.run_dir, self.project, self.config = Path(run_dir), project, dict(config or {})
@@ -230,10 +219,10 @@ class WandbSink(Sink):
 
 
 class LossCurveSink(Sink):
-    """`loss_curve.png` of the series' loss keys (`keys`, default: every key whose last part ends with "loss")
-    against step. Its cost stays flat however long the run: it redraws at most once per `min_interval_s` (and on
-    flush: checkpoints, the end), from at most `max_points` evenly strided points per key, the newest included. Drawn
-    with matplotlib's Agg canvas (no pyplot state, safe off the main thread); the file is replaced atomically."""
+    """`loss_curve.png` of the series' `keys` (default: every key whose last part ends with "loss") against step, at
+    a cost flat in the run's length: redrawn at most once per `min_interval_s` (and on flush: checkpoints, the end),
+    from at most `max_points` evenly strided points per key, the newest included. Drawn on matplotlib's Agg canvas (no
+    pyplot state, safe off the main thread); the file is replaced atomically."""
 
     def __init__(
         self,
