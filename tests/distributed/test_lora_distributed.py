@@ -23,7 +23,6 @@ from tests.distributed import packing_fixtures as fx
 from tests.distributed.modes_fixtures import MODE_PLANS, SCALE_FACTOR
 from tests.models import lora_fixtures as lx
 from tests.trainer.helpers import losses_by_step, read_events
-from veomni_lite.config import load_config
 from veomni_lite.split_invariance import Layout, check_split_invariance
 from veomni_lite.trainer.sft import SFTTrainer
 from veomni_lite.utils.loss_utils import LOSS_MODES, LossModes
@@ -78,14 +77,7 @@ VARIANTS: dict[str, list[str]] = {
 
 def _train(demo: Path, out: Path, world_size: int, *extra: str) -> SFTTrainer:
     """A LoRA run of the help job; a constant learning rate, so runs of different lengths share their steps."""
-    args = lx.help_args(demo, out, "--optim.schedule", "constant", *extra)
-    trainer = SFTTrainer(load_config(lx.REPO / "configs/sft_help.yaml", args, world_size))
-    try:
-        trainer.train()
-    finally:
-        trainer.metrics.close()
-        trainer.loader.close()
-    return trainer
+    return lx.train("sft_help.yaml", lx.help_args(demo, out, "--optim.schedule", "constant", *extra), world_size)
 
 
 def _facts(trainer: SFTTrainer, demo: Path) -> dict[str, Any]:

@@ -5,6 +5,7 @@ demo (help pages + a tiny Qwen2 directory; the digits + a tiny directory of a VL
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -80,3 +81,17 @@ def digits_args(demo: Path, out: Path, family: str, *extra: str) -> list[str]:
         "--model.lora", LORA_YAML,
         *common_args(out, *extra),
     ]  # fmt: skip
+
+
+def train(config: str, args: list[str], world_size: int) -> Any:
+    """An SFT run of `configs/<config>` with `args`, its logger and loader closed after; the trainer, to inspect."""
+    from veomni_lite.config import load_config
+    from veomni_lite.trainer.sft import SFTTrainer
+
+    trainer = SFTTrainer(load_config(REPO / "configs" / config, args, world_size=world_size))
+    try:
+        trainer.train()
+    finally:
+        trainer.metrics.close()
+        trainer.loader.close()
+    return trainer

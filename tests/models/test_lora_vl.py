@@ -14,7 +14,6 @@ from tests.dist_helpers import run_distributed
 from tests.models import lora_fixtures as lx
 from tests.models.small_hf import assert_vl_logits_match
 from tests.trainer.helpers import losses_by_step, read_events
-from veomni_lite.config import load_config
 from veomni_lite.models.lora import ADAPTER_CONFIG, lora_modules
 from veomni_lite.trainer.sft import SFTTrainer
 
@@ -28,14 +27,7 @@ def demo(families_demo: Path) -> Path:
 
 
 def _train(demo: Path, out: Path, family: str, world_size: int = 1, *extra: str) -> SFTTrainer:
-    args = lx.digits_args(demo, out, family, *extra)
-    trainer = SFTTrainer(load_config(lx.REPO / "configs/sft_digits.yaml", args, world_size=world_size))
-    try:
-        trainer.train()
-    finally:
-        trainer.metrics.close()
-        trainer.loader.close()
-    return trainer
+    return lx.train("sft_digits.yaml", lx.digits_args(demo, out, family, *extra), world_size)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
