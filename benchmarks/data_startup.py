@@ -119,14 +119,15 @@ def launch(work: Path, data: Path, model: Path, run: str, extra: list[str], time
     }
 
 
-def measure_one(work: Path, rows: int, images: bool, again: bool = True) -> dict[str, Any]:
+def measure_one(work: Path, rows: int, images: bool, again: bool = True, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A first and a second launch on `rows` generated rows; `extra`: more trainer arguments for both."""
     timeout_s = max(600.0, rows / 100)  # a run at 100 rows per second would be broken
     kind = "images" if images else "text"
     data = work / f"{kind}_{rows}" / "train.jsonl"
     write_rows(data, rows, images)
     model = model_dir(work, images)
     cache = work / f"cache_{kind}_{rows}"
-    extra = ["--data.cache_dir", str(cache)] if os.environ.get("BENCH_DATA_CACHE", "1") == "1" else []
+    extra = [*(["--data.cache_dir", str(cache)] if os.environ.get("BENCH_DATA_CACHE", "1") == "1" else []), *extra]
     if cache.exists():
         subprocess.run(["rm", "-rf", str(cache)], check=True)
     first = launch(work, data, model, f"{kind}{rows}a", extra, timeout_s)
@@ -193,7 +194,7 @@ def main() -> None:
     if args.worker:
         worker(args)
     else:
-        measure_one(args.work, args.rows, args.images)
+        measure_one(args.work, args.rows, args.images, extra=tuple(args.extra))
 
 
 if __name__ == "__main__":
