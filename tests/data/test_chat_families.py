@@ -15,7 +15,7 @@ from examples.pydoc_text import train_bpe
 from tests.data.test_sft import TEXTS, trained_runs
 from veomni_lite.data.checks import DataError
 from veomni_lite.data.sft import ChatEncoder, generation_eos_ids, read_sources, to_conversation
-from veomni_lite.data.sft_dataset import SFTDataset
+from veomni_lite.data.sft_dataset import RowEncoder, SFTDataset
 from veomni_lite.loss_keys import IGNORE_INDEX
 from veomni_lite.models.pretrained import load_tokenizer
 
@@ -241,7 +241,7 @@ def test_a_template_that_raises_is_a_data_error_naming_the_file_and_the_row(tmp_
     encoder = ChatEncoder(load_tokenizer(directory), model_dir=directory)
     # row 2: a JSON Lines file's rows are its lines, 0-based, the blank one included (so "row N" is line N + 1)
     with pytest.raises(DataError, match=rf"{path}, row 2 \(0-based\): the chat template .* raised .*{message}"):
-        SFTDataset(read_sources(str(path), "data.train_path"), encoder, "messages", {}, 0)
+        SFTDataset(RowEncoder(read_sources(str(path), "data.train_path"), encoder, "messages", {}, 0))
 
 
 def test_a_template_that_does_not_compile_is_a_data_error_naming_the_row(tmp_path):

@@ -16,7 +16,7 @@ from veomni_lite.data.collator import collate
 from veomni_lite.data.loader import MicroBatchLoader
 from veomni_lite.data.mixture import WeightedMixture, hold_out
 from veomni_lite.data.sft import ChatEncoder, read_sources
-from veomni_lite.data.sft_dataset import SFTDataset
+from veomni_lite.data.sft_dataset import RowEncoder, SFTDataset
 
 
 class Tagged:
@@ -116,7 +116,9 @@ def text_dataset(tmp_path_factory) -> SFTDataset:
     rows = [{"messages": [{"role": "user", "content": "Hello " * (i % 7)}, {"role": "assistant", "content": "Yo"}]}
             for i in range(40)]  # fmt: skip
     (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return SFTDataset(read_sources(str(root / "data.jsonl"), "k"), ChatEncoder(tokenizer), "messages", {}, 0)
+    return SFTDataset(
+        RowEncoder(read_sources(str(root / "data.jsonl"), "k"), ChatEncoder(tokenizer), "messages", {}, 0)
+    )
 
 
 @pytest.mark.parametrize("budget", [0, 48])

@@ -12,7 +12,7 @@ import pytest
 from examples.sft_demo import write_tokenizer
 from veomni_lite.data.checks import DataError
 from veomni_lite.data.sft import CHATML, ChatEncoder, override_template, read_sources, to_conversation
-from veomni_lite.data.sft_dataset import ImageProcessing, SFTDataset
+from veomni_lite.data.sft_dataset import ImageProcessing, RowEncoder, SFTDataset
 from veomni_lite.loss_keys import IGNORE_INDEX
 from veomni_lite.models.pretrained import PretrainedDirError, load_config
 
@@ -171,7 +171,7 @@ def test_every_file_kind_reads_the_same_rows(tmp_path, tokenizer, kind):
     path = write_rows(tmp_path, kind, rows)
     (source,) = read_sources(str(path), "data.train_path")
     assert source.num_rows == 2
-    dataset = SFTDataset([source], ChatEncoder(tokenizer), "messages", {}, max_seq_len=0)
+    dataset = SFTDataset(RowEncoder([source], ChatEncoder(tokenizer), "messages", {}, max_seq_len=0))
     assert trained_runs(tokenizer, dataset[0]["input_ids"].tolist(), dataset[0]["labels"].tolist()) == [
         "General Kenobi<|im_end|>"
     ]
@@ -239,7 +239,7 @@ def test_images_as_bytes_and_path_dicts_in_parquet_go_through_the_real_image_pro
     path = write_rows(tmp_path, "parquet", rows)
     encoder = ChatEncoder(tokenizer, image_token="<|image_pad|>")
     dataset = SFTDataset(
-        read_sources(str(path), "data.train_path"), encoder, "messages", {}, 0, images=image_processing
+        RowEncoder(read_sources(str(path), "data.train_path"), encoder, "messages", {}, 0, images=image_processing)
     )
     check_image_samples(tokenizer, dataset, [1, 1, 2])
 
@@ -255,7 +255,7 @@ def test_an_image_feature_column_of_a_saved_dataset(tmp_path, tokenizer, image_p
     datasets.Dataset.from_list(rows, features=features).save_to_disk(str(tmp_path / "saved"))
     encoder = ChatEncoder(tokenizer, image_token="<|image_pad|>")
     sources = read_sources(str(tmp_path / "saved"), "data.train_path")
-    dataset = SFTDataset(sources, encoder, "messages", {}, 0, images=image_processing)
+    dataset = SFTDataset(RowEncoder(sources, encoder, "messages", {}, 0, images=image_processing))
     check_image_samples(tokenizer, dataset, [1])
 
 
@@ -267,9 +267,9 @@ def test_image_paths_and_placeholders_in_jsonl_relative_to_the_file_or_media_dir
     encoder = ChatEncoder(tokenizer, image_token="<|image_pad|>")
     sources = read_sources(str(path), "data.train_path")
     with pytest.raises(DataError, match="does not exist"):  # relative to the data file's directory by default
-        SFTDataset(sources, encoder, "messages", {}, 0, images=image_processing)
+        SFTDataset(RowEncoder(sources, encoder, "messages", {}, 0, images=image_processing))
     dataset = SFTDataset(
-        sources, encoder, "messages", {}, 0, media_dir=str(tmp_path / "media"), images=image_processing
+        RowEncoder(sources, encoder, "messages", {}, 0, media_dir=str(tmp_path / "media"), images=image_processing)
     )
     check_image_samples(tokenizer, dataset, [1, 2])
 
@@ -282,13 +282,13 @@ def test_overlength_truncate_drop_and_error_count_or_name_the_row(tmp_path, toke
     long = {"messages": [CONVERSATION[0], {"role": "assistant", "content": "You are a bold one " * 10}]}
     path = write_rows(tmp_path, "jsonl", [{"messages": CONVERSATION}, long])
     sources = read_sources(str(path), "data.train_path")
-    truncated = SFTDataset(sources, ChatEncoder(tokenizer), "messages", {}, limit, "truncate")
+    truncated = SFTDataset(RowEncoder(sources, ChatEncoder(tokenizer), "messages", {}, limit, "truncate"))
     assert (truncated.stats.truncated, truncated.stats.dropped, len(truncated)) == (1, 0, 2)
     assert len(truncated[0]["input_ids"]) == len(truncated[1]["input_ids"]) == limit
-    dropped = SFTDataset(sources, ChatEncoder(tokenizer), "messages", {}, limit, "drop")
+    dropped = SFTDataset(RowEncoder(sources, ChatEncoder(tokenizer), "messages", {}, limit, "drop"))
     assert (dropped.stats.truncated, dropped.stats.dropped, len(dropped)) == (0, 1, 1)
     with pytest.raises(DataError, match=rf"{path}, row 1 \(0-based\): \d+ tokens, over data.max_seq_len={limit}"):
-        SFTDataset(sources, ChatEncoder(tokenizer), "messages", {}, limit, "error")
+        SFTDataset(RowEncoder(sources, ChatEncoder(tokenizer), "messages", {}, limit, "error"))
 
 
 # ---------------------------------------------------------------- bad input: an error naming the file and the row
@@ -356,7 +356,7 @@ def test_bad_rows_are_errors_naming_the_file_and_row(tmp_path, tokenizer, image_
     path.write_text("\n".join(lines) + "\n")
     encoder = ChatEncoder(tokenizer, image_token="<|image_pad|>")
     with pytest.raises(DataError, match=message) as raised:
-        SFTDataset(read_sources(str(path), "data.train_path"), encoder, fmt, {}, 0, images=image_processing)
+        SFTDataset(RowEncoder(read_sources(str(path), "data.train_path"), encoder, fmt, {}, 0, images=image_processing))
     assert str(path) in str(raised.value)
 
 
@@ -377,7 +377,9 @@ def test_an_empty_file_and_an_image_over_the_decompression_bomb_limit(
     with pytest.raises(
         DataError, match=rf"{path}, row 0 \(0-based\): image .*big.png' is over Pillow's decompression-bomb limit"
     ):
-        SFTDataset(read_sources(str(path), "data.train_path"), encoder, "messages", {}, 0, images=image_processing)
+        SFTDataset(
+            RowEncoder(read_sources(str(path), "data.train_path"), encoder, "messages", {}, 0, images=image_processing)
+        )
 
 
 def test_a_model_directory_that_needs_custom_code_is_refused(tmp_path):

@@ -85,7 +85,9 @@ def build(settings: dict, cache_dir: Path | None) -> SFTDataset:
         settings["tokenizer"], settings["chat_template"], settings["train_on_prompt"], image_token=IMAGE_TOKEN
     )
     options = {k: settings[k] for k in ("fmt", "columns", "max_seq_len", "overlength", "media_dir", "images")}
-    return SFTDataset(read_sources(str(settings["path"]), "data.train_path"), encoder, **options, cache_dir=cache_dir)
+    return SFTDataset(
+        RowEncoder(read_sources(str(settings["path"]), "data.train_path"), encoder, **options), cache_dir=cache_dir
+    )
 
 
 def contents(dataset: SFTDataset) -> list[tuple]:
@@ -247,7 +249,7 @@ def _two_ranks(rank: int, world_size: int, tmp: Path, tokenizer_dir: Path, bad_r
     torch.distributed.barrier()
     try:
         dataset = SFTDataset(
-            read_sources(str(path), "k"), ChatEncoder(tokenizer), "messages", {}, 0, cache_dir=tmp / "c"
+            RowEncoder(read_sources(str(path), "k"), ChatEncoder(tokenizer), "messages", {}, 0), cache_dir=tmp / "c"
         )
     except DataError as exc:
         return str(exc)

@@ -21,7 +21,7 @@ from veomni_lite.data.checks import DataError
 from veomni_lite.data.collator import collate
 from veomni_lite.data.mixture import seeded_generator
 from veomni_lite.data.sft import ChatEncoder, read_sources
-from veomni_lite.data.sft_dataset import SFTDataset
+from veomni_lite.data.sft_dataset import RowEncoder, SFTDataset
 from veomni_lite.data.streaming import SampleStream, StreamingLoader
 from veomni_lite.models.pretrained import load_tokenizer
 
@@ -51,11 +51,11 @@ def files(tmp_path_factory) -> tuple[Path, list[Path]]:
     return root / "model", paths
 
 
-def stream(files, window: int, seed: int = 3, paths=None, **options) -> SampleStream:
+def stream(files, window: int, seed: int = 3, paths=None) -> SampleStream:
     model, default = files
     tokenizer = load_tokenizer(model)
     sources = read_sources([str(p) for p in paths or default], "data.train_path")
-    return SampleStream(sources, ChatEncoder(tokenizer), "messages", {}, 0, window=window, seed=seed, **options)
+    return SampleStream(RowEncoder(sources, ChatEncoder(tokenizer), "messages", {}, 0), window=window, seed=seed)
 
 
 def tag(where: str) -> tuple[int, int]:
@@ -94,7 +94,7 @@ def test_each_pass_is_every_row_once_in_windows_by_the_documented_rule(files):
 def test_the_samples_are_the_caches_and_a_pass_drops_its_partial_batch(files):
     model, paths = files
     cached = SFTDataset(
-        read_sources([str(p) for p in paths], "k"), ChatEncoder(load_tokenizer(model)), "messages", {}, 0
+        RowEncoder(read_sources([str(p) for p in paths], "k"), ChatEncoder(load_tokenizer(model)), "messages", {}, 0)
     )
     by_row = {tag(cached.where(i)): [a.tolist() for a in cached.tokens(i)] for i in range(len(cached))}
     data = stream(files, window=5)
@@ -112,11 +112,11 @@ def test_overlength_cuts_and_drops_as_the_cache_does(files, overlength):
     model, paths = files
     options = {"max_seq_len": 28, "overlength": overlength}
     encoder = ChatEncoder(load_tokenizer(model))
-    cached = SFTDataset(read_sources([str(p) for p in paths], "k"), encoder, "messages", {}, **options)
+    cached = SFTDataset(RowEncoder(read_sources([str(p) for p in paths], "k"), encoder, "messages", {}, **options))
     assert cached.stats.truncated + cached.stats.dropped > 3, "the limit cuts some rows"
     expected = {tag(cached.where(i)): [a.tolist() for a in cached.tokens(i)] for i in range(len(cached))}
     data = SampleStream(
-        read_sources([str(p) for p in paths], "k"), encoder, "messages", {}, window=21, **options
+        RowEncoder(read_sources([str(p) for p in paths], "k"), encoder, "messages", {}, **options), window=21
     )  # one window: the pass
     _, batch = data.take(len(cached))
     assert {tag(s.where): [s.input_ids.tolist(), s.labels.tolist()] for s in batch} == expected
@@ -139,8 +139,12 @@ def test_images_are_measured_by_the_stream_and_decoded_as_the_cache_does(tmp_pat
     (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     options = {"images": ImageProcessing(processor)}
     encoder = ChatEncoder(tokenizer, image_token="<|image_pad|>")
-    cached = SFTDataset(read_sources(str(tmp_path / "data.jsonl"), "k"), encoder, "messages", {}, 0, **options)
-    data = SampleStream(read_sources(str(tmp_path / "data.jsonl"), "k"), encoder, "messages", {}, 0, **options)
+    cached = SFTDataset(
+        RowEncoder(read_sources(str(tmp_path / "data.jsonl"), "k"), encoder, "messages", {}, 0, **options)
+    )
+    data = SampleStream(
+        RowEncoder(read_sources(str(tmp_path / "data.jsonl"), "k"), encoder, "messages", {}, 0, **options)
+    )
     by_row = {tag_row(cached.where(i)): cached[i] for i in range(len(cached))}
     _, batch = data.take(6)
     for sample in batch:

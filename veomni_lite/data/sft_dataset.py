@@ -111,26 +111,26 @@ def _schema() -> Any:
 
 
 class RowEncoder:
-    """A row of a split to its sample (see the module docstring): converted, its images measured from their headers,
-    templated, labelled and cut to `max_seq_len` by `overlength`; what the cache writes and the stream
-    (`veomni_lite.data.streaming`) trains on."""
+    """The rows of `sources` to their samples (see the module docstring): converted, images measured from their
+    headers, templated, labelled and cut to `max_seq_len` by `overlength`. The cached dataset (`SFTDataset`) and the
+    stream (`veomni_lite.data.streaming.SampleStream`) each take one."""
 
     def __init__(
         self,
+        sources: Sequence[Source],
         encoder: ChatEncoder,
         fmt: str,
         columns: Mapping[str, str],
         max_seq_len: int,
-        overlength: str,
-        sources: Sequence[Source],
-        media_dir: str,
-        images: ImageProcessing | None,
+        overlength: str = "truncate",
+        media_dir: str = "",
+        images: ImageProcessing | None = None,
     ) -> None:
         if overlength not in OVERLENGTH:
             raise DataError(f"data.overlength: {overlength!r} is not one of {list(OVERLENGTH)}")
-        self.encoder, self.fmt, self.columns = encoder, fmt, dict(columns)
+        self.sources, self.encoder, self.fmt, self.columns = list(sources), encoder, fmt, dict(columns)
         self.max_seq_len, self.overlength, self.images = max_seq_len, overlength, images
-        self.files = [source.path for source in sources]
+        self.files = [source.path for source in self.sources]
         # image paths resolve against `media_dir`, else each file's own directory
         self.media_dirs = [Path(media_dir) if media_dir else path.parent for path in self.files]
 
@@ -184,45 +184,33 @@ class RowEncoder:
 
 
 class SFTDataset:
-    """Indexable samples of `sources` in order (see the module docstring); `stats` says what `overlength` did.
+    """Indexable samples of `rows`' sources in order (see the module docstring); `stats` says what `overlength` did.
 
     `cache_dir`: where the cache lives (`data.cache_dir`); None: a private temporary one, removed once mapped (one
     process only). `group`: the process group whose ranks share the preprocessing (None: the default group, if any).
     `found` says whether the cache was there already."""
 
     def __init__(
-        self,
-        sources: Sequence[Source],
-        encoder: ChatEncoder,
-        fmt: str,
-        columns: Mapping[str, str],
-        max_seq_len: int,
-        overlength: str = "truncate",
-        media_dir: str = "",
-        images: ImageProcessing | None = None,
-        cache_dir: str | Path | None = None,
-        group: Any = None,
-        what: str = "data.train_path",
+        self, rows: RowEncoder, cache_dir: str | Path | None = None, group: Any = None, what: str = "data.train_path"
     ) -> None:
-        self.sources = list(sources)
-        self.images = images
-        self.rows = RowEncoder(encoder, fmt, columns, max_seq_len, overlength, self.sources, media_dir, images)
-        self.files, self.media_dirs = self.rows.files, self.rows.media_dirs
+        self.rows, self.sources, self.images = rows, rows.sources, rows.images
+        self.files, self.media_dirs = rows.files, rows.media_dirs
+        encoder = rows.encoder
         key = {
             "version": sft_cache.CACHE_VERSION,
             "code": sft_cache.code_hash(),
             "files": [source.identity() for source in self.sources],
-            "format": fmt,
-            "columns": {**DEFAULT_COLUMNS, **columns},
+            "format": rows.fmt,
+            "columns": {**DEFAULT_COLUMNS, **rows.columns},
             "media_dirs": [str(d.resolve()) for d in self.media_dirs],
             "tokenizer": tokenizer_hash(encoder.tokenizer),
             "chat_template": encoder.template,
             "image_token": encoder.image_token,
             "end_of_turn": sorted(encoder.end_of_turn),
             "train_on_prompt": encoder.train_on_prompt,
-            "image_processor": images.settings() if images is not None else None,
-            "max_seq_len": max_seq_len,
-            "overlength": overlength,
+            "image_processor": self.images.settings() if self.images is not None else None,
+            "max_seq_len": rows.max_seq_len,
+            "overlength": rows.overlength,
         }
         private = cache_dir is None
         if private and sft_cache.group_size(group) > 1:

@@ -42,8 +42,8 @@ from torch import Tensor
 from veomni_lite.data.checks import DataError
 from veomni_lite.data.loader import MicroBatch, StepLoader
 from veomni_lite.data.mixture import seeded_generator
-from veomni_lite.data.sft import ChatEncoder, Source, row_name
-from veomni_lite.data.sft_dataset import ImageProcessing, RowEncoder, sample_tensors
+from veomni_lite.data.sft import row_name
+from veomni_lite.data.sft_dataset import RowEncoder, sample_tensors
 
 __all__ = ["SampleStream", "StreamingLoader"]
 
@@ -60,27 +60,13 @@ class Sample:
 
 
 class SampleStream:
-    """The samples of `sources`, pass after pass, shuffled within windows of `window` rows (see the module docstring).
-    `take(n)` gives the next n; `position()` and `seek()` say and set where the stream stands (plain data)."""
+    """The samples of `rows`' sources, pass after pass, shuffled within windows of `window` rows (see the module
+    docstring). `take(n)` gives the next n; `position()` and `seek()` say and set where the stream stands."""
 
-    def __init__(
-        self,
-        sources: Sequence[Source],
-        encoder: ChatEncoder,
-        fmt: str,
-        columns: Mapping[str, str],
-        max_seq_len: int,
-        overlength: str = "truncate",
-        media_dir: str = "",
-        images: ImageProcessing | None = None,
-        window: int = 1000,
-        seed: int = 0,
-        what: str = "data.train_path",
-    ) -> None:
+    def __init__(self, rows: RowEncoder, window: int = 1000, seed: int = 0, what: str = "data.train_path") -> None:
         if window < 1:
             raise DataError(f"data.shuffle_window: must be >= 1, got {window}")
-        self.sources, self.window, self.seed, self.what = list(sources), window, seed, what
-        self.rows = RowEncoder(encoder, fmt, columns, max_seq_len, overlength, self.sources, media_dir, images)
+        self.rows, self.sources, self.window, self.seed, self.what = rows, rows.sources, window, seed, what
         self.counts = {"rows": 0, "truncated": 0, "dropped": 0, "samples": 0}  # what this process has read
         self._epoch, self._start, self._taken = 0, (0, 0), 0
         self._after = (0, 0)  # where the window after the current one starts

@@ -27,7 +27,7 @@ from veomni_lite.data.collator import collate
 from veomni_lite.data.loader import MicroBatchLoader, epoch_size
 from veomni_lite.data.mixture import WeightedMixture, hold_out
 from veomni_lite.data.sft import ChatEncoder, override_template, read_sources
-from veomni_lite.data.sft_dataset import ImageProcessing, SFTDataset
+from veomni_lite.data.sft_dataset import ImageProcessing, RowEncoder, SFTDataset
 from veomni_lite.data.streaming import SampleStream, StreamingLoader
 from veomni_lite.distributed.collectives import agree, all_reduce
 from veomni_lite.export import copy_tokenizer_files
@@ -108,9 +108,9 @@ def build_sft_data(config: Any, group: Any = None) -> tuple[Any, Any, Any, SFTDa
     if data.streaming:  # the training files read while training (veomni_lite.data.streaming); eval through the cache
         name, sources, options, _ = splits.pop(0)  # data.train_path (config validation refuses data.sources)
         window, seed = data.shuffle_window, config.train.seed
-        stream = SampleStream(sources, encoder, **options, **common, window=window, seed=seed, what=name)
+        stream = SampleStream(RowEncoder(sources, encoder, **options, **common), window, seed, what=name)
     built = {
-        name: SFTDataset(sources, encoder, **options, **common, **cached, what=name)
+        name: SFTDataset(RowEncoder(sources, encoder, **options, **common), **cached, what=name)
         for name, sources, options, _ in splits
     }
     evaluation = built.pop("data.eval_path", None)
