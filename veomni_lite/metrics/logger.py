@@ -176,7 +176,7 @@ class MetricLogger:
             return
         ids, whole = micro_batch.get(SEQUENCE_IDS), micro_batch.get(ATTENTION_SEQUENCE_IDS)
         seen = (ids >= 0).sum() if ids is not None else (input_ids != self.pad_id).sum()
-        samples = int(whole.max()) + 1 if whole is not None else input_ids.shape[0]  # packed: whole under SP, host
+        samples = whole.max() + 1 if whole is not None else input_ids.shape[0]  # packed: whole under SP; no read
         self._micro.append((losses, seen, input_ids.numel(), flops, samples))
 
     def _record_micro_batches(self) -> None:
@@ -197,7 +197,7 @@ class MetricLogger:
         seen = torch.stack([m[1] for m in micro])
         self.train.record("tokens", seen.sum())
         self.train.record("positions", float(sum(m[2] for m in micro)))
-        self.train.record("samples", float(sum(m[4] for m in micro)))
+        self.train.record("samples", sum(m[4] for m in micro))
         flops = torch.tensor([m[3] for m in micro], dtype=torch.float64, device=seen.device)
         self.train.record("flops", seen.double() @ flops)
 
