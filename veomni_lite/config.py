@@ -319,6 +319,15 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    sections: dict[str, Any] = field(default_factory=dict, repr=False)
+    """An entry point's own sections, e.g. `{"rl": RLConfig()}` (`load_config(..., sections=)`), read as attributes
+    (`config.rl`) and written as top-level sections by `to_dict`; defined beside their package, not here."""
+
+    def __getattr__(self, name: str) -> Any:
+        sections = self.__dict__.get("sections") or {}
+        if name in sections:
+            return sections[name]
+        raise AttributeError(f"{type(self).__name__} has no section {name!r}")
 
     @property
     def world_size(self) -> int:
@@ -336,7 +345,9 @@ class Config:
         return self.train.global_batch_size // (self.train.micro_batch_size * self.dp_size)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        out.update(out.pop("sections"))
+        return out
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -440,13 +451,19 @@ def _coerce(key: str, value: Any, expected: Any) -> Any:
     raise ConfigError(f"{key}: expected {expected.__name__}, got {value!r} ({type(value).__name__})")
 
 
+def _section_classes(config: Config) -> dict[str, type]:
+    """Every section `config` takes: the shared ones and its entry point's own (`Config.sections`)."""
+    return {**_SECTIONS, **{name: type(value) for name, value in config.sections.items()}}
+
+
 def _set(config: Config, dotted: str, value: Any, source: str) -> str:
     """Set one key; returns the field it set, `section.name` (old flat names resolved)."""
     dotted = ALIASES.get(dotted, dotted)
     section, _, name = dotted.partition(".")
-    if section not in _SECTIONS or not name:
-        raise ConfigError(f"{source}: unknown config key {dotted!r}; sections are {sorted(_SECTIONS)}")
-    section_cls = _SECTIONS[section]
+    classes = _section_classes(config)
+    if section not in classes or not name:
+        raise ConfigError(f"{source}: unknown config key {dotted!r}; sections are {sorted(classes)}")
+    section_cls = classes[section]
     known = {f.name for f in fields(section_cls)}
     name, *nested = name.split(".")
     if name not in known:
@@ -730,11 +747,13 @@ def load_config(
     overrides: list[str] | None = None,
     world_size: int | None = None,
     defaults: Mapping[str, Mapping[str, Any]] | None = None,
+    sections: Mapping[str, type] | None = None,
 ) -> Config:
     """Defaults <- YAML file <- dotted overrides, then `validate`. `defaults`, e.g. `{"optim": {"lr": 1e-5}}`, replace
     the dataclasses' own (an entry point's defaults, such as `veomni_lite.trainer.sft.SFT_DEFAULTS`); of each pair of
-    `ALTERNATIVES` the key the YAML or the command line sets replaces the other's default."""
-    config = Config()
+    `ALTERNATIVES` the key the YAML or the command line sets replaces the other's default. `sections`: the entry
+    point's own sections (`{"rl": RLConfig}`), each checked by its `validate(config)` method where it has one."""
+    config = Config(sections={name: cls() for name, cls in (sections or {}).items()})
     for section, values in (defaults or {}).items():
         for name, value in values.items():
             _set(config, f"{section}.{name}", value, "defaults")
@@ -750,8 +769,10 @@ def load_config(
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping of sections, got {type(data).__name__}")
         for section, values in data.items():
-            if section not in _SECTIONS:
-                raise ConfigError(f"{path}: unknown config section {section!r}; sections are {sorted(_SECTIONS)}")
+            if section not in _section_classes(config):
+                raise ConfigError(
+                    f"{path}: unknown config section {section!r}; sections are {sorted(_section_classes(config))}"
+                )
             if not isinstance(values, dict):
                 raise ConfigError(f"{path}: section {section!r} must be a mapping, got {type(values).__name__}")
             for name, value in values.items():
@@ -760,6 +781,10 @@ def load_config(
         explicit[_set(config, key, value, "command line")] = "command line"
     _resolve_alternatives(config, explicit)
     validate(config, world_size)
+    for section in config.sections.values():
+        check = getattr(section, "validate", None)
+        if callable(check):
+            check(config)
     return config
 
 

@@ -18,7 +18,7 @@ import logging
 import resource
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -89,7 +89,12 @@ class MetricLogger:
 
     `settings`: the `logging` config section. Only the main rank writes sinks (console, beside a progress bar through
     `tqdm.write`; metrics.jsonl; TensorBoard; loss_curve.png; W&B). `flops_per_token(full_seq_len)`: the model's FLOPs
-    per token; `pad_id` marks padding in `input_ids` when a batch has no `sequence_ids`.
+    per token; `pad_id` marks padding in `input_ids` when a batch has no `sequence_ids`. `extra_specs`: a trainer's
+    own train metrics (a name with a `/`, e.g. `rl/reward`, is logged as it is, others under `train/`); a model
+    output's `"metrics"` entry, `{name: (total, count)}` of a `mean` metric or `{name: value}`, is recorded per
+    micro-batch, and a `mean` metric `X/_sq` (the mean of the squares) turns into `X/std` at log time (population std,
+    from exact sums).
+    `plots`: more figures beside loss_curve.png, `{file name: series keys}`.
     """
 
     def __init__(
@@ -105,6 +110,8 @@ class MetricLogger:
         loss_modes: LossModes | None = None,
         pad_id: int = 0,
         run_config: Mapping[str, Any] | None = None,
+        extra_specs: Sequence[MetricSpec] = (),
+        plots: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         if settings.log_interval < 1:
             raise ValueError(f"MetricLogger: log_interval must be >= 1; got {settings.log_interval}")
@@ -118,7 +125,7 @@ class MetricLogger:
         self.log_interval, self.max_steps, self.is_main = settings.log_interval, max_steps, parallel.rank == 0
         self.device, self.world_size, self.sp_size, self.pad_id = device, parallel.world_size, parallel.sp_size, pad_id
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops(device, settings.peak_tflops)
-        specs = train_metric_specs(self.loss_names)
+        specs = [*train_metric_specs(self.loss_names), *extra_specs]
         eval_specs = [MetricSpec(name, "sum") for name in ("loss", *self.loss_names)]
         group = new_metrics_group()
         self.train = MetricAccumulator(specs, group=group, sp_rank=parallel.sp_rank)
@@ -126,6 +133,7 @@ class MetricLogger:
         self.series: Series = {}  # every rank appends the same values; the main rank's is read back on resume
         formats = {f"train/{s.name}": s.fmt for s in specs} | {f"eval/{s.name}": s.fmt for s in eval_specs}
         formats |= {f"train/{key}": fmt for key, fmt in _FORMATS.items()}
+        self.plots = dict(plots or {})
         self.sinks = self._sinks(settings, Path(output_dir), formats, run_config) if self.is_main else []
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="step-end") if settings.async_step_end else None
         self._pending: list[Future[None]] = []
@@ -154,6 +162,7 @@ class MetricLogger:
         if settings.plot:
             keys = ["train/loss", *(f"train/{name}" for name in self.loss_names), "eval/loss"]
             out.append(sinks.LossCurveSink(output / "loss_curve.png", self.series, keys))
+            out += [sinks.LossCurveSink(output / name, self.series, list(keys)) for name, keys in self.plots.items()]
         if settings.wandb:
             out.append(sinks.WandbSink(output / "wandb", settings.wandb_project, run_config))
         return out
@@ -174,6 +183,8 @@ class MetricLogger:
         if bool(micro_batch.get("padding_flag", False)):  # a token budget's no-target micro-batch (host tensor)
             self._micro.append((losses, torch.zeros((), dtype=torch.long), input_ids.numel(), flops, 0))
             return
+        for name, value in outputs.get("metrics", {}).items():
+            self.train.record_total(name, *value) if isinstance(value, tuple) else self.train.record(name, value)
         ids, whole = micro_batch.get(SEQUENCE_IDS), micro_batch.get(ATTENTION_SEQUENCE_IDS)
         seen = (ids >= 0).sum() if ids is not None else (input_ids != self.pad_id).sum()
         samples = whole.max() + 1 if whole is not None else input_ids.shape[0]  # packed: whole under SP; no read
@@ -232,6 +243,11 @@ class MetricLogger:
 
     def _log_train(self, step: int, epoch: int, window: dict, seconds: float) -> None:
         reduced, derived = self.train.reduce(window), {}
+        for name in [name for name in reduced if name.endswith("/_sq")]:
+            base, square = name[: -len("/_sq")], reduced.pop(name)
+            mean = reduced.get(base, reduced.get(f"{base}/mean"))
+            if mean is not None:
+                derived[f"{base}/std"] = max(square - mean * mean, 0.0) ** 0.5
         losses = [reduced[name] for name in self.loss_names if name in reduced]
         if losses:
             derived["loss"] = sum(losses)
@@ -252,7 +268,7 @@ class MetricLogger:
         self, step: int, epoch: int, prefix: str, reduced: Mapping[str, float], extra: Mapping[str, object]
     ) -> dict[str, Scalar]:
         """Series and sinks get the scalars of `reduced` and `extra` (a bare key gets `prefix`) at `step`."""
-        values: dict[str, object] = {prefix + name: value for name, value in reduced.items()}
+        values: dict[str, object] = {(name if "/" in name else prefix + name): value for name, value in reduced.items()}
         for key, value in extra.items():
             key = key if "/" in key else prefix + key
             if key in values:

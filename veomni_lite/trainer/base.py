@@ -53,6 +53,7 @@ from veomni_lite.distributed.parallel_state import ParallelState, init_parallel_
 from veomni_lite.distributed.sequence_parallel import slice_micro_batch
 from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS, loss_weights_key, name_of_loss
 from veomni_lite.metrics import MetricLogger
+from veomni_lite.metrics.accumulator import MetricSpec
 from veomni_lite.models.lora import LoraError, LoraSettings, apply_lora, init_adapters, write_adapter_config
 from veomni_lite.models.pretrained import load_model
 from veomni_lite.models.registry import DTYPES, family_of
@@ -143,6 +144,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, max_st
 class BaseTrainer(ABC):
     """Build everything from a Config, then `train()`. Subclasses implement the three `build_*` hooks."""
 
+    plots: dict[str, list[str]] = {}  # figures beside loss_curve.png: {file name: series keys} (see MetricLogger)
+
     def __init__(self, config: Config) -> None:
         self.config = config
         train, optim = config.train, config.optim
@@ -169,7 +172,7 @@ class BaseTrainer(ABC):
         model, scatter, weights = self._build_model()
         on_meta = any(param.is_meta for param in model.parameters())  # filled shard by shard after fully_shard
         model = check_model_contract(model if on_meta else model.to(self.device))
-        self.loss_keys: tuple[str, ...] = tuple(model.loss_keys)
+        self.loss_keys: tuple[str, ...] = self.trained_loss_keys(model)
         self._check_loss_weights(model)
         self._set_attention(model)
         model.fused_lm_head = config.model.fused_lm_head  # read by the transformers models' loss heads
@@ -192,6 +195,7 @@ class BaseTrainer(ABC):
             if self.lora is not None:
                 init_adapters(self.model, train.seed)  # each rank its shards of the values a whole build has
         self.trainable = [param for param in self.model.parameters() if param.requires_grad]
+        self.on_model_built()
         prefetch = config.data.prefetch_steps if config.data.prefetch_steps >= 0 else int(self.device.type != "cpu")
         self.loader = self._make_loader(self.train_dataset, train.seed, prefetch, token_budget=True)
         self.max_steps = self._run_length()
@@ -346,6 +350,24 @@ class BaseTrainer(ABC):
 
     # ------------------------------------------------------------------ hooks
 
+    def trained_loss_keys(self, model: TrainableModel) -> tuple[str, ...]:
+        """The loss keys each micro-batch's outputs carry (the model's own; a trainer that computes its loss from the
+        model's logits names its own)."""
+        return tuple(model.loss_keys)
+
+    def on_model_built(self) -> None:  # noqa: B027 - a hook with nothing to do by default
+        """Called once the model is sharded and filled, before the loader, the optimizer and any resume (e.g. to keep
+        what the initial weights are)."""
+
+    def forward(self, micro_batch: Mapping[str, Any]) -> Mapping[str, Any]:
+        """One micro-batch's outputs: `{"<name>_loss": local mean}` for every loss key (and optionally `"metrics"`,
+        see `MetricLogger`). Here: the model's own forward."""
+        return self.model(**self.preforward(micro_batch))
+
+    def metric_specs(self) -> list[MetricSpec]:
+        """The trainer's own train metrics besides the loop's (see `MetricLogger`'s `extra_specs`)."""
+        return []
+
     @abstractmethod
     def build_model(self) -> TrainableModel:
         """The model to train, on the CPU; it keeps the `TrainableModel` contract. In a sharded build the ranks but
@@ -395,6 +417,8 @@ class BaseTrainer(ABC):
             loss_modes=self.loss_modes,
             pad_id=self.pad_id,
             run_config=self.config.to_dict(),
+            extra_specs=self.metric_specs(),
+            plots=self.plots,
         )
 
     # ------------------------------------------------------------------ data
@@ -504,7 +528,7 @@ class BaseTrainer(ABC):
         step_loss = torch.zeros((), device=self.device)
         for index, (micro_batch, micro_batch_token_len) in enumerate(self.loss_step):
             set_gradient_sync(self.model, index == last, self._sync_every_micro_batch)
-            outputs = self.model(**self.preforward(micro_batch))
+            outputs = self.forward(micro_batch)
             loss, _scaled = self.postforward(outputs, micro_batch_token_len, self.loss_step.tokens)
             loss.backward()
             step_loss = step_loss + loss.detach()

@@ -24,16 +24,18 @@ def main(
     trainers: Mapping[str, type[BaseTrainer]],
     argv: list[str] | None = None,
     defaults: Mapping[str, Mapping[str, Any]] | None = None,
+    sections: Mapping[str, type] | None = None,
 ) -> int:
     """`<entry>.py CONFIG.yaml [--section.key VALUE ...]`; `trainers` maps each `model.arch` this entry trains to its
     trainer (`"*"`: any transformers causal-LM model_type); `defaults`: this entry's own config defaults, under the
-    YAML (see `load_config`). Config errors exit 2 before any process group."""
+    YAML (see `load_config`); `sections`: this entry's own config sections (e.g. `{"rl": RLConfig}`). Config errors
+    exit 2 before any process group."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0].startswith("--"):
         print(f"usage: {sys.argv[0]} CONFIG.yaml [--section.key VALUE ...]", file=sys.stderr)
         return 2
     try:
-        config = load_config(argv[0], argv[1:], defaults=defaults)
+        config = load_config(argv[0], argv[1:], defaults=defaults, sections=sections)
         arch = config.model.arch
         causal_lm = arch not in NAMED_ARCHES and family_of(arch) is CAUSAL_LM
         trainer_cls = trainers.get(arch, trainers.get("*") if causal_lm else None)
