@@ -638,6 +638,33 @@ class ChatEncoder:
                     labels.append(token if train else IGNORE_INDEX)
         return Encoded(ids, labels, list(conversation.images))
 
+    def encode_prompt(
+        self, conversation: Conversation, image_lengths: Sequence[int], where: str
+    ) -> tuple[list[int], str]:
+        """(token ids, rendered text) of the prompt an RL row asks: the conversation without its last assistant turn,
+        rendered with the generation prompt (the `text` format: the text itself); each image placeholder token is
+        repeated `image_lengths[i]` times in the ids."""
+        turns = conversation.turns
+        if conversation.plain_text:
+            text = "".join(p if p is not None else self.image_token for p in turns[0].parts)
+        else:
+            turns = turns[:-1] if turns and turns[-1].role == "assistant" else turns
+            if not turns:
+                raise DataError(f"{where}: no prompt: the row has no message before its last assistant turn")
+            text = self._render(turns, True, where)
+        placeholders = sum(part is None for turn in turns for part in turn.parts)
+        if placeholders != len(image_lengths):
+            raise DataError(
+                f"{where}: {placeholders} image placeholder(s) in the prompt but {len(image_lengths)} image(s)"
+            )
+        if placeholders and self.image_token_id is None:
+            raise DataError(f"{where}: the row has images but the model takes none (not a vision-language model)")
+        ids: list[int] = []
+        images = iter(image_lengths)
+        for token in self._tokenize([text], [False])[0][0]:
+            ids += [token] * (next(images) if token == self.image_token_id else 1)
+        return ids, text
+
     def _pieces(self, turns: list[Turn], where: str) -> list[tuple[str, bool, str | None]]:
         """The rendered text cut at turn boundaries: (text, trains, the assistant's content or None) per piece."""
         pieces: list[tuple[str, bool, str | None]] = []

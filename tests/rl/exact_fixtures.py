@@ -1,0 +1,267 @@
+"""Fixtures of the policy-loss exactness tests, importable by forked ranks.
+
+A float64 Qwen2 and one rollout batch of 4 groups x 4 responses of varied prompt and response lengths (one response
+truncated and masked, one group of equal rewards), with old, reference and engine log-probabilities per response
+token (the old ones perturbed so that every clip branch is taken). The batch trains 2 epochs of 2 mini-batches of 8
+responses (4 optimizer steps of plain SGD). `hand_reference` computes each step's gradient from the formulas alone,
+one sample at a time; `layout_steps` runs the same steps through the trainer's pieces (`StepLoader.share`,
+`collate_rollouts`, `mark_sequences`, `slice_micro_batch`, `LossStep`, `PolicyLoss`) on one rank of a layout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tests.models.test_hf_models import VOCAB, make_lm
+from veomni_lite.data.collator import collate
+from veomni_lite.data.loader import StepLoader
+from veomni_lite.distributed.parallel_state import get_parallel_state
+from veomni_lite.distributed.sequence_parallel import slice_micro_batch
+from veomni_lite.plain_loop import LossStep
+from veomni_lite.rl.policy_loss import PolicyLoss
+from veomni_lite.rl.rollouts import RolloutSample, collate_rollouts
+from veomni_lite.utils.loss_utils import LossModes, mark_sequences, reset_loss_memo
+
+GROUP, GROUPS, BATCH, EPOCHS, LR, SCALE = 4, 4, 8, 2, 0.05, 8.0
+TEMPERATURE = 0.9
+PROMPTS = (3, 5, 2, 7)
+RESPONSES = ((4, 1, 6, 3), (2, 5, 5, 8), (7, 2, 3, 1), (3, 6, 2, 4))
+REWARDS = ((1.0, 0.0, 0.5, 0.0), (0.0, 1.0, 1.0, 0.0), (1.0, 1.0, 1.0, 1.0), (0.2, 0.9, 0.4, 0.0))
+TRUNCATED = 5  # this sample's response is cut, and masked
+MODEL_INPUTS = ("input_ids", "position_ids", "attention_sequence_ids")
+
+
+@dataclass(frozen=True)
+class Case:
+    mode: str
+    loss: PolicyLoss
+
+    def __str__(self) -> str:
+        return f"{self.mode}/{self.loss.policy_loss}/kl{self.loss.kl_coef}"
+
+    @property
+    def modes(self) -> LossModes:
+        return LossModes(self.mode, {}, SCALE)
+
+
+def cases() -> list[Case]:
+    """Every loss mode x {ppo_clip (dual clip, token IS), gspo (sequence IS)} x kl {0, k3}, entropy on."""
+    modes = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
+    out = []
+    for mode in modes:
+        for kind in ("ppo_clip", "gspo"):
+            for kl in (0.0, 0.1):
+                clip = (0.2, 0.28) if kind == "ppo_clip" else (0.1, 0.15)
+                sampling = "token" if kind == "ppo_clip" else "sequence"
+                loss = PolicyLoss(kind, *clip, 3.0 if kind == "ppo_clip" else 0.0, kl, "k3", 0.01, sampling, 1.5,
+                                  TEMPERATURE)  # fmt: skip
+                out.append(Case(mode, loss))
+    return out
+
+
+def build_model() -> torch.nn.Module:
+    return make_lm(seed=3).double()
+
+
+def _grpo(rewards: torch.Tensor) -> torch.Tensor:
+    groups = rewards.view(-1, GROUP)
+    return ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-6)).reshape(-1)
+
+
+@torch.no_grad()
+def rollout_batch() -> list[RolloutSample]:
+    """The batch (see the module docstring); log-probabilities from the initial model, perturbed and shifted."""
+    g = torch.Generator().manual_seed(7)
+    model = build_model()
+    advantages = _grpo(torch.tensor(REWARDS, dtype=torch.float64).reshape(-1))
+    samples = []
+    for group in range(GROUPS):
+        prompt = torch.randint(1, VOCAB, (PROMPTS[group],), generator=g).tolist()
+        for j in range(GROUP):
+            index = group * GROUP + j
+            response = torch.randint(1, VOCAB, (RESPONSES[group][j],), generator=g).tolist()
+            logp = _logprobs(model, prompt, response)
+            noise = 0.3 * torch.randn(len(response), generator=g, dtype=torch.float64)
+            samples.append(
+                RolloutSample(
+                    group=group, prompt_ids=prompt, response_ids=response, reward=REWARDS[group][j],
+                    advantage=float(advantages[index]), truncated=index == TRUNCATED,
+                    old_logprobs=(logp + noise).tolist(), ref_logprobs=(logp - 0.2 * noise.flip(0)).tolist(),
+                    engine_logprobs=(logp + noise + 0.1 * torch.randn(len(response), generator=g)).tolist(),
+                )
+            )  # fmt: skip
+    return samples
+
+
+def _logprobs(model: torch.nn.Module, prompt: list[int], response: list[int]) -> torch.Tensor:
+    """log softmax(logits / T) of each response token, the sample alone."""
+    ids = torch.tensor([prompt + response])
+    logits = model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None])["logits"][0]
+    logp = torch.log_softmax(logits / TEMPERATURE, -1)
+    first = len(prompt) - 1
+    return logp[first : first + len(response)].gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+
+
+def steps() -> list[list[int]]:
+    """Each optimizer step's samples (indices into the batch): mini-batches in order, `EPOCHS` times."""
+    minibatches = [list(range(m * BATCH, (m + 1) * BATCH)) for m in range(GROUPS * GROUP // BATCH)]
+    return minibatches * EPOCHS
+
+
+def hand_reference(case: Case) -> list[list[torch.Tensor]]:
+    """Each step's gradient, written from the loss's definition, one sample at a time (float64, one process)."""
+    model, batch, rl = build_model(), rollout_batch(), case.loss
+    grads = []
+    for indices in steps():
+        model.zero_grad()
+        kept = [batch[i] for i in indices if i != TRUNCATED]
+        per_sample = []
+        for sample in kept:
+            ids = torch.tensor([sample.prompt_ids + sample.response_ids])
+            logits = model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None])["logits"][0]
+            first = len(sample.prompt_ids) - 1
+            logp_all = torch.log_softmax(logits[first : first + len(sample.response_ids)] / TEMPERATURE, -1)
+            logp = logp_all.gather(-1, torch.tensor(sample.response_ids)[:, None]).squeeze(-1)
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+            old, ref, engine = (torch.tensor(v, dtype=torch.float64) for v in
+                                (sample.old_logprobs, sample.ref_logprobs, sample.engine_logprobs))  # fmt: skip
+            a = sample.advantage
+            if rl.policy_loss == "gspo":
+                ratio = torch.exp((logp - old).mean()).expand_as(logp)
+                weight = torch.exp((old - engine).sum()).clamp(max=rl.is_cap)
+            else:
+                ratio = torch.exp(logp - old)
+                weight = torch.exp(old - engine).clamp(max=rl.is_cap)
+            pg = torch.maximum(-a * ratio, -a * ratio.clamp(1 - rl.clip_low, 1 + rl.clip_high))
+            if rl.dual_clip and a < 0:
+                pg = torch.minimum(pg, torch.full_like(pg, -a * rl.dual_clip))
+            d = logp - ref
+            kl = torch.exp(-d) + d - 1
+            per_sample.append(weight * pg + rl.kl_coef * kl - rl.entropy_coef * entropy)
+        tokens = sum(len(x) for x in per_sample)
+        n = len(per_sample)
+        if case.mode == "token-mean":
+            loss = sum(x.sum() for x in per_sample) / tokens
+        elif case.mode == "seq-mean-token-mean":
+            loss = sum(x.mean() for x in per_sample) / n
+        elif case.mode == "seq-mean-token-sum":
+            loss = sum(x.sum() for x in per_sample) / n
+        elif case.mode == "seq-mean-token-sum-norm":
+            loss = sum(x.sum() for x in per_sample) / (n * SCALE)
+        else:
+            loss = sum(x.sum() for x in per_sample)
+        loss.backward()
+        step = [p.grad.detach().clone() for p in model.parameters()]
+        grads.append(step)
+        with torch.no_grad():
+            for param, grad in zip(model.parameters(), step):
+                param -= LR * grad
+    return grads
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    sp: int = 1
+    micro_batch_size: int = 1
+    packed: bool = False
+    max_tokens: int = 0
+
+    def __str__(self) -> str:
+        extra = ("/packed" if self.packed else "") + (f"/budget{self.max_tokens}" if self.max_tokens else "")
+        return f"dp{self.dp}xsp{self.sp}/mbs{self.micro_batch_size}{extra}"
+
+
+def _collate(samples: list[dict[str, torch.Tensor]], packed: bool) -> dict[str, torch.Tensor]:
+    return collate_rollouts(samples, lambda base: collate(base, packing=packed), packed)
+
+
+def layout_steps(
+    rank: int, world: int, layout: Layout, all_cases: list[Case], alone: bool = False, shard_local: bool = False
+) -> dict[str, Any]:
+    """This rank's run of every case: each step's gradient averaged over the ranks (as FSDP), and the loss
+    all-reduces over the world each step made. Negative controls: `alone`, each micro-batch normalized by its own
+    counts; `shard_local`, each SP shard's sequences reduced over its own tokens only."""
+    from veomni_lite.distributed.parallel_state import init_parallel_state
+
+    state = init_parallel_state(layout.dp, layout.sp) if world > 1 else get_parallel_state()
+    loader = StepLoader(lambda x: x, BATCH, layout.micro_batch_size, layout.dp, state.dp_rank, 0, layout.max_tokens,
+                        layout.packed)  # fmt: skip
+    batch = rollout_batch()
+    sp_group = state.sp_group if layout.sp > 1 and not shard_local else None
+    out: dict[str, Any] = {}
+    for case in all_cases:
+        model = build_model()
+        if layout.sp > 1:
+            model.enable_sequence_parallel(state.sp_group)
+        grads, calls = [], []
+        for number, indices in enumerate(steps()):
+            reset_loss_memo()
+            model.zero_grad(set_to_none=True)
+            chunk = [batch[i] for i in indices]
+            plan = loader.share(number, list(range(len(chunk))), lambda i, chunk=chunk: len(chunk[i]))
+            counts = all_gather(len(plan)) if world > 1 else [len(plan)]
+            micro_batches = []
+            for j in range(max(counts)):
+                members = plan[j] if j < len(plan) else plan[0]
+                whole = _collate([chunk[i].tensors(mask_truncated=True) for i in members], layout.packed)
+                whole = mark_sequences(whole, case.modes)
+                if j >= len(plan):
+                    from veomni_lite.data.packing import padding_micro_batch
+
+                    whole = padding_micro_batch(whole)
+                micro_batches.append(slice_micro_batch(whole, state.sp_rank, layout.sp))
+            world_calls = []
+            original = dist.all_reduce
+
+            def counted(*args: Any, original: Any = original, world_calls: list = world_calls, **kwargs: Any) -> Any:
+                group = kwargs.get("group", args[2] if len(args) > 2 else None)
+                if group is None or group is dist.group.WORLD:
+                    world_calls.append(1)
+                return original(*args, **kwargs)
+
+            dist.all_reduce = counted
+            try:
+                runs = [[mb] for mb in micro_batches] if alone else [micro_batches]
+                for run in runs:
+                    step = LossStep(run, case.modes, marked=True)
+                    for micro_batch, tokens in step:
+                        inputs = {k: v for k, v in micro_batch.items() if k in MODEL_INPUTS}
+                        logits = model(**inputs)["logits"]
+                        outputs = case.loss(logits, micro_batch, sp_group)
+                        step.loss({"policy_loss": outputs["policy_loss"]}, tokens).backward()
+                    step.verify()
+                    reset_loss_memo()
+            finally:
+                dist.all_reduce = original
+            step_grads = [
+                p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()
+            ]
+            if world > 1:
+                for grad in step_grads:
+                    dist.all_reduce(grad)
+                    grad /= world
+            grads.append(step_grads)
+            calls.append(len(world_calls))
+            with torch.no_grad():
+                for param, grad in zip(model.parameters(), step_grads):
+                    param -= LR * grad
+        out[str(case)] = {"grads": grads, "calls": calls}
+    return out
+
+
+def all_gather(value: int) -> list[int]:
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def relative_error(grads: list[torch.Tensor], expected: list[torch.Tensor]) -> float:
+    scale = max(float(e.abs().max()) for e in expected) or 1.0
+    worst = max(float((g - e).abs().max()) for g, e in zip(grads, expected)) / scale
+    return worst if math.isfinite(worst) else math.inf

@@ -1,0 +1,128 @@
+"""The `rl` config section of `trainers/train_rl.py` (read with `load_config(..., sections={"rl": RLConfig})`).
+
+Each field names the peers' default it follows. The policy head is `policy`: its mode is `loss.modes.policy` or
+`loss.mode` (token-mean, DAPO's and verl's default; seq-mean-token-mean the original GRPO; seq-mean-token-sum-norm with
+`loss.scale_factor` = `max_new_tokens` Dr. GRPO).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from veomni_lite.config import ConfigError
+
+POLICY = "policy"  # the head's name: `policy_labels`, `policy_loss`
+
+
+@dataclass
+class RLConfig:
+    """Online RL: rollouts, rewards, advantages and the policy loss (see `veomni_lite.rl`)."""
+
+    engine: Literal["transformers", "vllm"] = "transformers"
+    """What samples the rollouts: transformers' `generate` on each rank's copy of the current weights (embedded), or a
+    vLLM server (`rl.vllm`)."""
+    prompts_per_step: int = 8
+    """Prompts per rollout batch (each sampled `num_generations` times); the batch is `rl.epochs` passes of optimizer
+    steps of `train.global_batch_size` responses."""
+    num_generations: int = 8
+    """Responses per prompt, the group its advantages are relative to (TRL's default 8)."""
+    max_new_tokens: int = 256
+    """Longest response; a response cut here is `truncated` (TRL's max_completion_length 256)."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer's log-probabilities are those of logits / temperature (verl, TRL: 1.0)."""
+    top_p: float = 1.0
+    """Nucleus sampling (1: off)."""
+    top_k: int = 0
+    """Top-k sampling (0: off)."""
+    rewards: list[dict[str, Any]] = field(default_factory=list)
+    """`[{name, function, weight}]`, summed with their weights: `exact_match`, `math`, `regex` (with `pattern`), or a
+    user's `path/to/file.py:function` (see `veomni_lite.rl.rewards`)."""
+    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    """Per group: grpo (R - mean) / (std + eps), dr_grpo R - mean, rloo R - mean of the others."""
+    advantage_eps: float = 1e-6
+    """eps of grpo's std (verl's 1e-6; TRL adds 1e-4)."""
+    policy_loss: Literal["ppo_clip", "gspo"] = "ppo_clip"
+    """ppo_clip: PPO's clipped token ratio; gspo: the sequence ratio exp(mean of the sequence's log-ratios)."""
+    clip_low: float = 0.2
+    """Lower clip range: the ratio is clipped at 1 - clip_low (PPO's 0.2; GSPO uses about 3e-4)."""
+    clip_high: float = 0.2
+    """Upper clip range, 1 + clip_high (0.2; DAPO's clip-higher 0.28; GSPO about 4e-4)."""
+    dual_clip: float = 0.0
+    """Dual-clip constant c > 1 bounding the loss of negative advantages at -A c (0: off; verl's clip_ratio_c 3)."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty against the frozen reference (0: no reference model; TRL's beta default 0.0, verl's
+    kl_loss_coef 0.001 when use_kl_loss)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """k1 logp - ref, k2 (logp - ref)^2 / 2, k3 exp(ref - logp) - (ref - logp) - 1 (TRL's and verl's low_var_kl)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (verl's entropy_coeff 0)."""
+    importance_sampling: Literal["none", "token", "sequence"] = "none"
+    """Truncated importance sampling of the rollout engine's log-probabilities against the trainer's (verl's TIS):
+    each token's (or sequence's) min(exp(old - engine), is_cap) weights its policy loss."""
+    is_cap: float = 2.0
+    """The truncation of `importance_sampling` (verl's 2.0)."""
+    epochs: int = 1
+    """Passes over each rollout batch (TRL's num_iterations, verl's ppo_epochs: 1)."""
+    mask_truncated: bool = False
+    """Responses cut at `max_new_tokens` leave the loss (numerator and denominator), still counted in the reward
+    metrics (TRL's mask_truncated_completions, DAPO's overlong filtering)."""
+    rollouts_path: str = ""
+    """A JSONL of rollouts made elsewhere, trained on instead of generating (see `veomni_lite.rl.rollouts`)."""
+    rollouts_sample: int = 4
+    """Rollouts written to rollouts.jsonl and TensorBoard's text tab at each log (0: none)."""
+    vllm: dict[str, Any] = field(default_factory=dict)
+    """`rl.engine: vllm`: `url`, `launch`, `python`, `sync_dir`, `start_timeout_s`, `request_timeout_s`."""
+    async_steps: int = 0
+    """Rollout batches generated ahead of training (0: synchronous)."""
+
+    @property
+    def rollout_size(self) -> int:
+        """Responses per rollout batch."""
+        return self.prompts_per_step * self.num_generations
+
+    def validate(self, config: Any) -> None:
+        """Cross-field checks against the rest of `config` (ConfigError naming the key)."""
+        positive = {
+            "rl.prompts_per_step": self.prompts_per_step,
+            "rl.num_generations": self.num_generations,
+            "rl.max_new_tokens": self.max_new_tokens,
+            "rl.epochs": self.epochs,
+        }
+        for key, value in positive.items():
+            if value < 1:
+                raise ConfigError(f"{key}: must be >= 1, got {value}")
+        if not self.temperature > 0:
+            raise ConfigError(f"rl.temperature: must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"rl.top_p: must be in (0, 1], got {self.top_p}")
+        for key, value in {
+            "rl.clip_low": self.clip_low,
+            "rl.clip_high": self.clip_high,
+            "rl.top_k": self.top_k,
+        }.items():
+            if value < 0:
+                raise ConfigError(f"{key}: must be >= 0, got {value}")
+        if self.dual_clip and self.dual_clip <= 1:
+            raise ConfigError(f"rl.dual_clip: must be > 1 (or 0: off), got {self.dual_clip}")
+        if self.importance_sampling != "none" and self.is_cap <= 0:
+            raise ConfigError(f"rl.is_cap: must be > 0, got {self.is_cap}")
+        if self.advantage in ("grpo", "rloo") and self.num_generations < 2:
+            raise ConfigError(f"rl.num_generations: {self.advantage} compares a group's responses, needs >= 2")
+        if self.engine != "transformers" and not self.rollouts_path:
+            raise ConfigError(f"rl.engine: {self.engine!r} is not available in this build; use transformers")
+        if self.async_steps:
+            raise ConfigError("rl.async_steps: one-step-async rollouts come with rl.engine: vllm; set 0")
+        if not self.rewards and not self.rollouts_path:
+            raise ConfigError("rl.rewards: give at least one reward function ([{name, function, weight}])")
+        batch = config.train.global_batch_size
+        if self.rollout_size % batch:
+            raise ConfigError(
+                f"train.global_batch_size ({batch}) must divide the rollout batch (rl.prompts_per_step "
+                f"{self.prompts_per_step} x rl.num_generations {self.num_generations} = {self.rollout_size})"
+            )
+        if batch % self.num_generations:
+            raise ConfigError(
+                f"train.global_batch_size ({batch}) must hold whole groups of rl.num_generations "
+                f"({self.num_generations}) responses"
+            )

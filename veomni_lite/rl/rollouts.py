@@ -1,0 +1,197 @@
+"""A rollout batch as samples the trainer collates, and rollouts made elsewhere (`rl.rollouts_path`).
+
+A `RolloutSample` is one response to one prompt, with everything its loss needs, in a form that does not depend on
+the layout (so a checkpoint can hold the batch and resume it on any world size): the prompt and response ids, the
+prompt's image inputs, the reward and advantage, the engine's log-probabilities, and the old and reference
+log-probabilities of its response tokens (filled after the rollout, `RolloutBatch`). `collate_rollouts` makes one
+micro-batch: `input_ids` = prompt + response, `policy_labels` the response (IGNORE_INDEX for the prompt, and for the
+whole response where `mask_truncated` drops it), and each float per-token key of `veomni_lite.rl.policy_loss` in the
+same shifted frame (the value of response token i sits where it is predicted), padded or packed like the ids.
+
+`rl.rollouts_path`, one JSON object per line: `group` (consecutive rows of the same group, `num_generations` of them),
+the prompt (`prompt_ids`, or `prompt` as messages or text, rendered like the prompts of the data files), the response
+(`response_ids`, or `response` text, followed by the end-of-turn token unless `truncated`), `reward`, and optionally
+`logprobs` (the engine's, one per response token), `truncated` and `images`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from veomni_lite.data.checks import DataError
+from veomni_lite.data.sft import row_name
+from veomni_lite.loss_keys import IGNORE_INDEX
+from veomni_lite.rl.policy_loss import (
+    ADVANTAGES,
+    ENGINE_LOGPROBS,
+    OLD_LOGPROBS,
+    POLICY_LABELS,
+    REF_LOGPROBS,
+    TOKEN_VALUES,
+)
+
+__all__ = ["RolloutSample", "collate_rollouts", "read_rollouts"]
+
+
+@dataclass
+class RolloutSample:
+    """One response (see the module docstring). Per-token lists hold one value per response token."""
+
+    group: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    reward: float = 0.0
+    advantage: float = 0.0
+    truncated: bool = False
+    engine_logprobs: list[float] | None = None
+    old_logprobs: list[float] | None = None
+    ref_logprobs: list[float] | None = None
+    rewards: dict[str, float] = field(default_factory=dict)
+    model_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    prompt_text: str = ""
+    response_text: str = ""
+    where: str = ""
+    version: int = 0  # the policy version (optimizer steps) whose weights sampled it
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    def tensors(self, mask_truncated: bool = False) -> dict[str, torch.Tensor]:
+        """What `collate_rollouts` takes: unshifted `input_ids`, `policy_labels` and per-token floats at the
+        response tokens' own positions (0 elsewhere), plus the image inputs."""
+        prompt, response = len(self.prompt_ids), len(self.response_ids)
+        ids = torch.tensor(self.prompt_ids + self.response_ids, dtype=torch.long)
+        labels = ids.clone()
+        labels[:prompt] = IGNORE_INDEX
+        if mask_truncated and self.truncated:
+            labels[:] = IGNORE_INDEX
+        out = {"input_ids": ids, POLICY_LABELS: labels, **self.model_inputs}
+        values = {
+            ADVANTAGES: [self.advantage] * response,
+            OLD_LOGPROBS: self.old_logprobs,
+            REF_LOGPROBS: self.ref_logprobs,
+            ENGINE_LOGPROBS: self.engine_logprobs,
+        }
+        for key, value in values.items():
+            full = torch.zeros(prompt + response, dtype=torch.float64)
+            if value is not None:
+                full[prompt:] = torch.tensor(value, dtype=torch.float64)
+            out[key] = full
+        return out
+
+
+def _shift(value: torch.Tensor) -> torch.Tensor:
+    return torch.cat([value[1:], value.new_zeros(1)])
+
+
+def collate_rollouts(
+    samples: Sequence[Mapping[str, torch.Tensor]], collate: Callable[..., dict[str, torch.Tensor]], packing: bool
+) -> dict[str, torch.Tensor]:
+    """`RolloutSample.tensors` of several samples -> one micro-batch: `collate` (the model's own collate function,
+    taking `labels`) makes the ids, labels and positions; each float key is shifted like the labels and padded with 0
+    (or packed in the same order)."""
+    base = [
+        {("labels" if k == POLICY_LABELS else k): v for k, v in s.items() if k not in TOKEN_VALUES} for s in samples
+    ]
+    batch = collate(base)
+    batch[POLICY_LABELS] = batch.pop("labels")
+    rows, length = batch["input_ids"].shape[:2]
+    for key in TOKEN_VALUES:
+        shifted = [_shift(s[key]) for s in samples]
+        if packing:
+            flat = torch.cat(shifted)
+            batch[key] = torch.cat([flat, flat.new_zeros(length - flat.numel())])[None]
+        else:
+            out = torch.zeros(rows, length, dtype=torch.float64)
+            for row, value in enumerate(shifted):
+                out[row, : value.numel()] = value
+            batch[key] = out
+    return batch
+
+
+def _ids(value: Any, where: str, key: str, vocab_size: int) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise DataError(f"{where}: {key!r} must be a list of token ids")
+    bad = [t for t in value if not 0 <= t < vocab_size]
+    if bad:
+        raise DataError(f"{where}: {key!r} holds {bad[:5]}, outside the vocabulary [0, {vocab_size})")
+    return value
+
+
+def read_rollouts(
+    path: str | Path,
+    num_generations: int,
+    encode_prompt: Callable[[Mapping[str, Any], str], tuple[list[int], str, dict[str, torch.Tensor]]],
+    encode_response: Callable[[str], list[int]],
+    end_of_turn: int,
+    vocab_size: int,
+) -> list[RolloutSample]:
+    """Every row of the JSONL at `path` as a `RolloutSample` (see the module docstring); a bad row (a missing key, a
+    group of the wrong size or out of order, logprobs of the wrong length, ids outside the vocabulary) is a
+    DataError naming the file and row. `encode_prompt(row, where)` -> (ids, text, image inputs)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"rl.rollouts_path: {path} does not exist")
+    samples: list[RolloutSample] = []
+    groups: list[Any] = []
+    with path.open(encoding="utf-8") as handle:
+        for index, line in enumerate(handle):
+            if not line.strip():
+                continue
+            where = row_name(path, index)
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{where}: not JSON ({exc.msg} at column {exc.colno})") from None
+            missing = [k for k in ("group", "reward") if k not in row]
+            if "prompt_ids" not in row and "prompt" not in row:
+                missing.append("prompt_ids or prompt")
+            if "response_ids" not in row and "response" not in row:
+                missing.append("response_ids or response")
+            if missing:
+                raise DataError(f"{where}: missing {missing} (the row has {sorted(row)})")
+            if not groups or groups[-1] != row["group"]:
+                if groups and len(samples) % num_generations:
+                    raise DataError(f"{where}: group {groups[-1]!r} has {len(samples) % num_generations} rows, "
+                                    f"not rl.num_generations = {num_generations}")  # fmt: skip
+                if row["group"] in groups:
+                    raise DataError(f"{where}: group {row['group']!r} appears again after other groups")
+                groups.append(row["group"])
+            truncated = bool(row.get("truncated", False))
+            if "prompt_ids" in row:
+                prompt_ids, text, inputs = _ids(row["prompt_ids"], where, "prompt_ids", vocab_size), "", {}
+            else:
+                prompt_ids, text, inputs = encode_prompt(row, where)
+            if "response_ids" in row:
+                response = _ids(row["response_ids"], where, "response_ids", vocab_size)
+            else:
+                response = encode_response(str(row["response"])) + ([] if truncated else [end_of_turn])
+            if not response:
+                raise DataError(f"{where}: the response is empty")
+            logprobs = row.get("logprobs")
+            if logprobs is not None and (not isinstance(logprobs, list) or len(logprobs) != len(response)):
+                raise DataError(
+                    f"{where}: 'logprobs' must hold one number per response token ({len(response)}), got "
+                    f"{len(logprobs) if isinstance(logprobs, list) else type(logprobs).__name__}"
+                )
+            reward = row["reward"]
+            if not isinstance(reward, (int, float)) or isinstance(reward, bool) or reward != reward:
+                raise DataError(f"{where}: 'reward' must be a finite number, got {reward!r}")
+            samples.append(
+                RolloutSample(
+                    group=len(groups) - 1, prompt_ids=prompt_ids, response_ids=response, reward=float(reward),
+                    truncated=truncated, engine_logprobs=[float(x) for x in logprobs] if logprobs else None,
+                    model_inputs=inputs, prompt_text=text, response_text=str(row.get("response", "")), where=where,
+                )
+            )  # fmt: skip
+    if len(samples) % num_generations:
+        raise DataError(f"{path}: the last group has {len(samples) % num_generations} rows, not {num_generations}")
+    if not samples:
+        raise DataError(f"{path}: no rollouts")
+    return samples

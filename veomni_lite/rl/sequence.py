@@ -1,0 +1,36 @@
+"""Sequence-level reductions that stay exact under packing and Ulysses SP.
+
+A sequence is a sample: a row when padded, a segment of a packed row, marked by `sequence_ids` (-1: none) before SP
+slicing, so every shard of a sequence carries the same id. `sequence_sums(values, sequence_ids, sp_group)` gives each
+position the sum of `values` over its whole sequence: the shard-local sums (one slot per sequence of the row), then,
+under SP, ONE autograd all-reduce over the SP group, whose backward sums the shards' gradients, so a nonlinearity of
+the sum (GSPO's sequence ratio, DPO's sigmoid) sees the complete sum on every shard and trains every shard's tokens.
+The buffer has a slot per position of the whole row, the same size on every shard, so the shards always match.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.nn.functional import all_reduce as autograd_all_reduce
+
+__all__ = ["sequence_sums"]
+
+
+def sequence_sums(
+    values: torch.Tensor, sequence_ids: torch.Tensor, sp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """[B, S] `values` -> [B, S]: at each position of a sequence, that sequence's sum over every shard (0 where
+    `sequence_ids` < 0). Differentiable; collective over `sp_group` when it has more than one rank (call it on every
+    shard alike)."""
+    if values.shape != sequence_ids.shape:
+        raise ValueError(f"sequence_sums: values {tuple(values.shape)} and sequence_ids {tuple(sequence_ids.shape)}")
+    sp = dist.get_world_size(sp_group) if sp_group is not None else 1
+    rows, length = values.shape
+    slots = length * sp  # a sequence holds at least one position of the whole row: ids < length * sp
+    valid = sequence_ids >= 0
+    row = torch.arange(rows, device=values.device).unsqueeze(1)
+    index = (row * slots + sequence_ids.clamp(min=0)).reshape(-1)
+    local = values.new_zeros(rows * slots).index_add(0, index, torch.where(valid, values, 0).reshape(-1))
+    total = autograd_all_reduce(local, group=sp_group) if sp > 1 else local
+    return torch.where(valid, total[index].view_as(values), 0)
