@@ -209,6 +209,7 @@ class TransformersEngine(RolloutEngine):
         self.pad_id = config.get_text_config().pad_token_id
         self.placeholders = {1: getattr(config, "image_token_id", None), 2: getattr(config, "video_token_id", None)}
         self.vision = self.placeholders[1] is not None
+        self.merge = getattr(getattr(config, "vision_config", None), "spatial_merge_size", 1)
 
     def sync_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         expected = set(self.model.state_dict())
@@ -226,6 +227,8 @@ class TransformersEngine(RolloutEngine):
         for index, request in enumerate(requests):
             if not request.prompt_ids:
                 raise ValueError(f"TransformersEngine.generate: request {index} has an empty prompt")
+            if self.vision:
+                self._check_images(index, request)
         rows = [(i, j) for i, request in enumerate(requests) for j in range(len(request.seeds))]
         rows.sort(key=lambda row: len(requests[row[0]].prompt_ids))  # stable: short padding, same order per length
         out: list[list[Rollout | None]] = [[None] * len(request.seeds) for request in requests]
@@ -283,6 +286,18 @@ class TransformersEngine(RolloutEngine):
             reason = "length" if end is None else "stop"
             rollouts.append(Rollout(response, logprobs[row][: len(response)], reason))
         return rollouts
+
+    def _check_images(self, index: int, request: RolloutRequest) -> None:
+        """The prompt's image placeholders are as many as its images' tokens (transformers would embed placeholders
+        without pixels as text)."""
+        placeholders = request.prompt_ids.count(self.placeholders[1])
+        grid = request.model_inputs.get("image_grid_thw")
+        tokens = 0 if grid is None else int(grid.prod(-1).sum()) // self.merge**2
+        if placeholders != tokens:
+            raise ValueError(
+                f"TransformersEngine.generate: request {index} has {placeholders} image placeholder tokens but its "
+                f"image_grid_thw makes {tokens} image tokens (each image's placeholder repeated to its token count)"
+            )
 
     def _model_inputs(self, requests: Sequence[RolloutRequest], rows: Sequence[tuple[int, int]]) -> dict[str, Any]:
         """Each key of the rows' `model_inputs` concatenated on dim 0 in row order (a prompt's once per sample)."""
