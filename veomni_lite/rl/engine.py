@@ -30,9 +30,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 _MASK64 = (1 << 64) - 1
 
@@ -95,7 +98,8 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def sync_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Load the policy's full weights (transformers' parameter names, LoRA merged); `version` labels them."""
+        """Load the policy's full weights, keyed as the transformers model's `state_dict()` (tied weights under each
+        of their names), LoRA merged; `version` labels them. Mismatched keys: a ValueError naming them."""
 
     @abstractmethod
     def generate(self, requests: Sequence[RolloutRequest], settings: SamplingSettings) -> list[list[Rollout]]:
@@ -196,7 +200,7 @@ class TransformersEngine(RolloutEngine):
 
     name = "transformers"
 
-    def __init__(self, hf_model: Any, device: torch.device, batch_size: int = 64) -> None:
+    def __init__(self, hf_model: PreTrainedModel, device: torch.device, batch_size: int = 64) -> None:
         from transformers import GenerationConfig
 
         if batch_size < 1:
