@@ -1,0 +1,312 @@
+"""Rollout engines: prompts and sampling settings in; sampled token ids, their log-probabilities and why each
+response ended, out.
+
+`RolloutEngine` is the interface every engine implements: `TransformersEngine` (embedded, below) and, later, a vLLM
+server. The trainer loads the policy's full weights into it (`sync_weights`, transformers' parameter names) and asks
+for one sample per seed of each prompt (`generate`). No engine makes a torch.distributed collective: each rank
+generates its own prompts.
+
+Sampling in `TransformersEngine`: transformers' `generate` in greedy mode (KV cache, prompts left-padded with an
+attention mask, up to `batch_size` rows a call, rows ordered by prompt length to keep the padding short) with a
+processor list that makes its argmax an exact sample: transformers' own temperature, top-k and top-p warpers (in that
+order), then Gumbel-max noise -log(-log(U)), U uniform, drawn for each row from a `torch.Generator` seeded by (the row's
+seed, the decode position). A sample is therefore a function of its prompt, seed, weights and settings alone, not of
+the rows sharing its batch, the batch size or the rank, up to the rounding of batched kernels: left padding and batch
+size move float32 logits by about 1e-7 on CPU, and a token flips only when two noisy scores are that close (not seen
+in `benchmarks/rl_generation.py`'s check). The noise comes from the device's generator: CPU and CUDA draw different
+samples for one seed. `greedy`: no warpers, no noise.
+
+Log-probabilities: each sampled token's log-softmax of the raw logits / temperature (before top-k and top-p), taken
+at the step that samples it (the trainer recomputes the same quantity), so no [rows, steps, vocab] logits are kept.
+
+Vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): a request's `model_inputs` (`pixel_values`,
+`image_grid_thw` as the image processor returns them) are concatenated over a call's rows in row order, each prompt's
+images once per sample, and `mm_token_type_ids` is derived from the placeholder ids, from which transformers computes
+the M-RoPE positions of the left-padded rows.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How responses are drawn. Filters apply in transformers' order: temperature, then top-k, then top-p."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    """> 0; the log-probabilities are of softmax(logits / temperature), greedy included."""
+    top_p: float = 1.0
+    """In (0, 1]; 1 = off."""
+    top_k: int = 0
+    """0 = off."""
+    stop_ids: tuple[int, ...] = ()
+    """End-of-turn ids: a response ends with the first one it emits (kept in the response)."""
+    greedy: bool = False
+    """Evaluation: the argmax of the logits, no filter, no noise."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingSettings.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.temperature > 0:
+            raise ValueError(f"SamplingSettings.temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingSettings.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingSettings.top_k must be >= 0 (0 = off), got {self.top_k}")
+
+
+@dataclass
+class RolloutRequest:
+    """One prompt and the seeds of its samples."""
+
+    prompt_ids: list[int]
+    """The rendered prompt (VL: each image's placeholder already repeated to its token count, as in SFT data)."""
+    seeds: list[int]
+    """One per sample (len = num_generations); sample j is drawn with seeds[j]."""
+    model_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    """VL: `pixel_values` and `image_grid_thw` of this prompt's images, as the image processor returns them."""
+
+
+@dataclass
+class Rollout:
+    """One sampled response."""
+
+    response_ids: list[int]
+    logprobs: list[float]
+    """Per response token: its log-probability under softmax(logits / temperature), before top-k and top-p."""
+    finish_reason: str
+    """"stop" (ended with a stop id) or "length" (cut at max_new_tokens)."""
+
+
+class RolloutEngine(ABC):
+    """Generates rollouts with the weights last given to `sync_weights`; makes no collective."""
+
+    name: str
+    _version: int = -1
+
+    @abstractmethod
+    def sync_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load the policy's full weights, keyed as the transformers model's `state_dict()` (tied weights under each
+        of their names), LoRA merged; `version` labels them. Mismatched keys: a ValueError naming them."""
+
+    @abstractmethod
+    def generate(self, requests: Sequence[RolloutRequest], settings: SamplingSettings) -> list[list[Rollout]]:
+        """Per request, one `Rollout` per seed, in order."""
+
+    def close(self) -> None:
+        """Release what the engine holds (a server, a process); nothing for the embedded engine."""
+        return None
+
+    @property
+    def version(self) -> int:
+        """The weights version last synced (-1 before any)."""
+        return self._version
+
+
+def noise_seed(seed: int, position: int) -> int:
+    """The generator seed of a row's noise at decode `position` (0 = the first response token): splitmix64 of the
+    two, so nearby seeds and positions give unrelated streams (a CPU generator keeps only the low 32 bits)."""
+
+    def mix(x: int) -> int:
+        x = (x + 0x9E3779B97F4A7C15) & _MASK64
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+        return x ^ (x >> 31)
+
+    return mix(mix(seed & _MASK64) ^ position)
+
+
+def _processors(settings: SamplingSettings, seeds: Sequence[int], prompt_width: int, device: torch.device) -> Any:
+    """The logits processors of one `generate` call, and the recorder that holds each step's tokens and log-probs."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    raw = _RawLogits()
+    steps: list[Any] = [raw]
+    if not settings.greedy:
+        steps.append(TemperatureLogitsWarper(settings.temperature))
+        if settings.top_k > 0:
+            steps.append(TopKLogitsWarper(settings.top_k))
+        if settings.top_p < 1:
+            steps.append(TopPLogitsWarper(settings.top_p))
+        steps.append(_SeededGumbelMax(seeds, prompt_width, device))
+    record = _Chosen(raw, settings.temperature)
+    return LogitsProcessorList([*steps, record]), record
+
+
+class _RawLogits:
+    """First processor: keeps the step's raw logits for `_Chosen`."""
+
+    scores: torch.Tensor
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.scores = scores
+        return scores
+
+
+class _SeededGumbelMax:
+    """Adds Gumbel noise -log(-log(U)), U uniform, row r's drawn from a generator seeded by noise_seed(seeds[r],
+    position): the argmax of the result is an exact sample of softmax(scores) (filtered tokens stay -inf)."""
+
+    def __init__(self, seeds: Sequence[int], prompt_width: int, device: torch.device) -> None:
+        self.seeds = list(seeds)
+        self.prompt_width = prompt_width
+        self.generator = torch.Generator(device=device)
+        self.noise: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        position = input_ids.shape[1] - self.prompt_width
+        if self.noise is None or self.noise.shape != scores.shape:
+            self.noise = torch.empty_like(scores)
+        for row, seed in zip(self.noise, self.seeds):  # one short call per row (exponential_ is 4x slower on CPU)
+            row.uniform_(generator=self.generator.manual_seed(noise_seed(seed, position)))
+        tiny = torch.finfo(scores.dtype).tiny  # U > 0: the noise is finite, a filtered -inf stays -inf
+        return scores - self.noise.clamp_min_(tiny).log_().neg_().log_()
+
+
+class _Chosen:
+    """Last processor: the token `generate` picks (the argmax of the final scores) and its log-probability under
+    softmax(raw logits / temperature), per step."""
+
+    def __init__(self, raw: _RawLogits, temperature: float) -> None:
+        self.raw = raw
+        self.temperature = temperature
+        self.tokens: list[torch.Tensor] = []
+        self.logprobs: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        chosen = scores.argmax(dim=-1, keepdim=True)
+        logits = self.raw.scores.float() / self.temperature
+        self.tokens.append(chosen[:, 0])
+        self.logprobs.append(logits.gather(-1, chosen)[:, 0] - torch.logsumexp(logits, dim=-1))
+        return scores
+
+
+class TransformersEngine(RolloutEngine):
+    """Rollouts from a plain (unsharded) transformers model through its own `generate` (see the module docstring).
+    The engine owns `hf_model`: it moves it to `device`, puts it in eval mode and replaces its generation config with
+    transformers' defaults, so no sampling setting of a model directory (a repetition penalty, say) applies."""
+
+    name = "transformers"
+
+    def __init__(self, hf_model: PreTrainedModel, device: torch.device, batch_size: int = 64) -> None:
+        from transformers import GenerationConfig
+
+        if batch_size < 1:
+            raise ValueError(f"TransformersEngine batch_size must be >= 1, got {batch_size}")
+        self.model = hf_model.to(device).eval().requires_grad_(False)
+        self.model.generation_config = GenerationConfig()
+        self.device = torch.device(device)
+        self.batch_size = batch_size
+        config = self.model.config
+        self.pad_id = config.get_text_config().pad_token_id
+        self.placeholders = {1: getattr(config, "image_token_id", None), 2: getattr(config, "video_token_id", None)}
+        self.vision = self.placeholders[1] is not None
+        self.merge = getattr(getattr(config, "vision_config", None), "spatial_merge_size", 1)
+
+    def sync_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        expected = set(self.model.state_dict())
+        missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
+        if missing or unexpected:
+            raise ValueError(
+                f"TransformersEngine.sync_weights (version {version}): the weights do not match the engine's "
+                f"{type(self.model).__name__}: missing keys {missing}, unexpected keys {unexpected}"
+            )
+        with torch.no_grad():
+            self.model.load_state_dict(state_dict, strict=True)
+        self._version = version
+
+    def generate(self, requests: Sequence[RolloutRequest], settings: SamplingSettings) -> list[list[Rollout]]:
+        for index, request in enumerate(requests):
+            if not request.prompt_ids:
+                raise ValueError(f"TransformersEngine.generate: request {index} has an empty prompt")
+            if self.vision:
+                self._check_images(index, request)
+        rows = [(i, j) for i, request in enumerate(requests) for j in range(len(request.seeds))]
+        rows.sort(key=lambda row: len(requests[row[0]].prompt_ids))  # stable: short padding, same order per length
+        out: list[list[Rollout | None]] = [[None] * len(request.seeds) for request in requests]
+        for start in range(0, len(rows), self.batch_size):
+            chunk = rows[start : start + self.batch_size]
+            for (i, j), rollout in zip(chunk, self._generate_rows(requests, chunk, settings)):
+                out[i][j] = rollout
+        return out  # type: ignore[return-value]
+
+    def _generate_rows(
+        self, requests: Sequence[RolloutRequest], rows: Sequence[tuple[int, int]], settings: SamplingSettings
+    ) -> list[Rollout]:
+        from transformers import GenerationConfig
+
+        prompts = [requests[i].prompt_ids for i, _ in rows]
+        width = max(len(prompt) for prompt in prompts)
+        pad = self.pad_id if self.pad_id is not None else (settings.stop_ids or (0,))[0]
+        input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):  # left padding: every row's last prompt token in the last column
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            attention_mask[row, width - len(prompt) :] = 1
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, **self._model_inputs(requests, rows)}
+        if self.vision:
+            kinds = torch.zeros_like(input_ids)
+            for kind, token in self.placeholders.items():
+                if token is not None:
+                    kinds[input_ids == token] = kind
+            inputs["mm_token_type_ids"] = kinds * attention_mask
+        config = GenerationConfig(
+            max_new_tokens=settings.max_new_tokens,
+            do_sample=False,
+            num_beams=1,
+            eos_token_id=list(settings.stop_ids) or None,
+            pad_token_id=pad,
+            use_cache=True,
+            return_dict_in_generate=True,
+        )
+        seeds = [requests[i].seeds[j] for i, j in rows]
+        processors, record = _processors(settings, seeds, width, self.device)
+        inputs = {key: value.to(self.device) for key, value in inputs.items()}
+        with torch.no_grad():
+            generated = self.model.generate(**inputs, generation_config=config, logits_processor=processors)
+        tokens = generated.sequences[:, width:].tolist()
+        steps = len(tokens[0])
+        chosen = torch.stack(record.tokens[:steps], dim=1).tolist()
+        logprobs = torch.stack(record.logprobs[:steps], dim=1).tolist()
+        stops = set(settings.stop_ids)
+        rollouts = []
+        for row, response in enumerate(tokens):
+            end = next((t + 1 for t, token in enumerate(response) if token in stops), None)
+            response = response[: end or settings.max_new_tokens]
+            if chosen[row][: len(response)] != response:  # a processor after ours changed the scores
+                raise RuntimeError("TransformersEngine: generate did not take the sampler's tokens")
+            reason = "length" if end is None else "stop"
+            rollouts.append(Rollout(response, logprobs[row][: len(response)], reason))
+        return rollouts
+
+    def _check_images(self, index: int, request: RolloutRequest) -> None:
+        """The prompt's image placeholders are as many as its images' tokens (transformers would embed placeholders
+        without pixels as text)."""
+        placeholders = request.prompt_ids.count(self.placeholders[1])
+        grid = request.model_inputs.get("image_grid_thw")
+        tokens = 0 if grid is None else int(grid.prod(-1).sum()) // self.merge**2
+        if placeholders != tokens:
+            raise ValueError(
+                f"TransformersEngine.generate: request {index} has {placeholders} image placeholder tokens but its "
+                f"image_grid_thw makes {tokens} image tokens (each image's placeholder repeated to its token count)"
+            )
+
+    def _model_inputs(self, requests: Sequence[RolloutRequest], rows: Sequence[tuple[int, int]]) -> dict[str, Any]:
+        """Each key of the rows' `model_inputs` concatenated on dim 0 in row order (a prompt's once per sample)."""
+        keys = sorted({key for i, _ in rows for key in requests[i].model_inputs})
+        return {
+            key: torch.cat([requests[i].model_inputs[key] for i, _ in rows if key in requests[i].model_inputs])
+            for key in keys
+        }
