@@ -115,6 +115,9 @@ class RLConfig:
             raise ConfigError("rl.async_steps: one-step-async rollouts come with rl.engine: vllm; set 0")
         if not self.rewards and not self.rollouts_path:
             raise ConfigError("rl.rewards: give at least one reward function ([{name, function, weight}])")
+        from veomni_lite.rl.rewards import load_rewards  # a user's file runs here because the config names it
+
+        load_rewards(self.rewards)  # each entry checked (ConfigError naming it) before any process group
         batch = config.train.global_batch_size
         if self.rollout_size % batch:
             raise ConfigError(

@@ -55,6 +55,8 @@ class SamplingSettings:
     """End-of-turn ids: a response ends with the first one it emits (kept in the response)."""
     greedy: bool = False
     """Evaluation: the argmax of the logits, no filter, no noise."""
+    suppress_ids: tuple[int, ...] = ()
+    """Ids never drawn (greedy too), e.g. a VL model's image placeholder, which only a prompt's image may hold."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -134,6 +136,10 @@ def _processors(settings: SamplingSettings, seeds: Sequence[int], prompt_width: 
 
     raw = _RawLogits()
     steps: list[Any] = [raw]
+    if settings.suppress_ids:
+        from transformers import SuppressTokensLogitsProcessor
+
+        steps.append(SuppressTokensLogitsProcessor(list(settings.suppress_ids), device=device))
     if not settings.greedy:
         steps.append(TemperatureLogitsWarper(settings.temperature))
         if settings.top_k > 0:

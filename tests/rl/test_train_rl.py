@@ -1,0 +1,140 @@
+"""`trainers/train_rl.py`'s trainer on given rollouts (`rl.rollouts_path`): every layout logs the same per-step
+policy loss and grad norm; an interrupt inside a rollout batch resumes to the uninterrupted run, also on another world
+size; bad rollouts and configs are named errors."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.dist_helpers import run_distributed
+from tests.trainer.helpers import read_events
+from veomni_lite.config import ConfigError, load_config
+from veomni_lite.data.checks import DataError
+from veomni_lite.rl.config import RLConfig
+from veomni_lite.rl.trainer import RLTrainer
+
+RTOL = 1e-5
+
+
+def write_rollouts(path: Path, groups: int = 8, group_size: int = 4, vocab: int = 2000, seed: int = 0) -> Path:
+    """Rollouts of random tokens (prompts of 3-8, responses of 1-9), rewards in [0, 1), engine log-probabilities,
+    one truncated response."""
+    rng = random.Random(seed)
+    rows = []
+    for group in range(groups):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(3, 8))]
+        for j in range(group_size):
+            response = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 9))]
+            rows.append(
+                {"group": f"g{group}", "prompt_ids": prompt, "response_ids": response,
+                 "reward": round(rng.random(), 3), "logprobs": [-7.6 + 0.3 * rng.random() for _ in response],
+                 "truncated": (group, j) == (1, 3)}
+            )  # fmt: skip
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def rl_args(demo: Path, rollouts: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "--model.arch", "auto", "--model.pretrained_dir", str(demo / "models/qwen2_help"),
+        "--rl.rollouts_path", str(rollouts), "--rl.prompts_per_step", "4", "--rl.num_generations", "4",
+        "--rl.epochs", "2", "--rl.kl_coef", "0.1", "--rl.importance_sampling", "token", "--rl.mask_truncated", "true",
+        "--train.micro_batch_size", "2", "--train.global_batch_size", "8", "--train.max_steps", "8",
+        "--train.output_dir", str(out), "--optim.lr", "1e-3", "--optim.warmup_steps", "0",
+        "--logging.log_interval", "1", "--logging.progress_bar", "false", "--logging.tensorboard", "false",
+        "--logging.plot", "false", *extra,
+    ]  # fmt: skip
+
+
+def config(args: list[str], world_size: int = 1) -> Any:
+    return load_config(None, args, world_size=world_size, sections={"rl": RLConfig})
+
+
+def train(args: list[str], world_size: int = 1, stop_after: int | None = None) -> None:
+    trainer = RLTrainer(config(args, world_size))
+    if stop_after is not None:
+        original = trainer.train_step
+
+        def train_step(micro_batches: list) -> None:
+            original(micro_batches)
+            if trainer.step == stop_after:
+                trainer._stop_signal = 15
+
+        trainer.train_step = train_step
+    try:
+        trainer.train()
+    except SystemExit as exc:
+        assert stop_after is not None and exc.code == 128 + 15
+    finally:
+        trainer.metrics.close()  # the process group stays with its owner (the test's ranks)
+
+
+def _ranked(rank: int, world: int, args: list[str]) -> None:
+    train(args, world)
+
+
+def by_step(out: Path, key: str) -> dict[int, float]:
+    return {e["step"]: e[key] for e in read_events(out) if key in e}
+
+
+@pytest.fixture(scope="module")
+def rollouts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_rollouts(tmp_path_factory.mktemp("rollouts") / "rollouts.jsonl")
+
+
+@pytest.mark.slow
+def test_given_rollouts_train_alike_at_one_process_dp2_and_sp2_packed(demo, rollouts, tmp_path):
+    train(rl_args(demo, rollouts, tmp_path / "one"))
+    reference = {key: by_step(tmp_path / "one", key) for key in ("train/policy_loss", "train/grad_norm")}
+    assert sorted(reference["train/policy_loss"]) == list(range(1, 9))
+    layouts = {
+        "dp2": [],
+        "sp2": ["--parallel.sp_size", "2", "--data.packing", "true", "--data.max_tokens_per_micro_batch", "40"],
+    }
+    for name, extra in layouts.items():
+        run_distributed(_ranked, 2, rl_args(demo, rollouts, tmp_path / name, *extra), timeout_s=600)
+        for key, expected in reference.items():
+            got = by_step(tmp_path / name, key)
+            assert sorted(got) == sorted(expected), (name, key)
+            for step, value in expected.items():
+                assert got[step] == pytest.approx(value, rel=RTOL, abs=1e-7), (name, key, step, got, expected)
+    events = read_events(tmp_path / "one")
+    first = events[0]
+    assert 0.0 <= first["rl/reward/min"] < first["rl/reward/mean"] < first["rl/reward/max"] < 1.0
+    assert 0.0 < first["rl/truncated_ratio"] < 1.0 and first["rl/kl"] == pytest.approx(0.0, abs=1e-12)
+    assert {"rl/importance_ratio/mean", "rl/logprob_diff", "rl/entropy", "time/generate_s"} <= set(first)
+
+
+@pytest.mark.slow
+def test_an_interrupt_inside_a_rollout_batch_resumes_to_the_uninterrupted_run(demo, rollouts, tmp_path):
+    train(rl_args(demo, rollouts, tmp_path / "whole"))
+    expected = by_step(tmp_path / "whole", "train/policy_loss")
+    train(rl_args(demo, rollouts, tmp_path / "cut"), stop_after=3)  # step 3 of a batch of 4 steps
+    assert sorted(by_step(tmp_path / "cut", "train/policy_loss")) == [1, 2, 3]
+    resume = rl_args(demo, rollouts, tmp_path / "cut", "--checkpoint.resume", "true")
+    run_distributed(_ranked, 2, resume, timeout_s=600)  # on another world size
+    got = by_step(tmp_path / "cut", "train/policy_loss")
+    assert sorted(got) == sorted(expected)
+    for step, value in expected.items():
+        assert got[step] == pytest.approx(value, rel=RTOL, abs=1e-7), step
+
+
+def test_bad_rollouts_and_rl_configs_are_named_errors(demo, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    write_rollouts(bad, groups=2)
+    rows = bad.read_text().splitlines()
+    rows[5] = rows[5].replace('"reward"', '"score"')
+    bad.write_text("\n".join(rows) + "\n")
+    with pytest.raises(DataError, match=r"bad.jsonl, row 5 \(0-based\): missing \['reward'\]"):
+        RLTrainer(config(rl_args(demo, bad, tmp_path / "out", "--train.max_steps", "1")))
+    with pytest.raises(ConfigError, match="must divide the rollout batch"):
+        config(rl_args(demo, bad, tmp_path / "out", "--train.global_batch_size", "12"))
+    with pytest.raises(ConfigError, match="unknown config key 'rl.temprature'"):
+        config(rl_args(demo, bad, tmp_path / "out", "--rl.temprature", "0.5"))
+    with pytest.raises(ConfigError, match="unknown config key 'rl.epochs'"):
+        load_config(None, ["--rl.epochs", "2"], world_size=1)
