@@ -10,7 +10,7 @@ TEXT_CONFIG ?= configs/qwen2_text.yaml
 PYTEST_ARGS ?=
 QUICK ?=
 
-.PHONY: install test test-quick test-gpu quality train train-text train-sft bench clean
+.PHONY: install test test-quick test-gpu quality train train-text train-sft train-rl train-rl-math bench clean
 
 install: $(STAMP)
 
@@ -49,6 +49,24 @@ SFT_CONFIG ?= configs/sft_digits.yaml
 train-sft: install
 	$(PY) -m examples.sft_demo outputs/sft_demo
 	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) trainers/train_sft.py $(SFT_CONFIG) $(ARGS)
+
+# Online RL (GRPO) of the digits' Qwen2-VL: a short SFT warm start (configs/sft_digits.yaml for 60 steps, exported),
+# then GRPO with the exact_match reward on the digit words (configs/rl_digits.yaml) through trainers/train_rl.py.
+RL_CONFIG ?= configs/rl_digits.yaml
+train-rl: install
+	$(PY) -m examples.sft_demo outputs/sft_demo
+	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) trainers/train_sft.py configs/sft_digits.yaml \
+		--train.max_steps 60 --train.eval_interval 60 --checkpoint.save_interval 0 --train.output_dir outputs/rl_digits_sft
+	$(PY) -m veomni_lite.export outputs/rl_digits_sft outputs/rl_digits_sft_hf
+	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) trainers/train_rl.py $(RL_CONFIG) $(ARGS)
+
+# Online RL of a text model with a verifiable reward: arithmetic word problems (python -m examples.rl_math), a short
+# SFT warm start (configs/rl_math_sft.yaml, exported), then GRPO with the math reward (configs/rl_math.yaml).
+train-rl-math: install
+	$(PY) -m examples.rl_math outputs/rl_math
+	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) trainers/train_sft.py configs/rl_math_sft.yaml
+	$(PY) -m veomni_lite.export outputs/rl_math_sft outputs/rl_math_sft_hf
+	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) trainers/train_rl.py configs/rl_math.yaml $(ARGS)
 
 bench: install
 	$(PY) benchmarks/run_all.py $(if $(QUICK),--quick,)

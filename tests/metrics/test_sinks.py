@@ -34,8 +34,10 @@ def test_jsonl_appends_and_flushes_each_event(tmp_path):
     assert json.loads(path.read_text()) == {"step": 1, "epoch": 0, "train/loss": 2.0, "train/nan": None}
     sink.write(2, 0.5, {"train/loss": 1.5})
     sink.close()
-    JsonlSink(path, {}).write(3, 1, {"train/loss": 1.0})  # a new sink appends
+    sink.write(3, 1, {"train/loss": 1.0})  # reopened after a close: continues
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+    JsonlSink(path, {}).write(1, 0, {"train/loss": 3.0})  # a new run that did not resume: its own history only
+    assert [json.loads(line)["train/loss"] for line in path.read_text().splitlines()] == [3.0]
 
 
 def test_jsonl_resume_truncates_and_reads_the_history_back(tmp_path, caplog):

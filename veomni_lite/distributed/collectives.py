@@ -147,7 +147,9 @@ def agree(
     `flags` reduced by MAX (other agreed values folded into the same all-reduce)."""
     problems, reduced = rank_problems(problem, group, flags)
     if problems:
-        raise error(where + name_problems(problems)) from (problem if isinstance(problem, BaseException) else None)
+        agreed = error(where + name_problems(problems))
+        agreed.agreed = True  # every rank raises it: a caller need not agree on it again
+        raise agreed from (problem if isinstance(problem, BaseException) else None)
     return reduced
 
 

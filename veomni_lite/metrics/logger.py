@@ -298,6 +298,12 @@ class MetricLogger:
             self.eval.record("loss", sum(contributions.values()))
         return self._write(max(step, 1), epoch, "eval/", self.eval.reduce(), extra or {})
 
+    def write_text(self, step: int, tag: str, text: str) -> None:
+        """Text for the sinks that show it (TensorBoard's text tab); main rank only, local."""
+        for sink in self.sinks:
+            if hasattr(sink, "write_text"):
+                sink.write_text(step, tag, text)
+
     def postfix(self) -> str:
         """The progress bar's postfix: the last logged train loss."""
         return f"loss={self.last_logged['train/loss']:.4f}" if "train/loss" in self.last_logged else ""

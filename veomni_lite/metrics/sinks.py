@@ -100,10 +100,12 @@ class ConsoleSink(Sink):
 class JsonlSink(Sink):
     """One JSON object per step, `{"step", "epoch", key: value, ...}` (non-finite as null), flushed at once; a second
     event at the same step (eval after train) is merged into its line. It is the run's durable history: `resume(step)`
-    keeps the lines up to `step` (a torn line is dropped with a warning) and reads them back into the series."""
+    keeps the lines up to `step` (a torn line is dropped with a warning) and reads them back into the series; a run
+    that did not resume starts the file anew (an earlier run's lines in the same output directory are not its own)."""
 
     def __init__(self, path: str | os.PathLike[str], series: Series) -> None:
         self.path, self.series = Path(path), series
+        self._resumed = False
         self._file: IO[str] | None = None
         self._last: tuple[int, int, dict[str, Any]] | None = None  # (step, offset of its line, record)
 
@@ -112,7 +114,9 @@ class JsonlSink(Sink):
         record = {"step": step, "epoch": epoch, **finite}
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open across events
+            mode = "a" if self._resumed else "w"
+            self._file = open(self.path, mode, encoding="utf-8")  # noqa: SIM115 - kept open across events
+            self._resumed = True  # later opens (after a close) continue the file
         if self._last is not None and self._last[0] == step:
             record = {**self._last[2], **record}
             self._file.truncate(self._last[1])
@@ -128,6 +132,7 @@ class JsonlSink(Sink):
 
     def resume(self, step: int) -> None:
         self.close()
+        self._resumed = True
         self._last, kept = None, []
         text = self.path.read_text(encoding="utf-8") if self.path.exists() else ""
         for number, line in enumerate(text.splitlines(), start=1):
@@ -157,14 +162,22 @@ class TensorBoardSink(Sink):
         self._writer: Any = None
         self._purge_step: int | None = None
 
-    def write(self, step: int, epoch: Epoch, values: Mapping[str, Scalar]) -> None:
+    def _open(self) -> Any:
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=self._purge_step)
             self._purge_step = None
+        return self._writer
+
+    def write(self, step: int, epoch: Epoch, values: Mapping[str, Scalar]) -> None:
+        writer = self._open()
         for key, value in values.items():
-            self._writer.add_scalar(key, value, global_step=step)
+            writer.add_scalar(key, value, global_step=step)
+
+    def write_text(self, step: int, tag: str, text: str) -> None:
+        """Text (markdown) under `tag` in TensorBoard's text tab."""
+        self._open().add_text(tag, text, global_step=step)
 
     def flush(self) -> None:
         if self._writer is not None:

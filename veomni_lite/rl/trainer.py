@@ -58,6 +58,7 @@ from veomni_lite.trainer.sft import SFTTrainer, image_token
 from veomni_lite.utils.loss_utils import mark_sequences
 
 logger = logging.getLogger(__name__)
+ROLLOUTS_FILE = "rollouts.jsonl"
 
 __all__ = ["RLTrainer", "RolloutLoader", "sample_seed"]
 
@@ -161,6 +162,7 @@ class RLTrainer(SFTTrainer):
         self._pending_records: dict[str, Any] = {}  # the batch's rollout metrics, recorded with its first step
         self._generate_s = 0.0
         super().__init__(config)
+        self._trim_rollouts_file()
 
     # ------------------------------------------------------------------ data
 
@@ -532,14 +534,29 @@ class RLTrainer(SFTTrainer):
             self._write_rollouts_sample()
 
     def _write_rollouts_sample(self) -> None:
-        samples = getattr(self, "last_samples", None) or []
+        """The first `rl.rollouts_sample` rollouts of the current batch to rollouts.jsonl and TensorBoard's text tab."""
         rows = [
             {"step": self.step, "prompt": s.prompt_text, "response": s.response_text, "reward": s.reward,
              "advantage": s.advantage, "truncated": s.truncated}
-            for s in samples[: self.rl.rollouts_sample]
+            for s in self.last_samples[: self.rl.rollouts_sample]
         ]  # fmt: skip
-        with (self.output_dir / "rollouts.jsonl").open("a") as handle:
+        with (self.output_dir / ROLLOUTS_FILE).open("a", encoding="utf-8") as handle:
             handle.writelines(json.dumps(row) + "\n" for row in rows)
+        table = "\n".join(
+            f"| {row['reward']:.3g} | {row['advantage']:.3g} | {_cell(row['prompt'])} | {_cell(row['response'])} |"
+            for row in rows
+        )
+        self.metrics.write_text(self.step, "rollouts", "| reward | advantage | prompt | response |\n|---|---|---|---|\n"
+                                + table)  # fmt: skip
+
+    def _trim_rollouts_file(self) -> None:
+        """A fresh run starts rollouts.jsonl anew; a resumed one keeps the rows up to its step (main rank)."""
+        path = self.output_dir / ROLLOUTS_FILE
+        if not self.is_main or not path.exists():
+            return
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True) if self.step else []
+        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= self.step]
+        path.write_text("".join(kept), encoding="utf-8")
 
     # ------------------------------------------------------------------ eval
 
@@ -571,6 +588,11 @@ class RLTrainer(SFTTrainer):
         extra = {"reward": reduced[0] / count, "accuracy": reduced[1] / count}
         extra |= {f"eval/rewards/{name}": value / count for name, value in zip(names, reduced[3:])}
         return self.metrics.log_eval(self.step, self.epoch, {}, extra)
+
+
+def _cell(text: str) -> str:
+    """`text` as one markdown table cell."""
+    return text.replace("|", "\\|").replace("\n", "\\n")
 
 
 def _response_values(

@@ -582,6 +582,8 @@ class BaseTrainer(ABC):
                 try:
                     micro_batches = [self.shard(mb) for mb in self.loader.next_step()]
                 except DataError as exc:  # e.g. a sample over the token budget: agreed below like bad data
+                    if getattr(exc, "agreed", False):  # every rank raised it already (`agree`)
+                        raise
                     micro_batches, failed = [], exc
                 epoch = self.loader.epoch
                 if self._agree(micro_batches, failed):
