@@ -72,12 +72,12 @@ def test_the_same_config_generates_the_same_rollouts_at_one_process_and_dp2(math
     assert len({tuple(r) for r in one["responses"]}) > 4  # the samples of a prompt differ
 
 
-FAULTY = '''
+FAULTY = """
 def score(prompts, completions, answers, **columns):
     if any(a == "{answer}" for a in answers):
         raise ZeroDivisionError("cannot score this one")
     return [0.0 for _ in completions]
-'''
+"""
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tests.dist_helpers import run_distributed
 from tests.trainer.helpers import read_events
@@ -138,3 +139,42 @@ def test_bad_rollouts_and_rl_configs_are_named_errors(demo, tmp_path):
         config(rl_args(demo, bad, tmp_path / "out", "--rl.temprature", "0.5"))
     with pytest.raises(ConfigError, match="unknown config key 'rl.epochs'"):
         load_config(None, ["--rl.epochs", "2"], world_size=1)
+
+
+def _run_returning_samples(rank: int, world: int, args: list[str]) -> list[dict[str, Any]]:
+    trainer = RLTrainer(config(args, world))
+    try:
+        trainer.train()
+    finally:
+        trainer.metrics.close()
+    return [vars(s) for s in trainer.last_samples]
+
+
+@pytest.mark.slow
+def test_rollout_metrics_equal_a_hand_computation_over_the_window_at_dp2(demo, rollouts, tmp_path):
+    """One log window of 4 steps holds one rollout batch (16 responses, DP=2): every rollout metric is the hand
+    computation over the whole batch, though each rank records only the groups it holds."""
+    args = rl_args(demo, rollouts, tmp_path, "--train.max_steps", "4", "--logging.log_interval", "4")
+    samples = run_distributed(_run_returning_samples, 2, args, timeout_s=600)[0]
+    (event,) = [e for e in read_events(tmp_path) if "rl/reward/mean" in e]
+    rewards = torch.tensor([s["reward"] for s in samples], dtype=torch.float64)
+    groups = rewards.view(-1, 4)
+    advantages = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-6)).reshape(-1)
+    lengths = torch.tensor([len(s["response_ids"]) for s in samples], dtype=torch.float64)
+    old = torch.tensor([x for s in samples for x in s["old_logprobs"]], dtype=torch.float64)
+    engine = torch.tensor([x for s in samples for x in s["engine_logprobs"]], dtype=torch.float64)
+    expected = {
+        "rl/reward/mean": rewards.mean(), "rl/reward/std": rewards.std(correction=0),
+        "rl/reward/min": rewards.min(), "rl/reward/max": rewards.max(),
+        "rl/advantage/mean": advantages.mean(), "rl/advantage/std": advantages.std(correction=0),
+        "rl/advantage/min": advantages.min(), "rl/advantage/max": advantages.max(),
+        "rl/response_length/mean": lengths.mean(), "rl/response_length/min": lengths.min(),
+        "rl/response_length/max": lengths.max(),
+        "rl/truncated_ratio": torch.tensor(sum(s["truncated"] for s in samples) / len(samples)),
+        "rl/frac_reward_zero_std": (groups == groups[:, :1]).all(1).double().mean(),
+        "rl/importance_ratio/mean": (old - engine).exp().mean(), "rl/importance_ratio/min": (old - engine).exp().min(),
+        "rl/importance_ratio/max": (old - engine).exp().max(), "rl/logprob_diff": (old - engine).abs().mean(),
+    }  # fmt: skip
+    for key, value in expected.items():
+        assert event[key] == pytest.approx(float(value), rel=1e-9, abs=1e-12), key
+    assert [s["advantage"] for s in samples] == pytest.approx(advantages.tolist(), abs=1e-12)
