@@ -9,6 +9,8 @@ CONFIG ?= configs/qwen2_vl_digits.yaml
 TEXT_CONFIG ?= configs/qwen2_text.yaml
 PYTEST_ARGS ?=
 QUICK ?=
+# torchrun, whose report of a failed run ends with the cause (python -m veomni_lite.torchrun: see its docstring)
+TORCHRUN := $(PY) -m veomni_lite.torchrun --standalone --nproc_per_node $(NPROC)
 
 .PHONY: install test test-quick test-gpu quality train train-text train-sft bench clean
 
@@ -38,17 +40,17 @@ quality: install
 	$(VENV)/bin/ruff format --check .
 
 train: install
-	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) trainers/train_vlm.py $(CONFIG) $(ARGS)
+	$(TORCHRUN) trainers/train_vlm.py $(CONFIG) $(ARGS)
 
 train-text: install
-	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) trainers/train_text.py $(TEXT_CONFIG) $(ARGS)
+	$(TORCHRUN) trainers/train_text.py $(TEXT_CONFIG) $(ARGS)
 
 # Fine-tuning from files on disk: writes the digits as a messages JSONL + PNGs and a tiny Qwen2-VL model directory
 # (python -m examples.sft_demo), then trains on them through trainers/train_sft.py alone.
 SFT_CONFIG ?= configs/sft_digits.yaml
 train-sft: install
 	$(PY) -m examples.sft_demo outputs/sft_demo
-	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) trainers/train_sft.py $(SFT_CONFIG) $(ARGS)
+	$(TORCHRUN) trainers/train_sft.py $(SFT_CONFIG) $(ARGS)
 
 bench: install
 	$(PY) benchmarks/run_all.py $(if $(QUICK),--quick,)
