@@ -145,7 +145,9 @@ def write_vl_model(directory: Path, texts: list[str], family: str = "qwen2_vl") 
     )
     torch.manual_seed(0)
     model_class(config).save_pretrained(str(directory), safe_serialization=True)
-    processor = transformers.Qwen2VLImageProcessor(
+    # the PIL backend by name: what `Qwen2VLImageProcessor` falls back to without torchvision, minus the warning that
+    # it fell back; it saves the same preprocessor_config.json (image_processor_type Qwen2VLImageProcessor)
+    processor = transformers.Qwen2VLImageProcessorPil(
         patch_size=2, temporal_patch_size=1, merge_size=2, min_pixels=64, max_pixels=4096
     )
     processor.save_pretrained(str(directory))
