@@ -34,7 +34,8 @@ TEMPLATE = (
 )
 
 
-def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    """`rows` as JSON Lines at `path`, written whole or not at all (a temporary file renamed into place)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -63,7 +64,7 @@ def write_digits(out: Path, eval_fraction: float = 0.2) -> list[str]:
         }
         splits["eval" if index in held_out else "train"].append(row)
     for split, rows in splits.items():
-        _write_jsonl(out / f"{split}.jsonl", rows)
+        write_jsonl(out / f"{split}.jsonl", rows)
     return [PROMPT, *(f"a handwritten {word}" for word in WORDS)]
 
 
@@ -79,7 +80,7 @@ def write_help(out: Path) -> list[str]:
             question = f"Show paragraph {part + 1} of the Python help topic {name!r}."
             rows.append({"conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]})
             texts += [question, answer]
-    _write_jsonl(out / "train.jsonl", rows)
+    write_jsonl(out / "train.jsonl", rows)
     return texts
 
 
