@@ -12,7 +12,7 @@ QUICK ?=
 # torchrun, whose report of a failed run ends with the cause (python -m veomni_lite.torchrun: see its docstring)
 TORCHRUN := $(PY) -m veomni_lite.torchrun --standalone --nproc_per_node $(NPROC)
 
-.PHONY: install test test-quick test-gpu quality train train-text train-sft train-lora bench clean
+.PHONY: install test test-quick test-gpu quality train train-text train-sft train-lora figures bench clean
 
 install: $(STAMP)
 
@@ -65,6 +65,12 @@ train-lora: install $(LORA_BASE)/config.json
 	$(PY) -m examples.lora_demo outputs/sft_demo
 	$(PY) -m examples.lora_demo --before $(LORA_CONFIG) $(ARGS)
 	$(TORCHRUN) trainers/train_sft.py $(LORA_CONFIG) $(ARGS)
+
+# The numbers the README and docs quote: runs the demo jobs (FIGURES="train train-sft": some of them) at HEAD and
+# rewrites their <!-- figure:NAME --> blocks and docs/figures.json (scripts/figures.py).
+FIGURES ?=
+figures: install
+	$(PY) scripts/figures.py $(FIGURES)
 
 bench: install
 	$(PY) benchmarks/run_all.py $(if $(QUICK),--quick,)
