@@ -189,6 +189,7 @@ def run_figure(name: str, commit: str) -> dict:
     figure = FIGURES[name]
     for path in (figure.output_dir, *figure.clean):
         shutil.rmtree(REPO / path, ignore_errors=True)
+    load = os.getloadavg()[0]  # the machine is shared: a time read with the load around it
     code, seconds, output = run_logged(figure.command, REPO / "outputs" / "figures" / f"{name}.log")
     if code:
         raise SystemExit(f"figures: `{figure.command}` failed (exit code {code}); see outputs/figures/{name}.log")
@@ -204,6 +205,7 @@ def run_figure(name: str, commit: str) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
         "machine": f"{os.cpu_count()} CPU cores",
         "seconds": round(seconds, 1),
+        "load_1min": [round(load, 2), round(os.getloadavg()[0], 2)],  # before and after the command
         "values": values,
         "log": last,
     }
