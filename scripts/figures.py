@@ -2,6 +2,7 @@
 
     python scripts/figures.py [NAME ...]       run these figures' jobs (default: all of FIGURES), then rewrite
     python scripts/figures.py --check          only check the pages against docs/figures.json (what the test does)
+    python scripts/figures.py --render         only rewrite the pages from docs/figures.json (after editing `render`)
 
 A figure (`FIGURES`) is a make command and what the pages quote from its run: one eval metric at each eval step (and,
 for a LoRA run, the base's value before it, from `before.json`), the command's time, optionally the console's last
@@ -112,9 +113,10 @@ def render(name: str, result: dict, log: bool = False) -> str:
     steps = sorted(result["values"], key=int)
     values = [f"{result['values'][step]:.3f}" for step in steps]
     before = f"{result['before']:.3f} before the run, then " if figure.before else ""
+    files = "`before.json` and `metrics.jsonl` in " if figure.before else "`metrics.jsonl` in "
     text = (
         f"One run (`{figure.command}`: {figure.about}; at {result['commit'][:7]}, {result['date']}, on "
-        f"{result['machine']}; its `{figure.output_dir}/metrics.jsonl`): `{figure.metric}` {before}"
+        f"{result['machine']}; its {files}`{figure.output_dir}`): `{figure.metric}` {before}"
         f"{listing(values)} at steps {listing(steps)}, in {duration(result['seconds'])} for the command, "
         "not counting `make install`, which a fresh clone's first make target runs first."
     )
@@ -236,7 +238,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help=f"figures to run (default: all of {sorted(FIGURES)})")
     parser.add_argument("--check", action="store_true", help="only check the pages against the recorded runs")
+    parser.add_argument("--render", action="store_true", help="only rewrite the pages from the recorded runs")
     args = parser.parse_args(argv)
+    if args.render:
+        print(f"[figures] rewrote {rewrite(json.loads((REPO / RESULTS).read_text())) or 'no page'}")
+        return 0
     if args.check:
         found = check()
         print("\n".join(found) or f"figures: every block matches {RESULTS}, every commit is an ancestor of HEAD")
