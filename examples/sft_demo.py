@@ -189,5 +189,8 @@ def write_demo(out: str | Path) -> Path:
 
 
 if __name__ == "__main__":
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Writing model shards" for each of two tiny directories
     path = write_demo(sys.argv[1] if len(sys.argv) > 1 else "outputs/sft_demo")
     print(f"[veomni_lite] SFT demo data and model directories in {path.resolve()}")

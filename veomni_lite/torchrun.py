@@ -4,7 +4,9 @@ torchrun ends a failed run with its `ChildFailedError` traceback and a report of
 This runs torchrun's own `main` in this process and, when a rank fails, prints instead one line naming each failed
 rank's exit code and then the cause whole, as the last lines: what the first failed rank recorded (`record_error`),
 else its signal. It exits with the cause's exit code (2: bad config or data; 128 + N: stopped by signal N; 1: anything
-else), where torchrun exits 1. Every option of torchrun works (`--standalone`, `--nproc_per_node`, `--nnodes`, ...).
+else), where torchrun exits 1. Every option of torchrun works (`--standalone`, `--nproc_per_node`, `--nnodes`, ...);
+`OMP_NUM_THREADS` defaults to 1, as under torchrun with several processes, without torchrun's notice saying so, and
+the agent's own one-line "failed" log is left out (the report says it).
 
 `record_error(text, agreed)` is the rank's side (`veomni_lite.trainer.launch.main`). Under torchrun it writes `text` to
 the rank's error file (`TORCHELASTIC_ERROR_FILE`, set by torchrun for each rank), which both this report and
@@ -17,6 +19,7 @@ stderr (an agreed error from rank 0 only).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -82,6 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
+    # torchrun's own default for several processes, set here so that it does not print its 5-line notice every run
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # its agent's line "failed (exitcode: 2) local_rank: 0 ..." says what the report below says
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
+        lambda record: not record.getMessage().startswith("failed (exitcode")
+    )
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault(ERROR_FILE, os.path.join(tmp, "error.json"))  # where torchrun copies the first failure's
         try:
