@@ -21,10 +21,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
 SAME_AS_LOCAL_RANK_0 = "stopped on the same error as local rank 0 (every rank raised it alike)"
@@ -50,12 +55,12 @@ def record_error(text: str, agreed: bool) -> None:
     Path(path).write_text(json.dumps({"message": {"message": shown, "extraInfo": extra}, "cause": text}))
 
 
-def failure_report(error: BaseException) -> tuple[str, int]:
+def failure_report(error: ChildFailedError) -> tuple[str, int]:
     """(the report, the exit code) of torchrun's `ChildFailedError`: a line naming each failed rank's exit code,
     then the cause whole: the first failure's (by torchrun's clock) recorded text, else that of the lowest rank that
     recorded one (a rank stopped by torchrun before it could), else the first failure's own message."""
-    failures = error.failures  # type: ignore[attr-defined]
-    first_rank, first = error.get_first_failure()  # type: ignore[attr-defined]
+    failures = error.failures
+    first_rank, first = error.get_first_failure()
     recorded = [(rank, f) for rank, f in sorted(failures.items()) if "cause" in f.error_file_data]
     rank, failure = (first_rank, first) if "cause" in first.error_file_data or not recorded else recorded[0]
     if "cause" in failure.error_file_data:
@@ -72,8 +77,6 @@ def failure_report(error: BaseException) -> tuple[str, int]:
 def _exit_code_words(exitcode: int) -> str:
     if exitcode >= 0:
         return f"exit code {exitcode}"
-    import signal
-
     try:
         return f"signal {signal.Signals(-exitcode).name}"
     except ValueError:
