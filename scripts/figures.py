@@ -117,8 +117,9 @@ def render(name: str, result: dict, log: bool = False) -> str:
     text = (
         f"One run (`{figure.command}`: {figure.about}; at {result['commit'][:7]}, {result['date']}, on "
         f"{result['machine']}; its {files}`{figure.output_dir}`): `{figure.metric}` {before}"
-        f"{listing(values)} at steps {listing(steps)}, in {duration(result['seconds'])} for the command, "
-        "not counting `make install`, which a fresh clone's first make target runs first."
+        f"{listing(values)} at steps {listing(steps)}, in {duration(result['seconds'])} for the command (1-minute "
+        f"load {result['load_1min'][0]:.1f} before, {result['load_1min'][1]:.1f} after), not counting `make install`, "
+        "which a fresh clone's first make target runs first."
     )
     return textwrap.fill(text, width=120, break_on_hyphens=False, break_long_words=False) + "\n"
 

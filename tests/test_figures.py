@@ -69,11 +69,11 @@ def test_a_block_of_no_recorded_run_is_a_drift(recorded):
 
 def test_render_states_the_command_commit_and_what_the_time_leaves_out():
     result = {"commit": "a" * 40, "date": "2026-12-03", "machine": "2 CPU cores", "seconds": 85.2}
-    result |= {"values": {"200": 0.5, "100": 0.25}, "log": ["step 2/2 | x"], "before": 0.0}
+    result |= {"load_1min": [1, 2.5], "values": {"200": 0.5, "100": 0.25}, "log": ["step 2/2 | x"], "before": 0.0}
     text = figures.render("train-lora", result)
     flat = " ".join(text.split())
     assert "`make train-lora`" in flat and "at aaaaaaa, 2026-12-03, on 2 CPU cores" in flat
     assert "0.000 before the run, then 0.250 and 0.500 at steps 100 and 200, in 1 min 25 s" in flat
-    assert "not counting `make install`" in flat
+    assert "(1-minute load 1.0 before, 2.5 after), not counting `make install`" in flat
     assert all(len(line) <= 120 for line in text.splitlines())
     assert figures.render("train", result, log=True) == "```\nstep 2/2 | x\n```\n"
