@@ -15,8 +15,10 @@ include the install, and say so). Its values go to docs/figures.json with the co
     <!-- /figure -->
 
 in README.md and docs/*.md is rewritten from them (`render`). `--check` (and tests/test_figures.py) fails when a block
-differs from what its recorded run renders (an edited number, say) or when a figure's commit is not an ancestor of
-HEAD. Adding a demo (the RL or DPO jobs) is one `FIGURES` entry and a block where the pages quote it.
+differs from what its recorded run renders (an edited number, say), when a figure's commit is not an ancestor of
+HEAD, or when the minor version in setup.cfg changed since it (0.1 -> 0.2: rerun the jobs). Within a minor version a
+figure may predate later commits; it names its commit. Adding a demo (the RL or DPO jobs) is one `FIGURES` entry and
+a block where the pages quote it.
 """
 
 from __future__ import annotations
@@ -139,9 +141,16 @@ def is_ancestor(commit: str, repo: Path) -> bool:
     return done.returncode == 0
 
 
-def problems(texts: dict[str, str], results: dict[str, dict], repo: Path) -> list[str]:
+def minor_version(setup_cfg: str) -> str:
+    """The major.minor of setup.cfg's `version` ("0.1" for 0.1.0)."""
+    return re.search(r"^version\s*=\s*(\d+\.\d+)", setup_cfg, re.M).group(1)
+
+
+def problems(texts: dict[str, str], results: dict[str, dict], repo: Path, version: str | None = None) -> list[str]:
     """Each way the pages and the recorded runs drift apart: a block that is not what its run renders, a block of no
-    recorded figure, a recorded figure no page quotes, a figure whose commit is not an ancestor of HEAD."""
+    recorded figure, a recorded figure no page quotes, a figure whose commit is not an ancestor of HEAD or whose
+    commit's minor version (setup.cfg) is not the checkout's (`version`, default read from `repo`)."""
+    version = version or minor_version((repo / "setup.cfg").read_text())
     found, quoted = [], set()
     for page, text in texts.items():
         for match in BLOCK.finditer(text):
@@ -156,6 +165,11 @@ def problems(texts: dict[str, str], results: dict[str, dict], repo: Path) -> lis
             found.append(f"{RESULTS}: {name} is quoted on no page")
         if not is_ancestor(result["commit"], repo):
             found.append(f"{RESULTS}: {name}'s commit {result['commit'][:12]} is not an ancestor of HEAD")
+            continue
+        show = ["git", "show", f"{result['commit']}:setup.cfg"]
+        ran_at = minor_version(subprocess.run(show, cwd=repo, capture_output=True, text=True, check=True).stdout)
+        if ran_at != version:
+            found.append(f"{RESULTS}: {name} ran at version {ran_at}, the checkout is {version}: run make figures")
     return found
 
 
@@ -246,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.check:
         found = check()
-        print("\n".join(found) or f"figures: every block matches {RESULTS}, every commit is an ancestor of HEAD")
+        print("\n".join(found) or f"figures: every block matches {RESULTS}, run at an ancestor of HEAD of this version")
         return 1 if found else 0
     unknown = sorted(set(args.names) - set(FIGURES))
     if unknown:

@@ -60,6 +60,13 @@ def test_a_commit_outside_heads_history_is_a_drift(recorded):
     assert "docs/figures.json: train's commit 000000000000 is not an ancestor of HEAD" in found
 
 
+def test_a_new_minor_version_is_a_drift(recorded):
+    """The negative control: the checkout's version moved on from the figures' commits (0.1 there)."""
+    texts, results = recorded
+    found = figures.problems(texts, results, REPO, version="0.2")
+    assert len(found) == len(results) and all("ran at version 0.1, the checkout is 0.2" in line for line in found)
+
+
 def test_a_block_of_no_recorded_run_is_a_drift(recorded):
     texts, results = recorded
     stray = texts["README.md"] + "\n<!-- figure:nowhere -->\nOne run: 0.999\n<!-- /figure -->\n"
