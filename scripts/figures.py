@@ -70,7 +70,8 @@ FIGURES: dict[str, Figure] = {
         "make train-sft",
         "outputs/sft_digits",
         "eval/answer_accuracy",
-        "the digits from their files",
+        "the digits from their files, which it writes first",
+        clean=("outputs/sft_demo",),
         images={"loss_curve.png": "docs/sft_loss_curve.png"},
     ),
     "train-lora": Figure(
