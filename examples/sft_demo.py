@@ -34,7 +34,8 @@ TEMPLATE = (
 )
 
 
-def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    """`rows` as JSON Lines at `path`, written whole or not at all (a temporary file renamed into place)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -63,7 +64,7 @@ def write_digits(out: Path, eval_fraction: float = 0.2) -> list[str]:
         }
         splits["eval" if index in held_out else "train"].append(row)
     for split, rows in splits.items():
-        _write_jsonl(out / f"{split}.jsonl", rows)
+        write_jsonl(out / f"{split}.jsonl", rows)
     return [PROMPT, *(f"a handwritten {word}" for word in WORDS)]
 
 
@@ -79,7 +80,7 @@ def write_help(out: Path) -> list[str]:
             question = f"Show paragraph {part + 1} of the Python help topic {name!r}."
             rows.append({"conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]})
             texts += [question, answer]
-    _write_jsonl(out / "train.jsonl", rows)
+    write_jsonl(out / "train.jsonl", rows)
     return texts
 
 
@@ -145,7 +146,9 @@ def write_vl_model(directory: Path, texts: list[str], family: str = "qwen2_vl") 
     )
     torch.manual_seed(0)
     model_class(config).save_pretrained(str(directory), safe_serialization=True)
-    processor = transformers.Qwen2VLImageProcessor(
+    # the PIL backend by name: what `Qwen2VLImageProcessor` falls back to without torchvision, minus the warning that
+    # it fell back; it saves the same preprocessor_config.json (image_processor_type Qwen2VLImageProcessor)
+    processor = transformers.Qwen2VLImageProcessorPil(
         patch_size=2, temporal_patch_size=1, merge_size=2, min_pixels=64, max_pixels=4096
     )
     processor.save_pretrained(str(directory))
@@ -186,5 +189,8 @@ def write_demo(out: str | Path) -> Path:
 
 
 if __name__ == "__main__":
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Writing model shards" for each of two tiny directories
     path = write_demo(sys.argv[1] if len(sys.argv) > 1 else "outputs/sft_demo")
     print(f"[veomni_lite] SFT demo data and model directories in {path.resolve()}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import difflib
 import json
 import os
 import typing
@@ -372,6 +373,28 @@ ALIASES: dict[str, str] = {
 }
 
 
+def did_you_mean(dotted: str, sections: Mapping[str, type] | None = None) -> str:
+    """The hint for a mistyped `section` or `section.name`: " (did you mean `x`?)", else "". x is the key of that name
+    in another section, else the closest name (difflib's ratio at least 0.6) in the closest section (old flat `train.*`
+    names included), else a name very close to it (0.8) in any section."""
+    sections = _SECTIONS if sections is None else sections
+    section, _, name = dotted.partition(".")
+    keys = [f"{s}.{f.name}" for s, cls in sections.items() for f in fields(cls)] + list(ALIASES)
+    names = [key.partition(".")[2] for key in keys]
+    guess = difflib.get_close_matches(section, list(sections), n=1)
+    if not name:
+        return f" (did you mean `{guess[0]}`?)" if guess else ""
+    if name in names:
+        return f" (did you mean `{keys[names.index(name)]}`?)"
+    if guess:
+        in_section = [key.partition(".")[2] for key in keys if key.startswith(f"{guess[0]}.")]
+        if close := difflib.get_close_matches(name, in_section, n=1):
+            return f" (did you mean `{guess[0]}.{close[0]}`?)"
+    if close := difflib.get_close_matches(name, names, n=1, cutoff=0.8):
+        return f" (did you mean `{keys[names.index(close[0])]}`?)"
+    return ""
+
+
 def _field_type(section_cls: type, name: str) -> Any:
     return typing.get_type_hints(section_cls)[name]
 
@@ -462,12 +485,14 @@ def _set(config: Config, dotted: str, value: Any, source: str) -> str:
     section, _, name = dotted.partition(".")
     classes = _section_classes(config)
     if section not in classes or not name:
-        raise ConfigError(f"{source}: unknown config key {dotted!r}; sections are {sorted(classes)}")
+        hint = did_you_mean(dotted, classes)
+        raise ConfigError(f"{source}: unknown config key {dotted!r}{hint}; sections are {sorted(classes)}")
     section_cls = classes[section]
     known = {f.name for f in fields(section_cls)}
     name, *nested = name.split(".")
     if name not in known:
-        raise ConfigError(f"{source}: unknown config key {dotted!r}; {section} has {sorted(known)}")
+        hint = did_you_mean(f"{section}.{name}", classes)
+        raise ConfigError(f"{source}: unknown config key {dotted!r}{hint}; {section} has {sorted(known)}")
     if nested:
         if typing.get_origin(_field_type(section_cls, name)) is not dict:
             raise ConfigError(f"{source}: unknown config key {dotted!r}; {section}.{name} has no fields")
@@ -600,7 +625,9 @@ def _check_sources(data: DataConfig) -> None:
         where = f"data.sources[{index}]"
         unknown = sorted(set(entry) - set(SOURCE_KEYS))
         if unknown:
-            raise ConfigError(f"{where}: unknown key(s) {unknown}; a source has {list(SOURCE_KEYS)}")
+            close = difflib.get_close_matches(unknown[0], SOURCE_KEYS, n=1)
+            hint = f" (did you mean `{close[0]}`?)" if close else ""
+            raise ConfigError(f"{where}: unknown key(s) {unknown}{hint}; a source has {list(SOURCE_KEYS)}")
         path = entry.get("path")
         if not path or not (
             isinstance(path, str) or (isinstance(path, list) and all(isinstance(p, str) for p in path))
@@ -769,10 +796,10 @@ def load_config(
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping of sections, got {type(data).__name__}")
         for section, values in data.items():
-            if section not in _section_classes(config):
-                raise ConfigError(
-                    f"{path}: unknown config section {section!r}; sections are {sorted(_section_classes(config))}"
-                )
+            classes = _section_classes(config)
+            if section not in classes:
+                hint = did_you_mean(section, classes)
+                raise ConfigError(f"{path}: unknown config section {section!r}{hint}; sections are {sorted(classes)}")
             if not isinstance(values, dict):
                 raise ConfigError(f"{path}: section {section!r} must be a mapping, got {type(values).__name__}")
             for name, value in values.items():

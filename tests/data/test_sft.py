@@ -295,12 +295,37 @@ def test_overlength_truncate_drop_and_error_count_or_name_the_row(tmp_path, toke
 
 
 @pytest.mark.parametrize(
+    ("cut", "where"),
+    [  # where: the column, 1-based, from the malformed line
+        (lambda line: line[:-1], lambda bad: f"column {len(bad) + 1} (the end of the line): Expecting ',' delimiter"),
+        (
+            lambda line: line.replace('"role"', "role", 1),
+            lambda bad: f"column {bad.index('role') + 1}: Expecting property name enclosed in double quotes",
+        ),
+        (lambda line: line + " x", lambda bad: f"column {len(bad)}: Extra data"),
+    ],
+    ids=["no-closing-brace", "unquoted-key", "trailing-text"],
+)
+def test_a_malformed_json_line_names_its_row_and_the_column_where_the_text_breaks(tmp_path, cut, where):
+    good = json.dumps({"messages": CONVERSATION})
+    bad = cut(good)
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join([good] * 5 + [bad, good]) + "\n")
+    (source,) = read_sources(str(path), "data.train_path")
+    with pytest.raises(DataError) as raised:
+        list(source.read(0, source.num_rows))
+    assert str(raised.value) == f"{path}, row 5 (0-based): malformed JSON, {where(bad)}"
+    path.write_text("\n".join([good] * 7) + "\n")  # the negative control: the same rows well-formed all read
+    assert len(list(read_sources(str(path), "data.train_path")[0].read(0, 7))) == 7
+
+
+@pytest.mark.parametrize(
     ("lines", "fmt", "message"),
     [
         (  # a blank line is no row but counts as a line of the file
             [json.dumps({"messages": CONVERSATION}), "", '{"messages": ['],
             "messages",
-            r"malformed JSON at line 3 of the file \(1-based, blank lines counted\)",
+            r"row 2 \(0-based\): malformed JSON, column 15 \(the end of the line\): Expecting value",
         ),
         ([json.dumps({"conversations": []})], "messages", r"row 0 \(0-based\): missing column 'messages'"),
         ([json.dumps({"messages": CONVERSATION})], "sharegpt", r"row 0 \(0-based\): missing column 'conversations'"),

@@ -325,5 +325,5 @@ def test_a_bad_row_in_the_stream_stops_every_rank_alike_naming_it(files, tmp_pat
     assert len(messages) == 2, outcomes
     assert messages[0] == messages[1], "the same error on every rank"
     assert re.fullmatch(
-        rf"step 2: ranks 0, 1: {tmp_path / 'part1.jsonl'}: malformed JSON at line 2 of the file .*", messages[0]
+        rf"step 2: ranks 0, 1: {tmp_path / 'part1.jsonl'}, row 1 \(0-based\): malformed JSON, column 2: .*", messages[0]
     ), messages[0]

@@ -78,6 +78,35 @@ def test_config_error_exits_before_any_process_group(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_bad_row_on_two_ranks_is_said_once_and_last(demo, tmp_path):
+    """Through `python -m veomni_lite.torchrun` (what the make targets run) the cause is the last line, once, with
+    exit code 2; plain torchrun's report names it once, as its root cause (its last line is its own border)."""
+    lines = (demo / "help" / "train.jsonl").read_text().splitlines()[:64]
+    lines[5] = lines[5][:-1]  # no closing brace: in rank 0's share of the rows
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(lines) + "\n")
+    cause = f"data error: {bad}, row 5 (0-based): malformed JSON, column {len(lines[5]) + 1} (the end of the line): "
+    cause += "Expecting ',' delimiter"
+    args = ["--nproc_per_node", "2", "trainers/train_sft.py", "configs/sft_help.yaml", "--data.train_path", str(bad)]
+    args += ["--model.pretrained_dir", str(demo / "models" / "qwen2_help"), "--train.output_dir", str(tmp_path / "o")]
+    ours = [sys.executable, "-m", "veomni_lite.torchrun", "--standalone", *args]
+    done = subprocess.run(ours, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = done.stdout.rstrip().splitlines()
+    assert done.returncode == 2, done.stdout[-3000:]
+    assert output[-1] == cause and done.stdout.count(cause) == 1, done.stdout[-3000:]
+    assert output[-2] == (
+        "[veomni_lite] trainers/train_sft.py failed (rank 0: exit code 2, rank 1: exit code 2). The cause, from rank 0:"
+    )
+    plain = subprocess.run(
+        [*TORCHRUN, *args], cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    assert plain.returncode == 1 and plain.stdout.count(cause) == 1, plain.stdout[-3000:]
+    root = plain.stdout[plain.stdout.index("Root Cause (first observed failure):") :]
+    assert "rank      : 0 (local_rank: 0)" in root and f"traceback : {cause}" in root
+    assert "stopped on the same error as local rank 0" in plain.stdout, "rank 1 is in the report, without the cause"
+
+
+@pytest.mark.slow
 def test_sigterm_saves_flushes_and_resume_matches_an_uninterrupted_run(tmp_path):
     common = ["--train.max_steps", "40", "--train.log_interval", "1", "--train.save_interval", "0"]
     full, cut = tmp_path / "full", tmp_path / "cut"

@@ -80,6 +80,37 @@ def test_bad_files(tmp_path):
         load_config(bad)
 
 
+@pytest.mark.parametrize(
+    ("yaml_text", "overrides", "message"),
+    [
+        ("", ["--train.max_step", "7"], "unknown config key 'train.max_step' (did you mean `train.max_steps`?)"),
+        ("", ["--trian.max_steps", "7"], "unknown config key 'trian.max_steps' (did you mean `train.max_steps`?)"),
+        ("", ["--data.max_steps", "7"], "unknown config key 'data.max_steps' (did you mean `train.max_steps`?)"),
+        (
+            "train:\n  log_intreval: 5\n",
+            [],
+            "unknown config key 'train.log_intreval' (did you mean `train.log_interval`?)",
+        ),
+        ("optimizer:\n  lr: 1\n", [], "unknown config section 'optimizer' (did you mean `optim`?)"),
+        ("data:\n  sources: [{pth: a.jsonl}]\n", [], "data.sources[0]: unknown key(s) ['pth'] (did you mean `path`?)"),
+    ],
+)
+def test_a_mistyped_key_names_the_closest_known_one(tmp_path, yaml_text, overrides, message):
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(ConfigError) as raised:
+        load_config(path, overrides, world_size=1)
+    assert message in str(raised.value)
+
+
+@pytest.mark.parametrize("key", ["train.zzz", "model.nope", "qqq.zzz"])
+def test_a_key_like_no_known_one_gets_no_guess(key):
+    """The negative control: a name close to nothing is listed against the valid keys, without a guess."""
+    with pytest.raises(ConfigError, match=f"unknown config key '{key}'; ") as raised:
+        load_config(REPO / "configs" / "vlm_tiny.yaml", [f"--{key}", "1"], world_size=1)
+    assert "did you mean" not in str(raised.value)
+
+
 def test_parse_overrides():
     assert parse_overrides(["--a.b", "1", "--c.d=x"]) == [("a.b", "1"), ("c.d", "x")]
 

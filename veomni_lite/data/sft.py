@@ -19,8 +19,9 @@
   (found by rendering a probe conversation). `train_on_prompt` trains every token but image placeholders. A template
   that raises (`raise_exception`, e.g. "roles must alternate", or any error inside it) or whose rendering of a prefix
   is not a prefix of the next rendering is an error naming the row.
-Every problem is a `DataError` naming the file and the row: `row N (0-based)` is the row's index within its file as
-read (blank JSON Lines lines are not rows); a JSON Lines parse error names the 1-based `line` of the file instead.
+Every problem is a `DataError` naming the file and the row, `row N (0-based)`: the row's index within its file as
+read; in a JSON Lines file, row N is line N + 1 (a blank line holds no sample but is counted). A JSON parse error adds
+the 1-based column where the line's text breaks.
 Nothing read from a dataset runs code.
 """
 
@@ -262,8 +263,16 @@ def _read_lines(path: Path, start: int, stop: int) -> Iterator[tuple[int, dict[s
             try:
                 yield index, json.loads(line)
             except json.JSONDecodeError as exc:
-                where = f"line {index + 1} of the file (1-based, blank lines counted)"
-                raise DataError(f"{path}: malformed JSON at {where}: {exc.msg} (column {exc.colno})") from None
+                raise DataError(f"{row_name(path, index)}: malformed JSON, {_json_column(line, exc)}") from None
+
+
+def _json_column(line: bytes, exc: json.JSONDecodeError) -> str:
+    """Where in `line` the text breaks, as "column C: json's reason" (1-based, in characters); json places a break
+    at the end of the line past its newline (a missing closing brace), which is named as the end of the line."""
+    end = len(line.decode("utf-8", errors="replace").rstrip())
+    if exc.pos < end:
+        return f"column {exc.pos + 1}: {exc.msg}"
+    return f"column {end + 1} (the end of the line): {exc.msg}"
 
 
 def read_sources(spec: str | Sequence[str], key: str) -> list[Source]:

@@ -94,7 +94,7 @@ class SampleStream:
         self._taken = int(position["taken"])
         if self._taken > len(self._samples):
             raise DataError(
-                f"{self.what}: the window at file {self._start[0]}, row {self._start[1]} now gives "
+                f"{self.what}: the window at {row_name(self.sources[self._start[0]].path, self._start[1])} now gives "
                 f"{len(self._samples)} samples, fewer than the {self._taken} the checkpoint took: the files changed"
             )
 

@@ -1,13 +1,18 @@
 """Shared body of the torchrun entry points: parse the config, set up the logger, train, say where the outputs are.
 
-The usage line, config and data errors and the final summary are printed (they are the CLI's own output); everything the
-library says goes through the `veomni_lite` logger.
+The usage line and the final summary are printed (they are the CLI's own output); everything the library says goes
+through the `veomni_lite` logger. An error that stops the run is said once (`veomni_lite.torchrun.record_error`):
+under torchrun in each rank's error file, which torchrun's report and `python -m veomni_lite.torchrun` print (the
+latter last, with its exit code), else on stderr. An error every rank raises alike (`AGREED_ERRORS`: a bad config,
+bad data, a cause the ranks agreed on) is one line without a traceback; any other keeps its traceback.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import traceback
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,7 +22,21 @@ from veomni_lite.distributed.collectives import destroy_process_groups
 from veomni_lite.log import setup_logging
 from veomni_lite.models.pretrained import PretrainedDirError
 from veomni_lite.models.registry import CAUSAL_LM, family_of
-from veomni_lite.trainer.base import BaseTrainer
+from veomni_lite.torchrun import record_error, recording
+from veomni_lite.trainer.base import BaseTrainer, NonFiniteError
+from veomni_lite.trainer.checkpoint import CheckpointError
+from veomni_lite.utils.loss_utils import LossKeyMismatchError
+
+# Errors every rank raises alike (read from the same config, or agreed through `agree` before raising): how each is
+# labelled, and the exit code (2: the user's input).
+AGREED_ERRORS: dict[type[Exception], tuple[str, int]] = {
+    ConfigError: ("config error", 2),
+    DataError: ("data error", 2),
+    PretrainedDirError: ("data error", 2),
+    CheckpointError: ("CheckpointError", 1),
+    NonFiniteError: ("NonFiniteError", 1),
+    LossKeyMismatchError: ("LossKeyMismatchError", 1),
+}
 
 
 def main(
@@ -28,36 +47,52 @@ def main(
 ) -> int:
     """`<entry>.py CONFIG.yaml [--section.key VALUE ...]`; `trainers` maps each `model.arch` this entry trains to its
     trainer (`"*"`: any transformers causal-LM model_type); `defaults`: this entry's own config defaults, under the
-    YAML (see `load_config`); `sections`: this entry's own config sections (e.g. `{"rl": RLConfig}`). Config errors
-    exit 2 before any process group."""
+    YAML (see `load_config`); `sections`: its own config sections (e.g. `{"rl": RLConfig}`). Returns the exit code:
+    0; 2 for a config or data error (config errors come before any process group); 1 for another error, whose
+    traceback is recorded under torchrun and raised without it."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0].startswith("--"):
         print(f"usage: {sys.argv[0]} CONFIG.yaml [--section.key VALUE ...]", file=sys.stderr)
         return 2
-    try:
-        config = load_config(argv[0], argv[1:], defaults=defaults, sections=sections)
-        arch = config.model.arch
-        causal_lm = arch not in NAMED_ARCHES and family_of(arch) is CAUSAL_LM
-        trainer_cls = trainers.get(arch, trainers.get("*") if causal_lm else None)
-        if trainer_cls is None:
-            names = sorted(name if name != "*" else "any causal LM (qwen2, llama, ...)" for name in trainers)
-            raise ConfigError(f"model.arch: {sys.argv[0]} trains {names}, not {arch!r}")
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
-    setup_logging(int(os.environ.get("RANK", "0")))
-    try:
-        trainer = trainer_cls(config)
-    except (DataError, PretrainedDirError) as exc:  # every rank raises it alike (see SFTTrainer.build_datasets)
-        print(f"data error: {exc}", file=sys.stderr)
-        destroy_process_groups()
-        return 2
-    try:
+    trainer: BaseTrainer | None = None
+    try:  # an error is recorded before the teardown, which a rank that already exited does not wait for
+        trainer = _build(trainers, argv, defaults, sections)
         trainer.train()
         if trainer.is_main:
             print(f"[veomni_lite] done: {trainer.step} steps. Outputs in {trainer.output_dir.resolve()}:")
             for name in ("metrics.jsonl", "loss_curve.png", "tensorboard/", "checkpoints/", "config.yaml"):
                 print(f"  {trainer.output_dir / name}")
+        return 0
+    except tuple(AGREED_ERRORS) as exc:
+        label, code = next(AGREED_ERRORS[kind] for kind in type(exc).__mro__ if kind in AGREED_ERRORS)
+        record_error(f"{label}: {exc}", agreed=True)
+        if recording():  # torchrun stops the ranks still running when one exits: each finishes its own exit instead
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return code
+    except Exception:
+        if not recording():
+            raise
+        record_error(traceback.format_exc().rstrip(), agreed=False)
+        return 1
     finally:
-        trainer.close()
-    return 0
+        if trainer is not None:
+            trainer.close()
+        destroy_process_groups()
+
+
+def _build(
+    trainers: Mapping[str, type[BaseTrainer]],
+    argv: list[str],
+    defaults: Mapping[str, Mapping[str, Any]] | None,
+    sections: Mapping[str, type] | None = None,
+) -> BaseTrainer:
+    """The trainer `argv`'s config names (logging set up in between: config errors come before any process group)."""
+    config = load_config(argv[0], argv[1:], defaults=defaults, sections=sections)
+    arch = config.model.arch
+    causal_lm = arch not in NAMED_ARCHES and family_of(arch) is CAUSAL_LM
+    trainer_cls = trainers.get(arch, trainers.get("*") if causal_lm else None)
+    if trainer_cls is None:
+        names = sorted(name if name != "*" else "any causal LM (qwen2, llama, ...)" for name in trainers)
+        raise ConfigError(f"model.arch: {sys.argv[0]} trains {names}, not {arch!r}")
+    setup_logging(int(os.environ.get("RANK", "0")))
+    return trainer_cls(config)
