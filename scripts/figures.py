@@ -55,6 +55,7 @@ class Figure:
     clean: tuple[str, ...] = ()  # removed before the run, besides output_dir (e.g. an export the job makes)
     after: str = ""  # the figure whose run this job uses: run first unless recorded at this commit
     images: dict[str, str] = field(default_factory=dict)  # a file of the run -> its copy under docs/
+    sampled: str = ""  # a train metric also quoted at its first and last logged step (RL: the reward sampled at T)
 
 
 UNTRAINED_BASE = "outputs/sft_demo/models/qwen2_vl_digits"
@@ -82,6 +83,26 @@ FIGURES: dict[str, Figure] = {
         before=True,
         clean=("outputs/sft_digits_hf",),
         after="train-sft",
+    ),
+    "train-rl": Figure(
+        "make train-rl",
+        "outputs/rl_digits",
+        "eval/accuracy",
+        "GRPO with exact_match on the digits' Qwen2-VL after a 60-step SFT warm start, which it runs first; step 1 "
+        "is the warm start's greedy accuracy",
+        clean=("outputs/rl_digits_sft", "outputs/rl_digits_sft_hf"),
+        images={"reward_curve.png": "docs/rl_digits_reward_curve.png"},
+        sampled="rl/reward/mean",
+    ),
+    "train-rl-math": Figure(
+        "make train-rl-math",
+        "outputs/rl_math_grpo",
+        "eval/accuracy",
+        "GRPO with the math reward on arithmetic word problems after a short SFT warm start, which it runs first; "
+        "step 1 is the warm start's greedy accuracy",
+        clean=("outputs/rl_math", "outputs/rl_math_sft", "outputs/rl_math_sft_hf"),
+        images={"reward_curve.png": "docs/rl_math_reward_curve.png"},
+        sampled="rl/reward/mean",
     ),
     "train-lora-untrained": Figure(
         f'make train-lora ARGS="--model.pretrained_dir {UNTRAINED_BASE} --train.output_dir '
@@ -116,13 +137,19 @@ def render(name: str, result: dict, log: bool = False) -> str:
     steps = sorted(result["values"], key=int)
     values = [f"{result['values'][step]:.3f}" for step in steps]
     before = f"{result['before']:.3f} before the run, then " if figure.before else ""
+    sampled = ""
+    if figure.sampled:
+        (first, start), (last, end) = sorted(result["sampled"].items(), key=lambda kv: int(kv[0]))
+        sampled = (
+            f"; `{figure.sampled}` (sampled at temperature 1) {start:.3f} at step {first}, {end:.3f} at step {last}"
+        )
     files = "`before.json` and `metrics.jsonl` in " if figure.before else "`metrics.jsonl` in "
     text = (
         f"One run (`{figure.command}`: {figure.about}; at {result['commit'][:7]}, {result['date']}, on "
         f"{result['machine']}; its {files}`{figure.output_dir}`): `{figure.metric}` {before}"
-        f"{listing(values)} at steps {listing(steps)}, in {duration(result['seconds'])} for the command (1-minute "
-        f"load {result['load_1min'][0]:.1f} before, {result['load_1min'][1]:.1f} after), not counting `make install`, "
-        "which a fresh clone's first make target runs first."
+        f"{listing(values)} at steps {listing(steps)}{sampled}, in {duration(result['seconds'])} for the command "
+        f"(1-minute load {result['load_1min'][0]:.1f} before, {result['load_1min'][1]:.1f} after), not counting "
+        "`make install`, which a fresh clone's first make target runs first."
     )
     return textwrap.fill(text, width=120, break_on_hyphens=False, break_long_words=False) + "\n"
 
@@ -229,6 +256,9 @@ def run_figure(name: str, commit: str) -> dict:
     }
     if figure.before:
         result["before"] = json.loads((out / "before.json").read_text())[figure.metric]
+    if figure.sampled:
+        logged = [(str(e["step"]), e[figure.sampled]) for e in events if figure.sampled in e]
+        result["sampled"] = dict([logged[0], logged[-1]])
     return result
 
 
