@@ -25,6 +25,7 @@ from veomni_lite.distributed.sequence_parallel import slice_micro_batch
 from veomni_lite.plain_loop import LossStep
 from veomni_lite.rl.policy_loss import PolicyLoss
 from veomni_lite.rl.rollouts import RolloutSample, collate_rollouts
+from veomni_lite.split_invariance import Layout
 from veomni_lite.utils.loss_utils import LossModes, mark_sequences, reset_loss_memo
 
 GROUP, GROUPS, BATCH, EPOCHS, LR, SCALE = 4, 4, 8, 2, 0.05, 8.0
@@ -162,19 +163,6 @@ def hand_reference(case: Case) -> list[list[torch.Tensor]]:
             for param, grad in zip(model.parameters(), step):
                 param -= LR * grad
     return grads
-
-
-@dataclass(frozen=True)
-class Layout:
-    dp: int = 1
-    sp: int = 1
-    micro_batch_size: int = 1
-    packed: bool = False
-    max_tokens: int = 0
-
-    def __str__(self) -> str:
-        extra = ("/packed" if self.packed else "") + (f"/budget{self.max_tokens}" if self.max_tokens else "")
-        return f"dp{self.dp}xsp{self.sp}/mbs{self.micro_batch_size}{extra}"
 
 
 def _collate(samples: list[dict[str, torch.Tensor]], packed: bool) -> dict[str, torch.Tensor]:

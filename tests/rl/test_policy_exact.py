@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from tests.dist_helpers import run_distributed
-from tests.rl.exact_fixtures import Layout, cases, hand_reference, layout_steps, relative_error, steps
+from tests.rl.exact_fixtures import cases, hand_reference, layout_steps, relative_error, steps
+from veomni_lite.split_invariance import Layout
 
 LAYOUTS = [
     Layout(1, 1, 2),

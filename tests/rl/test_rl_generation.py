@@ -100,16 +100,20 @@ def test_a_reward_function_failing_on_one_ranks_row_is_the_same_named_error_on_e
     assert "ZeroDivisionError" in messages[0]
 
 
-def test_a_vision_language_model_generates_from_its_images_and_trains(demo, tmp_path):
-    args = [
-        "--model.arch", "auto", "--model.pretrained_dir", str(demo / "models/qwen2_vl_digits"),
-        "--data.train_path", str(demo / "digits/eval.jsonl"), "--data.format", "messages",
-        "--data.max_seq_len", "64", "--rl.prompts_per_step", "2", "--rl.num_generations", "2",
-        "--rl.max_new_tokens", "4", "--rl.rewards", "[{name: correct, function: exact_match}]",
-        "--train.micro_batch_size", "2", "--train.global_batch_size", "4", "--train.max_steps", "1",
-        "--train.output_dir", str(tmp_path), "--logging.progress_bar", "false", "--logging.tensorboard", "false",
-        "--logging.plot", "false",
+def vl_args(model_dir: Path, digits: Path, out: Path, *extra: str) -> list[str]:
+    """One rollout batch of 2 digit images x 2 samples, one optimizer step."""
+    return [
+        "--model.arch", "auto", "--model.pretrained_dir", str(model_dir), "--data.train_path", str(digits),
+        "--data.format", "messages", "--data.max_seq_len", "64", "--rl.prompts_per_step", "2",
+        "--rl.num_generations", "2", "--rl.max_new_tokens", "4", "--rl.rewards",
+        "[{name: correct, function: exact_match}]", "--train.micro_batch_size", "2", "--train.global_batch_size", "4",
+        "--train.max_steps", "1", "--train.output_dir", str(out), "--logging.progress_bar", "false",
+        "--logging.tensorboard", "false", "--logging.plot", "false", *extra,
     ]  # fmt: skip
+
+
+def test_a_vision_language_model_generates_from_its_images_and_trains(demo, tmp_path):
+    args = vl_args(demo / "models/qwen2_vl_digits", demo / "digits/eval.jsonl", tmp_path)
     trainer = RLTrainer(load_config(None, args, world_size=1, sections={"rl": RLConfig}))
     try:
         trainer.train()
@@ -143,3 +147,38 @@ def test_the_lora_reference_is_the_base_with_its_adapters_off(math_demo, tmp_pat
         assert torch.equal(reference, base) and not torch.allclose(adapted, base)
     finally:
         trainer.metrics.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_the_other_vision_language_families_generate_and_train(families_demo, family, tmp_path):
+    digits = families_demo / "digits/eval.jsonl"
+    args = vl_args(families_demo / "models" / family, digits, tmp_path, "--rl.kl_coef", "0.1")
+    trainer = RLTrainer(load_config(None, args, world_size=1, sections={"rl": RLConfig}))
+    try:
+        trainer.train()
+        samples = trainer.last_samples
+    finally:
+        trainer.metrics.close()
+    diffs = [abs(a - b) for s in samples for a, b in zip(s.engine_logprobs, s.old_logprobs)]
+    assert len(samples) == 4 and max(diffs) < 1e-4
+
+
+def test_an_rl_run_exports_to_a_directory_transformers_loads_with_the_trained_logits(math_demo, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from veomni_lite.export import export
+
+    trainer = RLTrainer(load_config(None, math_args(math_demo, tmp_path / "run", "--train.max_steps", "1"),
+                                    world_size=1, sections={"rl": RLConfig}))  # fmt: skip
+    try:
+        trainer.train()
+        ids = torch.tensor([[1, 5, 9, 13, 2]])
+        with torch.no_grad():
+            trained = trainer.model(input_ids=ids, position_ids=torch.arange(5)[None])["logits"]
+    finally:
+        trainer.metrics.close()
+    export(tmp_path / "run", tmp_path / "hf")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.allclose(loaded(input_ids=ids).logits, trained, atol=1e-5)

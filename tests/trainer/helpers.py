@@ -90,14 +90,7 @@ def run_trainer(
     if setup is not None:
         setup(trainer)
     if stop_after is not None:
-        original = trainer.train_step
-
-        def train_step(micro_batches):
-            original(micro_batches)
-            if trainer.step == stop_after:
-                trainer._stop_signal = 15
-
-        trainer.train_step = train_step
+        stop_after_step(trainer, stop_after)
     try:
         trainer.train()
     except SystemExit as exc:
@@ -107,6 +100,18 @@ def run_trainer(
     finally:
         trainer.metrics.close()
     return read_events(config.train.output_dir)
+
+
+def stop_after_step(trainer: BaseTrainer, step: int) -> None:
+    """Make `trainer` request a stop (as SIGTERM would) once it has trained step `step`."""
+    original = trainer.train_step
+
+    def train_step(micro_batches: list) -> None:
+        original(micro_batches)
+        if trainer.step == step:
+            trainer._stop_signal = 15
+
+    trainer.train_step = train_step
 
 
 def read_events(output_dir: str | Path) -> list[dict[str, Any]]:

@@ -94,7 +94,8 @@ class MetricLogger:
     output's `"metrics"` entry, `{name: (total, count)}` of a `mean` metric or `{name: value}`, is recorded per
     micro-batch, and a `mean` metric `X/_sq` (the mean of the squares) turns into `X/std` at log time (population std,
     from exact sums).
-    `plots`: more figures beside loss_curve.png, `{file name: series keys}`.
+    `plots`: more figures beside loss_curve.png, `{file name: series keys}` (the y axis named by the file name's first
+    word: reward_curve.png, "reward").
     """
 
     def __init__(
@@ -162,7 +163,10 @@ class MetricLogger:
         if settings.plot:
             keys = ["train/loss", *(f"train/{name}" for name in self.loss_names), "eval/loss"]
             out.append(sinks.LossCurveSink(output / "loss_curve.png", self.series, keys))
-            out += [sinks.LossCurveSink(output / name, self.series, list(keys)) for name, keys in self.plots.items()]
+            out += [
+                sinks.LossCurveSink(output / name, self.series, list(keys), ylabel=name.split("_")[0])
+                for name, keys in self.plots.items()
+            ]
         if settings.wandb:
             out.append(sinks.WandbSink(output / "wandb", settings.wandb_project, run_config))
         return out

@@ -244,8 +244,9 @@ class LossCurveSink(Sink):
         keys: Sequence[str] | None = None,
         max_points: int = 2000,
         min_interval_s: float = 30.0,
+        ylabel: str = "loss",
     ):
-        self.path, self.series, self.keys = Path(path), series, keys
+        self.path, self.series, self.keys, self.ylabel = Path(path), series, keys, ylabel
         self.max_points, self.min_interval_s = max_points, min_interval_s
         self._dirty, self._drawn_at = False, -math.inf
 
@@ -289,7 +290,7 @@ class LossCurveSink(Sink):
             values = [float(p["value"]) if math.isfinite(float(p["value"])) else math.nan for p in points]
             axes.plot([p["step"] for p in points], values, marker="." if len(points) < 50 else None, label=key)
         axes.xaxis.set_major_locator(MaxNLocator(integer=True))
-        axes.set(xlabel="step", ylabel="loss")
+        axes.set(xlabel="step", ylabel=self.ylabel)
         axes.grid(True, alpha=0.3)
         axes.legend()
         figure.tight_layout()
