@@ -114,6 +114,9 @@ class PrefConfig:
             raise ConfigError("pref.center_rewards: a coefficient >= 0 of pref.loss bradley_terry")
         if self.precompute_reference and not self.needs_reference:
             raise ConfigError(f"pref.precompute_reference: pref.loss {self.loss} has no reference")
+        if config.data.format != "preference":
+            raise ConfigError(f"data.format: preference training reads pairs (data.format: preference), not "
+                              f"{config.data.format!r}")  # fmt: skip
         modes = getattr(config, "loss", None)
         per_head = dict(getattr(modes, "modes", None) or {})
         if per_head.get(PREF, PREF_MODE) != PREF_MODE:
