@@ -28,6 +28,13 @@ def _one_label(config: Any) -> Any:
     return config
 
 
+def _named(model: Any) -> Any:
+    """The config names the sequence-classification class (a causal LM directory's names its own): what the export's
+    family lookup (`veomni_lite.models.registry.REWARD_MODEL`) and `from_pretrained` read."""
+    model.config.architectures = [type(model).__name__]
+    return model
+
+
 class HFRewardModel(HFCausalLM):
     """`AutoModelForSequenceClassification` with one label (see the module docstring)."""
 
@@ -37,7 +44,7 @@ class HFRewardModel(HFCausalLM):
 
         model = AutoModelForSequenceClassification.from_config(_one_label(config), attn_implementation="sdpa",
                                                                dtype=dtype)  # fmt: skip
-        return cls(model, dtype_of(config))
+        return cls(_named(model), dtype_of(config))
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, dtype: torch.dtype = torch.float32) -> HFRewardModel:
@@ -48,7 +55,7 @@ class HFRewardModel(HFCausalLM):
         model = AutoModelForSequenceClassification.from_pretrained(
             str(directory), config=config, attn_implementation="sdpa", dtype=dtype, **LOCAL_ONLY
         )
-        return cls(model, source)
+        return cls(_named(model), source)
 
     def forward(
         self,
