@@ -40,3 +40,18 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
+
+
+def digit_pairs(digits_dir: Path, count: int) -> list[dict[str, Any]]:
+    """`count` vision-language rows from the digits (`examples/sft_demo.py`): the image and question as the prompt
+    messages, the right caption chosen, the next digit's word rejected, the image path absolute."""
+    from examples.sft_demo import WORDS
+
+    rows = [json.loads(line) for line in (digits_dir / "train.jsonl").read_text().splitlines()[:count]]
+    out = []
+    for row in rows:
+        right = row["messages"][1]["content"]
+        wrong = "a handwritten " + WORDS[(WORDS.index(right.split()[-1]) + 1) % len(WORDS)]
+        images = [str(digits_dir / path) for path in row["images"]]
+        out.append({"prompt": row["messages"][:1], "chosen": right, "rejected": wrong, "images": images})
+    return out

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from examples.preference_pairs import help_pairs, implicit, write_jsonl
+from examples.preference_pairs import digit_pairs, help_pairs, implicit, write_jsonl
 from tests.dist_helpers import run_distributed, run_ranks
 from tests.trainer.helpers import read_events
 from veomni_lite.config import load_config
@@ -136,6 +136,24 @@ def test_an_interrupt_resumes_to_the_uninterrupted_run(demo, pairs, tmp_path):
     run_distributed(_ranked, 2, pref_args(demo, pairs, tmp_path / "cut", "--checkpoint.resume", "true"),
                     timeout_s=600)  # on another world size  # fmt: skip
     assert_same(by_step(tmp_path / "cut", "train/pref_loss"), expected, "resumed")
+
+
+@pytest.mark.slow
+def test_vision_language_pairs_train_alike_on_sp2_packed(demo, tmp_path):
+    """One image set per pair, both sides seeing it; the sides packed into one row on SP=2."""
+    path = write_jsonl(tmp_path / "vl.jsonl", digit_pairs(demo / "digits", 8))
+
+    def args(out: Path, *extra: str) -> list[str]:
+        common = pref_args(demo, path, out, "--model.pretrained_dir", str(demo / "models/qwen2_vl_digits"), *extra)
+        return common + ["--train.max_steps", "2"]
+
+    train(args(tmp_path / "one"))
+    extra = ["--parallel.sp_size", "2", "--data.packing", "true", "--data.max_tokens_per_micro_batch", "200"]
+    run_distributed(_ranked, 2, args(tmp_path / "sp2", *extra), timeout_s=600)
+    for key in KEYS:
+        expected = by_step(tmp_path / "one", key)
+        assert sorted(expected) == [1, 2]
+        assert_same(by_step(tmp_path / "sp2", key), expected, f"vl {key}", RTOLS.get(key, RTOL))
 
 
 def _build(rank: int, world: int, args: list[str]) -> str:

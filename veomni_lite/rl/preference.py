@@ -218,7 +218,9 @@ def collate_pairs(
     micro-batch of 2P sequences, side 2p chosen and 2p + 1 rejected (`collate_sides`: the model's padded or packed
     collate, which numbers the sequences in order), with the head's keys (see the module docstring)."""
     sides = [pair[which] for pair in pairs for which in ("chosen", "rejected")]
-    batch = collate_sides(sides)
+    # the model's collate shifts and pads `labels` (a vision-language collate knows no other labels key)
+    batch = collate_sides([{("labels" if k == PREF_LABELS else k): v for k, v in side.items()} for side in sides])
+    batch[PREF_LABELS] = batch.pop("labels")
     ids = batch[SEQUENCE_IDS]
     if reward_model:  # one entry at each side's last token: the score is read there
         labels = torch.full_like(ids, IGNORE_INDEX)
