@@ -40,6 +40,7 @@ MODEL_INPUTS = ("input_ids", "position_ids", "attention_sequence_ids")
 def cases() -> list[PreferenceLoss]:
     return [
         PreferenceLoss("sigmoid", beta=0.5, label_smoothing=0.1),
+        PreferenceLoss("sigmoid", beta=0.5, rpo_alpha=0.7),
         PreferenceLoss("ipo", beta=0.5),
         PreferenceLoss("hinge", beta=2.0),
         PreferenceLoss("simpo", beta=2.0, gamma=0.7, label_smoothing=0.05),
@@ -48,7 +49,7 @@ def cases() -> list[PreferenceLoss]:
 
 
 def name(case: PreferenceLoss) -> str:
-    return case.loss
+    return case.loss + (f"+rpo{case.rpo_alpha}" if case.rpo_alpha else "")
 
 
 def build_model(case: PreferenceLoss) -> torch.nn.Module:
@@ -97,16 +98,17 @@ def _hand_loss(case: PreferenceLoss, model: torch.nn.Module, pair: dict[str, Any
         return -torch.log(torch.sigmoid(r_c - r_r - pair["margin"])) + case.center_rewards * (r_c + r_r) ** 2
     lc, lr = _side_logps(model, pair["prompt"], pair["chosen"]), _side_logps(model, pair["prompt"], pair["rejected"])
     ref_c, ref_r = pair["ref"]
+    nll = -case.rpo_alpha * lc.mean()  # RPO: the chosen response's mean negative log-likelihood
     if case.loss == "simpo":
         x = b * lc.mean() - b * lr.mean() - case.gamma
-        return -(1 - s) * torch.log(torch.sigmoid(x)) - s * torch.log(torch.sigmoid(-x))
+        return -(1 - s) * torch.log(torch.sigmoid(x)) - s * torch.log(torch.sigmoid(-x)) + nll
     if case.loss == "ipo":
         h = (lc.mean() - ref_c.mean()) - (lr.mean() - ref_r.mean())
-        return (h - 1 / (2 * b)) ** 2
+        return (h - 1 / (2 * b)) ** 2 + nll
     h = (lc.sum() - ref_c.sum()) - (lr.sum() - ref_r.sum())
     if case.loss == "hinge":
-        return torch.clamp(1 - b * h, min=0)
-    return -(1 - s) * torch.log(torch.sigmoid(b * h)) - s * torch.log(torch.sigmoid(-b * h))
+        return torch.clamp(1 - b * h, min=0) + nll
+    return -(1 - s) * torch.log(torch.sigmoid(b * h)) - s * torch.log(torch.sigmoid(-b * h)) + nll
 
 
 def hand_reference(case: PreferenceLoss) -> list[list[torch.Tensor]]:

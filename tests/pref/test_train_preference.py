@@ -175,3 +175,17 @@ def test_a_bad_pair_in_one_ranks_share_is_the_same_named_error_on_every_rank(dem
     assert messages[0] == messages[1]
     assert "rank 1: " in messages[0] and "rank 0" not in messages[0]
     assert "bad.jsonl, row 5 (0-based): identical sides" in messages[0]
+
+
+@pytest.mark.slow
+def test_under_lora_the_reference_is_the_base_with_the_adapters_off(demo, pairs, tmp_path):
+    """No weights are cloned; step 1 trains at log 2 (the adapters start at B = 0, so the policy is the reference);
+    the run then moves the margins, and DP=2 logs the same losses."""
+    lora = ["--model.lora", "{rank: 4, alpha: 8, target_modules: [q_proj, v_proj, down_proj]}", "--optim.lr", "1e-2"]
+    trainer = train(pref_args(demo, pairs, tmp_path / "one", *lora))
+    assert trainer.reference is not None and trainer.reference.adapters and trainer.reference.values == []
+    losses = by_step(tmp_path / "one", "train/pref_loss")
+    assert losses[1] == pytest.approx(0.6931471805599453, abs=1e-6)
+    assert by_step(tmp_path / "one", "rewards/margins")[4] != 0.0
+    run_distributed(_ranked, 2, pref_args(demo, pairs, tmp_path / "dp2", *lora), timeout_s=600)
+    assert_same(by_step(tmp_path / "dp2", "train/pref_loss"), losses, "lora dp2")

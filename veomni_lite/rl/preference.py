@@ -24,6 +24,7 @@ their papers and TRL define them), h = (pi_c - ref_c) - (pi_r - ref_r), b = beta
   hinge (SLiC)                max(0, 1 - b h)                                   TRL "hinge"
   simpo (reference-free)      -log sig(b (pi_c - pi_r) - gamma) (1 - s) - ...   TRL CPOTrainer loss_type "simpo"
   bradley_terry (reward)      -log sig(r_c - r_r - margin) + c (r_c + r_r)^2    TRL RewardTrainer, c = center_rewards
+and, with `rpo_alpha` a, the DPO family adds a x the chosen side's mean negative log-likelihood per token (RPO).
 Metrics (TRL's names, pair-weighted): `rewards/chosen` b (pi_c - ref_c) (simpo: b pi_c), `rewards/rejected`,
 `rewards/margins`, `rewards/accuracies` (chosen reward > rejected), `logps/chosen`, `logps/rejected`; a reward
 model: `rewards/chosen` r_c, `rewards/rejected`, `rewards/margins`, `rewards/accuracy`, `rewards/mean` (r_c + r_r) / 2.
@@ -91,6 +92,10 @@ class PrefConfig:
     center_rewards: float = 0.0
     """bradley_terry: the coefficient c of c (r_c + r_r)^2, which centers the rewards on 0 (TRL's
     center_rewards_coefficient, default None = 0; its docs suggest 0.01)."""
+    rpo_alpha: float = 0.0
+    """The DPO family: add alpha x the chosen response's negative log-likelihood per token to each pair's loss (RPO,
+    Pang et al. 2024, whose alpha is 1; TRL's rpo_alpha, default None = 0, averages it over the batch's chosen tokens
+    instead of per pair). Keeps the chosen responses likely while the margins grow."""
 
     @property
     def reward_model(self) -> bool:
@@ -112,6 +117,8 @@ class PrefConfig:
             raise ConfigError(f"pref.label_smoothing: applies to sigmoid and simpo, not {self.loss}")
         if self.center_rewards < 0 or (self.center_rewards and not self.reward_model):
             raise ConfigError("pref.center_rewards: a coefficient >= 0 of pref.loss bradley_terry")
+        if self.rpo_alpha < 0 or (self.rpo_alpha and self.reward_model):
+            raise ConfigError("pref.rpo_alpha: a coefficient >= 0 of the DPO family (not bradley_terry)")
         if self.precompute_reference and not self.needs_reference:
             raise ConfigError(f"pref.precompute_reference: pref.loss {self.loss} has no reference")
         if config.data.format != "preference":
@@ -132,10 +139,11 @@ class PreferenceLoss:
     gamma: float = 0.5
     label_smoothing: float = 0.0
     center_rewards: float = 0.0
+    rpo_alpha: float = 0.0
 
     @classmethod
     def of(cls, pref: PrefConfig) -> PreferenceLoss:
-        return cls(pref.loss, pref.beta, pref.gamma, pref.label_smoothing, pref.center_rewards)
+        return cls(pref.loss, pref.beta, pref.gamma, pref.label_smoothing, pref.center_rewards, pref.rpo_alpha)
 
     def pair_losses(self, chosen: torch.Tensor, rejected: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Each pair's loss L_p [P] and metric values {name: [P]} from the sides' complete totals [K, P]: (policy
@@ -164,6 +172,8 @@ class PreferenceLoss:
             else:
                 losses = torch.relu(1 - b * h)
             reward_c, reward_r = b * (pi_c - ref_c), b * (pi_r - ref_r)
+        if self.rpo_alpha:
+            losses = losses - self.rpo_alpha * chosen[0] / chosen[1].clamp(min=1)
         values = {"rewards/chosen": reward_c, "rewards/rejected": reward_r, "rewards/margins": reward_c - reward_r,
                   "rewards/accuracies": (reward_c > reward_r).double(), "logps/chosen": pi_c,
                   "logps/rejected": pi_r}  # fmt: skip
