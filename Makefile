@@ -10,7 +10,7 @@ TEXT_CONFIG ?= configs/qwen2_text.yaml
 PYTEST_ARGS ?=
 QUICK ?=
 
-.PHONY: install test test-quick test-gpu quality train train-text train-sft bench clean
+.PHONY: install test test-quick test-gpu quality train train-text train-sft train-dpo bench clean
 
 install: $(STAMP)
 
@@ -49,6 +49,23 @@ SFT_CONFIG ?= configs/sft_digits.yaml
 train-sft: install
 	$(PY) -m examples.sft_demo outputs/sft_demo
 	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) trainers/train_sft.py $(SFT_CONFIG) $(ARGS)
+
+# Preference training (docs/preference.md): the arithmetic problems of examples/rl_math, an SFT warm start
+# (configs/rl_math_sft.yaml, exported once to outputs/rl_math_sft_hf), DPO on the worked solution against the same
+# solution off by one (configs/dpo_math.yaml), a Bradley-Terry reward model on the same pairs (configs/rm_math.yaml),
+# then the held-out greedy accuracy of the warm start and of the DPO policy.
+DPO_CONFIG ?= configs/dpo_math.yaml
+RM_CONFIG ?= configs/rm_math.yaml
+train-dpo: install
+	$(PY) -m examples.rl_math outputs/rl_math
+	test -f outputs/rl_math_sft_hf/model.safetensors || ( \
+	  $(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) trainers/train_sft.py configs/rl_math_sft.yaml && \
+	  $(PY) -m veomni_lite.export outputs/rl_math_sft outputs/rl_math_sft_hf )
+	$(PY) -m examples.dpo_math pairs outputs/rl_math
+	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) trainers/train_preference.py $(DPO_CONFIG) $(ARGS)
+	$(PY) -m veomni_lite.export outputs/dpo_math_run outputs/dpo_math_hf
+	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) trainers/train_preference.py $(RM_CONFIG) $(ARGS)
+	$(PY) -m examples.dpo_math accuracy outputs/rl_math outputs/rl_math_sft_hf outputs/dpo_math_hf
 
 bench: install
 	$(PY) benchmarks/run_all.py $(if $(QUICK),--quick,)

@@ -63,8 +63,6 @@ __all__ = ["PreferenceTrainer"]
 class PreferenceTrainer(SFTTrainer):
     """See the module docstring. `config.pref` is the `pref` section (`PrefConfig`)."""
 
-    plots = {"rewards.png": ["rewards/margins", "eval/rewards/margins"]}
-
     def __init__(self, config: Any) -> None:
         self.pref: PrefConfig = config.pref
         self.head = PreferenceLoss.of(self.pref)
@@ -250,6 +248,12 @@ class PreferenceTrainer(SFTTrainer):
     @property
     def metric_names(self) -> tuple[str, ...]:
         return RM_METRICS if self.pref.reward_model else DPO_METRICS
+
+    @property
+    def plots(self) -> dict[str, list[str]]:  # type: ignore[override]
+        """`rewards.png`: the pair accuracy, trained and held out, beside loss_curve.png."""
+        accuracy = self.metric_names[3]
+        return {"rewards.png": [accuracy, f"eval/{accuracy}"]}
 
     def metric_specs(self) -> list[MetricSpec]:
         return [MetricSpec(name, "mean") for name in self.metric_names]
