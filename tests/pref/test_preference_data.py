@@ -94,3 +94,27 @@ def test_overlength_truncates_drops_or_refuses(encoder, tmp_path):
     assert dropped == 1 and len(kept) == 2
     with pytest.raises(DataError, match=r"long.jsonl, row 1 \(0-based\): the chosen side has \d+ tokens, over"):
         read(path, encoder, max_seq_len=limit, overlength="error")
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--data.format", "messages"], "data.format: preference training reads pairs"),
+        (["--pref.loss", "kto"], "pref.loss"),
+        (["--pref.loss", "hinge", "--pref.label_smoothing", "0.1"], "pref.label_smoothing: applies to sigmoid"),
+        (["--pref.loss", "simpo", "--pref.precompute_reference", "true"], "pref.precompute_reference: .* simpo"),
+        (["--pref.center_rewards", "0.01"], "pref.center_rewards"),
+        (["--pref.loss", "bradley_terry", "--pref.rpo_alpha", "1"], "pref.rpo_alpha"),
+        (["--loss.modes.pref", "token-mean"], "loss.modes.pref: the preference head is a mean over pairs"),
+        (["--pref.beta", "0"], "pref.beta: must be > 0"),
+    ],
+)
+def test_preference_configs_are_checked_before_any_process_group(demo, extra, message):
+    from veomni_lite.config import ConfigError, load_config
+    from veomni_lite.rl.preference import PrefConfig
+
+    model = str(demo / "models/qwen2_help")
+    args = ["--model.arch", "auto", "--model.pretrained_dir", model, "--data.format", "preference",
+            "--data.train_path", "pairs.jsonl", *extra]  # fmt: skip
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, args, world_size=1, sections={"pref": PrefConfig})
