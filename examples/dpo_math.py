@@ -52,9 +52,11 @@ def write_pairs(out: str | Path, seed: int = 0) -> tuple[Path, Path]:
 @torch.no_grad()
 def greedy_accuracy(out: str | Path, model_dir: str | Path, max_new_tokens: int = 12) -> float:
     """The share of held-out problems whose greedy answer ends in the reference number."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    from veomni_lite.models.pretrained import load_tokenizer  # AutoTokenizer's qwen2 class splits the digits apart
+
+    tokenizer = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
     _, held_out = _rows(Path(out))
     correct = 0

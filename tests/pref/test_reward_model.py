@@ -52,6 +52,20 @@ def test_reward_model_trains_alike_on_sp2_packed_and_exports_for_sequence_classi
                 got = loaded(input_ids=torch.tensor([ids])).logits[0, 0]
             assert float(got) == pytest.approx(float(expected), rel=1e-4, abs=1e-5)
 
+    # the RL trainer's reward function `reward_model` scores the rendered prompt + completion + the end of turn
+    from examples.preference_pairs import help_pairs
+    from veomni_lite.rl.rewards import load_rewards
+
+    (reward,) = load_rewards([{"name": "rm", "function": "reward_model", "path": str(tmp_path / "export"),
+                               "suffix": "<|im_end|>\n"}])  # fmt: skip
+    row, pair = help_pairs(16)[0], trainer.train_pairs.pairs[0]
+    prompt = trainer.tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], tokenize=False,
+                                                   add_generation_prompt=True)  # fmt: skip
+    with torch.no_grad():
+        expected = [float(_scores(model, ids)) for ids, _ in (pair.chosen, pair.rejected)]
+    got = reward([prompt, prompt], [row["chosen"], row["rejected"]], [None, None], [{}, {}])
+    assert got == pytest.approx(expected, rel=1e-4, abs=1e-5)
+
 
 @pytest.mark.slow
 def test_dpo_export_loads_as_a_causal_lm_with_the_trained_logits(demo, pairs, tmp_path):
