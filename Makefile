@@ -53,7 +53,7 @@ train-sft: install
 # Preference training (docs/preference.md): the arithmetic problems of examples/rl_math, an SFT warm start
 # (configs/rl_math_sft.yaml, exported once to outputs/rl_math_sft_hf), DPO on the worked solution against the same
 # solution off by one (configs/dpo_math.yaml), a Bradley-Terry reward model on the same pairs (configs/rm_math.yaml),
-# then the held-out greedy accuracy of the warm start and of the DPO policy.
+# then the held-out greedy accuracy of the warm start and of the DPO policy, and outputs/preference_accuracy.png.
 DPO_CONFIG ?= configs/dpo_math.yaml
 RM_CONFIG ?= configs/rm_math.yaml
 train-dpo: install
@@ -66,6 +66,7 @@ train-dpo: install
 	$(PY) -m veomni_lite.export outputs/dpo_math_run outputs/dpo_math_hf
 	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) trainers/train_preference.py $(RM_CONFIG) $(ARGS)
 	$(PY) -m examples.dpo_math accuracy outputs/rl_math outputs/rl_math_sft_hf outputs/dpo_math_hf
+	$(PY) -m examples.dpo_math figure outputs/preference_accuracy.png outputs/dpo_math_run outputs/rm_math_run
 
 bench: install
 	$(PY) benchmarks/run_all.py $(if $(QUICK),--quick,)

@@ -65,4 +65,6 @@ class HFRewardModel(HFCausalLM):
         **_: Any,
     ) -> dict[str, torch.Tensor]:
         hidden = self.hidden_states(input_ids, position_ids, attention_sequence_ids)
-        return {"scores": self.hf_model.score(hidden).squeeze(-1)}
+        # a copy, not a view of the head's [B, S, 1]: FSDP2 warns that an in-place op on a returned view would skip its
+        # pre-backward hook
+        return {"scores": self.hf_model.score(hidden).squeeze(-1).clone()}
