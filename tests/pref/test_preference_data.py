@@ -107,6 +107,7 @@ def test_overlength_truncates_drops_or_refuses(encoder, tmp_path):
         (["--pref.loss", "bradley_terry", "--pref.rpo_alpha", "1"], "pref.rpo_alpha"),
         (["--loss.modes.pref", "token-mean"], "loss.modes.pref: the preference head is a mean over pairs"),
         (["--pref.beta", "0"], "pref.beta: must be > 0"),
+        (["--data.streaming", "true"], "data.streaming: preference training reads data.train_path"),
     ],
 )
 def test_preference_configs_are_checked_before_any_process_group(demo, extra, message):

@@ -124,6 +124,9 @@ class PrefConfig:
         if config.data.format != "preference":
             raise ConfigError(f"data.format: preference training reads pairs (data.format: preference), not "
                               f"{config.data.format!r}")  # fmt: skip
+        for key, value in (("data.sources", config.data.sources), ("data.streaming", config.data.streaming)):
+            if value:
+                raise ConfigError(f"{key}: preference training reads data.train_path (and data.eval_path) whole")
         modes = getattr(config, "loss", None)
         per_head = dict(getattr(modes, "modes", None) or {})
         if per_head.get(PREF, PREF_MODE) != PREF_MODE:
