@@ -112,8 +112,9 @@ class DataConfig:
     files, or globs; one or a list."""
     eval_path: list[str] = field(default_factory=list)
     """SFT: the held-out data, as `train_path`; empty: `eval_fraction` of the training rows."""
-    format: Literal["messages", "sharegpt", "alpaca", "prompt_completion", "text"] = "messages"
-    """SFT: how a row holds its conversation (see `veomni_lite.data.sft`)."""
+    format: Literal["messages", "sharegpt", "alpaca", "prompt_completion", "text", "preference"] = "messages"
+    """SFT: how a row holds its conversation (see `veomni_lite.data.sft`); `preference`: chosen / rejected pairs, for
+    `trainers/train_preference.py` (see `veomni_lite.rl.preference_data`)."""
     columns: dict[str, Any] = field(default_factory=dict)
     """SFT: column and role names where a dataset differs, e.g. `{conversations: dialog, user_tag: user}`."""
     media_dir: str = ""

@@ -3,7 +3,7 @@
 - `slice_micro_batch` cuts a collated micro-batch (labels already shifted once, globally) along the sequence
   dimension (dim 1) after padding it to a multiple of sp_size (ids with `pad_id`, every labels key with IGNORE_INDEX,
   `image_feature_index` and `sequence_ids` with -1, the `mark_sequences` keys and the RL policy head's per-token
-  values (`*_advantages`, `*_logprobs`) with 0, positions continuing, also
+  values (`*_advantages`, `*_logprobs`) and the preference head's `*_margins` with 0, positions continuing, also
   when they carry a trailing axis such as Qwen2-VL's [B, S, 3]). Whole-sample tensors such as `pixel_values` stay
   whole on every rank, and so does a packed row's `attention_sequence_ids` (padded with -1 to the same length): the
   boundaries of the WHOLE row, from which attention masks the rows it sees after the all-to-all.
@@ -28,8 +28,9 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 _SEQUENCE_PAD = {"input_ids": None, "position_ids": None, "image_feature_index": -1, SEQUENCE_IDS: -1}
 # Per-position values of a head, padded with 0: `mark_sequences`' keys, and the RL policy head's per-token values
-# (`veomni_lite.rl.policy_loss`: advantages and log-probabilities, in the labels' shifted frame).
-_DERIVED_SUFFIXES = ("_seq_starts", "_loss_weights", "_advantages", "_logprobs")
+# (`veomni_lite.rl.policy_loss`: advantages and log-probabilities, in the labels' shifted frame) and the preference
+# head's per-pair margins (`veomni_lite.rl.preference`).
+_DERIVED_SUFFIXES = ("_seq_starts", "_loss_weights", "_advantages", "_logprobs", "_margins")
 
 
 def is_sequence_key(key: str) -> bool:

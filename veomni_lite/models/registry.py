@@ -90,11 +90,20 @@ FAMILIES = (
     ),
 )
 CAUSAL_LM = Family("causal_lm", (), "AutoModelForCausalLM", "veomni_lite.models.hf_causal_lm:HFCausalLM")
+# A causal LM's decoder with one score per sequence (`pref.loss: bradley_terry`): a config whose `architectures` name
+# a `...ForSequenceClassification` class.
+REWARD_MODEL = Family(
+    "reward_model", (), "AutoModelForSequenceClassification", "veomni_lite.models.hf_reward_model:HFRewardModel"
+)
 
 
 def family_of(config_or_model_type: Any) -> Family:
-    """The family of a transformers config (or a `model_type` string): a listed one, else `CAUSAL_LM`."""
+    """The family of a transformers config (or a `model_type` string): a listed one, `REWARD_MODEL` for a config of a
+    `...ForSequenceClassification`, else `CAUSAL_LM`."""
     model_type = getattr(config_or_model_type, "model_type", config_or_model_type)
+    architectures = getattr(config_or_model_type, "architectures", None) or []
+    if any(name.endswith("ForSequenceClassification") for name in architectures):
+        return REWARD_MODEL
     for family in FAMILIES:
         if model_type in family.model_types:
             return family

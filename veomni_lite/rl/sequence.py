@@ -6,6 +6,10 @@ position the sum of `values` over its whole sequence: the shard-local sums (one 
 under SP, ONE autograd all-reduce over the SP group, whose backward sums the shards' gradients, so a nonlinearity of
 the sum (GSPO's sequence ratio, DPO's sigmoid) sees the complete sum on every shard and trains every shard's tokens.
 The buffer has a slot per position of the whole row, the same size on every shard, so the shards always match.
+`sequence_totals(values, sequence_ids, sp_group)` gives the same complete sums by sequence id instead of by position
+(channels stacked, so several sums cost one all-reduce): what needs a sequence's sum where none of its positions lies,
+e.g. a preference pair's other side, in another row or on another SP shard. It needs ids unique in the micro-batch,
+as the collators write them (a padded row's id is its row; a packed row numbers its samples).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.nn.functional import all_reduce as autograd_all_reduce
 
-__all__ = ["sequence_sums"]
+__all__ = ["sequence_sums", "sequence_totals"]
 
 
 def sequence_sums(
@@ -34,3 +38,20 @@ def sequence_sums(
     local = values.new_zeros(rows * slots).index_add(0, index, torch.where(valid, values, 0).reshape(-1))
     total = autograd_all_reduce(local, group=sp_group) if sp > 1 else local
     return torch.where(valid, total[index].view_as(values), 0)
+
+
+def sequence_totals(
+    values: torch.Tensor, sequence_ids: torch.Tensor, sp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """[K, B, S] `values` (K channels) -> [K, B * S * sp]: entry [k, i] is channel k's sum over sequence id i on every
+    shard (0 for an id without positions). Ids must be unique in the micro-batch (see the module docstring).
+    Differentiable; ONE all-reduce over `sp_group` when it has more than one rank (call it on every shard alike)."""
+    if values.shape[1:] != sequence_ids.shape:
+        raise ValueError(f"sequence_totals: values {tuple(values.shape)} and sequence_ids {tuple(sequence_ids.shape)}")
+    sp = dist.get_world_size(sp_group) if sp_group is not None else 1
+    slots = sequence_ids.numel() * sp  # a sequence holds a position of the whole micro-batch: ids < B * S * sp
+    valid = (sequence_ids >= 0).reshape(-1)
+    index = sequence_ids.clamp(min=0).reshape(-1)
+    flat = torch.where(valid, values.reshape(values.shape[0], -1), 0)
+    local = values.new_zeros(values.shape[0], slots).index_add(1, index, flat)
+    return autograd_all_reduce(local, group=sp_group) if sp > 1 else local

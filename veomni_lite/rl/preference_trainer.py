@@ -1,0 +1,298 @@
+"""Preference training on the one train loop: `PreferenceTrainer` (DPO family and Bradley-Terry reward models).
+
+An `SFTTrainer` whose samples are pairs (`veomni_lite.rl.preference_data`, `data.format: preference`), collated by
+`collate_pairs` (padded or packed, under `train.micro_batch_size` or the token budget) and SP-sliced like any batch;
+`forward` turns the model's logits (a reward model's scores) into the `pref` head (`PreferenceLoss`), whose mode is
+`seq-mean-token-sum` over pairs, so `LossStep` + `mean_global_loss` make every step exactly the mean over its pairs on
+all ranks (one loss all-reduce per step). The reference of sigmoid / ipo / hinge is the initial weights
+(`ReferenceWeights`: this rank's shards cloned, or under LoRA the adapters off), run on the same micro-batch before the
+policy's forward, or with `pref.precompute_reference` computed once before training and kept per pair (in
+`<data cache>/reference_<key>.pt`, reused by a later run or a resume). Metrics (TRL's names, pair-weighted over
+micro-batches, ranks and the log window) and `eval/...` the same on `data.eval_path`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from veomni_lite.data.checks import DataError
+from veomni_lite.data.sft import ChatEncoder, read_sources
+from veomni_lite.data.sft_dataset import ImageProcessing
+from veomni_lite.distributed.collectives import agree, all_gather_objects, all_reduce
+from veomni_lite.distributed.sequence_parallel import slice_micro_batch
+from veomni_lite.loss_keys import IGNORE_INDEX, SEQUENCE_IDS, is_labels_key
+from veomni_lite.metrics.accumulator import MetricSpec
+from veomni_lite.models.hf_reward_model import HFRewardModel
+from veomni_lite.models.pretrained import (
+    check_vocabulary,
+    is_vision_language,
+    load_config,
+    load_image_processor,
+    load_tokenizer,
+)
+from veomni_lite.models.registry import DTYPES
+from veomni_lite.plain_loop import LossStep
+from veomni_lite.rl.policy_loss import token_logprobs
+from veomni_lite.rl.preference import (
+    DPO_METRICS,
+    PREF,
+    PREF_LABELS,
+    PREF_MODE,
+    REF_LOGPROBS,
+    RM_METRICS,
+    PrefConfig,
+    PreferenceLoss,
+    collate_pairs,
+)
+from veomni_lite.rl.preference_data import PairSet, read_pairs
+from veomni_lite.rl.reference import ReferenceWeights
+from veomni_lite.trainer.sft import SFTTrainer, _max_seq_len, cache_dir, image_token
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PreferenceTrainer"]
+
+
+class PreferenceTrainer(SFTTrainer):
+    """See the module docstring. `config.pref` is the `pref` section (`PrefConfig`)."""
+
+    def __init__(self, config: Any) -> None:
+        self.pref: PrefConfig = config.pref
+        self.head = PreferenceLoss.of(self.pref)
+        self.reference: ReferenceWeights | None = None
+        config.loss.modes = {**config.loss.modes, PREF: PREF_MODE}  # the head is a mean over pairs (see the module)
+        super().__init__(config)
+
+    # ------------------------------------------------------------------ data
+
+    def build_datasets(self) -> tuple[Any, Any | None]:
+        """The pairs of `data.train_path` and `data.eval_path` (evaluation on when `train.eval_interval` and
+        `train.eval_batches` are set), each rank encoding a share; an input error on any rank is a DataError on
+        every rank, naming the row."""
+        problem: Exception | None = None
+        try:
+            self._read_model_inputs()
+        except (DataError, ValueError) as exc:
+            problem = exc
+        agree(problem, DataError, self.control_group, where="preference data: ")
+        data, train = self.config.data, self.config.train
+        splits = {"data.train_path": data.train_path}
+        if data.eval_path and train.eval_interval and train.eval_batches:
+            splits["data.eval_path"] = data.eval_path
+        built: dict[str, PairSet] = {}
+        for key, spec in splits.items():
+            sources: list = []
+            problem = None
+            try:
+                sources = read_sources(spec, key)
+            except DataError as exc:
+                problem = exc
+            agree(problem, DataError, self.control_group, where=f"{key}: ")
+            pairs, dropped = read_pairs(
+                sources, self.encoder, self.images, data.columns, data.media_dir, _max_seq_len(data), data.overlength,
+                data.packing, self.parallel.rank, self.parallel.world_size, self.control_group, key,
+            )  # fmt: skip
+            if self.is_main:
+                logger.info("preference data: %s: %s; %d dropped (data.overlength: drop)", key, pairs.stats, dropped)
+            built[key] = pairs
+        self.train_pairs, self.eval_pairs = built["data.train_path"], built.get("data.eval_path")
+        if len(self.train_pairs) < train.global_batch_size:
+            raise DataError(f"data.train_path: {len(self.train_pairs)} pairs, fewer than train.global_batch_size")
+        if self.eval_pairs is not None and len(self.eval_pairs) < train.global_batch_size:
+            raise DataError(f"data.eval_path: {len(self.eval_pairs)} pairs, fewer than one eval batch")
+        return self.train_pairs, self.eval_pairs
+
+    def _read_model_inputs(self) -> None:
+        model, data = self.config.model, self.config.data
+        if not model.pretrained_dir:
+            raise DataError("model.pretrained_dir: preference training needs a local transformers model directory")
+        if not data.train_path:
+            raise DataError(
+                "data.train_path: preference training needs the pairs (a file, a list, a directory or a glob)"
+            )
+        self.model_config = load_config(model.pretrained_dir)
+        self.tokenizer = load_tokenizer(model.pretrained_dir)
+        check_vocabulary(self.tokenizer, self.model_config, model.pretrained_dir)
+        vision = is_vision_language(self.model_config)
+        if vision and self.pref.reward_model:
+            raise DataError("pref.loss bradley_terry: reward models are causal-LM families here, not vision-language")
+        self.images = ImageProcessing(load_image_processor(model.pretrained_dir)) if vision else None
+        placeholder = image_token(self.tokenizer, self.model_config, model.pretrained_dir) if vision else ""
+        self.encoder = ChatEncoder(self.tokenizer, data.chat_template, False, placeholder, model.pretrained_dir)
+
+    def collate(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        """Pairs -> one micro-batch of their sides (`collate_pairs` over the model's SFT collate)."""
+        return collate_pairs(samples, super().collate, self.pref.reward_model)
+
+    @property
+    def label_limits(self) -> dict[str, int]:
+        return {PREF_LABELS: self.vocab_size}
+
+    # ------------------------------------------------------------------ model
+
+    @property
+    def _sharded_build(self) -> bool:
+        """A reward model's new score head is seeded on rank 0 and scattered: never read shard by shard."""
+        return super()._sharded_build and not self.pref.reward_model
+
+    def build_model(self) -> Any:
+        if not self.pref.reward_model:
+            return super().build_model()
+        torch.manual_seed(self.config.train.seed)  # the new score head
+        return HFRewardModel.from_pretrained(
+            self.config.model.pretrained_dir, DTYPES[self.config.parallel.master_dtype]
+        )
+
+    def trained_loss_keys(self, model: Any) -> tuple[str, ...]:
+        return (f"{PREF}_loss",)
+
+    def _check_loss_weights(self, model: Any) -> None:
+        """The pref head weighs its pairs itself (`PreferenceLoss`)."""
+
+    def on_model_built(self) -> None:
+        """The reference: kept as the initial weights' shards, or computed now for every pair (precomputed)."""
+        if not self.pref.needs_reference:
+            return
+        if self.pref.precompute_reference:
+            for pairs, name in ((self.train_pairs, "train"), (self.eval_pairs, "eval")):
+                if pairs is not None:
+                    self._precompute(pairs, name)
+        else:
+            self.reference = ReferenceWeights(self.model)
+
+    def shard(self, micro_batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`collate_pairs` marks the pairs (`pref_seq_starts`): only the SP slice here."""
+        return slice_micro_batch(micro_batch, self.parallel.sp_rank, self.parallel.sp_size, pad_id=self.pad_id)
+
+    def _model_output(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        outputs = self.model(**{k: v for k, v in batch.items() if not is_labels_key(k)})
+        return outputs["scores" if self.pref.reward_model else "logits"]
+
+    def forward(self, micro_batch: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The pref head of one micro-batch from the model's output; the live reference's log-probabilities first."""
+        batch = self.preforward(micro_batch)
+        if self.reference is not None:
+            with torch.no_grad(), self.reference.active():
+                batch[REF_LOGPROBS] = token_logprobs(self._model_output(batch), batch[PREF_LABELS])[0].double()
+        sp_group = self.parallel.sp_group if self.parallel.sp_size > 1 else None
+        return self.head(self._model_output(batch), batch, sp_group)
+
+    # ------------------------------------------------------------------ precomputed reference
+
+    def _reference_file(self, pairs: PairSet, name: str) -> Path:
+        """`<data cache>/reference_<name>_<key>.pt`: the key hashes the pairs' tokens, the model directory's weights
+        files (name, size, mtime) and the master dtype."""
+        directory = Path(self.config.model.pretrained_dir)
+        files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in directory.glob("*.safetensors"))
+        digest = hashlib.blake2b(digest_size=12)
+        digest.update(json.dumps([str(directory.resolve()), files, self.config.parallel.master_dtype]).encode())
+        for pair in pairs.pairs:
+            digest.update(json.dumps([pair.chosen, pair.rejected]).encode())
+        return cache_dir(self.config) / f"reference_{name}_{digest.hexdigest()}.pt"
+
+    @torch.no_grad()
+    def _precompute(self, pairs: PairSet, name: str) -> None:
+        """Every pair's reference log-probabilities (collective): read from the cache file, else computed now with
+        the initial weights, each rank a share of the micro-batches (the SP group together), gathered, and written."""
+        path = self._reference_file(pairs, name)
+        if path.is_file():
+            values = torch.load(path, weights_only=True)
+        else:
+            values = self._compute_reference(pairs)
+            if self.is_main:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                torch.save(values, path.with_suffix(".tmp"))
+                path.with_suffix(".tmp").replace(path)
+        for pair, (chosen, rejected) in zip(pairs.pairs, values):
+            pair.ref = (chosen, rejected)
+        if self.is_main:
+            logger.info("pref.precompute_reference: %d %s pairs from %s", len(values), name, path)
+
+    def _compute_reference(self, pairs: PairSet) -> list[tuple[list[float], list[float]]]:
+        was_training = self.model.training
+        self.model.eval()
+        size, dp = self.config.train.micro_batch_size, self.parallel.dp_size
+        chunks = [list(range(i, min(i + size, len(pairs)))) for i in range(0, len(pairs), size)]
+        rounds = -(-len(chunks) // dp)
+        found: dict[int, tuple[list[float], list[float]]] = {}
+        for round_ in range(rounds):  # every rank runs the same number of forwards (an SP group's collectives)
+            index = round_ * dp + self.parallel.dp_rank
+            members = chunks[index] if index < len(chunks) else chunks[0]
+            whole = self.collate([pairs[i] for i in members])
+            batch = self.preforward(self.shard(whole))
+            logp = token_logprobs(self._model_output(batch), batch[PREF_LABELS])[0].double().cpu()
+            if self.parallel.sp_size > 1:
+                shards = all_gather_objects(logp, self.parallel.sp_group)
+                logp = torch.cat(shards, dim=1)[:, : whole["input_ids"].shape[1]]
+            if index >= len(chunks) or self.parallel.sp_rank != 0:
+                continue
+            ids, valid = whole[SEQUENCE_IDS], whole[PREF_LABELS] != IGNORE_INDEX
+            for position, pair_index in enumerate(members):
+                sides = [logp[(ids == 2 * position + k) & valid].tolist() for k in (0, 1)]
+                found[pair_index] = (sides[0], sides[1])
+        self.model.train(was_training)
+        merged: dict[int, tuple[list[float], list[float]]] = {}
+        for part in all_gather_objects(found, self.control_group):
+            merged.update(part)
+        return [merged[i] for i in range(len(pairs))]
+
+    # ------------------------------------------------------------------ metrics and eval
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        return RM_METRICS if self.pref.reward_model else DPO_METRICS
+
+    @property
+    def plots(self) -> dict[str, list[str]]:  # type: ignore[override]
+        """`rewards.png`: the pair accuracy, trained and held out, beside loss_curve.png."""
+        accuracy = self.metric_names[3]
+        return {"rewards.png": [accuracy, f"eval/{accuracy}"]}
+
+    def metric_specs(self) -> list[MetricSpec]:
+        return [MetricSpec(name, "mean") for name in self.metric_names]
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """`eval/pref_loss` and `eval/<metric>` over `train.eval_batches` global batches of `data.eval_path`'s pairs
+        (the same on every rank, pair-weighted)."""
+        if self.eval_dataset is None or self.config.train.eval_batches == 0:
+            return {}
+        was_training = self.model.training
+        self.model.eval()
+        loader = self._make_loader(self.eval_dataset, self.config.train.seed + 1)
+        batches = self.config.train.eval_batches
+        totals: dict[str, torch.Tensor] = {}
+        sums = torch.zeros(2 * len(self.metric_names), dtype=torch.float64)
+        for _ in range(batches):
+            step = LossStep([self.shard(mb) for mb in loader.next_step()], self.loss_modes, marked=True)
+            for micro_batch, tokens in step:
+                outputs = self.forward(micro_batch)
+                for key, value in step.scaled({f"{PREF}_loss": outputs[f"{PREF}_loss"]}, tokens).items():
+                    totals[key] = totals.get(key, 0) + value.detach() / batches
+                for index, name in enumerate(self.metric_names):
+                    total, count = outputs["metrics"][name]
+                    sums[2 * index] += float(total)
+                    sums[2 * index + 1] += float(count)
+        loader.close()
+        reduced = all_reduce(sums.tolist(), op="sum", group=self.control_group)
+        extra = {
+            f"eval/{name}": reduced[2 * i] / max(reduced[2 * i + 1], 1.0) for i, name in enumerate(self.metric_names)
+        }
+        self.model.train(was_training)
+        return self.metrics.log_eval(self.step, self.epoch, totals, extra)
+
+    def extra_eval_metrics(self) -> dict[str, float]:
+        return {}
+
+    def train(self) -> dict[str, float]:
+        """The loop; a fresh run with evaluation on first evaluates the starting weights (logged at step 1)."""
+        if self.step == 0 and self.config.train.eval_interval and self.eval_dataset is not None:
+            self.evaluate()
+        return super().train()
