@@ -72,7 +72,8 @@ class RLConfig:
     rollouts_sample: int = 4
     """Rollouts written to rollouts.jsonl and TensorBoard's text tab at each log (0: none)."""
     vllm: dict[str, Any] = field(default_factory=dict)
-    """`rl.engine: vllm`: `url`, `launch`, `python`, `sync_dir`, `start_timeout_s`, `request_timeout_s`."""
+    """`rl.engine: vllm`: `url` or `launch`, `python`, `sync_dir`, `start_timeout_s`, `request_timeout_s`,
+    `probe_tolerance`, `server_args`, `max_concurrency` (`veomni_lite.rl.vllm_engine.VLLMSettings`, docs/vllm.md)."""
     async_steps: int = 0
     """Rollout batches generated ahead of training (0: synchronous)."""
 
@@ -109,10 +110,17 @@ class RLConfig:
             raise ConfigError(f"rl.is_cap: must be > 0, got {self.is_cap}")
         if self.advantage in ("grpo", "rloo") and self.num_generations < 2:
             raise ConfigError(f"rl.num_generations: {self.advantage} compares a group's responses, needs >= 2")
-        if self.engine != "transformers" and not self.rollouts_path:
-            raise ConfigError(f"rl.engine: {self.engine!r} is not available in this build; use transformers")
+        if self.engine == "vllm" and not self.rollouts_path:
+            from veomni_lite.rl.vllm_engine import VLLMSettings
+
+            try:
+                VLLMSettings.parse(self.vllm)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(str(exc)) from None
+        elif self.vllm and self.engine != "vllm":
+            raise ConfigError(f"rl.vllm: set, but rl.engine is {self.engine!r}; set rl.engine: vllm or drop rl.vllm")
         if self.async_steps:
-            raise ConfigError("rl.async_steps: one-step-async rollouts come with rl.engine: vllm; set 0")
+            raise ConfigError("rl.async_steps: one-step-async rollouts are not available yet; set 0")
         if not self.rewards and not self.rollouts_path:
             raise ConfigError("rl.rewards: give at least one reward function ([{name, function, weight}])")
         from veomni_lite.rl.rewards import load_rewards  # a user's file runs here because the config names it

@@ -259,8 +259,42 @@ class RLTrainer(SFTTrainer):
         if self.rl.kl_coef:
             self.reference = ReferenceWeights(self.model)
         if self.given is None:
-            self.engine = TransformersEngine(engine_model(self.model_config, self.config.parallel.master_dtype),
-                                             self.device)  # fmt: skip
+            self.engine = self._build_engine()
+
+    # --- rl.engine (vLLM: veomni_lite/rl/vllm_engine.py) ---
+    def _build_engine(self) -> RolloutEngine:
+        """`rl.engine`: the embedded engine on each rank, or a vLLM server reached by rank 0 (collective)."""
+        if self.rl.engine == "vllm":
+            from veomni_lite.rl.vllm_engine import VLLMEngine, VLLMSettings
+
+            return VLLMEngine(
+                VLLMSettings.parse(self.rl.vllm), self.config.model.pretrained_dir, self.control_group,
+                self.probe_logprobs, self.train_dataset.prompts[0].ids, self.output_dir / "vllm_server.log",
+            )  # fmt: skip
+        return TransformersEngine(engine_model(self.model_config, self.config.parallel.master_dtype), self.device)
+
+    @torch.no_grad()
+    def probe_logprobs(self, ids: list[int]) -> list[float]:
+        """log p(ids[t] | ids[:t]) for t >= 1 under the current weights, temperature 1, eval mode (collective: every
+        rank runs the forward and gets the values). The vLLM engine's sync check compares its own with these."""
+        sample = RolloutSample(group=0, prompt_ids=list(ids[:1]), response_ids=list(ids[1:]))
+        whole = self.collate([sample.tensors()])
+        was_training = self.model.training
+        self.model.eval()
+        batch = self.preforward(self._mark_and_slice(whole))
+        logits = self.model(**{k: v for k, v in batch.items() if not is_labels_key(k)})["logits"]
+        self.model.train(was_training)
+        values = self._whole_sequence(token_logprobs(logits, batch[POLICY_LABELS], 1.0)[0].double().cpu(),
+                                      whole["input_ids"].shape[1])  # fmt: skip
+        return _response_values(whole, values, [sample], 0)
+
+    def close(self) -> None:
+        """The engine released too (a launched vLLM server stopped), then the trainer's own."""
+        if self.engine is not None:
+            self.engine.close()
+        super().close()
+
+    # --- end rl.engine ---
 
     def _make_loader(self, dataset: Any, seed: int, prefetch_steps: int = 0, token_budget: bool = False) -> Any:
         return RolloutLoader(self)
@@ -353,7 +387,7 @@ class RLTrainer(SFTTrainer):
             RolloutRequest(prompts[i].ids, [sample_seed(seed, k, i, j) for j in range(count)], prompts[i].model_inputs)
             for i in indices
         ]
-        results = self.engine.generate(requests, settings) if requests else []
+        results = self.engine.generate(requests, settings)  # every rank: the vLLM engine's call is collective
         samples = []
         for i, rollouts in zip(indices, results):
             prompt = prompts[i]
