@@ -13,7 +13,9 @@ rank calls them, with its own requests): every rank's requests are gathered on r
 HTTP requests that vLLM batches, and the rollouts broadcast back. Why rank 0 alone: a launched server listens on
 loopback of rank 0's node, which other nodes cannot reach, and one wave holding the whole rollout batch fills vLLM's
 batch better than world-size smaller ones. A failure on rank 0 (no answer within `request_timeout_s`, an HTTP error,
-the launched server gone) is the same `EngineError` on every rank, naming the engine and the request (`agree`).
+the launched server gone) is the same `EngineError` on every rank, naming the engine and the request (`agree`). While
+rank 0 waits on the server, every rank joins a small all-reduce each second, so no collective waits on rank 0 for long
+(`parallel.collective_timeout_s` need not cover a server's start or a batch's generation).
 
 Sampling: one `/v1/completions` request per sample: the prompt's ids, `n` 1 and the sample's own `seed` (so a sample
 is a function of its prompt, seed, weights and settings, not of its batch), temperature, top_p, top_k, `max_tokens`,
@@ -62,7 +64,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from veomni_lite.distributed.collectives import agree, all_gather_objects, group_size
+from veomni_lite.distributed.collectives import agree, all_gather_objects, all_reduce, group_size
 from veomni_lite.rl.engine import Rollout, RolloutEngine, RolloutRequest, SamplingSettings
 
 logger = logging.getLogger(__name__)
@@ -318,26 +320,25 @@ class VLLMEngine(RolloutEngine):
 
     def sync_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Collective (see the module docstring): write, reload, reset the prefix cache, then the probe check."""
-        problem: Exception | None = None
-        engine_logprobs: list[float] = []
-        if self.leader:
-            try:
-                self._ready()
-                start = time.perf_counter()
-                self._write(state_dict)
-                written = time.perf_counter()
-                body = {"method": "reload_weights", "kwargs": {"weights_path": str(self.sync_path)}}
-                self._call("POST", "/collective_rpc", body, f"reload the weights of version {version}")
-                self._call("POST", "/reset_prefix_cache", None, "reset the prefix cache")
-                engine_logprobs = self._prompt_logprobs(self.probe_ids)
-                self.sync_s = (written - start, time.perf_counter() - written)
-            except (EngineError, OSError) as exc:
-                problem = exc
-        agree(problem, EngineError, self.group, where=f"{NAME}, weight sync of version {version}: ")
+        where = f"{NAME}, weight sync of version {version}: "
+
+        def reload() -> list[float]:
+            self._ready()
+            start = time.perf_counter()
+            self._write(state_dict)
+            written = time.perf_counter()
+            body = {"method": "reload_weights", "kwargs": {"weights_path": str(self.sync_path)}}
+            self._call("POST", "/collective_rpc", body, f"reload the weights of version {version}")
+            self._call("POST", "/reset_prefix_cache", None, "reset the prefix cache")
+            self.sync_s = (written - start, time.perf_counter() - written)
+            return self._prompt_logprobs(self.probe_ids)
+
+        engine_logprobs = self._on_leader(reload, where)
         trainer_logprobs = self.reference(self.probe_ids)
+        problem = None
         if self.leader:
             diffs = [abs(a - b) for a, b in zip(engine_logprobs, trainer_logprobs)]
-            self.last_probe_diff = sum(diffs) / len(diffs)
+            self.last_probe_diff = sum(diffs) / max(len(diffs), 1)
             tolerance = self.settings.probe_tolerance
             if len(engine_logprobs) != len(trainer_logprobs) or not self.last_probe_diff <= tolerance:
                 problem = EngineError(
@@ -352,8 +353,40 @@ class VLLMEngine(RolloutEngine):
                     "%s: weights of version %d synced (write %.2f s, reload %.2f s); probe mean |diff| %.2e", NAME,
                     version, *self.sync_s, self.last_probe_diff,
                 )  # fmt: skip
-        agree(problem, EngineError, self.group, where=f"{NAME}, weight sync of version {version}: ")
+        agree(problem, EngineError, self.group, where=where)
         self._version = version
+
+    def _on_leader(self, fn: Callable[[], Any], where: str) -> Any:
+        """Collective: `fn()` run on rank 0 (its value there, None elsewhere) in a thread, while every rank joins a MAX
+        all-reduce of "rank 0 is done" each second, so no collective waits long for rank 0 whatever the server takes
+        (`parallel.collective_timeout_s` need not cover `start_timeout_s` or a batch's generation). An exception of
+        `fn` is an EngineError on every rank (`where` + the cause)."""
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # noqa: BLE001 - reported on every rank below
+                box["error"] = exc
+
+        if group_size(self.group) == 1:
+            run()
+        else:
+            thread = None
+            if self.leader:
+                thread = threading.Thread(target=run, name="vllm-engine", daemon=True)
+                thread.start()
+            while True:
+                if thread is not None:
+                    thread.join(timeout=1.0)
+                done = int(thread is not None and not thread.is_alive())
+                if all_reduce([done], op="max", group=self.group)[0]:
+                    break
+        error = box.get("error")
+        if error is not None and not isinstance(error, EngineError):
+            error = EngineError(f"{NAME}: {error!r}")
+        agree(error, EngineError, self.group, where=where)
+        return box.get("value")
 
     def _write(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Rank 0: `model.safetensors` (+ config.json) in `sync_path`, the file replaced whole."""
@@ -401,21 +434,19 @@ class VLLMEngine(RolloutEngine):
         agree(problem, EngineError, self.group, where=f"{NAME}: generate: ")
         plain = [(list(r.prompt_ids), list(r.seeds)) for r in requests]
         everyone = all_gather_objects(plain, self.group)
-        answers: list[Any] = [None]
-        if self.leader:
-            try:
-                self._ready()
-                answers = [[self._generate(rank_requests, settings) for rank_requests in everyone]]
-            except EngineError as exc:
-                problem = exc
-        agree(problem, EngineError, self.group, where=f"{NAME}: generate: ")
+
+        def run() -> list[Any]:
+            self._ready()
+            return [self._generate(requests, settings, rank) for rank, requests in enumerate(everyone)]
+
+        answers = [self._on_leader(run, f"{NAME}: generate: ")]
         if group_size(self.group) > 1:
             dist.broadcast_object_list(answers, src=dist.get_global_rank(self.group, 0), group=self.group)
         rank = dist.get_rank(self.group) if group_size(self.group) > 1 else 0
         return [[Rollout(*rollout) for rollout in request] for request in answers[0][rank]]
 
     def _generate(
-        self, requests: Sequence[tuple[list[int], list[int]]], settings: SamplingSettings
+        self, requests: Sequence[tuple[list[int], list[int]]], settings: SamplingSettings, rank: int
     ) -> list[list[tuple[list[int], list[float], str]]]:
         """Rank 0: one request per sample, `max_concurrency` in flight; the first failure stops the rest."""
         rows = [(i, j) for i, (_, seeds) in enumerate(requests) for j in range(len(seeds))]
@@ -427,7 +458,8 @@ class VLLMEngine(RolloutEngine):
                 return
             i, j = row
             try:
-                out[i][j] = self._sample(requests[i][0], requests[i][1][j], settings, f"request {i} sample {j}")
+                what = f"rank {rank}'s request {i}, sample {j}"
+                out[i][j] = self._sample(requests[i][0], requests[i][1][j], settings, what)
             except BaseException:
                 failed.set()
                 raise
