@@ -299,6 +299,26 @@ def test_a_skipped_sync_is_caught_by_the_probe_on_every_rank(math_demo, vllm_ser
 @pytest.mark.vllm
 @pytest.mark.slow
 @requires_vllm
+def test_one_step_async_samples_with_the_weights_one_batch_old(math_demo, vllm_server, tmp_path):
+    vllm = {"url": vllm_server.url, "probe_tolerance": 1e-4}
+    path = write_config(math_demo, tmp_path / "async", "vllm", vllm, max_steps=6)
+    extra = ["--rl.async_steps", "1", "--rl.entropy_coef", "0.01"]  # the entropy bonus moves the weights every step
+    assert run_distributed(train, 2, str(path), extra, timeout_s=900) == [None, None]
+    assert sorted(by_step(tmp_path / "async", "train/policy_loss")) == [1, 2, 3, 4, 5, 6]
+    # batch 0 sampled by the weights it trains (step 0); batches 1 and 2 during the previous batch's 2 steps
+    assert by_step(tmp_path / "async", "rl/staleness") == {1: 0.0, 3: 2.0, 5: 2.0}
+    assert by_step(tmp_path / "async", "rl/staleness/max") == {1: 0.0, 3: 2.0, 5: 2.0}
+    diff = by_step(tmp_path / "async", "rl/logprob_diff")
+    ratio = by_step(tmp_path / "async", "rl/importance_ratio/mean")
+    print(f"\nasync rl/logprob_diff {diff}, rl/importance_ratio/mean {ratio}")
+    assert diff[1] < 1e-5 and diff[3] > 1e-4 and diff[5] > 1e-4  # the engine's log-probs are of the older weights
+    assert abs(ratio[1] - 1) < 1e-5 and abs(ratio[3] - 1) > 1e-5
+    assert sorted(by_step(tmp_path / "async", "eval/reward")) == [1, 2, 4, 6]  # evaluation between, while generating
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@requires_vllm
 def test_a_launched_server_that_does_not_start_in_time_is_stopped_and_named(math_demo, tmp_path):
     vllm = {"launch": True, "python": str(VLLM_PYTHON), "start_timeout_s": 2, "server_args": SERVER_ARGS}
     path = write_config(math_demo, tmp_path / "slow", "vllm", vllm)

@@ -160,6 +160,7 @@ class RLTrainer(SFTTrainer):
         self.last_samples: list[RolloutSample] = []  # the current rollout batch, for the rollouts sample
         self._pending_records: dict[str, Any] = {}  # the batch's rollout metrics, recorded with its first step
         self._generate_s = 0.0
+        self._async_pending: tuple[int, int] | None = None  # (rollout batch, weights version) generating
         super().__init__(config)
 
     # ------------------------------------------------------------------ data
@@ -351,7 +352,10 @@ class RLTrainer(SFTTrainer):
                 sample.group = index // rl.num_generations
         else:
             prompts = self.train_dataset.batch(k, rl.prompts_per_step, self.config.train.seed)
-            mine = self._generate(k, prompts, self._sampling(greedy=False))
+            if rl.async_steps:
+                mine = self._generate_async(k, prompts, self._sampling(greedy=False))
+            else:
+                mine = self._generate(k, prompts, self._sampling(greedy=False))
             samples = self._gather_samples(mine)
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
         advantages = group_advantages(rewards, rl.num_generations, rl.advantage, rl.advantage_eps)
@@ -388,6 +392,13 @@ class RLTrainer(SFTTrainer):
             for i in indices
         ]
         results = self.engine.generate(requests, settings)  # every rank: the vLLM engine's call is collective
+        return self._samples_of(k, prompts, indices, results, self.step)
+
+    def _samples_of(
+        self, k: int, prompts: Sequence[Prompt], indices: list[int], results: list[list[Any]], version: int
+    ) -> list[RolloutSample]:
+        """This rank's samples of prompts `indices` from the engine's `results` (made by the weights of `version`),
+        scored; a reward failure on any rank is a RewardError on every rank."""
         samples = []
         for i, rollouts in zip(indices, results):
             prompt = prompts[i]
@@ -398,7 +409,7 @@ class RLTrainer(SFTTrainer):
                         truncated=rollout.finish_reason == "length", engine_logprobs=list(rollout.logprobs),
                         model_inputs=prompt.model_inputs, prompt_text=prompt.text,
                         response_text=self.tokenizer.decode(rollout.response_ids, skip_special_tokens=True),
-                        where=prompt.where, version=self.step,
+                        where=prompt.where, version=version,
                     )
                 )  # fmt: skip
         problem: RewardError | None = None
@@ -408,6 +419,40 @@ class RLTrainer(SFTTrainer):
             problem = exc
         agree(problem, RewardError, self.control_group, where=f"rollout batch {k}: ")
         return samples
+
+    # --- rl.async_steps: 1 (one-step-async rollouts on the vLLM engine) ---
+    def _generate_async(self, k: int, prompts: Sequence[Prompt], settings: SamplingSettings) -> list[RolloutSample]:
+        """Batch k's samples (this rank's, scored) under `rl.async_steps: 1`: generated in the background while batch
+        k-1 trained, by the weights before it (batch 0, and the first batch after a resume, are generated now); then
+        the current weights are synced and batch k+1's generation starts, to overlap batch k's training."""
+        engine = self.engine
+        if self._async_pending is not None and self._async_pending[0] == k:
+            version = self._async_pending[1]
+            results = engine.finish_generate()
+        else:
+            self._sync_engine()
+            version = self.step
+            engine.start_generate(self._requests_by_rank(k, prompts), settings)
+            results = engine.finish_generate()
+        self._async_pending = None
+        if (k + 1) * self.loader.steps_per_rollout < self.max_steps:
+            self._sync_engine()  # waits for nothing in flight: batch k was collected above
+            following = self.train_dataset.batch(k + 1, self.rl.prompts_per_step, self.config.train.seed)
+            engine.start_generate(self._requests_by_rank(k + 1, following), settings)
+            self._async_pending = (k + 1, self.step)
+        indices = [i for i in range(len(prompts)) if i % self.parallel.world_size == self.rank]
+        return self._samples_of(k, prompts, indices, results, version)
+
+    def _requests_by_rank(self, k: int, prompts: Sequence[Prompt]) -> list[list[RolloutRequest]]:
+        """Every rank's requests of batch k (prompt i is rank i mod world's), as `_generate` makes its own."""
+        world, seed, count = self.parallel.world_size, self.config.train.seed, self.rl.num_generations
+        return [
+            [RolloutRequest(prompts[i].ids, [sample_seed(seed, k, i, j) for j in range(count)])
+             for i in range(rank, len(prompts), world)]
+            for rank in range(world)
+        ]  # fmt: skip
+
+    # --- end rl.async_steps ---
 
     def _score(self, samples: list[RolloutSample], prompts: list[Prompt]) -> None:
         if not samples:
@@ -503,6 +548,8 @@ class RLTrainer(SFTTrainer):
             MetricSpec("rl/response_length/min", "min", fmt=".0f"),
             MetricSpec("rl/response_length/max", "max", fmt=".0f"),
             MetricSpec("rl/truncated_ratio", "mean"),
+            MetricSpec("rl/staleness", "mean", fmt=".1f"),  # optimizer steps between a sample's weights and now
+            MetricSpec("rl/staleness/max", "max", fmt=".0f"),
             MetricSpec("rl/kl", "mean"),
             MetricSpec("rl/entropy", "mean"),
             MetricSpec("rl/clip_ratio/low", "mean"),
@@ -535,6 +582,10 @@ class RLTrainer(SFTTrainer):
         record["rl/response_length/min"], record["rl/response_length/max"] = lengths.min(), lengths.max()
         truncated = torch.tensor([float(s.truncated) for s in samples], dtype=torch.float64)
         record["rl/truncated_ratio"] = (truncated.sum(), float(truncated.numel()))
+        if self.given is None:  # optimizer steps since the weights that sampled each (given rollouts: unknown)
+            staleness = torch.tensor([float(self.step - s.version) for s in samples], dtype=torch.float64)
+            record["rl/staleness"] = (staleness.sum(), float(staleness.numel()))
+            record["rl/staleness/max"] = staleness.max()
 
     def _record_engine_mismatch(self, samples: list[RolloutSample]) -> None:
         """`rl/importance_ratio` exp(old - engine) and `rl/logprob_diff` |old - engine| over the response tokens."""

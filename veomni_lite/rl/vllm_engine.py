@@ -56,7 +56,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -254,7 +254,7 @@ class VLLMEngine(RolloutEngine):
         self.last_probe_diff = float("nan")
         self._started = time.monotonic()
         self._closed = False
-        self._lock = threading.Lock()
+        self._pending: Future[Any] | None = None  # a started generation (rank 0), see start_generate
         problem = None
         if self.leader:
             try:
@@ -323,6 +323,8 @@ class VLLMEngine(RolloutEngine):
         where = f"{NAME}, weight sync of version {version}: "
 
         def reload() -> list[float]:
+            if self._pending is not None:  # a generation in flight finishes on the weights it started with
+                wait([self._pending])
             self._ready()
             start = time.perf_counter()
             self._write(state_dict)
@@ -432,14 +434,41 @@ class VLLMEngine(RolloutEngine):
             elif request.model_inputs:
                 problem = ValueError(f"request {index} has images: the vLLM engine takes text prompts only here")
         agree(problem, EngineError, self.group, where=f"{NAME}: generate: ")
-        plain = [(list(r.prompt_ids), list(r.seeds)) for r in requests]
-        everyone = all_gather_objects(plain, self.group)
+        everyone = all_gather_objects([(list(r.prompt_ids), list(r.seeds)) for r in requests], self.group)
+        return self._collect(self._start(everyone, settings))
 
-        def run() -> list[Any]:
-            self._ready()
-            return [self._generate(requests, settings, rank) for rank, requests in enumerate(everyone)]
+    # One-step-async rollouts (`rl.async_steps: 1`): the trainer starts a rollout batch's generation, trains, and
+    # collects it later; the HTTP work runs in a thread of rank 0 that makes no collective.
+    def start_generate(self, everyone: Sequence[Sequence[RolloutRequest]], settings: SamplingSettings) -> None:
+        """Not collective: rank 0 starts generating every rank's requests (`everyone[rank]`, text only) in the
+        background; other ranks do nothing. `finish_generate` collects them; a weight sync waits for them first."""
+        plain = [[(list(r.prompt_ids), list(r.seeds)) for r in requests] for requests in everyone]
+        self._pending = self._start(plain, settings)
 
-        answers = [self._on_leader(run, f"{NAME}: generate: ")]
+    def finish_generate(self) -> list[list[Rollout]]:
+        """Collective: this rank's rollouts of the generation `start_generate` began (waiting for it)."""
+        pending, self._pending = self._pending, None
+        return self._collect(pending)
+
+    def _start(self, everyone: Sequence[Sequence[tuple[list[int], list[int]]]], settings: SamplingSettings) -> Any:
+        """Rank 0: a Future of every rank's rollouts, computed in a daemon thread (None on other ranks)."""
+        if not self.leader:
+            return None
+        future: Future[Any] = Future()
+
+        def run() -> None:
+            try:
+                self._ready()
+                future.set_result([self._generate(r, settings, rank) for rank, r in enumerate(everyone)])
+            except BaseException as exc:  # noqa: BLE001 - collected by _collect
+                future.set_exception(exc)
+
+        threading.Thread(target=run, name="vllm-generate", daemon=True).start()
+        return future
+
+    def _collect(self, future: Any) -> list[list[Rollout]]:
+        """Collective: wait for rank 0's `future`, agree on its failure, broadcast; this rank's share."""
+        answers = [self._on_leader(lambda: future.result(), f"{NAME}: generate: ")]
         if group_size(self.group) > 1:
             dist.broadcast_object_list(answers, src=dist.get_global_rank(self.group, 0), group=self.group)
         rank = dist.get_rank(self.group) if group_size(self.group) > 1 else 0
