@@ -31,7 +31,7 @@ SIZES = {
     "h512-L4-V32k": {"hidden_size": 512, "num_hidden_layers": 4, "vocab_size": 32768},
     "h1024-L8-V32k": {"hidden_size": 1024, "num_hidden_layers": 8, "vocab_size": 32768},
 }
-QUICK_SIZES = ("h128-L2-V4k", "h512-L4-V32k")
+QUICK_SIZES = ("h128-L2-V4k",)  # make bench QUICK=1 stays under 5 minutes: one server start
 WORK = {
     True: {"prompts": 16, "new": 32, "reps": 2, "syncs": 3},
     False: {"prompts": 32, "new": 64, "reps": 3, "syncs": 5},
@@ -111,13 +111,15 @@ def measure_size(name: str, work_dir: Path, quick: bool) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def block(work_dir: Path, quick: bool) -> dict[str, Any]:
+def block(work_dir: Path, quick: bool, sizes: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """The `make bench` block: `sizes` (default: the mode's) measured one server at a time."""
     from harness import prose
 
     if not VLLM_PYTHON.is_file():
         return {"title": "RL rollouts on vLLM", "not_run": "`.venv-vllm` is absent (`make vllm-env` builds it)"}
     work_dir.mkdir(parents=True, exist_ok=True)
-    results = [measure_size(name, work_dir, quick) for name in (QUICK_SIZES if quick else tuple(SIZES))]
+    names = sizes or (QUICK_SIZES if quick else tuple(SIZES))
+    results = [measure_size(name, work_dir, quick) for name in names]
     generation, sync = [], []
     for r in results:
         vllm_tps, embedded_tps = (
@@ -157,11 +159,13 @@ def block(work_dir: Path, quick: bool) -> dict[str, Any]:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the two small models")
+    parser.add_argument("--quick", action="store_true", help="fewer, shorter rollouts; the smallest model")
+    parser.add_argument("--sizes", default="", help=f"comma-separated subset of {','.join(SIZES)}")
     parser.add_argument("--json", action="store_true", help="print the block's dict instead of the tables")
     args = parser.parse_args()
     sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
-    out = block(REPO / "benchmarks" / "results" / "raw" / "rl_vllm", args.quick)
+    sizes = tuple(args.sizes.split(",")) if args.sizes else None
+    out = block(REPO / "benchmarks" / "results" / "raw" / "rl_vllm", args.quick, sizes)
     if args.json or "tables" not in out:
         print(json.dumps(out, indent=1, default=str))
     else:

@@ -1,7 +1,8 @@
 """`rl.engine: vllm` (`veomni_lite.rl.vllm_engine`).
 
-Without vLLM (every `make test`): the `rl.vllm` settings are checked by name; a server that refuses connections or
-answers with an HTTP error is an EngineError naming the engine and the request on every rank (a stdlib fake server).
+Without vLLM (every `make test`): the `rl.vllm` settings are checked by name; a server that refuses connections,
+answers with an HTTP error or not within `request_timeout_s` is an EngineError naming the engine and the request on
+every rank (a stdlib fake server).
 
 With vLLM's CPU build in `.venv-vllm` (`make vllm-env`; `make test-vllm` runs the tests marked `vllm`, skipped
 without it): one float32 server for the session on a Qwen2 of head dim 32 (the smallest vLLM's CPU attention takes).
@@ -19,6 +20,7 @@ import json
 import os
 import signal
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -55,8 +57,6 @@ def vllm_server(math_demo: Path, tmp_path_factory: pytest.TempPathFactory) -> An
     """One float32 vLLM server on loopback for the session (stopped at its end, or by the last test)."""
     if not VLLM_PYTHON.is_file():
         pytest.skip(".venv-vllm is absent (make vllm-env)")
-    import time
-
     from veomni_lite.rl.vllm_engine import VLLMServer
 
     log = tmp_path_factory.mktemp("vllm_server") / "server.log"
@@ -160,7 +160,10 @@ def test_rl_vllm_settings_are_checked_by_name(math_demo, tmp_path):
 
 
 class _FailingServer(BaseHTTPRequestHandler):
-    """A fake vLLM: serves its model list and the weight routes, answers every completion with HTTP 500."""
+    """A fake vLLM: serves its model list and the weight routes, answers every completion with HTTP 500 (after
+    `hang_s` seconds)."""
+
+    hang_s = 0.0
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         self._answer(200, {"data": [{"id": "fake"}]})
@@ -168,6 +171,7 @@ class _FailingServer(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         if self.path == "/v1/completions":
+            time.sleep(self.hang_s)
             self._answer(500, {"error": "boom: the fake engine fails every completion"})
         else:
             self._answer(200, {"results": [None]})
@@ -205,6 +209,21 @@ def test_an_engine_that_refuses_or_answers_an_error_is_a_named_error_on_every_ra
         assert message is not None and "rank 0: vLLM engine at http://127.0.0.1" in message, message
         assert "prompt log-probabilities of the probe" in message and "answered HTTP 500" in message, message
         assert "boom" in message, message
+
+
+@pytest.mark.slow
+def test_an_engine_that_does_not_answer_in_time_is_a_named_error_on_every_rank(math_demo, tmp_path):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), type("Hanging", (_FailingServer,), {"hang_s": 60.0}))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        path = write_config(math_demo, tmp_path / "hanging", "vllm", {"url": url, "request_timeout_s": 2})
+        errors = run_distributed(train, 2, str(path), [], timeout_s=600)
+    finally:
+        server.shutdown()
+    for message in errors:
+        assert message is not None and "rank 0: vLLM engine at http://127.0.0.1" in message, message
+        assert "(POST /v1/completions) failed: no answer within rl.vllm.request_timeout_s = 2 s" in message, message
 
 
 # ---------------------------------------------------------------------- with vLLM
