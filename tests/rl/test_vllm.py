@@ -16,6 +16,7 @@ error on every rank, and the run resumes from its checkpoint with a fresh launch
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -178,11 +179,12 @@ class _FailingServer(BaseHTTPRequestHandler):
 
     def _answer(self, code: int, body: dict[str, Any]) -> None:
         data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # a client that timed out has gone
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
 
     def log_message(self, *args: Any) -> None:
         pass
@@ -213,7 +215,7 @@ def test_an_engine_that_refuses_or_answers_an_error_is_a_named_error_on_every_ra
 
 @pytest.mark.slow
 def test_an_engine_that_does_not_answer_in_time_is_a_named_error_on_every_rank(math_demo, tmp_path):
-    server = ThreadingHTTPServer(("127.0.0.1", 0), type("Hanging", (_FailingServer,), {"hang_s": 60.0}))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), type("Hanging", (_FailingServer,), {"hang_s": 10.0}))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
@@ -278,6 +280,18 @@ def test_the_engine_samples_with_the_trainers_log_probabilities(math_demo, vllm_
     assert reasons == {"stop", "length"}  # both endings seen (the stop ids are a tenth of the vocabulary)
     again = engine.generate(requests, sampling)
     assert [[r.response_ids for r in g] for g in again] == [[r.response_ids for r in g] for g in rollouts]
+    # With top-k, vLLM's processed log-probabilities are of the filtered distribution, renormalized (docs/vllm.md)
+    filtered = SamplingSettings(max_new_tokens=8, temperature=TEMPERATURE, top_k=5)
+    for request, group in zip(requests, engine.generate(requests, filtered)):
+        for rollout in group:
+            full = request.prompt_ids + rollout.response_ids
+            with torch.no_grad():
+                logits = model(torch.tensor([full])).logits[0].double() / TEMPERATURE
+            kept = logits.masked_fill(logits < logits.topk(5, dim=-1).values[:, -1:], float("-inf")).log_softmax(-1)
+            start = len(request.prompt_ids)
+            for t in range(start, len(full)):
+                assert kept[t - 1, full[t]].item() == pytest.approx(rollout.logprobs[t - start], abs=1e-4)
+                assert logits.log_softmax(-1)[t - 1, full[t]].item() < rollout.logprobs[t - start] - 1e-3
     engine.close()
 
 

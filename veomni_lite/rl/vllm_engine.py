@@ -222,8 +222,8 @@ class VLLMServer:
 
 
 class VLLMEngine(RolloutEngine):
-    """Rollouts from a vLLM server (see the module docstring). Collective over `group`: every rank calls
-    `sync_weights`, `generate` and `close`; only group rank 0 talks to the server.
+    """Rollouts from a vLLM server (see the module docstring). Collective over `group`: every rank calls the
+    constructor, `sync_weights`, `generate` and `finish_generate` alike; only group rank 0 talks to the server.
 
     `reference(ids)`: the trainer's log-probabilities of ids[1:] (each given the ids before it, temperature 1) under
     its current weights, a collective every rank calls; `probe_ids`: the probe's tokens (a few dozen)."""
