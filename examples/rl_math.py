@@ -103,8 +103,11 @@ def write_data(out: Path, sft_rows: int, rl_rows: int, eval_rows: int, seed: int
     return ["user", "assistant"] + [text for r in drawn for text in (r["question"], r["solution"])]
 
 
-def write_model(directory: Path, texts: list[str], vocab_size: int = 512) -> None:
-    """The tiny Qwen2 `from_pretrained` directory: weights (seed 0), tokenizer and chat template."""
+def write_model(
+    directory: Path, texts: list[str], vocab_size: int = 512, hidden_size: int = 64, head_dim: int = 16
+) -> None:
+    """The tiny Qwen2 `from_pretrained` directory: weights (seed 0), tokenizer and chat template. 4 heads of
+    `head_dim` = `hidden_size` / 4 (vLLM's CPU attention needs a head dim of at least 32: hidden 128)."""
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
 
     from examples.pydoc_text import train_bpe
@@ -118,12 +121,12 @@ def write_model(directory: Path, texts: list[str], vocab_size: int = 512) -> Non
     tokenizer.save_pretrained(str(directory))
     config = Qwen2Config(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=176,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 11 // 4,
         num_hidden_layers=2,
-        num_attention_heads=4,
+        num_attention_heads=hidden_size // head_dim,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=head_dim,
         max_position_embeddings=256,
         bos_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -72,9 +72,12 @@ class RLConfig:
     rollouts_sample: int = 4
     """Rollouts written to rollouts.jsonl and TensorBoard's text tab at each log (0: none)."""
     vllm: dict[str, Any] = field(default_factory=dict)
-    """`rl.engine: vllm`: `url`, `launch`, `python`, `sync_dir`, `start_timeout_s`, `request_timeout_s`."""
+    """`rl.engine: vllm`: `url` or `launch`, `python`, `sync_dir`, `start_timeout_s`, `request_timeout_s`,
+    `probe_tolerance`, `server_args`, `max_concurrency` (`veomni_lite.rl.vllm_engine.VLLMSettings`, docs/vllm.md)."""
     async_steps: int = 0
-    """Rollout batches generated ahead of training (0: synchronous)."""
+    """Rollout batches generated ahead of training: 0 synchronous; 1 (vLLM engine) batch k+1 is generated while batch
+    k trains, by the weights before batch k (one rollout batch stale, logged as `rl/staleness` in optimizer steps), with
+    `rl.importance_sampling` correcting by the engine's log-probabilities."""
 
     @property
     def rollout_size(self) -> int:
@@ -109,10 +112,27 @@ class RLConfig:
             raise ConfigError(f"rl.is_cap: must be > 0, got {self.is_cap}")
         if self.advantage in ("grpo", "rloo") and self.num_generations < 2:
             raise ConfigError(f"rl.num_generations: {self.advantage} compares a group's responses, needs >= 2")
-        if self.engine != "transformers" and not self.rollouts_path:
-            raise ConfigError(f"rl.engine: {self.engine!r} is not available in this build; use transformers")
-        if self.async_steps:
-            raise ConfigError("rl.async_steps: one-step-async rollouts come with rl.engine: vllm; set 0")
+        if self.engine == "vllm" and not self.rollouts_path:
+            from veomni_lite.rl.vllm_engine import VLLMSettings
+
+            try:
+                VLLMSettings.parse(self.vllm)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(str(exc)) from None
+        elif self.vllm and self.engine != "vllm":
+            raise ConfigError(f"rl.vllm: set, but rl.engine is {self.engine!r}; set rl.engine: vllm or drop rl.vllm")
+        if self.async_steps not in (0, 1):
+            raise ConfigError(f"rl.async_steps: 0 (synchronous) or 1 (one-step-async), got {self.async_steps}")
+        if self.async_steps and (self.engine != "vllm" or self.rollouts_path):
+            raise ConfigError(
+                "rl.async_steps: 1 generates on a vLLM server while the trainer trains: needs rl.engine: vllm and no "
+                "rl.rollouts_path"
+            )
+        if self.async_steps and self.importance_sampling == "none":
+            raise ConfigError(
+                "rl.async_steps: 1 samples with the weights one rollout batch old: set rl.importance_sampling "
+                "(token or sequence) so the engine's log-probabilities correct it"
+            )
         if not self.rewards and not self.rollouts_path:
             raise ConfigError("rl.rewards: give at least one reward function ([{name, function, weight}])")
         from veomni_lite.rl.rewards import load_rewards  # a user's file runs here because the config names it

@@ -161,6 +161,7 @@ class RLTrainer(SFTTrainer):
         self.last_samples: list[RolloutSample] = []  # the current rollout batch, for the rollouts sample
         self._pending_records: dict[str, Any] = {}  # the batch's rollout metrics, recorded with its first step
         self._generate_s = 0.0
+        self._async_pending: tuple[int, int] | None = None  # (rollout batch, weights version) generating
         super().__init__(config)
         self._trim_rollouts_file()
 
@@ -261,8 +262,42 @@ class RLTrainer(SFTTrainer):
         if self.rl.kl_coef:
             self.reference = ReferenceWeights(self.model)
         if self.given is None:
-            self.engine = TransformersEngine(engine_model(self.model_config, self.config.parallel.master_dtype),
-                                             self.device)  # fmt: skip
+            self.engine = self._build_engine()
+
+    # --- rl.engine (vLLM: veomni_lite/rl/vllm_engine.py) ---
+    def _build_engine(self) -> RolloutEngine:
+        """`rl.engine`: the embedded engine on each rank, or a vLLM server reached by rank 0 (collective)."""
+        if self.rl.engine == "vllm":
+            from veomni_lite.rl.vllm_engine import VLLMEngine, VLLMSettings
+
+            return VLLMEngine(
+                VLLMSettings.parse(self.rl.vllm), self.config.model.pretrained_dir, self.control_group,
+                self.probe_logprobs, self.train_dataset.prompts[0].ids, self.output_dir / "vllm_server.log",
+            )  # fmt: skip
+        return TransformersEngine(engine_model(self.model_config, self.config.parallel.master_dtype), self.device)
+
+    @torch.no_grad()
+    def probe_logprobs(self, ids: list[int]) -> list[float]:
+        """log p(ids[t] | ids[:t]) for t >= 1 under the current weights, temperature 1, eval mode (collective: every
+        rank runs the forward and gets the values). The vLLM engine's sync check compares its own with these."""
+        sample = RolloutSample(group=0, prompt_ids=list(ids[:1]), response_ids=list(ids[1:]))
+        whole = self.collate([sample.tensors()])
+        was_training = self.model.training
+        self.model.eval()
+        batch = self.preforward(self._mark_and_slice(whole))
+        logits = self.model(**{k: v for k, v in batch.items() if not is_labels_key(k)})["logits"]
+        self.model.train(was_training)
+        values = self._whole_sequence(token_logprobs(logits, batch[POLICY_LABELS], 1.0)[0].double().cpu(),
+                                      whole["input_ids"].shape[1])  # fmt: skip
+        return _response_values(whole, values, [sample], 0)
+
+    def close(self) -> None:
+        """The engine released too (a launched vLLM server stopped), then the trainer's own."""
+        if self.engine is not None:
+            self.engine.close()
+        super().close()
+
+    # --- end rl.engine ---
 
     def _make_loader(self, dataset: Any, seed: int, prefetch_steps: int = 0, token_budget: bool = False) -> Any:
         return RolloutLoader(self)
@@ -319,7 +354,10 @@ class RLTrainer(SFTTrainer):
                 sample.group = index // rl.num_generations
         else:
             prompts = self.train_dataset.batch(k, rl.prompts_per_step, self.config.train.seed)
-            mine = self._generate(k, prompts, self._sampling(greedy=False))
+            if rl.async_steps:
+                mine = self._generate_async(k, prompts, self._sampling(greedy=False))
+            else:
+                mine = self._generate(k, prompts, self._sampling(greedy=False))
             samples = self._gather_samples(mine)
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
         advantages = group_advantages(rewards, rl.num_generations, rl.advantage, rl.advantage_eps)
@@ -355,7 +393,14 @@ class RLTrainer(SFTTrainer):
             RolloutRequest(prompts[i].ids, [sample_seed(seed, k, i, j) for j in range(count)], prompts[i].model_inputs)
             for i in indices
         ]
-        results = self.engine.generate(requests, settings) if requests else []
+        results = self.engine.generate(requests, settings)  # every rank: the vLLM engine's call is collective
+        return self._samples_of(k, prompts, indices, results, self.step)
+
+    def _samples_of(
+        self, k: int, prompts: Sequence[Prompt], indices: list[int], results: list[list[Any]], version: int
+    ) -> list[RolloutSample]:
+        """This rank's samples of prompts `indices` from the engine's `results` (made by the weights of `version`),
+        scored; a reward failure on any rank is a RewardError on every rank."""
         samples = []
         for i, rollouts in zip(indices, results):
             prompt = prompts[i]
@@ -366,7 +411,7 @@ class RLTrainer(SFTTrainer):
                         truncated=rollout.finish_reason == "length", engine_logprobs=list(rollout.logprobs),
                         model_inputs=prompt.model_inputs, prompt_text=prompt.text,
                         response_text=self.tokenizer.decode(rollout.response_ids, skip_special_tokens=True),
-                        where=prompt.where, version=self.step,
+                        where=prompt.where, version=version,
                     )
                 )  # fmt: skip
         problem: RewardError | None = None
@@ -376,6 +421,40 @@ class RLTrainer(SFTTrainer):
             problem = exc
         agree(problem, RewardError, self.control_group, where=f"rollout batch {k}: ")
         return samples
+
+    # --- rl.async_steps: 1 (one-step-async rollouts on the vLLM engine) ---
+    def _generate_async(self, k: int, prompts: Sequence[Prompt], settings: SamplingSettings) -> list[RolloutSample]:
+        """Batch k's samples (this rank's, scored) under `rl.async_steps: 1`: generated in the background while batch
+        k-1 trained, by the weights before it (batch 0, and the first batch after a resume, are generated now); then
+        the current weights are synced and batch k+1's generation starts, to overlap batch k's training."""
+        engine = self.engine
+        if self._async_pending is not None and self._async_pending[0] == k:
+            version = self._async_pending[1]
+            results = engine.finish_generate()
+        else:
+            self._sync_engine()
+            version = self.step
+            engine.start_generate(self._requests_by_rank(k, prompts), settings)
+            results = engine.finish_generate()
+        self._async_pending = None
+        if (k + 1) * self.loader.steps_per_rollout < self.max_steps:
+            self._sync_engine()  # waits for nothing in flight: batch k was collected above
+            following = self.train_dataset.batch(k + 1, self.rl.prompts_per_step, self.config.train.seed)
+            engine.start_generate(self._requests_by_rank(k + 1, following), settings)
+            self._async_pending = (k + 1, self.step)
+        indices = [i for i in range(len(prompts)) if i % self.parallel.world_size == self.rank]
+        return self._samples_of(k, prompts, indices, results, version)
+
+    def _requests_by_rank(self, k: int, prompts: Sequence[Prompt]) -> list[list[RolloutRequest]]:
+        """Every rank's requests of batch k (prompt i is rank i mod world's), as `_generate` makes its own."""
+        world, seed, count = self.parallel.world_size, self.config.train.seed, self.rl.num_generations
+        return [
+            [RolloutRequest(prompts[i].ids, [sample_seed(seed, k, i, j) for j in range(count)])
+             for i in range(rank, len(prompts), world)]
+            for rank in range(world)
+        ]  # fmt: skip
+
+    # --- end rl.async_steps ---
 
     def _score(self, samples: list[RolloutSample], prompts: list[Prompt]) -> None:
         if not samples:
@@ -471,6 +550,8 @@ class RLTrainer(SFTTrainer):
             MetricSpec("rl/response_length/min", "min", fmt=".0f"),
             MetricSpec("rl/response_length/max", "max", fmt=".0f"),
             MetricSpec("rl/truncated_ratio", "mean"),
+            MetricSpec("rl/staleness", "mean", fmt=".1f"),  # optimizer steps between a sample's weights and now
+            MetricSpec("rl/staleness/max", "max", fmt=".0f"),
             MetricSpec("rl/kl", "mean"),
             MetricSpec("rl/entropy", "mean"),
             MetricSpec("rl/clip_ratio/low", "mean"),
@@ -503,6 +584,10 @@ class RLTrainer(SFTTrainer):
         record["rl/response_length/min"], record["rl/response_length/max"] = lengths.min(), lengths.max()
         truncated = torch.tensor([float(s.truncated) for s in samples], dtype=torch.float64)
         record["rl/truncated_ratio"] = (truncated.sum(), float(truncated.numel()))
+        if self.given is None:  # optimizer steps since the weights that sampled each (given rollouts: unknown)
+            staleness = torch.tensor([float(self.step - s.version) for s in samples], dtype=torch.float64)
+            record["rl/staleness"] = (staleness.sum(), float(staleness.numel()))
+            record["rl/staleness/max"] = staleness.max()
 
     def _record_engine_mismatch(self, samples: list[RolloutSample]) -> None:
         """`rl/importance_ratio` exp(old - engine) and `rl/logprob_diff` |old - engine| over the response tokens."""
