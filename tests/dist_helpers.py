@@ -93,6 +93,28 @@ def counting_calls(owner: Any, name: str) -> Iterator[list[int]]:
         setattr(owner, name, original)
 
 
+@contextlib.contextmanager
+def counting_world_all_reduces() -> Iterator[list[int]]:
+    """Patch `dist.all_reduce` to append 1 to the yielded list per call over the whole world (the loss's all-reduce;
+    an SP group's are not counted); restore on exit."""
+    import torch.distributed as dist
+
+    calls: list[int] = []
+    original = dist.all_reduce
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        group = kwargs.get("group", args[2] if len(args) > 2 else None)
+        if group is None or group is dist.group.WORLD:
+            calls.append(1)
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        yield calls
+    finally:
+        dist.all_reduce = original
+
+
 def run_ranks(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0, pg_timeout_s: float = 60.0
 ) -> dict[int, tuple[str, Any]]:

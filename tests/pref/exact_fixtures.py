@@ -11,12 +11,12 @@ of a layout, counting the loss all-reduces over the world.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from tests.dist_helpers import counting_world_all_reduces
 from tests.models.test_hf_models import TEXT_SETTINGS, VOCAB, make_lm
 from veomni_lite.data.collator import collate
 from veomni_lite.data.loader import StepLoader
@@ -27,6 +27,7 @@ from veomni_lite.models.hf_causal_lm import hf_config_from_dict
 from veomni_lite.models.hf_reward_model import HFRewardModel
 from veomni_lite.plain_loop import LossStep
 from veomni_lite.rl.preference import PREF_LABELS, PREF_MODE, PreferenceLoss, collate_pairs
+from veomni_lite.split_invariance import Layout
 from veomni_lite.utils.loss_utils import reset_loss_memo
 
 PAIRS, BATCH, LR = 8, 4, 0.5
@@ -146,19 +147,6 @@ def pair_length(pair: dict[str, Any], packed: bool) -> int:
     return chosen + rejected if packed else 2 * max(chosen, rejected)
 
 
-@dataclass(frozen=True)
-class Layout:
-    dp: int = 1
-    sp: int = 1
-    micro_batch_size: int = 1
-    packed: bool = False
-    max_tokens: int = 0
-
-    def __str__(self) -> str:
-        extra = ("/packed" if self.packed else "") + (f"/budget{self.max_tokens}" if self.max_tokens else "")
-        return f"dp{self.dp}xsp{self.sp}/mbs{self.micro_batch_size}{extra}"
-
-
 def layout_steps(rank: int, world: int, layout: Layout, all_cases: list[PreferenceLoss],
                  shard_local: bool = False) -> dict[str, Any]:  # fmt: skip
     """This rank's run of every case: each step's gradient averaged over the ranks (as FSDP) and the loss
@@ -191,18 +179,8 @@ def layout_steps(rank: int, world: int, layout: Layout, all_cases: list[Preferen
                 if j >= len(plan):
                     whole = padding_micro_batch(whole)
                 micro_batches.append(slice_micro_batch(whole, state.sp_rank, layout.sp))
-            world_calls: list[int] = []
-            original = dist.all_reduce
-
-            def counted(*args: Any, original: Any = original, world_calls: list = world_calls, **kwargs: Any) -> Any:
-                group = kwargs.get("group", args[2] if len(args) > 2 else None)
-                if group is None or group is dist.group.WORLD:
-                    world_calls.append(1)
-                return original(*args, **kwargs)
-
-            dist.all_reduce = counted
             totals: dict[str, list[float]] = {}
-            try:
+            with counting_world_all_reduces() as world_calls:
                 step = LossStep(micro_batches, PREF_MODE, marked=True)
                 for micro_batch, tokens in step:
                     inputs = {k: v for k, v in micro_batch.items() if k in MODEL_INPUTS}
@@ -213,8 +191,6 @@ def layout_steps(rank: int, world: int, layout: Layout, all_cases: list[Preferen
                         seen = totals.setdefault(key, [0.0, 0.0])
                         seen[0], seen[1] = seen[0] + float(total), seen[1] + float(count)
                 step.verify()
-            finally:
-                dist.all_reduce = original
             step_grads = [
                 p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()
             ]

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tests.dist_helpers import counting_world_all_reduces
 from tests.models.test_hf_models import VOCAB, make_lm
 from veomni_lite.data.collator import collate
 from veomni_lite.data.loader import StepLoader
@@ -204,17 +205,7 @@ def layout_steps(
 
                     whole = padding_micro_batch(whole)
                 micro_batches.append(slice_micro_batch(whole, state.sp_rank, layout.sp))
-            world_calls = []
-            original = dist.all_reduce
-
-            def counted(*args: Any, original: Any = original, world_calls: list = world_calls, **kwargs: Any) -> Any:
-                group = kwargs.get("group", args[2] if len(args) > 2 else None)
-                if group is None or group is dist.group.WORLD:
-                    world_calls.append(1)
-                return original(*args, **kwargs)
-
-            dist.all_reduce = counted
-            try:
+            with counting_world_all_reduces() as world_calls:
                 runs = [[mb] for mb in micro_batches] if alone else [micro_batches]
                 for run in runs:
                     step = LossStep(run, case.modes, marked=True)
@@ -225,8 +216,6 @@ def layout_steps(
                         step.loss({"policy_loss": outputs["policy_loss"]}, tokens).backward()
                     step.verify()
                     reset_loss_memo()
-            finally:
-                dist.all_reduce = original
             step_grads = [
                 p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()
             ]
