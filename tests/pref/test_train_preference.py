@@ -11,7 +11,7 @@ import pytest
 
 from examples.preference_pairs import digit_pairs, help_pairs, implicit, write_jsonl
 from tests.dist_helpers import run_distributed, run_ranks
-from tests.trainer.helpers import read_events
+from tests.trainer.helpers import read_events, stop_after_step
 from veomni_lite.config import load_config
 from veomni_lite.data.checks import DataError
 from veomni_lite.rl.preference import PrefConfig
@@ -44,14 +44,7 @@ def config(args: list[str], world_size: int = 1) -> Any:
 def train(args: list[str], world_size: int = 1, stop_after: int | None = None) -> PreferenceTrainer:
     trainer = PreferenceTrainer(config(args, world_size))
     if stop_after is not None:
-        original = trainer.train_step
-
-        def train_step(micro_batches: list) -> None:
-            original(micro_batches)
-            if trainer.step == stop_after:
-                trainer._stop_signal = 15
-
-        trainer.train_step = train_step
+        stop_after_step(trainer, stop_after)
     try:
         trainer.train()
     except SystemExit as exc:
