@@ -10,7 +10,6 @@ of a layout, counting the loss all-reduces over the world.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -18,6 +17,7 @@ import torch.distributed as dist
 
 from tests.dist_helpers import counting_world_all_reduces
 from tests.models.test_hf_models import TEXT_SETTINGS, VOCAB, make_lm
+from tests.rl.exact_fixtures import all_gather
 from veomni_lite.data.collator import collate
 from veomni_lite.data.loader import StepLoader
 from veomni_lite.data.packing import padding_micro_batch
@@ -170,7 +170,7 @@ def layout_steps(rank: int, world: int, layout: Layout, all_cases: list[Preferen
             reset_loss_memo()
             model.zero_grad(set_to_none=True)
             plan = loader.share(number, indices, lambda i: pair_length(data[i], layout.packed))
-            counts = _all_gather(len(plan)) if world > 1 else [len(plan)]
+            counts = all_gather(len(plan)) if world > 1 else [len(plan)]
             micro_batches = []
             for j in range(max(counts)):
                 members = plan[j] if j < len(plan) else plan[0]
@@ -243,15 +243,3 @@ def hand_metrics(case: PreferenceLoss) -> dict[str, float]:
             }
         )
     return {key: sum(row[key] for row in rows) / len(rows) for key in rows[0]}
-
-
-def _all_gather(value: int) -> list[int]:
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
-
-
-def relative_error(grads: list[torch.Tensor], expected: list[torch.Tensor]) -> float:
-    scale = max(float(e.abs().max()) for e in expected) or 1.0
-    worst = max(float((g - e).abs().max()) for g, e in zip(grads, expected)) / scale
-    return worst if math.isfinite(worst) else math.inf

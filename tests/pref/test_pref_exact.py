@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from tests.dist_helpers import run_distributed
-from tests.pref.exact_fixtures import Layout, cases, hand_metrics, hand_reference, layout_steps, name, relative_error
+from tests.pref.exact_fixtures import Layout, cases, hand_metrics, hand_reference, layout_steps, name
+from tests.rl.exact_fixtures import relative_error
 
 LAYOUTS = [
     Layout(1, 1, 1),

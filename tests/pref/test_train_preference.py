@@ -11,7 +11,7 @@ import pytest
 
 from examples.preference_pairs import digit_pairs, help_pairs, implicit, write_jsonl
 from tests.dist_helpers import run_distributed, run_ranks
-from tests.trainer.helpers import read_events, stop_after_step
+from tests.trainer.helpers import read_events, train_built
 from veomni_lite.config import load_config
 from veomni_lite.data.checks import DataError
 from veomni_lite.rl.preference import PrefConfig
@@ -42,16 +42,7 @@ def config(args: list[str], world_size: int = 1) -> Any:
 
 
 def train(args: list[str], world_size: int = 1, stop_after: int | None = None) -> PreferenceTrainer:
-    trainer = PreferenceTrainer(config(args, world_size))
-    if stop_after is not None:
-        stop_after_step(trainer, stop_after)
-    try:
-        trainer.train()
-    except SystemExit as exc:
-        assert stop_after is not None and exc.code == 128 + 15
-    finally:
-        trainer.metrics.close()  # the process group stays with its owner (the test's ranks)
-    return trainer
+    return train_built(PreferenceTrainer(config(args, world_size)), stop_after)
 
 
 def _ranked(rank: int, world: int, args: list[str]) -> None:

@@ -114,6 +114,20 @@ def stop_after_step(trainer: BaseTrainer, step: int) -> None:
     trainer.train_step = train_step
 
 
+def train_built(trainer: BaseTrainer, stop_after: int | None = None) -> BaseTrainer:
+    """Train a built trainer, stopped (as SIGTERM would) after step `stop_after` when given; the process group stays
+    with its owner (the test's ranks)."""
+    if stop_after is not None:
+        stop_after_step(trainer, stop_after)
+    try:
+        trainer.train()
+    except SystemExit as exc:
+        assert stop_after is not None and exc.code == 128 + 15
+    finally:
+        trainer.metrics.close()
+    return trainer
+
+
 def read_events(output_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(output_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
