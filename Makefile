@@ -13,7 +13,7 @@ QUICK ?=
 TORCHRUN := $(PY) -m veomni_lite.torchrun --standalone --nproc_per_node $(NPROC)
 
 .PHONY: install test test-quick test-gpu test-vllm vllm-env quality train train-text train-sft train-lora train-rl \
-	train-rl-math train-dpo figures bench clean
+	train-rl-math preference-pairs train-dpo train-rm figures bench clean
 
 install: $(STAMP)
 
@@ -114,22 +114,28 @@ train-rl-math: install
 	$(TORCHRUN) trainers/train_rl.py configs/rl_math.yaml $(ARGS)
 
 # Preference training (docs/preference.md): the arithmetic problems of examples/rl_math, an SFT warm start
-# (configs/rl_math_sft.yaml, exported once to outputs/rl_math_sft_hf), DPO on the worked solution against the same
-# solution off by one (configs/dpo_math.yaml), a Bradley-Terry reward model on the same pairs (configs/rm_math.yaml),
-# then the held-out greedy accuracy of the warm start and of the DPO policy, and outputs/preference_accuracy.png.
+# (configs/rl_math_sft.yaml, exported once to outputs/rl_math_sft_hf) and pairs of the worked solution against the
+# same solution off by one (python -m examples.dpo_math pairs). train-dpo: DPO (configs/dpo_math.yaml), then the
+# held-out greedy accuracy of the warm start and of the DPO policy ($(DPO_OUT)/greedy_accuracy.json).
+# train-rm: a Bradley-Terry reward model on the same pairs (configs/rm_math.yaml).
 DPO_CONFIG ?= configs/dpo_math.yaml
 RM_CONFIG ?= configs/rm_math.yaml
-train-dpo: install
+preference-pairs: install
 	$(PY) -m examples.rl_math outputs/rl_math
 	test -f outputs/rl_math_sft_hf/model.safetensors || ( \
 	  $(TORCHRUN) trainers/train_sft.py configs/rl_math_sft.yaml && \
 	  $(PY) -m veomni_lite.export outputs/rl_math_sft outputs/rl_math_sft_hf )
 	$(PY) -m examples.dpo_math pairs outputs/rl_math
-	$(TORCHRUN) trainers/train_preference.py $(DPO_CONFIG) $(ARGS)
-	$(PY) -m veomni_lite.export outputs/dpo_math_run outputs/dpo_math_hf
+
+DPO_OUT ?= outputs/dpo_math_run
+train-dpo: preference-pairs
+	$(TORCHRUN) trainers/train_preference.py $(DPO_CONFIG) --train.output_dir $(DPO_OUT) $(ARGS)
+	$(PY) -m veomni_lite.export $(DPO_OUT) $(DPO_OUT)_hf
+	$(PY) -m examples.dpo_math accuracy outputs/rl_math $(DPO_OUT)/greedy_accuracy.json \
+		"warm start=outputs/rl_math_sft_hf" "after DPO=$(DPO_OUT)_hf"
+
+train-rm: preference-pairs
 	$(TORCHRUN) trainers/train_preference.py $(RM_CONFIG) $(ARGS)
-	$(PY) -m examples.dpo_math accuracy outputs/rl_math outputs/rl_math_sft_hf outputs/dpo_math_hf
-	$(PY) -m examples.dpo_math figure outputs/preference_accuracy.png outputs/dpo_math_run outputs/rm_math_run
 
 bench: install
 	$(PY) benchmarks/run_all.py $(if $(QUICK),--quick,)

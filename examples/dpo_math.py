@@ -6,11 +6,9 @@ ones), TRL's explicit layout: the question as `prompt`, its worked solution ("13
 solution off by one ("13 + 6 = 20" or "= 18", seeded) as `rejected`. The held-out problems are sentences the
 training pairs never hold.
 
-`python -m examples.dpo_math figure PNG DPO_RUN [RM_RUN]` plots the runs' held-out pair accuracy per step.
-
-`python -m examples.dpo_math accuracy OUT_DIR MODEL_DIR...` prints each model directory's greedy accuracy on the
-held-out problems (transformers' `generate`, the chat template's generation prompt, the last number of the answer
-against the reference), as JSON.
+`python -m examples.dpo_math accuracy OUT_DIR JSON LABEL=MODEL_DIR...` writes to JSON (and prints) each model
+directory's greedy accuracy on the held-out problems, {LABEL: accuracy} (transformers' `generate`, the chat
+template's generation prompt, the last number of the answer against the reference).
 """
 
 from __future__ import annotations
@@ -79,38 +77,15 @@ def greedy_accuracy(out: str | Path, model_dir: str | Path, max_new_tokens: int 
     return correct / len(held_out)
 
 
-def figure(png: str | Path, runs: dict[str, tuple[str | Path, str]]) -> None:
-    """One figure of held-out pair accuracy per step: {label: (run's output_dir, metric key)} from metrics.jsonl."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for label, (run, key) in runs.items():
-        rows = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        starts = [i for i, row in enumerate(rows) if i and row["step"] < rows[i - 1]["step"]]
-        rows = rows[starts[-1] :] if starts else rows  # the directory's last run
-        points = [(row["step"], row[key]) for row in rows if key in row]
-        ax.plot(*zip(*points), marker="o", label=label)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("held-out pair accuracy")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-
-
 if __name__ == "__main__":
     command, out = sys.argv[1], sys.argv[2]
-    if command == "figure":  # figure PNG DPO_RUN [RM_RUN]
-        runs = {"DPO + RPO: eval/rewards/accuracies": (sys.argv[3], "eval/rewards/accuracies")}
-        if len(sys.argv) > 4:
-            runs["reward model: eval/rewards/accuracy"] = (sys.argv[4], "eval/rewards/accuracy")
-        figure(out, runs)
-    elif command == "pairs":
+    if command == "pairs":
         paths = write_pairs(out)
         print(f"[veomni_lite] preference pairs: {paths[0]}, {paths[1]}")
+    elif command == "accuracy":  # accuracy OUT_DIR JSON LABEL=MODEL_DIR...
+        labelled = dict(argument.split("=", 1) for argument in sys.argv[4:])
+        accuracies = {label: greedy_accuracy(out, model) for label, model in labelled.items()}
+        Path(sys.argv[3]).write_text(json.dumps(accuracies, indent=1) + "\n")
+        print(f"[veomni_lite] held-out greedy accuracy: {accuracies} ({sys.argv[3]})")
     else:
-        print(json.dumps({model: greedy_accuracy(out, model) for model in sys.argv[3:]}))
+        raise SystemExit(f"examples.dpo_math: unknown command {command!r} (pairs, accuracy)")

@@ -56,6 +56,7 @@ class Figure:
     after: str = ""  # the figure whose run this job uses: run first unless recorded at this commit
     images: dict[str, str] = field(default_factory=dict)  # a file of the run -> its copy under docs/
     sampled: str = ""  # a train metric also quoted at its first and last logged step (RL: the reward sampled at T)
+    quote: str = ""  # a JSON file the job writes in output_dir, {label: value}, quoted whole (DPO: greedy accuracy)
 
 
 UNTRAINED_BASE = "outputs/sft_demo/models/qwen2_vl_digits"
@@ -104,6 +105,33 @@ FIGURES: dict[str, Figure] = {
         images={"reward_curve.png": "docs/rl_math_reward_curve.png"},
         sampled="rl/reward/mean",
     ),
+    "train-dpo": Figure(
+        "make train-dpo",
+        "outputs/dpo_math_run",
+        "eval/rewards/accuracies",
+        "DPO (beta 0.5, RPO alpha 1) on arithmetic pairs, the worked solution against the same off by one, from a "
+        "short SFT warm start, which it runs first; 0 at step 1 by TRL's strict definition, every margin 0 there",
+        clean=("outputs/rl_math", "outputs/rl_math_sft", "outputs/rl_math_sft_hf", "outputs/dpo_math_run_hf"),
+        images={"rewards.png": "docs/dpo_rewards.png"},
+        quote="greedy_accuracy.json",
+    ),
+    "train-dpo-plain": Figure(
+        'make train-dpo DPO_OUT=outputs/dpo_math_plain ARGS="--pref.rpo_alpha 0"',
+        "outputs/dpo_math_plain",
+        "eval/rewards/accuracies",
+        "the same DPO without RPO, on the warm start make train-dpo built",
+        clean=("outputs/dpo_math_plain_hf",),
+        quote="greedy_accuracy.json",
+        after="train-dpo",
+    ),
+    "train-rm": Figure(
+        "make train-rm",
+        "outputs/rm_math_run",
+        "eval/rewards/accuracy",
+        "a Bradley-Terry reward model on the same pairs, its score head new on the warm start make train-dpo built",
+        images={"rewards.png": "docs/rm_rewards.png"},
+        after="train-dpo",
+    ),
     "train-lora-untrained": Figure(
         f'make train-lora ARGS="--model.pretrained_dir {UNTRAINED_BASE} --train.output_dir '
         'outputs/sft_digits_lora_untrained"',
@@ -143,6 +171,8 @@ def render(name: str, result: dict, log: bool = False) -> str:
         sampled = (
             f"; `{figure.sampled}` (sampled at temperature 1) {start:.3f} at step {first}, {end:.3f} at step {last}"
         )
+    if figure.quote:
+        sampled += f"; `{figure.quote}`: " + ", ".join(f"{k} {v:.3f}" for k, v in result["quoted"].items())
     files = "`before.json` and `metrics.jsonl` in " if figure.before else "`metrics.jsonl` in "
     text = (
         f"One run (`{figure.command}`: {figure.about}; at {result['commit'][:7]}, {result['date']}, on "
@@ -256,6 +286,8 @@ def run_figure(name: str, commit: str) -> dict:
     }
     if figure.before:
         result["before"] = json.loads((out / "before.json").read_text())[figure.metric]
+    if figure.quote:
+        result["quoted"] = json.loads((out / figure.quote).read_text())
     if figure.sampled:
         logged = [(str(e["step"]), e[figure.sampled]) for e in events if figure.sampled in e]
         result["sampled"] = dict([logged[0], logged[-1]])

@@ -84,3 +84,11 @@ def test_render_states_the_command_commit_and_what_the_time_leaves_out():
     assert "(1-minute load 1.0 before, 2.5 after), not counting `make install`" in flat
     assert all(len(line) <= 120 for line in text.splitlines())
     assert figures.render("train", result, log=True) == "```\nstep 2/2 | x\n```\n"
+
+
+def test_render_quotes_the_json_file_a_job_writes():
+    result = {"commit": "b" * 40, "date": "2026-12-03", "machine": "2 CPU cores", "seconds": 40.0}
+    result |= {"load_1min": [1, 1], "values": {"1": 0.0, "200": 0.92}, "log": []}
+    result["quoted"] = {"warm start": 0.325, "after DPO": 0.68}
+    flat = " ".join(figures.render("train-dpo", result).split())
+    assert "0.000 and 0.920 at steps 1 and 200; `greedy_accuracy.json`: warm start 0.325, after DPO 0.680," in flat
