@@ -45,13 +45,16 @@ def write_model(work_dir: Path, model: dict[str, int]) -> Path:
     return directory
 
 
-def _worker(work_dir: Path, model_dir: Path, variant: str, batches: int, out: Path) -> None:
+def _worker(work_dir: Path, model_dir: Path, variant: str, batches: int, out: Path, vllm_url: str = "") -> None:
+    """One variant's rollout batches through `RLTrainer` (`rl_vllm.py` runs the vllm-* ones on its server's URL)."""
     import torch.distributed as dist
 
     from veomni_lite.config import load_config
     from veomni_lite.rl.config import RLConfig
     from veomni_lite.rl.trainer import RLTrainer
 
+    if os.environ.get("BENCH_CPUS"):  # rl_vllm.py keeps the server's core apart
+        os.sched_setaffinity(0, {int(cpu) for cpu in os.environ["BENCH_CPUS"].split(",")})
     data = work_dir / "data"
     args = [
         "--model.arch", "auto", "--model.pretrained_dir", str(model_dir), "--data.format", "messages",
@@ -63,6 +66,10 @@ def _worker(work_dir: Path, model_dir: Path, variant: str, batches: int, out: Pa
         "--logging.log_interval", "1000", "--logging.progress_bar", "false", "--logging.tensorboard", "false",
         "--logging.plot", "false", "--model.lora", LORA if variant == "lora" else "{}",
     ]  # fmt: skip
+    if variant.startswith("vllm"):
+        args += ["--rl.engine", "vllm", "--rl.vllm", f"{{url: {vllm_url}, request_timeout_s: 900}}",
+                 "--rl.importance_sampling", "token",
+                 "--rl.async_steps", str(int(variant == "vllm-async"))]  # fmt: skip
     config = load_config(None, args, world_size=int(os.environ["WORLD_SIZE"]), sections={"rl": RLConfig})
     trainer = RLTrainer(config)
     rows = []
@@ -127,7 +134,8 @@ def block(work_dir: Path, quick: bool) -> dict[str, Any]:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", choices=["full", "lora"])
+    parser.add_argument("--worker", choices=["full", "lora", "vllm-sync", "vllm-async"])
+    parser.add_argument("--vllm-url", default="")
     parser.add_argument("--work-dir", type=Path, default=REPO / "benchmarks" / "results" / "raw" / "rl_step")
     parser.add_argument("--batches", type=int, default=4)
     parser.add_argument("--model-dir", type=Path)
@@ -136,6 +144,6 @@ if __name__ == "__main__":
     args = parser.parse_args()
     sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
     if args.worker:
-        _worker(args.work_dir, args.model_dir, args.worker, args.batches, args.out)
+        _worker(args.work_dir, args.model_dir, args.worker, args.batches, args.out, args.vllm_url)
     else:
         print(json.dumps(block(args.work_dir, quick=args.quick), indent=1))

@@ -10,7 +10,9 @@ The engine's sampled log-probabilities equal a plain forward's log-softmax(logit
 bounded), a seeded request repeats and stop ids end a response; the same config trains the same steps with the same
 metric keys on `vllm` and on `transformers`, with the engine's log-probabilities matching the trainer's
 (`rl/logprob_diff`); a sync skipped on purpose is caught by the probe on every rank (negative control); a launched
-server that does not start in time is stopped and named; a launched server killed mid-run ends the run with a named
+server that does not start in time is stopped and named; a wave of seeded requests over a CPU server's token budget
+completes (vLLM's CPU build dies on chunked prefill of a seeded request: the negative control); a launched server
+killed mid-run ends the run with a named
 error on every rank, and the run resumes from its checkpoint with a fresh launched server.
 """
 
@@ -362,6 +364,40 @@ def test_a_launched_server_that_does_not_start_in_time_is_stopped_and_named(math
     pid = int(errors[0].split("pid ")[1].split(")")[0])
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # stopped and reaped
+
+
+def _wave(engine: Any) -> list:
+    """A wave of 48 seeded requests of 100-token prompts: 4800 prompt tokens, over a CPU server's 2048-token budget."""
+    from veomni_lite.rl.engine import RolloutRequest, SamplingSettings
+
+    requests = [RolloutRequest([3 + (7 * i + t) % 90 for t in range(100)], [i]) for i in range(48)]
+    return engine.generate(requests, SamplingSettings(max_new_tokens=4, temperature=1.0))
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@requires_vllm
+def test_a_wave_over_the_token_budget_completes_on_a_cpu_server(math_demo, vllm_server, tmp_path):
+    """vLLM 0.32's CPU build kills its engine when a seeded request's prompt is prefilled in chunks; a launched server
+    here runs without chunked prefill (`cpu_server_args`). Negative control: the same wave on a server with chunked
+    prefill on is a named EngineError."""
+    from veomni_lite.rl.vllm_engine import EngineError, VLLMEngine, VLLMServer, VLLMSettings
+
+    assert not torch.cuda.is_available()
+    engine = VLLMEngine(VLLMSettings.parse({"url": vllm_server.url}), str(math_demo / "model"), None, None, [1, 2])
+    assert [len(group[0].response_ids) for group in _wave(engine)] == [4] * 48
+    engine.close()
+    chunked = VLLMServer(str(VLLM_PYTHON), str(math_demo / "model"), tmp_path / "chunked.log",
+                         [*SERVER_ARGS, "--enable-chunked-prefill"])  # fmt: skip
+    try:
+        chunked.wait_ready(600, time.monotonic())
+        engine = VLLMEngine(VLLMSettings.parse({"url": chunked.url}), str(math_demo / "model"), None, None, [1, 2])
+        with pytest.raises(EngineError, match="HTTP 500"):
+            _wave(engine)
+        engine.close()
+    finally:
+        chunked.stop()
+    assert "CPU Generator does not use offset" in (tmp_path / "chunked.log").read_text()
 
 
 @pytest.mark.vllm

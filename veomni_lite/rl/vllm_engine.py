@@ -146,6 +146,15 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def cpu_server_args(server_args: Sequence[str]) -> list[str]:
+    """What a server on this machine's CPUs needs (none where CUDA is there): vLLM 0.32's CPU build kills its engine
+    ("CPU Generator does not use offset") when a seeded request's prompt is prefilled in chunks, which a wave of
+    requests longer than its token budget causes, so chunked prefill is off unless `server_args` say otherwise."""
+    if torch.cuda.is_available() or any("chunked-prefill" in arg for arg in server_args):
+        return []
+    return ["--no-enable-chunked-prefill"]
+
+
 class VLLMServer:
     """A vLLM OpenAI-compatible server this process starts on 127.0.0.1 (see the module docstring) and stops."""
 
@@ -159,7 +168,7 @@ class VLLMServer:
         args = [
             "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager",
             "--skip-tokenizer-init", "--generation-config", "vllm", "--logprobs-mode", "processed_logprobs",
-            "--seed", "0", *server_args,
+            "--seed", "0", *cpu_server_args(server_args), *server_args,
         ]  # fmt: skip
         env = {key: value for key, value in os.environ.items() if key not in _TORCHRUN_ENV}
         env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc and /reset_prefix_cache; never reachable off loopback
