@@ -132,7 +132,8 @@ class DataConfig:
     sample, the step trains exactly as unpacked); for the transformers models (SFT, Qwen2-VL digits)."""
     max_tokens_per_micro_batch: int = 0
     """Token budget: each rank splits its share of the step's samples into as few micro-batches as fit this many
-    tokens (packed: their sum; padded: rows x longest), instead of `train.micro_batch_size` samples each; 0: off."""
+    tokens (packed: their sum; padded: rows x longest), instead of `train.micro_batch_size` samples each; 0: off. A
+    longer sample (a preference pair: both sides packed, two rows of the longer padded) gets `overlength`."""
     prefetch_steps: int = -1
     """Steps of micro-batches read, processed and collated ahead on a background thread while the current step trains;
     0: none; -1: 1 on an accelerator (the device computes meanwhile), 0 on a CPU-only machine, where the thread
@@ -142,9 +143,10 @@ class DataConfig:
     `train_path`; format, columns and media_dir default to the keys above; weight 1). An epoch draws round(weight x
     samples) of each source (see `veomni_lite.data.mixture`); `eval_fraction` holds out that share of every source."""
     cache_dir: str = ""
-    """SFT: where the preprocessed samples are kept (memory-mapped Arrow, one directory per fingerprint of everything
-    that changes a sample; later runs and resumes read it); empty: `<train.output_dir>/data_cache`. Every rank must
-    see it (a shared file system); point several runs at one directory to share the work."""
+    """SFT and preference pairs: where the preprocessed samples are kept (memory-mapped Arrow, one directory per
+    fingerprint of everything that changes a sample; later runs and resumes read it; the precomputed preference
+    reference too); empty: `<train.output_dir>/data_cache`. Every rank must see it (a shared file system); point
+    several runs at one directory to share the work."""
     num_workers: int = 0
     """DataLoader worker processes that read, decode and process (images) and collate the training micro-batches
     ahead of the step (pinned memory on an accelerator); 0: in the trainer's process. The batches are the same."""

@@ -45,8 +45,8 @@ def test_reward_model_trains_alike_on_sp2_packed_and_exports_for_sequence_classi
     assert type(loaded).__name__ == "Qwen2ForSequenceClassification" and loaded.config.num_labels == 1
     assert family_of(loaded.config) is REWARD_MODEL
     model = trainer.model.eval()
-    for pair in trainer.train_pairs.pairs[:3]:
-        for ids, _ in (pair.chosen, pair.rejected):
+    for index in range(3):
+        for ids in (trainer.train_pairs.side(index, which)[0].tolist() for which in ("chosen", "rejected")):
             with torch.no_grad():
                 expected = _scores(model, ids)
                 got = loaded(input_ids=torch.tensor([ids])).logits[0, 0]
@@ -58,11 +58,11 @@ def test_reward_model_trains_alike_on_sp2_packed_and_exports_for_sequence_classi
 
     (reward,) = load_rewards([{"name": "rm", "function": "reward_model", "path": str(tmp_path / "export"),
                                "suffix": "<|im_end|>\n"}])  # fmt: skip
-    row, pair = help_pairs(16)[0], trainer.train_pairs.pairs[0]
+    row, pairs = help_pairs(16)[0], trainer.train_pairs
     prompt = trainer.tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], tokenize=False,
                                                    add_generation_prompt=True)  # fmt: skip
     with torch.no_grad():
-        expected = [float(_scores(model, ids)) for ids, _ in (pair.chosen, pair.rejected)]
+        expected = [float(_scores(model, pairs.side(0, which)[0].tolist())) for which in ("chosen", "rejected")]
     got = reward([prompt, prompt], [row["chosen"], row["rejected"]], [None, None], [{}, {}])
     assert got == pytest.approx(expected, rel=1e-4, abs=1e-5)
 
@@ -74,7 +74,7 @@ def test_dpo_export_loads_as_a_causal_lm_with_the_trained_logits(demo, pairs, tm
     trainer = train(pref_args(demo, pairs, tmp_path / "dpo", "--train.max_steps", "2"))
     export(tmp_path / "dpo", tmp_path / "export")
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"))
-    ids = trainer.train_pairs.pairs[0].chosen[0]
+    ids = trainer.train_pairs.side(0, "chosen")[0].tolist()
     with torch.no_grad():
         expected = trainer.model.eval()(input_ids=torch.tensor([ids]), position_ids=torch.arange(len(ids))[None])
         got = loaded(input_ids=torch.tensor([ids])).logits

@@ -16,7 +16,8 @@ directory that is never read (delete leftovers at will). Every rank then checks 
 `data.cache_dir` on a file system every rank shares (the default, beside `train.output_dir`, is).
 
 Read (`open_shards`): pyarrow memory-maps the shards (zero copy: the pages are the kernel's, shared by the ranks of a
-machine and not in any rank's heap). Nothing read runs code: Arrow and JSON only.
+machine and not in any rank's heap); `MappedRows` finds a row by its index over all shards and gives numpy views of
+its columns. Nothing read runs code: Arrow and JSON only.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy
 import torch.distributed as dist
 
 from veomni_lite.data.checks import DataError
@@ -172,3 +174,56 @@ def write_batches(path: Path, schema: Any, batches: Iterable[dict[str, Any]]) ->
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
         for batch in batches:
             writer.write_batch(pa.record_batch(batch, schema=schema))
+
+
+class MappedRows:
+    """The rows of memory-mapped shards (`open_shards`' tables) by their index over all shards. `view(batch)`: zero-copy
+    numpy views of a record batch's columns, `scalars` as they are and each of `lists` as its `values` and its
+    `<name>.offsets` (kept per batch: a few small objects); `list(i, name)`: row i's list, a view of the file."""
+
+    def __init__(self, tables: Sequence[Any], lists: Sequence[str] = (), scalars: Sequence[str] = ()) -> None:
+        self.batches = [batch for table in tables for batch in table.to_batches()]
+        self.starts = numpy.cumsum([0] + [batch.num_rows for batch in self.batches])
+        self.lists, self.scalars = tuple(lists), tuple(scalars)
+        self._views: dict[int, dict[str, numpy.ndarray]] = {}
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """(record batch, row within it) of row `index`."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample {index} of {len(self)}")
+        batch = int(numpy.searchsorted(self.starts, index, side="right")) - 1
+        return batch, index - int(self.starts[batch])
+
+    def view(self, batch: int) -> dict[str, numpy.ndarray]:
+        view = self._views.get(batch)
+        if view is None:
+            record = self.batches[batch]
+            view = {name: record.column(name).to_numpy() for name in self.scalars}
+            for name in self.lists:
+                column = record.column(name)
+                view[name], view[f"{name}.offsets"] = column.values.to_numpy(), column.offsets.to_numpy()
+            self._views[batch] = view
+        return view
+
+    def scalar(self, index: int, name: str) -> Any:
+        batch, local = self.locate(index)
+        return self.view(batch)[name][local]
+
+    def list(self, index: int, name: str) -> numpy.ndarray:
+        batch, local = self.locate(index)
+        view = self.view(batch)
+        offsets = view[f"{name}.offsets"]
+        return view[name][int(offsets[local]) : int(offsets[local + 1])]
+
+    def value(self, index: int, name: str) -> Any:
+        """Row `index`'s `name` as Python (`as_py`: nested or nullable columns)."""
+        batch, local = self.locate(index)
+        return self.batches[batch].column(name)[local].as_py()
+
+    def list_lengths(self, name: str) -> numpy.ndarray:
+        """Every row's length of the list column `name`, from the offsets alone."""
+        parts = [numpy.diff(batch.column(name).offsets.to_numpy()) for batch in self.batches]
+        return numpy.concatenate(parts) if parts else numpy.zeros(0, dtype=numpy.int64)

@@ -13,7 +13,8 @@ Reading: `__getitem__` returns what the collator takes: `input_ids` and `labels`
 pipeline (the prefetch thread or `data.num_workers` worker processes). An image that does not decode then is a
 `DataError` naming the row, which the trainer turns into the same stop on every rank at that step (`_agree`). No
 rank holds the samples in its heap: `length(i)` and every sample are read from the memory-mapped columns. Rows are
-named as everywhere, `row N (0-based)` within the file (`row_name`).
+named as everywhere, `row N (0-based)` within the file (`row_name`). `CachedSamples` is the part the preference pairs
+(`veomni_lite.rl.preference_data`) share: the build through the cache, the memory-mapped rows, their names and images.
 """
 
 from __future__ import annotations
@@ -134,21 +135,50 @@ class RowEncoder:
         # image paths resolve against `media_dir`, else each file's own directory
         self.media_dirs = [Path(media_dir) if media_dir else path.parent for path in self.files]
 
+    def key(self) -> dict[str, Any]:
+        """Everything that changes a sample, the cache's key (`sft_cache.fingerprint`): the files' identity, the
+        format and columns, the tokenizer, template and image processor, the length rule, and this code."""
+        encoder = self.encoder
+        return {
+            "version": sft_cache.CACHE_VERSION,
+            "code": sft_cache.code_hash(),
+            "files": [source.identity() for source in self.sources],
+            "format": self.fmt,
+            "columns": {**DEFAULT_COLUMNS, **self.columns},
+            "media_dirs": [str(d.resolve()) for d in self.media_dirs],
+            "tokenizer": tokenizer_hash(encoder.tokenizer),
+            "chat_template": encoder.template,
+            "image_token": encoder.image_token,
+            "end_of_turn": sorted(encoder.end_of_turn),
+            "train_on_prompt": encoder.train_on_prompt,
+            "image_processor": self.images.settings() if self.images is not None else None,
+            "max_seq_len": self.max_seq_len,
+            "overlength": self.overlength,
+        }
+
+    def schema(self) -> Any:
+        """The cache's columns, in the order `__call__` returns them."""
+        return _schema()
+
+    def measure_images(self, index: int, values: Sequence[Any], where: str) -> tuple[list[dict[str, Any]], list[int]]:
+        """(references, placeholder tokens) of a row's images (of file `index`): from their headers, none decoded."""
+        references: list[dict[str, Any]] = []
+        lengths: list[int] = []
+        if values and self.images is None:
+            raise DataError(f"{where}: the row has images but the model takes none (not a vision-language model)")
+        for value in values:
+            reference = image_reference(value, self.media_dirs[index], where)
+            references.append(reference)
+            lengths.append(self.images.token_count(open_image(reference, where, decode=False)))
+        return references, lengths
+
     def __call__(self, index: int, row_index: int, row: Mapping[str, Any], counts: dict[str, int]) -> tuple | None:
         """The sample of row `row_index` of file `index` as the cache's columns (`_schema`: source, row, length,
         input_ids, labels, images, image_tokens), or None where `overlength: drop` leaves it out; `counts` (rows,
         truncated, dropped, samples) are updated."""
         where = row_name(self.files[index], row_index)
         conversation = to_conversation(row, self.fmt, self.columns, where)
-        references: list[dict[str, Any]] = []
-        lengths: list[int] = []
-        if conversation.images:
-            if self.images is None:
-                raise DataError(f"{where}: the row has images but the model takes none")
-            for value in conversation.images:
-                reference = image_reference(value, self.media_dirs[index], where)
-                references.append(reference)
-                lengths.append(self.images.token_count(open_image(reference, where, decode=False)))
+        references, lengths = self.measure_images(index, conversation.images, where)
         encoded = self.encoder.encode(conversation, lengths, where)
         counts["rows"] += 1
         fitted = self._fit(encoded.input_ids, encoded.labels, lengths, where)
@@ -183,41 +213,29 @@ class RowEncoder:
         return ids[:cut], labels[:cut], kept
 
 
-class SFTDataset:
-    """Indexable samples of `rows`' sources in order (see the module docstring); `stats` says what `overlength` did.
+class CachedSamples:
+    """The samples an encoder writes (`rows`: a `RowEncoder`, or one with its `key()`, `schema()` and call), in order,
+    preprocessed once into the Arrow cache and read memory-mapped (`samples`: `sft_cache.MappedRows` of the columns
+    `LISTS` and `SCALARS`); `stats` says what `overlength` did. `SFTDataset` and the preference pairs
+    (`veomni_lite.rl.preference_data.PairDataset`) are its two kinds.
 
     `cache_dir`: where the cache lives (`data.cache_dir`); None: a private temporary one, removed once mapped (one
     process only). `group`: the process group whose ranks share the preprocessing (None: the default group, if any).
     `found` says whether the cache was there already."""
 
-    def __init__(
-        self, rows: RowEncoder, cache_dir: str | Path | None = None, group: Any = None, what: str = "data.train_path"
-    ) -> None:
+    LISTS: tuple[str, ...] = ()
+    SCALARS: tuple[str, ...] = ("source", "row")
+
+    def __init__(self, rows: Any, cache_dir: str | Path | None = None, group: Any = None, what: str = "") -> None:
         self.rows, self.sources, self.images = rows, rows.sources, rows.images
         self.files, self.media_dirs = rows.files, rows.media_dirs
-        encoder = rows.encoder
-        key = {
-            "version": sft_cache.CACHE_VERSION,
-            "code": sft_cache.code_hash(),
-            "files": [source.identity() for source in self.sources],
-            "format": rows.fmt,
-            "columns": {**DEFAULT_COLUMNS, **rows.columns},
-            "media_dirs": [str(d.resolve()) for d in self.media_dirs],
-            "tokenizer": tokenizer_hash(encoder.tokenizer),
-            "chat_template": encoder.template,
-            "image_token": encoder.image_token,
-            "end_of_turn": sorted(encoder.end_of_turn),
-            "train_on_prompt": encoder.train_on_prompt,
-            "image_processor": self.images.settings() if self.images is not None else None,
-            "max_seq_len": rows.max_seq_len,
-            "overlength": rows.overlength,
-        }
         private = cache_dir is None
         if private and sft_cache.group_size(group) > 1:
             raise DataError(f"{what}: several ranks share the preprocessing through a cache_dir they all see; give one")
         root = Path(tempfile.mkdtemp(prefix="veomni_lite_sft_")) if private else Path(cache_dir)
         try:
-            self.directory, self.found = sft_cache.build(root, key, self._num_rows, self._write_shard, group, what)
+            built = sft_cache.build(root, rows.key(), self._num_rows, self._write_shard, group, what)
+            self.directory, self.found = built
             meta, tables = sft_cache.open_shards(self.directory)
         finally:
             for source in self.sources:
@@ -226,9 +244,7 @@ class SFTDataset:
                 shutil.rmtree(root, ignore_errors=True)  # the mapped files stay readable until unmapped
         counts = meta["counts"]
         self.stats = LengthStats(counts["rows"], counts["truncated"], counts["dropped"])
-        self._batches = [batch for table in tables for batch in table.to_batches()]
-        self._starts = numpy.cumsum([0] + [batch.num_rows for batch in self._batches])
-        self._views: dict[int, dict[str, numpy.ndarray]] = {}
+        self.samples = sft_cache.MappedRows(tables, self.LISTS, self.SCALARS)
         if len(self) == 0:
             raise DataError(f"{', '.join(str(s.path) for s in self.sources)}: no sample left ({self.stats})")
 
@@ -250,11 +266,11 @@ class SFTDataset:
 
     def _write_shard(self, start: int, stop: int, path: Path) -> dict[str, int]:
         counts = {"rows": 0, "truncated": 0, "dropped": 0, "samples": 0}
-        sft_cache.write_batches(path, _schema(), self._encoded_batches(start, stop, counts))
+        sft_cache.write_batches(path, self.rows.schema(), self._encoded_batches(start, stop, counts))
         return counts
 
     def _encoded_batches(self, start: int, stop: int, counts: dict[str, int]) -> Iterator[dict[str, Any]]:
-        names = _schema().names
+        names = self.rows.schema().names
         columns: dict[str, list[Any]] = {name: [] for name in names}
         for index, row_index, row in self._rows(start, stop):
             sample = self.rows(index, row_index, row, counts)
@@ -270,62 +286,57 @@ class SFTDataset:
     # ------------------------------------------------------------------ reading (memory-mapped)
 
     def __len__(self) -> int:
-        return int(self._starts[-1])
+        return len(self.samples)
 
-    def _locate(self, index: int) -> tuple[int, int]:
-        if not 0 <= index < len(self):
-            raise IndexError(f"sample {index} of {len(self)}")
-        batch = int(numpy.searchsorted(self._starts, index, side="right")) - 1
-        return batch, index - int(self._starts[batch])
+    def where(self, index: int) -> str:
+        return row_name(self.files[int(self.samples.scalar(index, "source"))], int(self.samples.scalar(index, "row")))
 
-    def _view(self, batch: int) -> dict[str, numpy.ndarray]:
-        """Zero-copy numpy views of one record batch's columns (cached: a few small objects per batch)."""
-        view = self._views.get(batch)
-        if view is None:
-            record = self._batches[batch]
-            ids, labels = record.column("input_ids"), record.column("labels")
-            view = {
-                "offsets": ids.offsets.to_numpy(),
-                "ids": ids.values.to_numpy(),
-                "labels": labels.values.to_numpy(),
-                "length": record.column("length").to_numpy(),
-                "source": record.column("source").to_numpy(),
-                "row": record.column("row").to_numpy(),
-            }
-            self._views[batch] = view
-        return view
+    def image_references(self, index: int) -> tuple[list[dict[str, Any]], list[int]]:
+        return self.samples.value(index, "images"), self.samples.value(index, "image_tokens")
+
+    def decoded_images(self, index: int) -> dict[str, torch.Tensor]:
+        """Sample `index`'s images decoded and processed (`image_tensors`), {} without any."""
+        references, tokens = self.image_references(index)
+        where = self.where(index) if references else ""
+        return image_tensors(references, tokens, self.images, where, f"the cache {self.directory}", REMEDY)
+
+
+class SFTDataset(CachedSamples):
+    """Indexable samples of `rows`' sources in order (see the module docstring and `CachedSamples`)."""
+
+    LISTS = ("input_ids", "labels")
+    SCALARS = ("source", "row", "length")
+
+    def __init__(
+        self, rows: RowEncoder, cache_dir: str | Path | None = None, group: Any = None, what: str = "data.train_path"
+    ) -> None:
+        super().__init__(rows, cache_dir, group, what)
 
     def length(self, index: int) -> int:
         """Tokens of sample `index` (image placeholders included), without loading its images."""
-        batch, local = self._locate(index)
-        return int(self._view(batch)["length"][local])
-
-    def where(self, index: int) -> str:
-        batch, local = self._locate(index)
-        view = self._view(batch)
-        return row_name(self.files[int(view["source"][local])], int(view["row"][local]))
+        return int(self.samples.scalar(index, "length"))
 
     def tokens(self, index: int) -> tuple[numpy.ndarray, numpy.ndarray]:
         """(input_ids, labels) of sample `index`: int32 views of the memory-mapped cache."""
-        batch, local = self._locate(index)
-        view = self._view(batch)
-        low, high = int(view["offsets"][local]), int(view["offsets"][local + 1])
-        return view["ids"][low:high], view["labels"][low:high]
-
-    def image_references(self, index: int) -> tuple[list[dict[str, Any]], list[int]]:
-        batch, local = self._locate(index)
-        record = self._batches[batch]
-        return record.column("images")[local].as_py(), record.column("image_tokens")[local].as_py()
+        return self.samples.list(index, "input_ids"), self.samples.list(index, "labels")
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         ids, labels = self.tokens(index)
-        references, tokens = self.image_references(index)
-        where = self.where(index) if references else ""
-        origin = f"the cache {self.directory}"
-        return sample_tensors(ids, labels, references, tokens, self.images, where, origin, "; delete that directory")
+        return {**token_tensors(ids, labels), **self.decoded_images(index)}
 
     def trained_tokens(self, index: int) -> int:
         return int((self.tokens(index)[1] != IGNORE_INDEX).sum())
+
+
+REMEDY = "; delete that directory"
+
+
+def token_tensors(ids: numpy.ndarray, labels: numpy.ndarray, labels_key: str = "labels") -> dict[str, torch.Tensor]:
+    """`input_ids` and `labels_key` as int64 tensors (copies: the cache's pages stay read-only)."""
+    return {
+        "input_ids": torch.from_numpy(ids.astype(numpy.int64)),
+        labels_key: torch.from_numpy(labels.astype(numpy.int64)),
+    }
 
 
 def sample_tensors(
@@ -338,19 +349,28 @@ def sample_tensors(
     origin: str,
     remedy: str = "",
 ) -> dict[str, torch.Tensor]:
-    """What the collator takes of a sample: `input_ids` and `labels` (int64) and, for images, the image processor's
-    `pixel_values` and `image_grid_thw`, decoded here; images whose token counts are no longer the `tokens` that
-    `origin` holds (a file changed since) are a DataError naming the row (and `remedy`)."""
-    out = {
-        "input_ids": torch.from_numpy(ids.astype(numpy.int64)),
-        "labels": torch.from_numpy(labels.astype(numpy.int64)),
-    }
-    if references:
-        assert images is not None
-        out.update(images([open_image(reference, where) for reference in references]))
-        if images.token_counts(out["image_grid_thw"]) != tokens:
-            raise DataError(
-                f"{where}: its images now take {images.token_counts(out['image_grid_thw'])} tokens, {origin} has "
-                f"{tokens}: an image file changed since{remedy}"
-            )
+    """What the collator takes of a sample: `input_ids` and `labels` (int64) and its `image_tensors`."""
+    return {**token_tensors(ids, labels), **image_tensors(references, tokens, images, where, origin, remedy)}
+
+
+def image_tensors(
+    references: list[dict[str, Any]],
+    tokens: list[int],
+    images: ImageProcessing | None,
+    where: str,
+    origin: str,
+    remedy: str = "",
+) -> dict[str, torch.Tensor]:
+    """The image processor's `pixel_values` and `image_grid_thw` of `references`, decoded here ({} without any);
+    images whose token counts are no longer the `tokens` that `origin` holds (a file changed since) are a DataError
+    naming the row (and `remedy`)."""
+    if not references:
+        return {}
+    assert images is not None
+    out = images([open_image(reference, where) for reference in references])
+    if images.token_counts(out["image_grid_thw"]) != tokens:
+        raise DataError(
+            f"{where}: its images now take {images.token_counts(out['image_grid_thw'])} tokens, {origin} has "
+            f"{tokens}: an image file changed since{remedy}"
+        )
     return out

@@ -1,4 +1,4 @@
-"""Preference pairs from the user's files (`data.format: preference`), through the SFT data path.
+"""Preference pairs from the user's files (`data.format: preference`), through the SFT data path and its cache.
 
 Rows, in TRL's column layouts (names changeable with `data.columns`: `prompt`, `chosen`, `rejected`, `images`,
 `margin`, and the SFT message keys):
@@ -10,89 +10,57 @@ plus optional `images` (one image set per pair, both sides see it) and, for rewa
 Each side is the prompt then its response, rendered by the chat template (`ChatEncoder`: the model's, or
 `data.chat_template`), its response tokens the head's targets (`pref_labels`; the prompt's own assistant turns do not
 train). Bad rows are a DataError naming the file and the row (0-based): a missing side, identical sides, no shared
-prefix, a side over `data.max_seq_len` (`data.overlength`: truncate the side's end, drop the pair, or error; a
-truncated side keeps at least one response token, else it is an error).
+prefix, a side over `data.max_seq_len`, or a pair over the token budget `data.max_tokens_per_micro_batch` (its cost
+in a micro-batch: packed, the two sides' tokens; padded, two rows of the longer side). `data.overlength` says what
+a long side or pair gets: `truncate` cuts each side's end (a pair over the budget: the longer side first, so that
+the pair fits), `drop` leaves the pair out (counted), `error` refuses it; a truncated side keeps at least one
+response token and all of the pair's image tokens, else it is an error.
 
-Rows are encoded in memory (pair sets are small next to SFT sets), each rank a share (row i of the split by rank
-i mod world) and gathered in file order, so a bad row met by one rank is the same named DataError on every rank.
+Preprocessed once into the SFT Arrow cache (`PairEncoder` with `CachedSamples`: `veomni_lite.data.sft_cache`, in
+`data.cache_dir`): every rank encodes a contiguous share of the rows, the first bad row is the same DataError on
+every rank, and a later run or a resume reads the cache without encoding a row. The key holds everything that
+changes a pair (the files, format and columns, tokenizer, template, image processor, max_seq_len, overlength, the
+token budget, and this code). Per pair the cache holds `source` and `row`, each side's `<side>_ids` and
+`<side>_labels` (int32, unshifted), the image references with their token counts (measured from the headers; the
+pixels are decoded in `__getitem__`, in the input pipeline) and the `margin` (null where the row has none).
+`PairDataset` reads them memory-mapped: no rank holds the pairs in its heap. The reference log-probabilities of
+`pref.precompute_reference` are a second Arrow cache inside the pair cache's directory (`reference/<fingerprint>/`,
+written by `PreferenceTrainer`), which `attach_reference` maps beside the pairs.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy
 import torch
 
+from veomni_lite.data import sft_cache
 from veomni_lite.data.checks import DataError
-from veomni_lite.data.sft import (
-    ChatEncoder,
-    Conversation,
-    Source,
-    Turn,
-    load_image,
-    row_name,
-    to_conversation,
-)
-from veomni_lite.data.sft_dataset import ImageProcessing
-from veomni_lite.distributed.collectives import agree, all_gather_objects
+from veomni_lite.data.sft import ChatEncoder, Conversation, Source, Turn, row_name, to_conversation
+from veomni_lite.data.sft_dataset import REMEDY, CachedSamples, ImageProcessing, RowEncoder, token_tensors
 from veomni_lite.loss_keys import IGNORE_INDEX
 from veomni_lite.rl.preference import PREF_LABELS
 
-__all__ = ["Pair", "PairSet", "encode_pair", "read_pairs"]
+__all__ = ["PairDataset", "PairEncoder", "pair_cost", "to_pair_turns"]
 
 SIDES = ("chosen", "rejected")
 
 
-@dataclass
-class Pair:
-    """One encoded pair: each side's token ids and (unshifted) response targets, the images' model inputs, the
-    reference's per-target log-probabilities once computed, a reward margin, the row's name."""
-
-    chosen: tuple[list[int], list[int]]
-    rejected: tuple[list[int], list[int]]
-    where: str
-    model_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
-    margin: float | None = None
-    ref: tuple[list[float], list[float]] | None = None
-
-    def side(self, which: str) -> dict[str, torch.Tensor]:
-        ids, labels = getattr(self, which)
-        return {"input_ids": torch.tensor(ids), PREF_LABELS: torch.tensor(labels), **self.model_inputs}
-
-    def item(self) -> dict[str, Any]:
-        """What `collate_pairs` takes."""
-        out: dict[str, Any] = {which: self.side(which) for which in SIDES}
-        if self.ref is not None:
-            out["ref_chosen"], out["ref_rejected"] = self.ref
-        if self.margin is not None:
-            out["margin"] = self.margin
-        return out
+def pair_cost(chosen: Any, rejected: Any, packing: bool) -> Any:
+    """A pair's tokens in a micro-batch from its sides' lengths (ints or arrays): packed, both sides; padded, two rows
+    of the longer side."""
+    return chosen + rejected if packing else 2 * numpy.maximum(chosen, rejected)
 
 
-class PairSet:
-    """The pairs of one split, in file order; `length(i)`: pair i's token cost in a micro-batch (the two sides'
-    tokens packed, else two rows of the longer side)."""
-
-    def __init__(self, pairs: Sequence[Pair], packing: bool) -> None:
-        self.pairs, self.packing = list(pairs), packing
-
-    def __len__(self) -> int:
-        return len(self.pairs)
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        return self.pairs[index].item()
-
-    def length(self, index: int) -> int:
-        c, r = (len(getattr(self.pairs[index], which)[0]) for which in SIDES)
-        return c + r if self.packing else 2 * max(c, r)
-
-    @property
-    def stats(self) -> str:
-        tokens = [self.length(i) for i in range(len(self))]
-        return f"{len(self)} pairs, {sum(tokens)} tokens (max {max(tokens, default=0)} per pair)"
+def _side_limit(chosen: int, rejected: int, budget: int, packing: bool) -> int:
+    """The longest a side may be for the pair to cost at most `budget`: packed, the longer side is cut first (the
+    shorter kept whole while it fits half the budget); padded, half the budget."""
+    shorter = min(chosen, rejected)
+    return budget - shorter if packing and shorter <= budget - shorter else budget // 2
 
 
 def _turns(value: Any, role: str, columns: Mapping[str, Any], where: str, what: str) -> list[Turn]:
@@ -141,89 +109,174 @@ def to_pair_turns(row: Mapping[str, Any], columns: Mapping[str, Any], where: str
     return prompt, chosen, rejected, images
 
 
-def _fit(ids: list[int], labels: list[int], max_len: int, overlength: str, where: str, which: str) -> tuple | None:
-    if max_len <= 0 or len(ids) <= max_len:
-        return ids, labels
-    if overlength == "error":
-        raise DataError(f"{where}: the {which} side has {len(ids)} tokens, over data.max_seq_len={max_len} "
-                        "(data.overlength: error)")  # fmt: skip
-    if overlength == "drop":
-        return None
+def _fit(ids: list[int], labels: list[int], max_len: int, image_id: int | None, where: str, which: str,
+         limit: str) -> tuple[list[int], list[int]]:  # fmt: skip
+    """A side cut to `max_len` tokens (`limit` names the rule); it must keep a response token and every image token."""
     if all(label == IGNORE_INDEX for label in labels[:max_len]):
-        raise DataError(f"{where}: the prompt alone fills data.max_seq_len={max_len}; the {which} side has no "
-                        "response token left after truncation")  # fmt: skip
+        raise DataError(f"{where}: the prompt alone fills {limit}; the {which} side has no response token left after "
+                        "truncation")  # fmt: skip
+    if image_id is not None and ids[max_len:].count(image_id):
+        raise DataError(f"{where}: the {which} side's image tokens do not fit in {limit}; a pair's images are never "
+                        "cut")  # fmt: skip
     return ids[:max_len], labels[:max_len]
 
 
-def encode_pair(
-    row: Mapping[str, Any],
-    where: str,
-    encoder: ChatEncoder,
-    images: ImageProcessing | None,
-    columns: Mapping[str, Any],
-    media_dir: Path,
-    max_seq_len: int = 0,
-    overlength: str = "truncate",
-) -> Pair | None:
-    """One row as a `Pair` (None: dropped by `data.overlength: drop`), or a DataError naming `where`."""
-    prompt, chosen, rejected, image_values = to_pair_turns(row, columns, where)
-    model_inputs: dict[str, torch.Tensor] = {}
-    lengths: list[int] = []
-    if image_values:
-        if images is None:
-            raise DataError(f"{where}: the row has images but the model takes none (not a vision-language model)")
-        model_inputs = images([load_image(value, media_dir, where) for value in image_values])
-        lengths = images.token_counts(model_inputs["image_grid_thw"])
-    frozen = [Turn(t.role, t.parts, train=False) for t in prompt]
-    sides = {}
-    for which, response in (("chosen", chosen), ("rejected", rejected)):
-        encoded = encoder.encode(Conversation(frozen + response, list(image_values)), lengths, where)
-        if all(label == IGNORE_INDEX for label in encoded.labels):
-            raise DataError(f"{where}: the {which} response has no token to train on")
-        fitted = _fit(encoded.input_ids, encoded.labels, max_seq_len, overlength, where, which)
+class PairEncoder(RowEncoder):
+    """The rows of `sources` to their pairs (see the module docstring), as the pair cache's columns. `max_tokens`:
+    the token budget a pair must fit (`data.max_tokens_per_micro_batch`, 0: none), costed as `packing` says."""
+
+    def __init__(
+        self,
+        sources: Sequence[Source],
+        encoder: ChatEncoder,
+        columns: Mapping[str, Any],
+        max_seq_len: int = 0,
+        overlength: str = "truncate",
+        media_dir: str | Path = "",
+        images: ImageProcessing | None = None,
+        max_tokens: int = 0,
+        packing: bool = False,
+    ) -> None:
+        super().__init__(sources, encoder, "preference", columns, max_seq_len, overlength, str(media_dir), images)
+        self.max_tokens, self.packing = max_tokens, packing
+
+    def key(self) -> dict[str, Any]:
+        return {
+            **super().key(),
+            "pair_code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+            "max_tokens": self.max_tokens,
+            "packing": self.packing if self.max_tokens else None,  # how a pair is costed against the budget
+        }
+
+    def schema(self) -> Any:
+        import pyarrow as pa
+
+        tokens = pa.large_list(pa.int32())
+        image = pa.struct([("path", pa.string()), ("bytes", pa.large_binary())])
+        return pa.schema(
+            [("source", pa.int32()), ("row", pa.int64()), ("chosen_ids", tokens), ("chosen_labels", tokens),
+             ("rejected_ids", tokens), ("rejected_labels", tokens), ("images", pa.list_(image)),
+             ("image_tokens", pa.list_(pa.int32())), ("margin", pa.float64())]
+        )  # fmt: skip
+
+    def __call__(self, index: int, row_index: int, row: Mapping[str, Any], counts: dict[str, int]) -> tuple | None:
+        """Row `row_index` of file `index` as the cache's columns (`schema`), or None where `data.overlength: drop`
+        leaves it out; `counts` (rows, truncated, dropped, samples) are updated."""
+        where = row_name(self.files[index], row_index)
+        prompt, chosen, rejected, values = to_pair_turns(row, self.columns, where)
+        references, lengths = self.measure_images(index, values, where)
+        frozen = [Turn(t.role, t.parts, train=False) for t in prompt]
+        sides = []
+        for which, response in (("chosen", chosen), ("rejected", rejected)):
+            encoded = self.encoder.encode(Conversation(frozen + response, list(values)), lengths, where)
+            if all(label == IGNORE_INDEX for label in encoded.labels):
+                raise DataError(f"{where}: the {which} response has no token to train on")
+            sides.append((encoded.input_ids, encoded.labels))
+        margin_column = self.columns.get("margin", "margin")
+        margin = row.get(margin_column)
+        if margin is not None and not isinstance(margin, (int, float)):
+            raise DataError(f"{where}: column {margin_column!r} is {margin!r}, not a number")
+        counts["rows"] += 1
+        fitted = self._fit_pair(sides, where)
         if fitted is None:
+            counts["dropped"] += 1
             return None
-        sides[which] = fitted
-    margin_column = columns.get("margin", "margin")
-    margin = row.get(margin_column)
-    if margin is not None and not isinstance(margin, (int, float)):
-        raise DataError(f"{where}: column {margin_column!r} is {margin!r}, not a number")
-    return Pair(sides["chosen"], sides["rejected"], where, model_inputs, None if margin is None else float(margin))
+        counts["truncated"] += fitted != sides
+        counts["samples"] += 1
+        (c_ids, c_labels), (r_ids, r_labels) = fitted
+        margin = None if margin is None else float(margin)
+        return index, row_index, c_ids, c_labels, r_ids, r_labels, references, lengths, margin
+
+    def _fit_pair(self, sides: list[tuple[list[int], list[int]]], where: str) -> list | None:
+        """The sides within `max_seq_len` each and the pair within the token budget, by `overlength` (None:
+        dropped)."""
+        image_id, max_len, sides = self.encoder.image_token_id, self.max_seq_len, list(sides)
+        for number, (which, (ids, labels)) in enumerate(zip(SIDES, sides)):
+            if max_len <= 0 or len(ids) <= max_len:
+                continue
+            if self.overlength == "error":
+                raise DataError(f"{where}: the {which} side has {len(ids)} tokens, over data.max_seq_len={max_len} "
+                                "(data.overlength: error)")  # fmt: skip
+            if self.overlength == "drop":
+                return None
+            sides[number] = _fit(ids, labels, max_len, image_id, where, which, f"data.max_seq_len={max_len}")
+        budget, (chosen, rejected) = self.max_tokens, (len(ids) for ids, _ in sides)
+        cost = int(pair_cost(chosen, rejected, self.packing))
+        if budget <= 0 or cost <= budget:
+            return sides
+        if self.overlength == "error":
+            how = "packed: both sides" if self.packing else "padded: two rows of the longer side"
+            raise DataError(f"{where}: the pair takes {cost} tokens ({how}; chosen {chosen}, rejected {rejected}), "
+                            f"over data.max_tokens_per_micro_batch={budget} (data.overlength: error)")  # fmt: skip
+        if self.overlength == "drop":
+            return None
+        limit = _side_limit(chosen, rejected, budget, self.packing)
+        rule = f"the {limit} tokens a side keeps under data.max_tokens_per_micro_batch={budget}"
+        return [
+            _fit(ids, labels, limit, image_id, where, which, rule) if len(ids) > limit else (ids, labels)
+            for which, (ids, labels) in zip(SIDES, sides)
+        ]
 
 
-def read_pairs(
-    sources: Sequence[Source],
-    encoder: ChatEncoder,
-    images: ImageProcessing | None,
-    columns: Mapping[str, Any],
-    media_dir: str | Path = "",
-    max_seq_len: int = 0,
-    overlength: str = "truncate",
-    packing: bool = False,
-    rank: int = 0,
-    world: int = 1,
-    group: Any = None,
-    what: str = "data.train_path",
-) -> tuple[PairSet, int]:
-    """(every row of `sources` as pairs, in file order; the number dropped by `data.overlength`). Collective over
-    `group` when `world` > 1: each rank encodes its share and a bad row is the same DataError on every rank."""
-    mine: dict[int, Pair | None] = {}
-    problem: DataError | None = None
-    counter = 0
-    try:
-        for source in sources:
-            base = Path(media_dir) if media_dir else source.path.parent
-            for index, row in source.read(0, source.num_rows):
-                if counter % world == rank:
-                    where = row_name(source.path, index)
-                    mine[counter] = encode_pair(row, where, encoder, images, columns, base, max_seq_len, overlength)
-                counter += 1
-    except DataError as exc:
-        problem = exc
-    agree(problem, DataError, group, where=f"{what}: ")
-    merged: dict[int, Pair | None] = {}
-    for part in all_gather_objects(mine, group) if world > 1 else [mine]:
-        merged.update(part)
-    pairs = [merged[i] for i in sorted(merged)]
-    kept = [pair for pair in pairs if pair is not None]
-    return PairSet(kept, packing), len(pairs) - len(kept)
+class PairDataset(CachedSamples):
+    """The pairs of one split, in file order, memory-mapped (see the module docstring); `length(i)`: pair i's token
+    cost in a micro-batch (`pair_cost`); `__getitem__`: what `collate_pairs` takes, with the precomputed reference
+    once `attach_reference` mapped it. `stats` (rows, truncated, dropped) says what `data.overlength` did."""
+
+    LISTS = ("chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels")
+    SCALARS = ("source", "row")
+
+    def __init__(
+        self, rows: PairEncoder, cache_dir: str | Path | None = None, group: Any = None, what: str = "data.train_path"
+    ) -> None:
+        super().__init__(rows, cache_dir, group, what)
+        self.packing = rows.packing
+        self.reference: sft_cache.MappedRows | None = None
+
+    def side(self, index: int, which: str) -> tuple[numpy.ndarray, numpy.ndarray]:
+        """(input_ids, labels) of pair `index`'s side `which`: int32 views of the memory-mapped cache."""
+        return self.samples.list(index, f"{which}_ids"), self.samples.list(index, f"{which}_labels")
+
+    def length(self, index: int) -> int:
+        chosen, rejected = (len(self.samples.list(index, f"{which}_ids")) for which in SIDES)
+        return int(pair_cost(chosen, rejected, self.packing))
+
+    def lengths(self) -> numpy.ndarray:
+        """Every pair's `length`, from the cache's offsets alone."""
+        return pair_cost(*(self.samples.list_lengths(f"{which}_ids") for which in SIDES), self.packing)
+
+    def margin(self, index: int) -> float | None:
+        return self.samples.value(index, "margin")
+
+    def reference_logprobs(self, index: int) -> tuple[numpy.ndarray, numpy.ndarray] | None:
+        """The reference's log-probability of each response target of pair `index`'s sides (float64 views), once
+        attached."""
+        if self.reference is None:
+            return None
+        return self.reference.list(index, "ref_chosen"), self.reference.list(index, "ref_rejected")
+
+    def attach_reference(self, directory: Path) -> None:
+        """Map the precomputed reference (an `sft_cache` directory of `ref_chosen` / `ref_rejected` rows, one per
+        pair, in order)."""
+        _, tables = sft_cache.open_shards(directory)
+        reference = sft_cache.MappedRows(tables, ("ref_chosen", "ref_rejected"))
+        if len(reference) != len(self):
+            raise DataError(f"{directory}: {len(reference)} reference rows for {len(self)} pairs{REMEDY}")
+        self.reference = reference
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        images = self.decoded_images(index)  # once: both sides see them
+        out: dict[str, Any] = {}
+        for which in SIDES:
+            out[which] = {**token_tensors(*self.side(index, which), labels_key=PREF_LABELS), **images}
+        reference = self.reference_logprobs(index)
+        if reference is not None:
+            out["ref_chosen"], out["ref_rejected"] = (torch.from_numpy(values.copy()) for values in reference)
+        margin = self.margin(index)
+        if margin is not None:
+            out["margin"] = margin
+        return out
+
+    def summary(self) -> str:
+        tokens = self.lengths()
+        return f"{len(self)} pairs from {self.stats}, {int(tokens.sum())} tokens (max {int(tokens.max())} per pair)"

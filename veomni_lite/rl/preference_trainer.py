@@ -6,15 +6,16 @@ An `SFTTrainer` whose samples are pairs (`veomni_lite.rl.preference_data`, `data
 `seq-mean-token-sum` over pairs, so `LossStep` + `mean_global_loss` make every step exactly the mean over its pairs on
 all ranks (one loss all-reduce per step). The reference of sigmoid / ipo / hinge is the initial weights
 (`ReferenceWeights`: this rank's shards cloned, or under LoRA the adapters off), run on the same micro-batch before the
-policy's forward, or with `pref.precompute_reference` computed once before training and kept per pair (in
-`<data cache>/reference_<key>.pt`, reused by a later run or a resume). Metrics (TRL's names, pair-weighted over
-micro-batches, ranks and the log window) and `eval/...` the same on `data.eval_path`.
+policy's forward, or with `pref.precompute_reference` computed once before training, each rank a share of the pairs,
+into an Arrow cache inside the pair cache's directory (`<pair cache>/reference/<fingerprint>/`, keyed by the weights
+files and the master dtype; reused by a later run or a resume, read memory-mapped, nothing loaded runs code). The
+pairs themselves are preprocessed once into `data.cache_dir` (`PairDataset`) and read memory-mapped. Metrics (TRL's
+names, pair-weighted over micro-batches, ranks and the log window) and `eval/...` the same on `data.eval_path`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 
+from veomni_lite.data import sft_cache
 from veomni_lite.data.checks import DataError
 from veomni_lite.data.sft import ChatEncoder, read_sources
 from veomni_lite.data.sft_dataset import ImageProcessing
@@ -51,9 +53,9 @@ from veomni_lite.rl.preference import (
     PreferenceLoss,
     collate_pairs,
 )
-from veomni_lite.rl.preference_data import PairSet, read_pairs
+from veomni_lite.rl.preference_data import PairDataset, PairEncoder
 from veomni_lite.rl.reference import ReferenceWeights
-from veomni_lite.trainer.sft import SFTTrainer, _max_seq_len, cache_dir, image_token
+from veomni_lite.trainer.sft import SFTTrainer, cache_dir, image_token
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +76,8 @@ class PreferenceTrainer(SFTTrainer):
 
     def build_datasets(self) -> tuple[Any, Any | None]:
         """The pairs of `data.train_path` and `data.eval_path` (evaluation on when `train.eval_interval` and
-        `train.eval_batches` are set), each rank encoding a share; an input error on any rank is a DataError on
-        every rank, naming the row."""
+        `train.eval_batches` are set) through the cache (`data.cache_dir`), each rank encoding a share on a miss; an
+        input error on any rank is a DataError on every rank, naming the row."""
         problem: Exception | None = None
         try:
             self._read_model_inputs()
@@ -86,7 +88,7 @@ class PreferenceTrainer(SFTTrainer):
         splits = {"data.train_path": data.train_path}
         if data.eval_path and train.eval_interval and train.eval_batches:
             splits["data.eval_path"] = data.eval_path
-        built: dict[str, PairSet] = {}
+        built: dict[str, PairDataset] = {}
         for key, spec in splits.items():
             sources: list = []
             problem = None
@@ -95,12 +97,14 @@ class PreferenceTrainer(SFTTrainer):
             except DataError as exc:
                 problem = exc
             agree(problem, DataError, self.control_group, where=f"{key}: ")
-            pairs, dropped = read_pairs(
-                sources, self.encoder, self.images, data.columns, data.media_dir, _max_seq_len(data), data.overlength,
-                data.packing, self.parallel.rank, self.parallel.world_size, self.control_group, key,
+            rows = PairEncoder(
+                sources, self.encoder, data.columns, data.max_seq_len, data.overlength, data.media_dir, self.images,
+                data.max_tokens_per_micro_batch, data.packing,
             )  # fmt: skip
+            pairs = PairDataset(rows, cache_dir(self.config), self.control_group, key)
             if self.is_main:
-                logger.info("preference data: %s: %s; %d dropped (data.overlength: drop)", key, pairs.stats, dropped)
+                found = "read from" if pairs.found else "preprocessed into"
+                logger.info("preference data: %s: %s (%s %s)", key, pairs.summary(), found, pairs.directory)
             built[key] = pairs
         self.train_pairs, self.eval_pairs = built["data.train_path"], built.get("data.eval_path")
         if len(self.train_pairs) < train.global_batch_size:
@@ -186,62 +190,71 @@ class PreferenceTrainer(SFTTrainer):
 
     # ------------------------------------------------------------------ precomputed reference
 
-    def _reference_file(self, pairs: PairSet, name: str) -> Path:
-        """`<data cache>/reference_<name>_<key>.pt`: the key hashes the pairs' tokens, the model directory's weights
-        files (name, size, mtime) and the master dtype."""
+    def _reference_key(self) -> dict[str, Any]:
+        """What the precomputed reference depends on beyond its pairs (whose cache directory it lives in): the model
+        directory's weights files (name, size, mtime), the master dtype and this code."""
         directory = Path(self.config.model.pretrained_dir)
-        files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in directory.glob("*.safetensors"))
-        digest = hashlib.blake2b(digest_size=12)
-        digest.update(json.dumps([str(directory.resolve()), files, self.config.parallel.master_dtype]).encode())
-        for pair in pairs.pairs:
-            digest.update(json.dumps([pair.chosen, pair.rejected]).encode())
-        return cache_dir(self.config) / f"reference_{name}_{digest.hexdigest()}.pt"
+        weights = sorted(p for pattern in ("*.safetensors", "*.bin") for p in directory.glob(pattern))
+        return {
+            "version": sft_cache.CACHE_VERSION,
+            "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+            "weights": [str(directory.resolve()), [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in weights]],
+            "master_dtype": self.config.parallel.master_dtype,
+        }
+
+    def _precompute(self, pairs: PairDataset, name: str) -> None:
+        """Every pair's reference log-probabilities (collective): read from `<pair cache>/reference/<fingerprint>/`
+        (`sft_cache`, Arrow), else computed now with the initial weights and written there (each rank its share of
+        the rows, published atomically by rank 0), then mapped beside the pairs (`PairDataset.attach_reference`)."""
+        what = f"pref.precompute_reference ({name})"
+        directory, found = sft_cache.build(
+            pairs.directory / "reference", self._reference_key(), lambda: len(pairs),
+            lambda start, stop, path: self._write_reference(pairs, start, stop, path), self.control_group, what,
+        )  # fmt: skip
+        pairs.attach_reference(directory)
+        if self.is_main:
+            logger.info("%s: %d pairs %s %s", what, len(pairs), "read from" if found else "computed into", directory)
 
     @torch.no_grad()
-    def _precompute(self, pairs: PairSet, name: str) -> None:
-        """Every pair's reference log-probabilities (collective): read from the cache file, else computed now with
-        the initial weights, each rank a share of the micro-batches (the SP group together), gathered, and written."""
-        path = self._reference_file(pairs, name)
-        if path.is_file():
-            values = torch.load(path, weights_only=True)
-        else:
-            values = self._compute_reference(pairs)
-            if self.is_main:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                torch.save(values, path.with_suffix(".tmp"))
-                path.with_suffix(".tmp").replace(path)
-        for pair, (chosen, rejected) in zip(pairs.pairs, values):
-            pair.ref = (chosen, rejected)
-        if self.is_main:
-            logger.info("pref.precompute_reference: %d %s pairs from %s", len(values), name, path)
+    def _write_reference(self, pairs: PairDataset, start: int, stop: int, path: Path) -> dict[str, int]:
+        """The reference log-probabilities of pairs [start, stop) (this rank's share of `sft_cache.build`) into the
+        Arrow file `path`, as they are computed. The ranks of an SP group (consecutive ranks: rank = dp_rank x sp_size
+        + sp_rank) run the forwards of their dp share of the pairs together, micro-batch by micro-batch, and every
+        rank runs the same number of forwards (FSDP's collectives); each rank keeps the pairs of its own share."""
+        import pyarrow as pa
 
-    def _compute_reference(self, pairs: PairSet) -> list[tuple[list[float], list[float]]]:
+        count, size = len(pairs), self.config.train.micro_batch_size
+        dp, dp_rank = self.parallel.dp_size, self.parallel.dp_rank
+        low, high = count * dp_rank // dp, count * (dp_rank + 1) // dp
+        assert low <= start <= stop <= high, "an SP group's ranks share its dp share of the rows"
+        chunks = [list(range(i, min(i + size, high))) for i in range(low, high, size)]
+        rounds = max(-(-(count * (r + 1) // dp - count * r // dp) // size) for r in range(dp))
+        written = {"samples": 0}
+        schema = pa.schema([("ref_chosen", pa.large_list(pa.float64())), ("ref_rejected", pa.large_list(pa.float64()))])
+
+        def batches() -> Any:
+            for round_ in range(rounds):
+                members = chunks[round_] if round_ < len(chunks) else [0]  # a rank without pairs left: a forward
+                whole = self.collate([pairs[i] for i in members])
+                batch = self.preforward(self.shard(whole))
+                logp = token_logprobs(self._model_output(batch), batch[PREF_LABELS])[0].double().cpu()
+                if self.parallel.sp_size > 1:
+                    shards = all_gather_objects(logp, self.parallel.sp_group)
+                    logp = torch.cat(shards, dim=1)[:, : whole["input_ids"].shape[1]]
+                mine = [(p, i) for p, i in enumerate(members) if start <= i < stop and round_ < len(chunks)]
+                if mine:
+                    ids, valid = whole[SEQUENCE_IDS], whole[PREF_LABELS] != IGNORE_INDEX
+                    sides = [[logp[(ids == 2 * p + k) & valid].tolist() for p, _ in mine] for k in (0, 1)]
+                    written["samples"] += len(mine)
+                    yield {"ref_chosen": sides[0], "ref_rejected": sides[1]}
+
         was_training = self.model.training
         self.model.eval()
-        size, dp = self.config.train.micro_batch_size, self.parallel.dp_size
-        chunks = [list(range(i, min(i + size, len(pairs)))) for i in range(0, len(pairs), size)]
-        rounds = -(-len(chunks) // dp)
-        found: dict[int, tuple[list[float], list[float]]] = {}
-        for round_ in range(rounds):  # every rank runs the same number of forwards (an SP group's collectives)
-            index = round_ * dp + self.parallel.dp_rank
-            members = chunks[index] if index < len(chunks) else chunks[0]
-            whole = self.collate([pairs[i] for i in members])
-            batch = self.preforward(self.shard(whole))
-            logp = token_logprobs(self._model_output(batch), batch[PREF_LABELS])[0].double().cpu()
-            if self.parallel.sp_size > 1:
-                shards = all_gather_objects(logp, self.parallel.sp_group)
-                logp = torch.cat(shards, dim=1)[:, : whole["input_ids"].shape[1]]
-            if index >= len(chunks) or self.parallel.sp_rank != 0:
-                continue
-            ids, valid = whole[SEQUENCE_IDS], whole[PREF_LABELS] != IGNORE_INDEX
-            for position, pair_index in enumerate(members):
-                sides = [logp[(ids == 2 * position + k) & valid].tolist() for k in (0, 1)]
-                found[pair_index] = (sides[0], sides[1])
-        self.model.train(was_training)
-        merged: dict[int, tuple[list[float], list[float]]] = {}
-        for part in all_gather_objects(found, self.control_group):
-            merged.update(part)
-        return [merged[i] for i in range(len(pairs))]
+        try:
+            sft_cache.write_batches(path, schema, batches())
+        finally:
+            self.model.train(was_training)
+        return written
 
     # ------------------------------------------------------------------ metrics and eval
 
