@@ -170,7 +170,7 @@ def speed(work_dir: Path, model_dir: Path, quick: bool) -> dict[str, Any]:
     from harness import torchrun
 
     out = work_dir / "speed.json"
-    budget, low, high = (6.0, 6, 12) if quick else (60.0, 15, 60)
+    budget, low, high = (8.0, 10, 16) if quick else (60.0, 15, 60)
     args = ["--worker", "speed", "--work-dir", str(work_dir), "--model-dir", str(model_dir), "--budget-s", str(budget),
             "--min-reps", str(low), "--max-reps", str(high), "--out", str(out)]  # fmt: skip
     torchrun(Path(__file__), 1, args, 900)
