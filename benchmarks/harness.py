@@ -1,4 +1,5 @@
-"""Shared bench machinery: counting collectives and host reads, interleaved timing, the tiny VLM's data, peak RSS.
+"""Shared bench machinery: counting collectives and host reads, interleaved timing, the tiny VLM's data, the
+arithmetic demo's data with a Qwen2 of a given size, model bytes, peak RSS.
 
 - `OpCounter.active()` patches the `torch.distributed` collectives and the `torch.Tensor` host-read methods and counts
   every call; only the untimed counting round runs under it, so timed steps run unpatched.
@@ -134,6 +135,30 @@ def make_steps(
         dataset, collate, micro_batch_size * dp_size * grad_accum, micro_batch_size, dp_size=dp_size, dp_rank=dp_rank
     )
     return [[slice_micro_batch(mb, sp_rank, sp_size) for mb in loader.next_step()] for _ in range(num_steps)]
+
+
+def math_model(work_dir: Path, model: dict[str, int]) -> Path:
+    """The arithmetic demo's files (`examples.rl_math`: 512 RL prompts, under `work_dir/data`) and a Qwen2 directory
+    of `model`'s size with their tokenizer, randomly initialized (both kept where they exist)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+
+    from examples.rl_math import write_demo
+
+    data = write_demo(work_dir / "data", sft_rows=16, rl_rows=512, eval_rows=16)
+    directory = work_dir / f"qwen2_{model['hidden_size']}x{model['num_hidden_layers']}"
+    if not (directory / "config.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(str(data / "models/qwen2_math"))
+        config = Qwen2Config(vocab_size=len(tokenizer), num_key_value_heads=4, max_position_embeddings=512, **model)
+        config.eos_token_id, config.pad_token_id, config.tie_word_embeddings = tokenizer.eos_token_id, 0, False
+        AutoModelForCausalLM.from_config(config).save_pretrained(str(directory))
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            (directory / name).write_bytes((data / "models/qwen2_math" / name).read_bytes())
+    return directory
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    """The whole model's parameter bytes (a sharded DTensor counts whole), frozen ones included."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def reset_peak_rss() -> None:

@@ -27,27 +27,10 @@ LORA = "{rank: 8, alpha: 16}"
 TARGET_REFERENCE_SHARE = 0.55  # the reference per rank over a whole copy, at most, on 2 ranks
 
 
-def write_model(work_dir: Path, model: dict[str, int]) -> Path:
-    """The arithmetic prompts and a Qwen2 directory of `model`'s size with their tokenizer (kept where they exist)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
-
-    from examples.rl_math import write_demo
-
-    data = write_demo(work_dir / "data", sft_rows=16, rl_rows=512, eval_rows=16)
-    directory = work_dir / f"qwen2_{model['hidden_size']}x{model['num_hidden_layers']}"
-    if not (directory / "config.json").is_file():
-        tokenizer = AutoTokenizer.from_pretrained(str(data / "models/qwen2_math"))
-        config = Qwen2Config(vocab_size=len(tokenizer), num_key_value_heads=4, max_position_embeddings=512, **model)
-        config.eos_token_id, config.pad_token_id, config.tie_word_embeddings = tokenizer.eos_token_id, 0, False
-        AutoModelForCausalLM.from_config(config).save_pretrained(str(directory))
-        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-            (directory / name).write_bytes((data / "models/qwen2_math" / name).read_bytes())
-    return directory
-
-
 def _worker(work_dir: Path, model_dir: Path, variant: str, batches: int, out: Path, vllm_url: str = "") -> None:
     """One variant's rollout batches through `RLTrainer` (`rl_vllm.py` runs the vllm-* ones on its server's URL)."""
     import torch.distributed as dist
+    from harness import model_bytes
 
     from veomni_lite.config import load_config
     from veomni_lite.rl.config import RLConfig
@@ -82,9 +65,7 @@ def _worker(work_dir: Path, model_dir: Path, variant: str, batches: int, out: Pa
             generate += trainer._generate_s
             trainer.train_step(micro_batches)
         rows.append({"seconds": time.perf_counter() - start, "generate_s": generate})
-    whole = sum(p.numel() * p.element_size() for p in trainer.model.parameters() if p.requires_grad)
-    if variant == "lora":
-        whole = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    whole = model_bytes(trainer.model)
     mine = {"batches": rows[1:], "reference_bytes": trainer.reference.bytes}
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
@@ -96,11 +77,11 @@ def _worker(work_dir: Path, model_dir: Path, variant: str, batches: int, out: Pa
 
 def block(work_dir: Path, quick: bool) -> dict[str, Any]:
     """Per variant: the median rollout-batch seconds, the share generating, the reference's MiB per rank."""
-    from harness import prose, torchrun
+    from harness import math_model, prose, torchrun
 
     model, batches = (QUICK_MODEL, 2) if quick else (MODEL, 4)
     work_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = write_model(work_dir, model)
+    model_dir = math_model(work_dir, model)
     variants = {}
     for variant in ("full", "lora"):
         out = work_dir / f"{variant}.json"

@@ -216,14 +216,13 @@ def measure_async(work_dir: Path, quick: bool) -> dict[str, Any]:
     the machine has 2 or more), as an engine on its own devices would be."""
     import os
 
-    from harness import torchrun
+    from harness import math_model, torchrun
     from rl_step import MODEL, QUICK_MODEL
-    from rl_step import write_model as write_rl_model
 
     from veomni_lite.rl.vllm_engine import VLLMServer
 
     batches = 3 if quick else 6
-    model_dir = write_rl_model(work_dir / "async", QUICK_MODEL if quick else MODEL)
+    model_dir = math_model(work_dir / "async", QUICK_MODEL if quick else MODEL)
     cores = sorted(os.sched_getaffinity(0))
     pinned = len(cores) > 1
     saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")

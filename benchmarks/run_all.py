@@ -4,11 +4,11 @@ Blocks, in order: the whole step against the peers' loss-normalization schemes a
 (`bench_worker.py`, `trainer_costs.py`), packing against padding (`packing.py`), the fused LM head (`lm_head.py`),
 SFT data start-up (`data_startup.py`), LoRA against full fine-tuning (`lora.py`), RL rollout generation against
 transformers' own sampling (`rl_generation.py`), an RL step's generation share and reference memory (`rl_step.py`),
-rollouts on vLLM and its weight sync (`rl_vllm.py`, "not run" without `.venv-vllm`). Each block's module has
-`block(work_dir, quick) -> dict` in the
-shape `report.py` reads. `--quick` (`make bench QUICK=1`, under 5 minutes on 2 cores) runs the small size of every
-block; the full mode the large ones. Raw results go to
-`benchmarks/results/<mode>/results.json` (ignored by git); the page to `--out-dir` (default docs/).
+a DPO step against an SFT step and the DPO reference's memory per rank (`preference.py`), rollouts on vLLM and its
+weight sync (`rl_vllm.py`, "not run" without `.venv-vllm`). Each block's module has `block(work_dir, quick) -> dict`
+in the shape `report.py` reads. `--quick` (`make bench QUICK=1`, under 5 minutes on 2 cores) runs the small size of
+every block; the full mode the large ones. Raw results go to `benchmarks/results/<mode>/results.json` (ignored by
+git); the page to `--out-dir` (default docs/).
 `--report-only` rebuilds the page from that JSON.
 """
 
@@ -31,7 +31,17 @@ from report import write_report
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
-BLOCKS = ("bench_worker", "packing", "lm_head", "data_startup", "lora", "rl_generation", "rl_step", "rl_vllm")
+BLOCKS = (
+    "bench_worker",
+    "packing",
+    "lm_head",
+    "data_startup",
+    "lora",
+    "rl_generation",
+    "rl_step",
+    "preference",
+    "rl_vllm",
+)
 
 
 def load() -> str:

@@ -19,7 +19,10 @@ A LoRA run (`model.lora`; OUTPUT_DIR/model_config/adapter_config.json) exports a
 (PEFT's names, float32 unless `--dtype` says otherwise), which `peft.PeftModel.from_pretrained(base model, EXPORT_DIR)`
 loads; only the adapters are read and allocated. `--merge` writes a full model directory instead, as for a run
 without LoRA: the base directory's weights with the adapters merged in (W + alpha / rank B A), in its dtype unless
-`--dtype` says otherwise.
+`--dtype` says otherwise. A LoRA reward model (`pref.loss: bradley_terry`) trains its new score head whole: the
+adapter directory holds it too (`task_type` SEQ_CLS, `modules_to_save` [score]: `PeftModel.from_pretrained` on
+`AutoModelForSequenceClassification.from_pretrained(base, num_labels=1)`), and `--merge` writes a directory that
+`AutoModelForSequenceClassification` loads with the trained rewards.
 """
 
 from __future__ import annotations
@@ -39,8 +42,9 @@ from veomni_lite.models.lora import (
     lora_modules,
     merge_lora,
     read_adapter_config,
+    whole_modules,
 )
-from veomni_lite.models.pretrained import load_config, load_model
+from veomni_lite.models.pretrained import hf_child, load_config
 from veomni_lite.models.registry import dtype_of, family_of
 from veomni_lite.trainer.base import MODEL_CONFIG_DIR
 from veomni_lite.trainer.checkpoint import CheckpointManager
@@ -95,10 +99,13 @@ def _export_adapters(output_dir: Path, export_dir: Path, adapter: dict, dtype: s
 
     checkpoints = CheckpointManager(output_dir / "checkpoints", trainable_only=True)
     base = Path(adapter["base_model_name_or_path"])
+    config = load_config(output_dir / MODEL_CONFIG_DIR)
     if merge:
         if not (base / "config.json").is_file():
             raise FileNotFoundError(f"--merge: the run's base model directory {base} (model.pretrained_dir) is gone")
-        model = load_model(base)  # float32 whatever the files store: the merge is computed in float32
+        # the run's family (a reward model's new score head is in the checkpoint), float32 whatever the files store:
+        # the merge is computed in float32
+        model = family_of(config).load(base)
         apply_peft_config(model, adapter)
         step = checkpoints.load_model_weights(model)
         merge_lora(model)
@@ -106,13 +113,14 @@ def _export_adapters(output_dir: Path, export_dir: Path, adapter: dict, dtype: s
         export_dir.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(export_dir)
         return step
-    config = load_config(output_dir / MODEL_CONFIG_DIR)
-    with torch.device("meta"):  # only the adapters are allocated and read
+    with torch.device("meta"):  # only the adapters (and the modules that train whole) are allocated and read
         model = family_of(config).build(config)
     apply_peft_config(model, adapter)
     for _, module in lora_modules(model):
         module.lora_A.to_empty(device="cpu")
         module.lora_B.to_empty(device="cpu")
+    for path in whole_modules(model):
+        hf_child(model)[1].get_submodule(path).to_empty(device="cpu")
     step = checkpoints.load_model_weights(model)
     export_dir.mkdir(parents=True, exist_ok=True)
     weights = adapter_state(model, None if dtype == "auto" else EXPORT_DTYPES[dtype])

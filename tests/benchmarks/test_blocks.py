@@ -94,3 +94,36 @@ def test_step_targets_are_paired_ratios(monkeypatch: pytest.MonkeyPatch, tmp_pat
     assert block["whole step (b)/(c), world 2, SP 1, GA 8"]["values"] == [1.0, 2.0]
     assert block["trainer step / bare FSDP2 loop, world 2, GA 8"]["values"] == [1.2, 0.9]
     assert not any("GA 1" in name for name in block)  # GA 1 of the trainer is shown, not a target
+
+
+def test_preference_targets_are_paired_ratios_to_sft(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import preference
+
+    timed = {
+        "seconds": {"sft": [1.0, 2.0, 1.0], "live": [1.5, 2.0, 1.2], "precomputed": [1.0, 2.5, 1.1]},
+        "positions": {"sft": [100, 100, 100], "live": [90, 120, 100], "precomputed": [100, 100, 99]},
+        "reference_pass_s": 0.5,
+    }
+    mib = 2**20
+    memory = {
+        "live": {"whole_bytes": 8 * mib, "lora_whole_bytes": 9 * mib,
+                 "ranks": [{"peak_rss_mib": 500.0, "reference_bytes": 4 * mib, "lora_reference_bytes": 0},
+                           {"peak_rss_mib": 502.0, "reference_bytes": 4 * mib + 8, "lora_reference_bytes": 0}]},
+        "precomputed": {"whole_bytes": 8 * mib,
+                        "ranks": [{"peak_rss_mib": 496.0, "reference_bytes": 0},
+                                  {"peak_rss_mib": 497.5, "reference_bytes": 0}]},
+    }  # fmt: skip
+    monkeypatch.setattr(preference, "write_inputs", lambda work, model: (tmp_path, tmp_path, tmp_path))
+    monkeypatch.setattr(preference, "speed", lambda work, model_dir, quick: timed)
+    monkeypatch.setattr(preference, "memory", lambda work, model_dir, quick: memory)
+    block = preference.block(tmp_path, quick=True)
+    targets = by_name(block)
+    # each DPO step's positions/s over the SFT step of the same repetition
+    assert targets["DPO precomputed reference / SFT positions/s"]["values"] == pytest.approx([1.0, 0.8, 0.9])
+    assert targets["DPO precomputed reference / SFT positions/s"]["bound"] == 0.90
+    assert targets["live reference / whole model per rank (2 ranks)"]["values"] == [(4 * mib + 8) / (8 * mib)]
+    assert targets["live reference bytes per rank under LoRA"]["values"] == [0]
+    speed, mem = (table["rows"] for table in block["tables"])
+    assert speed[1][2] == pytest.approx(100 / 1.2 / 100)  # live: the median of 60/100, 60/50, 83.3/100
+    assert speed[2][5] == 0.5 and speed[0][5] is None
+    assert mem[0][4] == 502.0 and mem[0][5] == "+4.0 / +4.5" and mem[1][4] == 497.5

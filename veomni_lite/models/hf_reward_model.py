@@ -5,6 +5,11 @@ position's last hidden state (the preference trainer reads each side's score at 
 holds it; transformers' own forward pools at the last non-padding token, which is the same value). A causal LM
 directory loads with a new, seeded score head; `save_pretrained` writes what `AutoModelForSequenceClassification`
 loads (its config names `...ForSequenceClassification`, `num_labels` 1 and a `pad_token_id`).
+
+Under `model.lora` the score head trains whole beside the adapters, as PEFT's `modules_to_save` of a SEQ_CLS task
+(`lora_modules_to_save`, read by `veomni_lite.models.lora`): it is new, so a frozen one would leave the rewards a
+fixed random projection of the hidden states. Checkpoints keep it with the adapters; the export writes it into the
+PEFT adapter directory (`base_model.model.score.weight`) or, with `--merge`, into the merged model directory.
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ def _named(model: Any) -> Any:
 
 class HFRewardModel(HFCausalLM):
     """`AutoModelForSequenceClassification` with one label (see the module docstring)."""
+
+    lora_modules_to_save = ("score",)
+    peft_task_type = "SEQ_CLS"
 
     @classmethod
     def from_config(cls, config: Any, dtype: torch.dtype = torch.float32) -> HFRewardModel:

@@ -19,9 +19,17 @@ name as a component: `visual.*.qkv`). An entry that matches no Linear layer is a
 `model.lora.target_modules` (`check_directory` runs the match on the directory's model built on the meta device,
 before any process group starts).
 
+Modules that train whole (PEFT's `modules_to_save`): a wrapper's `lora_modules_to_save`, paths inside its
+transformers model (`whole_modules`): a reward model's new score head (`HFRewardModel`: `score`), which the base
+directory does not hold, so freezing it would leave the reward untrainable. They keep `requires_grad`, no adapter is
+put on them (`all-linear` leaves them out; an entry naming one is a `LoraError`), and they are saved with the
+adapters (checkpoints keep the parameters that train; `adapter_state` writes them under PEFT's names).
+
 PEFT's format: `adapter_state(model)` gives `adapter_model.safetensors`' tensors (`base_model.model.<path>.lora_A
-.weight`), `peft_config(...)` its `adapter_config.json`; `peft_targets` re-resolves the saved `target_modules` as PEFT
-does. `merge_lora(model)` folds W + (alpha / rank) B A into the base weights and puts plain Linears back.
+.weight`, a whole-trained module's `base_model.model.<path>.weight`), `peft_config(...)` its `adapter_config.json`
+(`task_type` the wrapper's `peft_task_type`: CAUSAL_LM, or SEQ_CLS for a reward model, with its `modules_to_save`);
+`peft_targets` re-resolves the saved `target_modules` as PEFT does. `merge_lora(model)` folds W + (alpha / rank) B A
+into the base weights and puts plain Linears back.
 """
 
 from __future__ import annotations
@@ -137,14 +145,25 @@ def _matches(path: str, entry: str) -> bool:
     return fnmatch.fnmatchcase(path, entry) or fnmatch.fnmatchcase(path, f"*.{entry}")
 
 
-def resolve_targets(hf_model: nn.Module, entries: tuple[str, ...]) -> list[str]:
+def _inside(path: str, roots: tuple[str, ...]) -> bool:
+    return any(path == root or path.startswith(f"{root}.") for root in roots)
+
+
+def whole_modules(model: nn.Module) -> tuple[str, ...]:
+    """The paths (inside the transformers model) of the modules that train whole under LoRA (module docstring)."""
+    return tuple(getattr(model, "lora_modules_to_save", ()))
+
+
+def resolve_targets(hf_model: nn.Module, entries: tuple[str, ...], whole: tuple[str, ...] = ()) -> list[str]:
     """The paths (inside `hf_model`) of the Linear layers `entries` target (see the module docstring), in module
-    order; a LoraError naming `model.lora.target_modules` for an entry that matches none."""
+    order, none inside the `whole` modules; a LoraError naming `model.lora.target_modules` for an entry that matches
+    none, or only a module that trains whole."""
     tower = _tower_path(hf_model)
     tower_name = tower.rsplit(".", 1)[-1] if tower else None
     output = hf_model.get_output_embeddings()
     modules = [(path, module) for path, module in hf_model.named_modules() if path]
     linears = [(p, m) for p, m in modules if isinstance(m, nn.Linear) and not isinstance(m, LoraLinear)]
+    kept = [(p, m) for p, m in linears if not _inside(p, whole)]
     chosen: set[str] = set()
     for entry in entries:
         names_tower = tower_name is not None and tower_name in entry.split(".")
@@ -154,11 +173,16 @@ def resolve_targets(hf_model: nn.Module, entries: tuple[str, ...]) -> list[str]:
             return entry_names_tower or not in_tower
 
         if entry == ALL_LINEAR:
-            found = {p for p, m in linears if m is not output and allowed(p, False)}
+            found = {p for p, m in kept if m is not output and allowed(p, False)}
         else:
-            found = {p for p, _ in linears if _matches(p, entry) and allowed(p)}
+            found = {p for p, _ in kept if _matches(p, entry) and allowed(p)}
+        if not found and (named := sorted(p for p, _ in linears if _matches(p, entry) and _inside(p, whole))):
+            raise LoraError(
+                f"{KEY}.target_modules: {entry!r} names {named}, which train whole under LoRA (a new head of "
+                f"{type(hf_model).__name__}, as PEFT's modules_to_save), not through adapters; name other layers"
+            )
         if not found:
-            raise LoraError(_no_match(hf_model, entry, modules, linears, tower, allowed))
+            raise LoraError(_no_match(hf_model, entry, modules, kept, tower, allowed))
         chosen |= found
     return [path for path, _ in linears if path in chosen]
 
@@ -176,11 +200,14 @@ def _no_match(hf_model: nn.Module, entry: str, modules: list, linears: list, tow
 
 
 def apply_lora(model: nn.Module, settings: LoraSettings, seed: int) -> list[str]:
-    """Freeze `model` and put adapters on its targets (module docstring); returns their paths inside the
-    transformers model. Off the meta device the adapters are initialized here (`init_adapters`)."""
+    """Freeze `model` but its `whole_modules` and put adapters on its targets (module docstring); returns their paths
+    inside the transformers model. Off the meta device the adapters are initialized here (`init_adapters`)."""
     _, hf_model = hf_child(model)
-    targets = resolve_targets(hf_model, settings.target_modules)
+    whole = whole_modules(model)
+    targets = resolve_targets(hf_model, settings.target_modules, whole)
     model.requires_grad_(False)
+    for path in whole:
+        hf_model.get_submodule(path).requires_grad_(True)
     for path in targets:
         parent_path, _, name = path.rpartition(".")
         parent = hf_model.get_submodule(parent_path)
@@ -226,12 +253,20 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def adapter_state(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The adapters under PEFT's names (`base_model.model.<path>.lora_A.weight`), whole, contiguous, on the CPU."""
-    state = {}
+    """The adapters under PEFT's names (`base_model.model.<path>.lora_A.weight`) and the modules that train whole
+    (`base_model.model.<path>.<name>`, PEFT's names for `modules_to_save`), whole, contiguous, on the CPU."""
+    _, hf_model = hf_child(model)
+    tensors = {}
     for path, module in lora_modules(model):
         for adapter in ADAPTERS:
-            value = _full(getattr(module, adapter).weight).cpu()
-            state[f"{PEFT_PREFIX}{path}.{adapter}.weight"] = value.to(dtype or value.dtype).contiguous()
+            tensors[f"{path}.{adapter}.weight"] = getattr(module, adapter).weight
+    for path in whole_modules(model):
+        for name, param in hf_model.get_submodule(path).named_parameters():
+            tensors[f"{path}.{name}"] = param
+    state = {}
+    for name, tensor in tensors.items():
+        value = _full(tensor).cpu()
+        state[f"{PEFT_PREFIX}{name}"] = value.to(dtype or value.dtype).contiguous()
     return state
 
 
@@ -239,21 +274,34 @@ def _peft_matches(path: str, names: list[str]) -> bool:
     return any(path == name or path.endswith(f".{name}") for name in names)
 
 
-def peft_targets(hf_model: nn.Module, names: list[str]) -> list[str]:
-    """The Linear layers PEFT adapts for an adapter_config.json's `target_modules` list."""
-    return [p for p, m in hf_model.named_modules() if isinstance(m, nn.Linear) and _peft_matches(p, names)]
+def peft_targets(hf_model: nn.Module, names: list[str], whole: tuple[str, ...] = ()) -> list[str]:
+    """The Linear layers PEFT adapts for an adapter_config.json's `target_modules` list (never inside one of its
+    `modules_to_save`, `whole`)."""
+    return [
+        p
+        for p, m in hf_model.named_modules()
+        if isinstance(m, nn.Linear) and _peft_matches(p, names) and not _inside(p, whole)
+    ]
 
 
-def peft_config(settings: LoraSettings, hf_model: nn.Module, targets: list[str], base: str | Path) -> dict[str, Any]:
-    """`adapter_config.json` of these adapters on the model of the directory `base`. `target_modules` is the
-    layers' short names where PEFT's own rule resolves them to exactly `targets` (it has no notion of a vision
-    tower or an output head), else their full paths."""
+def peft_config(
+    settings: LoraSettings,
+    hf_model: nn.Module,
+    targets: list[str],
+    base: str | Path,
+    task_type: str = "CAUSAL_LM",
+    whole: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """`adapter_config.json` of these adapters on the model of the directory `base` (PEFT's `task_type`; `whole`: the
+    modules that train whole, its `modules_to_save`). `target_modules` is the layers' short names where PEFT's own
+    rule resolves them to exactly `targets` (it has no notion of a vision tower or an output head), else their full
+    paths."""
     short = sorted({path.rsplit(".", 1)[-1] for path in targets})
-    every = [path for path, _ in hf_model.named_modules() if path]
+    every = [path for path, _ in hf_model.named_modules() if path and not _inside(path, whole)]
     names = short if {p for p in every if _peft_matches(p, short)} == set(targets) else list(targets)
     return {
         "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
+        "task_type": task_type,
         "base_model_name_or_path": str(Path(base).resolve()),
         "r": settings.rank,
         "lora_alpha": settings.alpha,
@@ -265,7 +313,7 @@ def peft_config(settings: LoraSettings, hf_model: nn.Module, targets: list[str],
         "inference_mode": True,
         "use_rslora": False,
         "use_dora": False,
-        "modules_to_save": None,
+        "modules_to_save": list(whole) or None,
     }
 
 
@@ -278,7 +326,9 @@ def write_adapter_config(
     if settings is None:
         path.unlink(missing_ok=True)
         return
-    config = peft_config(settings, hf_child(model)[1], [p for p, _ in lora_modules(model)], base)
+    task_type = getattr(model, "peft_task_type", "CAUSAL_LM")
+    targets = [p for p, _ in lora_modules(model)]
+    config = peft_config(settings, hf_child(model)[1], targets, base, task_type, whole_modules(model))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(config, indent=2) + "\n")
 
@@ -296,7 +346,7 @@ def settings_of_peft_config(config: Mapping[str, Any]) -> LoraSettings:
 def apply_peft_config(model: nn.Module, config: Mapping[str, Any]) -> list[str]:
     """Adapters (freshly initialized) on the layers an `adapter_config.json` names, as PEFT would place them."""
     _, hf_model = hf_child(model)
-    targets = peft_targets(hf_model, list(config["target_modules"]))
+    targets = peft_targets(hf_model, list(config["target_modules"]), whole_modules(model))
     settings = settings_of_peft_config(config)
     return apply_lora(model, LoraSettings(settings.rank, settings.alpha, settings.dropout, tuple(targets)), seed=0)
 

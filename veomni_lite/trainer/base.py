@@ -54,7 +54,14 @@ from veomni_lite.distributed.sequence_parallel import slice_micro_batch
 from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS, loss_weights_key, name_of_loss
 from veomni_lite.metrics import MetricLogger
 from veomni_lite.metrics.accumulator import MetricSpec
-from veomni_lite.models.lora import LoraError, LoraSettings, apply_lora, init_adapters, write_adapter_config
+from veomni_lite.models.lora import (
+    LoraError,
+    LoraSettings,
+    apply_lora,
+    init_adapters,
+    whole_modules,
+    write_adapter_config,
+)
 from veomni_lite.models.pretrained import load_model
 from veomni_lite.models.registry import DTYPES, family_of
 from veomni_lite.models.sharded_load import (
@@ -291,11 +298,13 @@ class BaseTrainer(ABC):
         if self.is_main:
             trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
             total = sum(p.numel() for p in model.parameters())
+            whole = whole_modules(model)
             logger.info(
-                "model.lora: rank %d adapters on %d layers (%s); %d of %d parameters train (%.3g%%)",
+                "model.lora: rank %d adapters on %d layers (%s)%s; %d of %d parameters train (%.3g%%)",
                 self.lora.rank,
                 len(targets),
                 ", ".join(sorted({path.rsplit(".", 1)[-1] for path in targets})),
+                f", {', '.join(whole)} trained whole" if whole else "",
                 trained,
                 total,
                 100 * trained / total,
