@@ -112,7 +112,7 @@ FIGURES: dict[str, Figure] = {
         "DPO (beta 0.5, RPO alpha 1) on arithmetic pairs, the worked solution against the same off by one, from a "
         "short SFT warm start, which it runs first; 0 at step 1 by TRL's strict definition, every margin 0 there",
         clean=("outputs/rl_math", "outputs/rl_math_sft", "outputs/rl_math_sft_hf", "outputs/dpo_math_run_hf"),
-        images={"rewards.png": "docs/dpo_rewards.png"},
+        images={"accuracy_curve.png": "docs/dpo_accuracy_curve.png"},
         quote="greedy_accuracy.json",
     ),
     "train-dpo-plain": Figure(
@@ -129,7 +129,7 @@ FIGURES: dict[str, Figure] = {
         "outputs/rm_math_run",
         "eval/rewards/accuracy",
         "a Bradley-Terry reward model on the same pairs, its score head new on the warm start make train-dpo built",
-        images={"rewards.png": "docs/rm_rewards.png"},
+        images={"accuracy_curve.png": "docs/rm_accuracy_curve.png"},
         after="train-dpo",
     ),
     "train-lora-untrained": Figure(

@@ -264,9 +264,9 @@ class PreferenceTrainer(SFTTrainer):
 
     @property
     def plots(self) -> dict[str, list[str]]:  # type: ignore[override]
-        """`rewards.png`: the pair accuracy, trained and held out, beside loss_curve.png."""
+        """`accuracy_curve.png`: the pair accuracy, trained and held out, beside loss_curve.png."""
         accuracy = self.metric_names[3]
-        return {"rewards.png": [accuracy, f"eval/{accuracy}"]}
+        return {"accuracy_curve.png": [accuracy, f"eval/{accuracy}"]}
 
     def metric_specs(self) -> list[MetricSpec]:
         return [MetricSpec(name, "mean") for name in self.metric_names]
