@@ -153,7 +153,8 @@ def test_a_lora_reward_model_trains_its_score_head_resumes_and_exports_the_train
 
     lora = ("--model.lora", LORA_YAML)
     trainer = PreferenceTrainer(config(pref_args(demo, pairs, tmp_path / "run", *RM, *lora)))
-    sequences = [ids for pair in trainer.train_pairs.pairs[:3] for ids, _ in (pair.chosen, pair.rejected)]
+    train_pairs = trainer.train_pairs
+    sequences = [train_pairs.side(i, which)[0].tolist() for i in range(3) for which in ("chosen", "rejected")]
     before, initial = _full_parameters(trainer.model), _rewards(trainer.model, sequences)
     trainer.model.train()
     train_built(trainer)
