@@ -23,10 +23,13 @@ plus the weight sync and the rewards). The quick mode measures the first size's 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -87,37 +90,63 @@ def _timed_generate(engine: Any, requests: list[Any], settings: Any, reps: int) 
     return statistics.median(seconds), sum(len(r.response_ids) for group in out for r in group)
 
 
+def _logprobs(model: Any, ids: list[int]) -> list[float]:
+    """A plain forward's log-probability of each of `ids` after the first: the probe's reference."""
+    with torch.no_grad():
+        logp = model(torch.tensor([ids])).logits[0].double().log_softmax(-1)
+    return [logp[t - 1, ids[t]].item() for t in range(1, len(ids))]
+
+
+@contextlib.contextmanager
+def _serving(model_dir: Path, log: Path, args: list[str], env: dict[str, str] | None = None) -> Iterator[Any]:
+    """A `VLLMServer` of `model_dir` (float32 plus `args`; `env` set while it starts), ready; stopped on exit."""
+    from veomni_lite.rl.vllm_engine import VLLMServer
+
+    saved = {key: os.environ.get(key) for key in env or {}}
+    os.environ.update(env or {})
+    try:
+        server = VLLMServer(str(VLLM_PYTHON), str(model_dir), log, ["--dtype", "float32", *args])
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    try:
+        server.wait_ready(900, time.monotonic())
+        yield server
+    finally:
+        server.stop()
+
+
+def _synced_engine(server: Any, model_dir: Path, model: Any, count: int) -> tuple[Any, list[tuple[float, ...]]]:
+    """An engine on `server`, probed against `model`, and its `count` syncs of `model`'s weights: (write s,
+    reload s, whole sync s with the probe, probe |diff|) each."""
+    from veomni_lite.rl.vllm_engine import VLLMEngine, VLLMSettings
+
+    settings = VLLMSettings.parse({"url": server.url, "probe_tolerance": 1e-4, "request_timeout_s": 1800})
+    engine = VLLMEngine(settings, str(model_dir), None, lambda ids: _logprobs(model, ids), list(range(3, 67)))
+    syncs = []
+    for version in range(count):
+        start = time.perf_counter()
+        engine.sync_weights(model.state_dict(), version)
+        syncs.append((*engine.sync_s, time.perf_counter() - start, engine.last_probe_diff))
+    return engine, syncs
+
+
 def measure_size(name: str, work_dir: Path, quick: bool) -> dict[str, Any]:
     from veomni_lite.rl.engine import TransformersEngine
-    from veomni_lite.rl.vllm_engine import VLLMEngine, VLLMServer, VLLMSettings
 
     size = WORK[quick]
     model = write_model(work_dir / name, SIZES[name])
     params = sum(p.numel() for p in model.parameters())
-    vocab = SIZES[name]["vocab_size"]
-
-    def reference(ids: list[int]) -> list[float]:
-        with torch.no_grad():
-            logp = model(torch.tensor([ids])).logits[0].double().log_softmax(-1)
-        return [logp[t - 1, ids[t]].item() for t in range(1, len(ids))]
-
-    requests, settings = _requests(size, vocab)
+    requests, settings = _requests(size, SIZES[name]["vocab_size"])
     start = time.perf_counter()
-    server = VLLMServer(str(VLLM_PYTHON), str(work_dir / name), work_dir / f"{name}.log", ["--dtype", "float32"])
-    try:
-        server.wait_ready(900, time.monotonic())
+    with _serving(work_dir / name, work_dir / f"{name}.log", []) as server:
         started_s = time.perf_counter() - start
-        vllm = VLLMSettings.parse({"url": server.url, "probe_tolerance": 1e-4, "request_timeout_s": 1800})
-        engine = VLLMEngine(vllm, str(work_dir / name), None, reference, list(range(3, 67)))
-        syncs = []
-        for version in range(size["syncs"]):
-            t0 = time.perf_counter()
-            engine.sync_weights(model.state_dict(), version)
-            syncs.append((*engine.sync_s, time.perf_counter() - t0, engine.last_probe_diff))
+        engine, syncs = _synced_engine(server, work_dir / name, model, size["syncs"])
         vllm_s, tokens = _timed_generate(engine, requests, settings, size["reps"])
         engine.close()
-    finally:
-        server.stop()
     embedded_s, _ = _timed_generate(TransformersEngine(model, torch.device("cpu"), batch_size=64), requests, settings,
                                     size["reps"])  # fmt: skip
     return {
@@ -141,11 +170,7 @@ def measure_lora(name: str, work_dir: Path, quick: bool, rank: int = 16) -> dict
     """Under LoRA, the merged weights' sync (what `rl.engine: vllm` does) against sending only the adapters (PEFT's
     files, `/v1/load_lora_adapter`), on a server started with `--enable-lora`: each sync's seconds with its probe,
     and tokens/s of the same requests served by the merged weights and through the adapter."""
-    import os
-
     from peft import LoraConfig, get_peft_model
-
-    from veomni_lite.rl.vllm_engine import VLLMEngine, VLLMServer, VLLMSettings
 
     size = WORK[quick]
     model = write_model(work_dir / name, SIZES[name])
@@ -161,31 +186,15 @@ def measure_lora(name: str, work_dir: Path, quick: bool, rank: int = 16) -> dict
         adapters.append(work_dir / f"{name}-adapter-{version}")
     adapter_bytes = sum(f.stat().st_size for f in adapters[0].iterdir())
     merged = peft_model.merge_and_unload().eval()
-
-    def logprobs(of: Any, ids: list[int]) -> list[float]:
-        with torch.no_grad():
-            logp = of(torch.tensor([ids])).logits[0].double().log_softmax(-1)
-        return [logp[t - 1, ids[t]].item() for t in range(1, len(ids))]
-
-    def reference(ids: list[int]) -> list[float]:
-        return logprobs(merged, ids)
-
     requests, settings = _requests(size, SIZES[name]["vocab_size"])
-    os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
-    lora_args = ["--dtype", "float32", "--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "1"]
-    server = VLLMServer(str(VLLM_PYTHON), str(work_dir / name), work_dir / f"{name}-lora.log", lora_args)
-    try:
-        server.wait_ready(900, time.monotonic())
-        vllm = VLLMSettings.parse({"url": server.url, "probe_tolerance": 1e-4, "request_timeout_s": 1800})
-        engine = VLLMEngine(vllm, str(work_dir / name), None, reference, list(range(3, 67)))
-        merged_s = []
-        for version in range(size["syncs"]):
-            start = time.perf_counter()
-            engine.sync_weights(merged.state_dict(), version)
-            merged_s.append(time.perf_counter() - start)
+    args = ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "1"]
+    with _serving(
+        work_dir / name, work_dir / f"{name}-lora.log", args, {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    ) as server:
+        engine, merged_syncs = _synced_engine(server, work_dir / name, merged, size["syncs"])
         merged_gen = _timed_generate(engine, requests, settings, size["reps"])
         base = write_model(work_dir / f"{name}-base", SIZES[name])  # the adapters' base, served again
-        engine.reference = lambda ids: logprobs(base, ids)
+        engine.reference = lambda ids: _logprobs(base, ids)
         engine.sync_weights(base.state_dict(), size["syncs"])
         adapter_s, probe = [], []
         for version, directory in enumerate(adapters):
@@ -196,15 +205,13 @@ def measure_lora(name: str, work_dir: Path, quick: bool, rank: int = 16) -> dict
             engine._call("POST", "/reset_prefix_cache", None, "reset the prefix cache")
             engine.model_name = f"v{version}"  # requests name the adapter
             served = engine._prompt_logprobs(engine.probe_ids)
-            expected = reference(engine.probe_ids)
+            expected = _logprobs(merged, engine.probe_ids)
             adapter_s.append(save_s[version] + time.perf_counter() - start)
             probe.append(sum(abs(a - b) for a, b in zip(served, expected)) / len(expected))
         adapter_gen = _timed_generate(engine, requests, settings, size["reps"])
         engine.close()
-    finally:
-        server.stop()
     return {
-        "name": name, "rank": rank, "adapter_bytes": adapter_bytes, "merged_sync_s": merged_s[1:],
+        "name": name, "rank": rank, "adapter_bytes": adapter_bytes, "merged_sync_s": [s[2] for s in merged_syncs[1:]],
         "adapter_sync_s": adapter_s[1:], "adapter_probe_diff": probe, "merged_generate": merged_gen,
         "adapter_generate": adapter_gen,
     }  # fmt: skip
@@ -214,30 +221,16 @@ def measure_async(work_dir: Path, quick: bool) -> dict[str, Any]:
     """Seconds per rollout batch of `rl_step.py`'s RL step (its model and prompts, 1 trainer rank) on one vLLM server,
     `rl.async_steps` 0 against 1. The server's worker is bound to the last core and the trainer to the others (where
     the machine has 2 or more), as an engine on its own devices would be."""
-    import os
-
     from harness import math_model, torchrun
     from rl_step import MODEL, QUICK_MODEL
-
-    from veomni_lite.rl.vllm_engine import VLLMServer
 
     batches = 3 if quick else 6
     model_dir = math_model(work_dir / "async", QUICK_MODEL if quick else MODEL)
     cores = sorted(os.sched_getaffinity(0))
     pinned = len(cores) > 1
-    saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    if pinned:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[-1])
-    try:
-        server = VLLMServer(str(VLLM_PYTHON), str(model_dir), work_dir / "async_server.log", ["--dtype", "float32"])
-    finally:
-        if saved is None:
-            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-        else:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved
+    env = {"VLLM_CPU_OMP_THREADS_BIND": str(cores[-1])} if pinned else {}
     results: dict[str, Any] = {"pinned": pinned, "batches": batches}
-    try:
-        server.wait_ready(900, time.monotonic())
+    with _serving(model_dir, work_dir / "async_server.log", [], env) as server:
         for variant in ("vllm-sync", "vllm-async"):
             out = work_dir / f"{variant}.json"
             args = ["--worker", variant, "--work-dir", str(work_dir / "async"), "--model-dir", str(model_dir),
@@ -246,8 +239,6 @@ def measure_async(work_dir: Path, quick: bool) -> dict[str, Any]:
             torchrun(REPO / "benchmarks" / "rl_step.py", 1, args, 1800, {"BENCH_CPUS": trainer_cores})
             rows = json.loads(out.read_text())["ranks"][0]["batches"]
             results[variant] = {"seconds": [r["seconds"] for r in rows], "generate_s": [r["generate_s"] for r in rows]}
-    finally:
-        server.stop()
     return results
 
 

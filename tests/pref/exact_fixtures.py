@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from tests.dist_helpers import counting_world_all_reduces
 from tests.models.test_hf_models import TEXT_SETTINGS, VOCAB, make_lm
-from tests.rl.exact_fixtures import all_gather
+from tests.rl.exact_fixtures import all_gather, descend, step_gradients
 from veomni_lite.data.collator import collate
 from veomni_lite.data.loader import StepLoader
 from veomni_lite.data.packing import padding_micro_batch
@@ -120,11 +120,9 @@ def hand_reference(case: PreferenceLoss) -> list[list[torch.Tensor]]:
         model.zero_grad()
         loss = sum(_hand_loss(case, model, data[i]) for i in indices) / len(indices)
         loss.backward()
-        step = [p.grad.detach().clone() for p in model.parameters()]
+        step = step_gradients(model)
         grads.append(step)
-        with torch.no_grad():
-            for param, grad in zip(model.parameters(), step):
-                param -= LR * grad
+        descend(model, step, LR)
     return grads
 
 
@@ -191,23 +189,15 @@ def layout_steps(rank: int, world: int, layout: Layout, all_cases: list[Preferen
                         seen = totals.setdefault(key, [0.0, 0.0])
                         seen[0], seen[1] = seen[0] + float(total), seen[1] + float(count)
                 step.verify()
-            step_grads = [
-                p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()
-            ]
-            if world > 1:
-                for grad in step_grads:
-                    dist.all_reduce(grad)
-                    grad /= world
-                for seen in totals.values():
-                    reduced = torch.tensor(seen, dtype=torch.float64)
-                    dist.all_reduce(reduced)
-                    seen[:] = reduced.tolist()
+            step_grads = step_gradients(model, world)
+            for seen in totals.values() if world > 1 else ():
+                reduced = torch.tensor(seen, dtype=torch.float64)
+                dist.all_reduce(reduced)
+                seen[:] = reduced.tolist()
             grads.append(step_grads)
             calls.append(len(world_calls))
             metrics.append({key: total / count for key, (total, count) in totals.items()})
-            with torch.no_grad():
-                for param, grad in zip(model.parameters(), step_grads):
-                    param -= LR * grad
+            descend(model, step_grads, LR)
         out[name(case)] = {"grads": grads, "calls": calls, "metrics": metrics}
     return out
 

@@ -158,11 +158,9 @@ def hand_reference(case: Case) -> list[list[torch.Tensor]]:
         else:
             loss = sum(x.sum() for x in per_sample)
         loss.backward()
-        step = [p.grad.detach().clone() for p in model.parameters()]
+        step = step_gradients(model)
         grads.append(step)
-        with torch.no_grad():
-            for param, grad in zip(model.parameters(), step):
-                param -= LR * grad
+        descend(model, step, LR)
     return grads
 
 
@@ -216,20 +214,28 @@ def layout_steps(
                         step.loss({"policy_loss": outputs["policy_loss"]}, tokens).backward()
                     step.verify()
                     reset_loss_memo()
-            step_grads = [
-                p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()
-            ]
-            if world > 1:
-                for grad in step_grads:
-                    dist.all_reduce(grad)
-                    grad /= world
+            step_grads = step_gradients(model, world)
             grads.append(step_grads)
             calls.append(len(world_calls))
-            with torch.no_grad():
-                for param, grad in zip(model.parameters(), step_grads):
-                    param -= LR * grad
+            descend(model, step_grads, LR)
         out[str(case)] = {"grads": grads, "calls": calls}
     return out
+
+
+def step_gradients(model: torch.nn.Module, world: int = 1) -> list[torch.Tensor]:
+    """A step's gradient of every parameter (zeros where it has none), averaged over the `world` ranks."""
+    grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+    for grad in grads if world > 1 else ():
+        dist.all_reduce(grad)
+        grad /= world
+    return grads
+
+
+@torch.no_grad()
+def descend(model: torch.nn.Module, grads: list[torch.Tensor], lr: float) -> None:
+    """One plain SGD step (the references' optimizer: state-free, so every layout's weights stay comparable)."""
+    for param, grad in zip(model.parameters(), grads):
+        param -= lr * grad
 
 
 def all_gather(value: int) -> list[int]:

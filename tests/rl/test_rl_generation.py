@@ -112,14 +112,20 @@ def vl_args(model_dir: Path, digits: Path, out: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def test_a_vision_language_model_generates_from_its_images_and_trains(demo, tmp_path):
-    args = vl_args(demo / "models/qwen2_vl_digits", demo / "digits/eval.jsonl", tmp_path)
+def trained(args: list[str]) -> RLTrainer:
+    """A one-process RLTrainer of `args`, trained (its metrics closed)."""
     trainer = RLTrainer(load_config(None, args, world_size=1, sections={"rl": RLConfig}))
     try:
         trainer.train()
-        samples = trainer.last_samples
     finally:
         trainer.metrics.close()
+    return trainer
+
+
+def test_a_vision_language_model_generates_from_its_images_and_trains(demo, tmp_path):
+    args = vl_args(demo / "models/qwen2_vl_digits", demo / "digits/eval.jsonl", tmp_path)
+    trainer = trained(args)
+    samples = trainer.last_samples
     image = trainer.model_config.image_token_id
     assert len(samples) == 4 and all("pixel_values" in s.model_inputs for s in samples)
     assert all(image in s.prompt_ids and image not in s.response_ids for s in samples)
@@ -154,12 +160,8 @@ def test_the_lora_reference_is_the_base_with_its_adapters_off(math_demo, tmp_pat
 def test_the_other_vision_language_families_generate_and_train(families_demo, family, tmp_path):
     digits = families_demo / "digits/eval.jsonl"
     args = vl_args(families_demo / "models" / family, digits, tmp_path, "--rl.kl_coef", "0.1")
-    trainer = RLTrainer(load_config(None, args, world_size=1, sections={"rl": RLConfig}))
-    try:
-        trainer.train()
-        samples = trainer.last_samples
-    finally:
-        trainer.metrics.close()
+    trainer = trained(args)
+    samples = trainer.last_samples
     diffs = [abs(a - b) for s in samples for a, b in zip(s.engine_logprobs, s.old_logprobs)]
     assert len(samples) == 4 and max(diffs) < 1e-4
 

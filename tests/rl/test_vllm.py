@@ -192,6 +192,17 @@ class _FailingServer(BaseHTTPRequestHandler):
         pass
 
 
+def _train_against(handler: type, demo: Path, out: Path, **vllm: Any) -> list[str | None]:
+    """Each of 2 ranks' `train` outcome against a fake server answering with `handler`, at `rl.vllm` + `vllm`."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        return run_distributed(train, 2, str(write_config(demo, out, "vllm", {"url": url, **vllm})), [], timeout_s=600)
+    finally:
+        server.shutdown()
+
+
 @pytest.mark.slow
 def test_an_engine_that_refuses_or_answers_an_error_is_a_named_error_on_every_rank(math_demo, tmp_path):
     from veomni_lite.rl.vllm_engine import free_port
@@ -201,14 +212,7 @@ def test_an_engine_that_refuses_or_answers_an_error_is_a_named_error_on_every_ra
     for message in errors:
         assert message is not None and "vLLM engine" in message and "weight sync of version 0" in message, message
         assert "GET /v1/models" in message and "Connection refused" in message, message
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _FailingServer)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
-        failing = write_config(math_demo, tmp_path / "failing", "vllm", {"url": url, "request_timeout_s": 30})
-        errors = run_distributed(train, 2, str(failing), [], timeout_s=600)
-    finally:
-        server.shutdown()
+    errors = _train_against(_FailingServer, math_demo, tmp_path / "failing", request_timeout_s=30)
     for message in errors:
         assert message is not None and "rank 0: vLLM engine at http://127.0.0.1" in message, message
         assert "prompt log-probabilities of the probe" in message and "answered HTTP 500" in message, message
@@ -217,14 +221,8 @@ def test_an_engine_that_refuses_or_answers_an_error_is_a_named_error_on_every_ra
 
 @pytest.mark.slow
 def test_an_engine_that_does_not_answer_in_time_is_a_named_error_on_every_rank(math_demo, tmp_path):
-    server = ThreadingHTTPServer(("127.0.0.1", 0), type("Hanging", (_FailingServer,), {"hang_s": 10.0}))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
-        path = write_config(math_demo, tmp_path / "hanging", "vllm", {"url": url, "request_timeout_s": 2})
-        errors = run_distributed(train, 2, str(path), [], timeout_s=600)
-    finally:
-        server.shutdown()
+    hanging = type("Hanging", (_FailingServer,), {"hang_s": 10.0})
+    errors = _train_against(hanging, math_demo, tmp_path / "hanging", request_timeout_s=2)
     for message in errors:
         assert message is not None and "rank 0: vLLM engine at http://127.0.0.1" in message, message
         assert "(POST /v1/completions) failed: no answer within rl.vllm.request_timeout_s = 2 s" in message, message
