@@ -39,10 +39,16 @@ test-gpu: install
 # vLLM's CPU build in its own environment (.venv-vllm, ~3.5 GB, a few minutes): it pins transformers < 5.20 while
 # we need >= 5.24, so the trainer never imports vllm and starts its server with .venv-vllm/bin/python. torch first so
 # pip resolves the CPU build; the CUDA torchvision/torchaudio/torchcodec pip pulls do not load with CPU torch and
-# break `import transformers` there, so they are removed (vLLM's text path does not need them).
+# break `import transformers` there, so they are removed. vLLM's vision-language models need torchvision's Python
+# transforms: scripts/cpu_torchvision.py installs them without the CUDA native library (a CPU test measure only).
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
-vllm-env: $(VLLM_STAMP)
+VLLM_VISION := $(VLLM_VENV)/.torchvision
+vllm-env: $(VLLM_STAMP) $(VLLM_VISION)
+
+$(VLLM_VISION): $(VLLM_STAMP) scripts/cpu_torchvision.py
+	$(VLLM_VENV)/bin/python scripts/cpu_torchvision.py
+	touch $(VLLM_VISION)
 
 $(VLLM_STAMP):
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
@@ -53,7 +59,7 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -c "import vllm, transformers, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $(VLLM_STAMP)
 
-# The vLLM engine's tests (tests/rl/test_vllm.py, marker vllm): one server per test session on loopback, about 4 min.
+# The vLLM engine's tests (tests/rl/test_vllm.py, marker vllm): a text and a VL server per session on loopback, ~3 min.
 # CI's `make test` does not build .venv-vllm (minutes and 3.5 GB), so there they skip; where it exists they run too.
 test-vllm: install vllm-env
 	VLLM_CPU_KVCACHE_SPACE=1 $(PY) -m pytest -q -s -m vllm tests/rl/test_vllm.py $(PYTEST_ARGS)
