@@ -98,21 +98,31 @@ def write_tokenizer(directory: Path, texts: list[str], vocab_size: int) -> Any:
     return tokenizer
 
 
-def write_vl_model(directory: Path, texts: list[str], family: str = "qwen2_vl") -> None:
+def write_vl_model(directory: Path, texts: list[str], family: str = "qwen2_vl", vllm: bool = False) -> None:
     """A tiny vision-language directory of `family` (qwen2_vl, qwen2_5_vl or qwen3_vl): weights, tokenizer with the
-    chat template, and a `Qwen2VLImageProcessor` of 2x2 patches merged 2x2."""
+    chat template, and a `Qwen2VLImageProcessor` of 2x2 patches merged 2x2. `vllm`: what vLLM needs to serve it,
+    head dim 32 (the smallest its CPU attention takes; else 16) and a `<|video_pad|>` token (its Qwen-VL processors
+    look it up), added after the others so every other id stays."""
     import transformers
 
     tokenizer = write_tokenizer(directory, texts, vocab_size=300)
+    if vllm:
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<|video_pad|>"]})
+        tokenizer.save_pretrained(str(directory))
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL}
+    head_dim = 32 if vllm else 16
     text = {
-        "hidden_size": 64,
-        "intermediate_size": 128,
+        "hidden_size": 4 * head_dim,
+        "intermediate_size": 8 * head_dim,
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "max_position_embeddings": 512,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]},
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [head_dim // 4, head_dim // 8, head_dim // 8],
+        },  # fmt: skip
         "vocab_size": len(tokenizer),
         "bos_token_id": ids["<|endoftext|>"],
         "eos_token_id": ids["<|im_end|>"],
@@ -123,9 +133,9 @@ def write_vl_model(directory: Path, texts: list[str], family: str = "qwen2_vl") 
     vision = {"num_heads": 2, "in_channels": 3, "patch_size": 2, "temporal_patch_size": 1, "spatial_merge_size": 2}
     vision["initializer_range"] = 0.05
     if family == "qwen2_vl":
-        vision |= {"depth": 1, "embed_dim": 32, "mlp_ratio": 2, "hidden_size": 64}
+        vision |= {"depth": 1, "embed_dim": 32, "mlp_ratio": 2, "hidden_size": text["hidden_size"]}
     else:
-        vision |= {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "out_hidden_size": 64}
+        vision |= {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "out_hidden_size": text["hidden_size"]}
         if family == "qwen2_5_vl":
             vision |= {"window_size": 8, "fullatt_block_indexes": [1]}
         else:

@@ -13,7 +13,10 @@ metric keys on `vllm` and on `transformers`, with the engine's log-probabilities
 server that does not start in time is stopped and named; a wave of seeded requests over a CPU server's token budget
 completes (vLLM's CPU build dies on chunked prefill of a seeded request: the negative control); a launched server
 killed mid-run ends the run with a named
-error on every rank, and the run resumes from its checkpoint with a fresh launched server.
+error on every rank, and the run resumes from its checkpoint with a fresh launched server. Vision-language (a second
+server, of a tiny Qwen2-VL; without it, a fake chat route checks the request and the rendering check): the images
+reach the server through its chat route with the trainer's pixels, the prompt it renders is the trainer's, and a sync
+resets its encoder cache.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from veomni_lite.rl.config import RLConfig
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 requires_vllm = pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason=".venv-vllm is absent (make vllm-env)")
+VLLM_VISION = REPO / ".venv-vllm" / ".torchvision"  # scripts/cpu_torchvision.py ran (vLLM's VL models load)
 SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "256"]
 TEMPERATURE = 0.8
 
@@ -228,6 +232,83 @@ def test_an_engine_that_does_not_answer_in_time_is_a_named_error_on_every_rank(m
         assert "(POST /v1/completions) failed: no answer within rl.vllm.request_timeout_s = 2 s" in message, message
 
 
+class _ChatServer(_FailingServer):
+    """A fake vLLM's chat route: records each request's body and answers with `rendered` as the prompt's ids and two
+    response tokens."""
+
+    rendered: list[int] = []
+    bodies: list[dict[str, Any]] = []
+
+    def do_POST(self) -> None:  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+        type(self).bodies.append({"route": self.path, **body})
+        choice = {"token_ids": [5, 6], "finish_reason": "length",
+                  "logprobs": {"content": [{"logprob": -1.5}, {"logprob": -0.5}]}}  # fmt: skip
+        self._answer(200, {"choices": [choice], "prompt_token_ids": self.rendered})
+
+
+def test_vision_language_prompts_go_to_the_chat_route_with_their_pixels_and_are_checked(families_demo):
+    """Without vLLM: a VL prompt's chat fields carry the trainer's decoded pixels losslessly; the engine sends them to
+    /v1/chat/completions and refuses a rendering other than the trainer's, naming where it differs."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from veomni_lite.data.checks import DataError
+    from veomni_lite.data.sft import ChatEncoder, open_image
+    from veomni_lite.data.sft_dataset import ImageProcessing
+    from veomni_lite.models.pretrained import load_image_processor, load_tokenizer
+    from veomni_lite.rl.engine import RolloutRequest, SamplingSettings
+    from veomni_lite.rl.prompts import chat_fields, encode_row
+    from veomni_lite.rl.vllm_engine import EngineError, VLLMEngine, VLLMSettings
+
+    model, digits = families_demo / "models" / "qwen2_vl", families_demo / "digits"
+    encoder = ChatEncoder(load_tokenizer(model), "", False, "<|image_pad|>", model)
+    row = json.loads((digits / "train.jsonl").read_text().splitlines()[0])
+    prompt = encode_row(row, "row 0", encoder, ImageProcessing(load_image_processor(model)), "messages", {}, digits)
+    fields = chat_fields(prompt)
+    assert sorted(fields) == ["add_generation_prompt", "messages"] and len(fields["messages"]) == 1  # no answer turn
+    image_part, text_part = fields["messages"][0]["content"]
+    assert text_part == row["messages"][0]["content"][1]
+    url = image_part["image_url"]["url"]
+    sent = Image.open(io.BytesIO(base64.b64decode(url.removeprefix("data:image/png;base64,"))))
+    assert np.array_equal(np.asarray(sent), np.asarray(open_image(prompt.images[0], "row 0")))  # RGB, lossless
+    assert chat_fields(prompt, "{{ messages }}", "<|image_pad|>")["chat_template_kwargs"] == {
+        "image_token": "<|image_pad|>"
+    }
+    text_row = encode_row({"text": "plain"}, "row 1", encoder, None, "text", {}, digits)
+    with pytest.raises(DataError, match="row 1: a prompt of the text format has no chat messages"):
+        chat_fields(text_row)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _ChatServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        engine = VLLMEngine(VLLMSettings.parse({"url": url}), str(model), None, None, [1, 2], renders_prompts=True)
+        settings = SamplingSettings(max_new_tokens=2, suppress_ids=(7,))
+        request = RolloutRequest(prompt.ids, [3, 4], prompt.model_inputs, fields)
+        _ChatServer.rendered = list(prompt.ids)
+        rollouts = engine.generate([request], settings)[0]
+        assert [(r.response_ids, r.logprobs, r.finish_reason) for r in rollouts] == [
+            ([5, 6], [-1.5, -0.5], "length")
+        ] * 2
+        body = _ChatServer.bodies[-1]
+        assert body["route"] == "/v1/chat/completions" and body["messages"] == fields["messages"]
+        assert body["logprobs"] is True and body["return_token_ids"] and body["logit_bias"] == {"7": -100.0}
+        assert sorted(b["seed"] for b in _ChatServer.bodies) == [3, 4] and "prompt" not in body
+        _ChatServer.rendered = [*prompt.ids[:5], 0, *prompt.ids[6:]]
+        with pytest.raises(EngineError, match=rf"rendered the prompt as {len(prompt.ids)} tokens, the trainer as "
+                           rf"{len(prompt.ids)}; first difference at position 5 \(server \[0\]"):  # fmt: skip
+            engine.generate([request], settings)
+        with pytest.raises(EngineError, match="request 0 has images but no chat fields"):
+            engine.generate([RolloutRequest(prompt.ids, [1], prompt.model_inputs)], settings)
+        engine.close()
+    finally:
+        server.shutdown()
+
+
 # ---------------------------------------------------------------------- with vLLM
 
 
@@ -396,6 +477,143 @@ def test_a_wave_over_the_token_budget_completes_on_a_cpu_server(math_demo, vllm_
     finally:
         chunked.stop()
     assert "CPU Generator does not use offset" in (tmp_path / "chunked.log").read_text()
+
+
+@pytest.fixture(scope="session")
+def vl_demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The digits as RL prompts (64 to train, 8 to evaluate), examples/sft_demo.py's tiny Qwen2-VL in vLLM's shape."""
+    from examples.sft_demo import write_digits, write_jsonl, write_vl_model
+
+    out = tmp_path_factory.mktemp("vllm_vl")
+    texts = write_digits(out)
+    for split, name, rows in (("train", "rl_train", 64), ("eval", "rl_eval", 8)):
+        lines = (out / f"{split}.jsonl").read_text().splitlines()[:rows]
+        write_jsonl(out / f"{name}.jsonl", [json.loads(line) for line in lines])
+    write_vl_model(out / "model", texts, vllm=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def vl_server(vl_demo: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A float32 vLLM server of the tiny Qwen2-VL, started as a launched one is (it renders prompts itself)."""
+    if not VLLM_VISION.is_file():
+        pytest.skip(".venv-vllm has no torchvision (make vllm-env)")
+    from veomni_lite.rl.vllm_engine import VLLMServer
+
+    log = tmp_path_factory.mktemp("vllm_vl_server") / "server.log"
+    server = VLLMServer(str(VLLM_PYTHON), str(vl_demo / "model"), log, SERVER_ARGS, renders_prompts=True)
+    try:
+        server.wait_ready(600, time.monotonic())
+        yield server
+    finally:
+        server.stop()
+
+
+VL_REWARD = ["--rl.rewards", "[{name: correct, function: exact_match}]"]
+
+
+def _vl_diffs(model: Any, request: Any, rollout: Any) -> list[float]:
+    """|engine - plain forward| log-probability of each sampled token, the forward given the trainer's pixels; the
+    suppressed image placeholder left out of the softmax, as vLLM leaves it out (docs/vllm.md)."""
+    ids = torch.tensor([request.prompt_ids + rollout.response_ids])
+    inputs = {"mm_token_type_ids": (ids == model.config.image_token_id).long(), **request.model_inputs}
+    with torch.no_grad():
+        logits = model(input_ids=ids, **inputs).logits[0].double() / TEMPERATURE
+    logits[:, model.config.image_token_id] = float("-inf")
+    logp, start = logits.log_softmax(-1), len(request.prompt_ids)
+    response = rollout.response_ids
+    return [abs(logp[start - 1 + t, token].item() - rollout.logprobs[t]) for t, token in enumerate(response)]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@requires_vllm
+def test_vision_language_rollouts_carry_the_trainers_images_and_prompt(vl_demo, vl_server, tmp_path):
+    """Through vLLM's chat route: the sampled tokens' log-probabilities are a plain forward's with the trainer's
+    pixels, and after a sync that changes only the vision tower, the new tower's (the encoder cache is reset).
+    Controls: another image under the same prompt moves them; a prompt the server renders otherwise is a named
+    EngineError; an image request without chat fields is refused."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from veomni_lite.rl.engine import RolloutRequest
+    from veomni_lite.rl.trainer import RLTrainer
+    from veomni_lite.rl.vllm_engine import EngineError
+
+    vllm = {"url": vl_server.url, "probe_tolerance": 1e-4}
+    path = write_config(vl_demo, tmp_path / "engine", "vllm", vllm)
+    trainer = RLTrainer(load_config(path, VL_REWARD, world_size=1, sections={"rl": RLConfig}))
+    try:
+        trainer._sync_engine()
+        engine, settings = trainer.engine, trainer._sampling(greedy=False)
+        assert engine.last_probe_diff < 1e-5
+        model = Qwen2VLForConditionalGeneration.from_pretrained(str(vl_demo / "model"), dtype=torch.float32).eval()
+        prompts = trainer.train_dataset.prompts[:3]
+        requests = [trainer._request(0, i, prompt, 2) for i, prompt in enumerate(prompts[:2])]
+        urls = [request.chat["messages"][0]["content"][0]["image_url"]["url"] for request in requests]
+        assert all(url.startswith("data:image/png;base64,") for url in urls)
+
+        def generated(requests: list) -> list[float]:
+            groups = engine.generate(requests, settings)
+            return [d for r, group in zip(requests, groups) for rollout in group for d in _vl_diffs(model, r, rollout)]
+
+        seen = generated(requests)
+        print(f"\nVL sampled tokens' mean |engine - plain forward| log-prob (float32): {sum(seen) / len(seen):.2e}")
+        assert sum(seen) / len(seen) < 1e-5 and max(seen) < 1e-4
+        other = trainer._request(0, 2, prompts[2], 1)  # another digit's image: 8x8 pixels, the same tokens
+        assert other.prompt_ids == requests[0].prompt_ids
+        swapped = RolloutRequest(requests[0].prompt_ids, [7], requests[0].model_inputs, other.chat)
+        assert max(generated([swapped])) > 1e-3
+        edited = list(requests[0].prompt_ids)
+        edited[-3] = edited[-4]
+        with pytest.raises(EngineError, match=r"rendered the prompt as \d+ tokens, the trainer as \d+; first diff"):
+            engine.generate([RolloutRequest(edited, [1], requests[0].model_inputs, requests[0].chat)], settings)
+        with pytest.raises(EngineError, match="request 0 has images but no chat fields"):
+            engine.generate([RolloutRequest(edited, [1], requests[0].model_inputs)], settings)
+        with torch.no_grad():  # a new vision tower: the same images, other encoder outputs
+            for parameter in model.model.visual.parameters():
+                parameter.add_(torch.randn_like(parameter) * 0.05)
+        engine.sync_weights(model.state_dict(), 1)
+        seen = generated(requests)
+        assert sum(seen) / len(seen) < 1e-5 and max(seen) < 1e-4
+    finally:
+        trainer.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@requires_vllm
+def test_vision_language_runs_on_vllm_train_as_on_the_embedded_engine(vl_demo, vl_server, tmp_path):
+    """Also the negative control of the encoder-cache reset (the VL server's last test: it kills its engine)."""
+    from veomni_lite.rl.trainer import RLTrainer
+    from veomni_lite.rl.vllm_engine import EngineError
+    from veomni_lite.rl.weights import full_hf_state
+
+    runs = {
+        "vllm": write_config(vl_demo, tmp_path / "vllm", "vllm", {"url": vl_server.url, "probe_tolerance": 1e-4}),
+        "transformers": write_config(vl_demo, tmp_path / "transformers", "transformers"),
+    }
+    moving = [*VL_REWARD, "--rl.entropy_coef", "0.01"]  # the entropy bonus moves the weights, vision tower too
+    for path in runs.values():
+        assert run_distributed(train, 2, str(path), moving, timeout_s=900) == [None, None]
+    keys = {name: keys_by_step(tmp_path / name) for name in runs}
+    assert sorted(keys["vllm"]) == [1, 2, 3, 4] and keys["vllm"] == keys["transformers"]
+    diff = by_step(tmp_path / "vllm", "rl/logprob_diff")
+    print(f"\nVL rl/logprob_diff per step: {diff}")
+    # vLLM leaves the suppressed image placeholder out of its normalizer: -log(1 - p) ~ 1/vocabulary here
+    assert sorted(diff) == [1, 3] and all(value < 1e-2 for value in diff.values())
+    # Control: a sync without the encoder-cache reset, then images the server has seen: its engine dies
+    trainer = RLTrainer(load_config(runs["vllm"], VL_REWARD, world_size=1, sections={"rl": RLConfig}))
+    try:
+        trainer._sync_engine()
+        requests = [trainer._request(0, i, prompt, 2) for i, prompt in enumerate(trainer.train_dataset.prompts[:2])]
+        trainer.engine.generate(requests, trainer._sampling(greedy=False))
+        trainer.engine.renders_prompts = False  # the sync below skips /reset_encoder_cache
+        trainer.engine.sync_weights(full_hf_state(trainer.model, trainer.lora), 1)
+        with pytest.raises(EngineError, match="answered HTTP 500"):
+            trainer.engine.generate(requests, trainer._sampling(greedy=False))
+    finally:
+        trainer.close()
+    assert "Encoder cache miss" in vl_server.log_path.read_text()
 
 
 @pytest.mark.vllm

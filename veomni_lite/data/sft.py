@@ -435,12 +435,6 @@ def open_image(reference: Mapping[str, Any], where: str, decode: bool = True) ->
     return image.convert("RGB") if decode else image
 
 
-def load_image(value: Any, media_dir: Path, where: str) -> Any:
-    """A PIL RGB image from a path (relative to `media_dir`), bytes, a `{"bytes", "path"}` dict or a PIL image,
-    decoded fully (see `open_image`)."""
-    return open_image(image_reference(value, media_dir, where), where)
-
-
 # ---------------------------------------------------------------- template + labels
 
 
@@ -449,6 +443,16 @@ def _content(parts: list[str | None]) -> str | list[dict[str, str]]:
     if all(part is not None for part in parts):
         return "".join(parts)
     return [{"type": "image"} if part is None else {"type": "text", "text": part} for part in parts]
+
+
+def _messages(turns: list[Turn]) -> list[dict[str, Any]]:
+    return [{"role": t.role, "content": _content(t.parts)} for t in turns]
+
+
+def _prompt_turns(conversation: Conversation) -> list[Turn]:
+    """The turns an RL prompt asks: all but a last assistant turn."""
+    turns = conversation.turns
+    return turns[:-1] if turns and turns[-1].role == "assistant" else turns
 
 
 PROBE_ANSWER = "veomni-lite probe answer"  # an assistant content no template writes on its own
@@ -561,11 +565,15 @@ class ChatEncoder:
                 break
         return run
 
+    @staticmethod
+    def prompt_messages(conversation: Conversation) -> list[dict[str, Any]]:
+        """The messages `encode_prompt` renders, as the chat template gets them ([] for the `text` format)."""
+        return [] if conversation.plain_text else _messages(_prompt_turns(conversation))
+
     def _render(self, turns: list[Turn], generation_prompt: bool, where: str) -> str:
-        messages = [{"role": t.role, "content": _content(t.parts)} for t in turns]
         try:
             return self.tokenizer.apply_chat_template(
-                messages,
+                _messages(turns),
                 chat_template=self.template,
                 tokenize=False,
                 add_generation_prompt=generation_prompt,
@@ -657,7 +665,7 @@ class ChatEncoder:
         if conversation.plain_text:
             text = "".join(p if p is not None else self.image_token for p in turns[0].parts)
         else:
-            turns = turns[:-1] if turns and turns[-1].role == "assistant" else turns
+            turns = _prompt_turns(conversation)
             if not turns:
                 raise DataError(f"{where}: no prompt: the row has no message before its last assistant turn")
             text = self._render(turns, True, where)

@@ -79,6 +79,9 @@ class RolloutRequest:
     """One per sample (len = num_generations); sample j is drawn with seeds[j]."""
     model_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     """VL: `pixel_values` and `image_grid_thw` of this prompt's images, as the image processor returns them."""
+    chat: dict[str, Any] = field(default_factory=dict)
+    """VL, for an engine that renders prompts itself (vLLM): the fields of an OpenAI chat request that give this prompt
+    (`prompts.chat_fields`); the engine checks that its rendering is `prompt_ids`."""
 
 
 @dataclass

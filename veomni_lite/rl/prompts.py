@@ -3,8 +3,9 @@
 Each row becomes a `Prompt`: the conversation without its last assistant turn, rendered with the generation prompt
 (`ChatEncoder.encode_prompt`), its images through the model's image processor, the reference answer (the column
 `data.columns.answer`, default `answer`, else the last assistant turn's text, else None) and every other column,
-which the reward functions receive. Rows are read whole into memory (prompt sets are small next to SFT sets); a bad
-row is a DataError naming the file and the row (0-based, as every data error counts rows).
+which the reward functions receive. A prompt with images also keeps its messages and where its images are, for an
+engine that renders prompts itself (`chat_fields`). Rows are read whole into memory (prompt sets are small next to SFT
+sets); a bad row is a DataError naming the file and the row (0-based, as every data error counts rows).
 
 Rollout batch k takes `prompts_per_step` prompts of the epoch's seeded permutation (epoch e = k // (n //
 prompts_per_step), a trailing partial batch dropped), so the batches are the same on every layout.
@@ -12,6 +13,8 @@ prompts_per_step), a trailing partial batch dropped), so the batches are the sam
 
 from __future__ import annotations
 
+import base64
+import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,10 +23,10 @@ from typing import Any
 import torch
 
 from veomni_lite.data.checks import DataError
-from veomni_lite.data.sft import ChatEncoder, Source, load_image, row_name, to_conversation
+from veomni_lite.data.sft import ChatEncoder, Source, image_reference, open_image, row_name, to_conversation
 from veomni_lite.data.sft_dataset import ImageProcessing
 
-__all__ = ["Prompt", "PromptSet", "read_prompts"]
+__all__ = ["Prompt", "PromptSet", "chat_fields", "read_prompts"]
 
 ANSWER_COLUMN = "answer"
 
@@ -31,7 +34,8 @@ ANSWER_COLUMN = "answer"
 @dataclass
 class Prompt:
     """One prompt: its token ids (image placeholders expanded), rendered text, images' model inputs, reference answer
-    (or None), other columns and row name."""
+    (or None), other columns and row name; with images, also its messages (typed parts, as the chat template gets them)
+    and its images' `image_reference`s."""
 
     ids: list[int]
     text: str
@@ -39,6 +43,8 @@ class Prompt:
     columns: dict[str, Any]
     where: str
     model_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    images: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _answer(row: Mapping[str, Any], conversation: Any, column: str) -> str | None:
@@ -67,16 +73,46 @@ def encode_row(
     conversation = to_conversation(row, fmt, plain, where)
     model_inputs: dict[str, torch.Tensor] = {}
     lengths: list[int] = []
+    references: list[dict[str, Any]] = []
     if conversation.images:
         if images is None:
             raise DataError(f"{where}: the row has images but the model takes none (not a vision-language model)")
-        decoded = [load_image(value, media_dir, where) for value in conversation.images]
-        model_inputs = images(decoded)
+        references = [image_reference(value, media_dir, where) for value in conversation.images]
+        model_inputs = images([open_image(reference, where) for reference in references])
         lengths = images.token_counts(model_inputs["image_grid_thw"])
     ids, text = encoder.encode_prompt(conversation, lengths, where)
     used = {answer_column, plain.get("images", "images")}
     other = {k: v for k, v in row.items() if k not in used}
-    return Prompt(ids, text, _answer(row, conversation, answer_column), other, where, model_inputs)
+    messages = encoder.prompt_messages(conversation) if references else []
+    answer = _answer(row, conversation, answer_column)
+    return Prompt(ids, text, answer, other, where, model_inputs, messages, references)
+
+
+def chat_fields(prompt: Prompt, chat_template: str | None = None, image_token: str = "") -> dict[str, Any]:
+    """The fields of an OpenAI chat request that give `prompt` with the generation prompt, for an engine that renders
+    prompts itself: `messages` with each image a PNG data URL of the pixels the trainer's image processor saw (lossless,
+    whatever the file's format), and `chat_template` (with `image_token` for it) where the run overrides the model's.
+    A prompt of the `text` format has no messages: a DataError."""
+    if not prompt.messages:
+        raise DataError(f"{prompt.where}: a prompt of the text format has no chat messages for the engine to render")
+    urls = iter(_data_url(open_image(reference, prompt.where)) for reference in prompt.images)
+    messages = []
+    for message in prompt.messages:
+        content = message["content"]
+        if not isinstance(content, str):
+            content = [{"type": "image_url", "image_url": {"url": next(urls)}} if part["type"] == "image" else part
+                       for part in content]  # fmt: skip
+        messages.append({**message, "content": content})
+    fields: dict[str, Any] = {"messages": messages, "add_generation_prompt": True}
+    if chat_template:
+        fields |= {"chat_template": chat_template, "chat_template_kwargs": {"image_token": image_token}}
+    return fields
+
+
+def _data_url(image: Any) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
 class PromptSet:

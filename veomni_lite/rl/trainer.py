@@ -49,7 +49,7 @@ from veomni_lite.rl.advantages import group_advantages
 from veomni_lite.rl.config import POLICY, RLConfig
 from veomni_lite.rl.engine import RolloutEngine, RolloutRequest, SamplingSettings, TransformersEngine
 from veomni_lite.rl.policy_loss import OLD_LOGPROBS, POLICY_LABELS, REF_LOGPROBS, PolicyLoss, token_logprobs
-from veomni_lite.rl.prompts import Prompt, PromptSet, encode_row, read_prompts
+from veomni_lite.rl.prompts import Prompt, PromptSet, chat_fields, encode_row, read_prompts
 from veomni_lite.rl.reference import ReferenceWeights
 from veomni_lite.rl.rewards import RewardError, load_rewards, score
 from veomni_lite.rl.rollouts import RolloutSample, collate_rollouts, read_rollouts
@@ -270,9 +270,12 @@ class RLTrainer(SFTTrainer):
         if self.rl.engine == "vllm":
             from veomni_lite.rl.vllm_engine import VLLMEngine, VLLMSettings
 
+            vision = self.images is not None  # the server renders VL prompts itself (images: its chat route)
+            image = self.model_config.image_token_id if vision else None
+            probe = [t for t in self.train_dataset.prompts[0].ids if t != image]
             return VLLMEngine(
                 VLLMSettings.parse(self.rl.vllm), self.config.model.pretrained_dir, self.control_group,
-                self.probe_logprobs, self.train_dataset.prompts[0].ids, self.output_dir / "vllm_server.log",
+                self.probe_logprobs, probe, self.output_dir / "vllm_server.log", renders_prompts=vision,
             )  # fmt: skip
         return TransformersEngine(engine_model(self.model_config, self.config.parallel.master_dtype), self.device)
 
@@ -386,13 +389,9 @@ class RLTrainer(SFTTrainer):
         """This rank's prompts (index i mod world == rank) generated and scored; a reward failure on any rank is a
         RewardError on every rank."""
         self._sync_engine()
-        world, seed = self.parallel.world_size, self.config.train.seed
         count = 1 if settings.greedy else self.rl.num_generations
-        indices = [i for i in range(len(prompts)) if i % world == self.rank]
-        requests = [
-            RolloutRequest(prompts[i].ids, [sample_seed(seed, k, i, j) for j in range(count)], prompts[i].model_inputs)
-            for i in indices
-        ]
+        indices = [i for i in range(len(prompts)) if i % self.parallel.world_size == self.rank]
+        requests = [self._request(k, i, prompts[i], count) for i in indices]
         results = self.engine.generate(requests, settings)  # every rank: the vLLM engine's call is collective
         return self._samples_of(k, prompts, indices, results, self.step)
 
@@ -447,12 +446,17 @@ class RLTrainer(SFTTrainer):
 
     def _requests_by_rank(self, k: int, prompts: Sequence[Prompt]) -> list[list[RolloutRequest]]:
         """Every rank's requests of batch k (prompt i is rank i mod world's), as `_generate` makes its own."""
-        world, seed, count = self.parallel.world_size, self.config.train.seed, self.rl.num_generations
-        return [
-            [RolloutRequest(prompts[i].ids, [sample_seed(seed, k, i, j) for j in range(count)])
-             for i in range(rank, len(prompts), world)]
-            for rank in range(world)
-        ]  # fmt: skip
+        world, count = self.parallel.world_size, self.rl.num_generations
+        return [[self._request(k, i, prompts[i], count) for i in range(r, len(prompts), world)] for r in range(world)]
+
+    def _request(self, k: int, i: int, prompt: Prompt, count: int) -> RolloutRequest:
+        """Prompt i of rollout batch k with its `count` samples' seeds; a VL prompt on vLLM with its chat fields."""
+        seeds = [sample_seed(self.config.train.seed, k, i, j) for j in range(count)]
+        chat = {}
+        if prompt.images and self.rl.engine == "vllm":
+            override = self.encoder.template if self.config.data.chat_template else None
+            chat = chat_fields(prompt, override, self.encoder.image_token)
+        return RolloutRequest(prompt.ids, seeds, prompt.model_inputs, chat)
 
     # --- end rl.async_steps ---
 

@@ -5,8 +5,9 @@ Reaching it (`VLLMSettings`, the `rl.vllm` section): `url`, a server the user st
 `VLLM_SERVER_DEV_MODE=1` for the weight routes), or `launch: true`: rank 0 starts (`VLLMServer`)
 `python -m vllm.entrypoints.openai.api_server` with the interpreter `python` from the run's `model.pretrained_dir`, on
 127.0.0.1 and a free port, in dev mode, in a process group of its own, and stops that group at `close`, when it does not
-answer /health within `start_timeout_s`, at interpreter exit, and (Linux) when the trainer process dies. The server
-never tokenizes (`--skip-tokenizer-init`: ids in, ids out) and ignores the model directory's generation config.
+answer /health within `start_timeout_s`, at interpreter exit, and (Linux) when the trainer process dies. For a text
+model the server never tokenizes (`--skip-tokenizer-init`: ids in, ids out); for a vision-language model it renders
+prompts itself (below). It ignores the model directory's generation config.
 
 Only rank 0 talks to the server; `generate` and `sync_weights` are collective over the trainer's control group (every
 rank calls them, with its own requests): every rank's requests are gathered on rank 0, sent as one wave of concurrent
@@ -22,6 +23,13 @@ is a function of its prompt, seed, weights and settings, not of its batch), temp
 `stop_token_ids` with `ignore_eos` (only the trainer's end-of-turn ids end a response, kept in it), `logprobs` 0 with
 `return_token_ids`. Greedy: temperature 0. vLLM's draws differ from the embedded engine's for the same seed.
 
+Vision-language prompts: vLLM's completions route takes no images beside token ids, so a request with images goes to
+`/v1/chat/completions` with the same settings and the prompt's chat fields (`RolloutRequest.chat`: its messages, each
+image a PNG data URL of the trainer's decoded pixels, and the run's chat template when it overrides the model's; a
+launched server trusts a request's template). The server applies the template and its image processor; the prompt ids
+it returns must equal the trainer's rendering (`prompt_ids`, placeholders expanded), or the request is an EngineError
+naming the first difference (another chat template, or an image processor that sizes images otherwise).
+
 Log-probabilities: a launched server runs with `--logprobs-mode processed_logprobs`, the sampled token's log-softmax
 after temperature and after top-k/top-p. Without top-k/top-p that is exactly the trainer's quantity, log softmax(logits
 / T) (the embedded engine's); with them, vLLM's is of the filtered distribution, renormalized: for a kept token it is
@@ -33,7 +41,9 @@ log-probabilities are raw in every mode).
 Weight sync (`sync_weights`, collective): rank 0 writes the full weights (transformers' names, tied weights under each
 name) as `model.safetensors`, with the model's `config.json`, into `rl.vllm.sync_dir`/<run>/, POSTs `/collective_rpc`
 `reload_weights` with that directory, then `/reset_prefix_cache` (a cached prompt would otherwise reuse results of the
-old weights). Then the probe: the server's prompt log-probabilities of a fixed token sequence (`probe_ids`) against the
+old weights) and, for a vision-language model, `/reset_encoder_cache` (the images' vision-encoder outputs are of the
+old weights too; without the reset vLLM 0.32's engine dies, "Encoder cache miss", on the next wave of images it has
+seen). Then the probe: the server's prompt log-probabilities of a fixed token sequence (`probe_ids`) against the
 trainer's (`reference`, a collective forward of the trainer's model on every rank); a mean absolute difference above
 `probe_tolerance` is an `EngineError` on every rank (the engine does not hold the trainer's weights).
 """
@@ -159,16 +169,23 @@ class VLLMServer:
     """A vLLM OpenAI-compatible server this process starts on 127.0.0.1 (see the module docstring) and stops."""
 
     def __init__(
-        self, python: str, model_dir: str, log_path: str | Path, server_args: Sequence[str] = (), port: int = 0
+        self,
+        python: str,
+        model_dir: str,
+        log_path: str | Path,
+        server_args: Sequence[str] = (),
+        port: int = 0,
+        renders_prompts: bool = False,
     ) -> None:
+        """`renders_prompts`: the server loads the tokenizer and processor and trusts a request's chat template (VL)."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         args = [
             "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager",
-            "--skip-tokenizer-init", "--generation-config", "vllm", "--logprobs-mode", "processed_logprobs",
-            "--seed", "0", *cpu_server_args(server_args), *server_args,
+            "--trust-request-chat-template" if renders_prompts else "--skip-tokenizer-init", "--generation-config",
+            "vllm", "--logprobs-mode", "processed_logprobs", "--seed", "0", *cpu_server_args(server_args), *server_args,
         ]  # fmt: skip
         env = {key: value for key, value in os.environ.items() if key not in _TORCHRUN_ENV}
         env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc and /reset_prefix_cache; never reachable off loopback
@@ -235,7 +252,9 @@ class VLLMEngine(RolloutEngine):
     constructor, `sync_weights`, `generate` and `finish_generate` alike; only group rank 0 talks to the server.
 
     `reference(ids)`: the trainer's log-probabilities of ids[1:] (each given the ids before it, temperature 1) under
-    its current weights, a collective every rank calls; `probe_ids`: the probe's tokens (a few dozen)."""
+    its current weights, a collective every rank calls; `probe_ids`: the probe's tokens (a few dozen, text only);
+    `renders_prompts`: the model takes images: a launched server renders prompts itself (`RolloutRequest.chat`), and a
+    sync also resets the server's encoder cache."""
 
     name = "vllm"
 
@@ -248,8 +267,10 @@ class VLLMEngine(RolloutEngine):
         probe_ids: Sequence[int],
         log_path: str | Path = "vllm_server.log",
         config_path: str | Path | None = None,
+        renders_prompts: bool = False,
     ) -> None:
         self.settings = settings
+        self.renders_prompts = renders_prompts
         self.group = group
         self.reference = reference
         self.probe_ids = list(probe_ids)
@@ -268,7 +289,9 @@ class VLLMEngine(RolloutEngine):
         if self.leader:
             try:
                 if settings.launch:
-                    self.server = VLLMServer(settings.python, model_dir, log_path, settings.server_args)
+                    self.server = VLLMServer(
+                        settings.python, model_dir, log_path, settings.server_args, renders_prompts=renders_prompts
+                    )
                     self.url = self.server.url
                 else:
                     self.url = settings.url.rstrip("/")
@@ -341,6 +364,8 @@ class VLLMEngine(RolloutEngine):
             body = {"method": "reload_weights", "kwargs": {"weights_path": str(self.sync_path)}}
             self._call("POST", "/collective_rpc", body, f"reload the weights of version {version}")
             self._call("POST", "/reset_prefix_cache", None, "reset the prefix cache")
+            if self.renders_prompts:  # images' encoder outputs of the old weights (see the module docstring)
+                self._call("POST", "/reset_encoder_cache", None, "reset the encoder cache")
             self.sync_s = (written - start, time.perf_counter() - written)
             return self._prompt_logprobs(self.probe_ids)
 
@@ -440,26 +465,25 @@ class VLLMEngine(RolloutEngine):
         for index, request in enumerate(requests):
             if not request.prompt_ids:
                 problem = ValueError(f"request {index} has an empty prompt")
-            elif request.model_inputs:
-                problem = ValueError(f"request {index} has images: the vLLM engine takes text prompts only here")
+            elif request.model_inputs and not request.chat:
+                problem = ValueError(f"request {index} has images but no chat fields for the server to render")
         agree(problem, EngineError, self.group, where=f"{NAME}: generate: ")
-        everyone = all_gather_objects([(list(r.prompt_ids), list(r.seeds)) for r in requests], self.group)
+        everyone = all_gather_objects([_plain(r) for r in requests], self.group)
         return self._collect(self._start(everyone, settings))
 
     # One-step-async rollouts (`rl.async_steps: 1`): the trainer starts a rollout batch's generation, trains, and
     # collects it later; the HTTP work runs in a thread of rank 0 that makes no collective.
     def start_generate(self, everyone: Sequence[Sequence[RolloutRequest]], settings: SamplingSettings) -> None:
-        """Not collective: rank 0 starts generating every rank's requests (`everyone[rank]`, text only) in the
-        background; other ranks do nothing. `finish_generate` collects them; a weight sync waits for them first."""
-        plain = [[(list(r.prompt_ids), list(r.seeds)) for r in requests] for requests in everyone]
-        self._pending = self._start(plain, settings)
+        """Not collective: rank 0 starts generating every rank's requests (`everyone[rank]`) in the background; other
+        ranks do nothing. `finish_generate` collects them; a weight sync waits for them first."""
+        self._pending = self._start([[_plain(r) for r in requests] for requests in everyone], settings)
 
     def finish_generate(self) -> list[list[Rollout]]:
         """Collective: this rank's rollouts of the generation `start_generate` began (waiting for it)."""
         pending, self._pending = self._pending, None
         return self._collect(pending)
 
-    def _start(self, everyone: Sequence[Sequence[tuple[list[int], list[int]]]], settings: SamplingSettings) -> Any:
+    def _start(self, everyone: Sequence[Sequence[_Plain]], settings: SamplingSettings) -> Any:
         """Rank 0: a Future of every rank's rollouts, computed in a daemon thread (None on other ranks)."""
         if not self.leader:
             return None
@@ -484,11 +508,11 @@ class VLLMEngine(RolloutEngine):
         return [[Rollout(*rollout) for rollout in request] for request in answers[0][rank]]
 
     def _generate(
-        self, requests: Sequence[tuple[list[int], list[int]]], settings: SamplingSettings, rank: int
+        self, requests: Sequence[_Plain], settings: SamplingSettings, rank: int
     ) -> list[list[tuple[list[int], list[float], str]]]:
         """Rank 0: one request per sample, `max_concurrency` in flight; the first failure stops the rest."""
-        rows = [(i, j) for i, (_, seeds) in enumerate(requests) for j in range(len(seeds))]
-        out: list[list[Any]] = [[None] * len(seeds) for _, seeds in requests]
+        rows = [(i, j) for i, (_, seeds, _) in enumerate(requests) for j in range(len(seeds))]
+        out: list[list[Any]] = [[None] * len(seeds) for _, seeds, _ in requests]
         failed = threading.Event()
 
         def one(row: tuple[int, int]) -> None:
@@ -497,7 +521,8 @@ class VLLMEngine(RolloutEngine):
             i, j = row
             try:
                 what = f"rank {rank}'s request {i}, sample {j}"
-                out[i][j] = self._sample(requests[i][0], requests[i][1][j], settings, what)
+                prompt, seeds, chat = requests[i]
+                out[i][j] = self._sample(prompt, chat, seeds[j], settings, what)
             except BaseException:
                 failed.set()
                 raise
@@ -512,27 +537,45 @@ class VLLMEngine(RolloutEngine):
         return out
 
     def _sample(
-        self, prompt: list[int], seed: int, settings: SamplingSettings, what: str
+        self, prompt: list[int], chat: Mapping[str, Any], seed: int, settings: SamplingSettings, what: str
     ) -> tuple[list[int], list[float], str]:
+        """Rank 0: one sample: (response ids, their log-probabilities, finish reason); `chat`: the chat route's."""
         body: dict[str, Any] = {
-            "model": self.model_name, "prompt": prompt, "n": 1, "max_tokens": settings.max_new_tokens,
-            "temperature": 0.0 if settings.greedy else settings.temperature, "logprobs": 0,
-            "return_token_ids": True, "return_tokens_as_token_ids": True, "skip_special_tokens": False,
-            "stop_token_ids": list(settings.stop_ids), "ignore_eos": True,
+            "model": self.model_name, "n": 1, "max_tokens": settings.max_new_tokens,
+            "temperature": 0.0 if settings.greedy else settings.temperature, "return_token_ids": True,
+            "skip_special_tokens": False, "stop_token_ids": list(settings.stop_ids), "ignore_eos": True,
         }  # fmt: skip
         if not settings.greedy:
             body |= {"seed": seed % (1 << 63), "top_p": settings.top_p, "top_k": settings.top_k or -1}
         if settings.suppress_ids:
             body["logit_bias"] = {str(t): -100.0 for t in settings.suppress_ids}
-        answer = self._call("POST", "/v1/completions", body, f"{what} (prompt of {len(prompt)} tokens)")
+        if chat:
+            body |= {**chat, "logprobs": True, "top_logprobs": 0}
+            route = "/v1/chat/completions"
+        else:
+            body |= {"prompt": prompt, "logprobs": 0, "return_tokens_as_token_ids": True}
+            route = "/v1/completions"
+        answer = self._call("POST", route, body, f"{what} (prompt of {len(prompt)} tokens)")
         try:
             choice = answer["choices"][0]
             ids = [int(t) for t in choice["token_ids"]]
-            logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+            if chat:
+                logprobs = [float(entry["logprob"]) for entry in choice["logprobs"]["content"]]
+                rendered = [int(t) for t in answer["prompt_token_ids"]]
+            else:
+                logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
             reason = choice["finish_reason"]
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             detail = str(answer)[:300]
             raise EngineError(f"{NAME} at {self.url}: {what}: unexpected answer ({exc!r}): {detail}") from exc
+        if chat and rendered != list(prompt):
+            at = next((t for t, (a, b) in enumerate(zip(rendered, prompt)) if a != b), min(len(rendered), len(prompt)))
+            raise EngineError(
+                f"{NAME}: {what}: the server rendered the prompt as {len(rendered)} tokens, the trainer as "
+                f"{len(prompt)}; first difference at position {at} (server {rendered[at : at + 1]}, trainer "
+                f"{list(prompt[at : at + 1])}): the server must render with the trainer's chat template and image "
+                f"processor (serve model.pretrained_dir)"
+            )
         stops = set(settings.stop_ids)
         if reason == "stop" and (not ids or ids[-1] not in stops):
             raise EngineError(f"{NAME}: {what} stopped on {ids[-1:]} which is no stop id of {sorted(stops)}")
@@ -551,6 +594,13 @@ class VLLMEngine(RolloutEngine):
             self.server.stop()
         if self.leader:
             shutil.rmtree(self.sync_path, ignore_errors=True)
+
+
+_Plain = tuple[list[int], list[int], dict[str, Any]]  # a request as rank 0 gets it: prompt ids, seeds, chat fields
+
+
+def _plain(request: RolloutRequest) -> _Plain:
+    return list(request.prompt_ids), list(request.seeds), dict(request.chat)
 
 
 def _logprob_of(entry: Mapping[str, Any], token: int) -> float:
