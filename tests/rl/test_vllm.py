@@ -583,7 +583,8 @@ def test_vision_language_rollouts_carry_the_trainers_images_and_prompt(vl_demo, 
 @pytest.mark.slow
 @requires_vllm
 def test_vision_language_runs_on_vllm_train_as_on_the_embedded_engine(vl_demo, vl_server, tmp_path):
-    """Also the negative control of the encoder-cache reset (the VL server's last test: it kills its engine)."""
+    """Synchronous and one-step async; then the negative control of the encoder-cache reset (the VL server's last
+    test: it kills the server's engine)."""
     from veomni_lite.rl.trainer import RLTrainer
     from veomni_lite.rl.vllm_engine import EngineError
     from veomni_lite.rl.weights import full_hf_state
@@ -601,6 +602,9 @@ def test_vision_language_runs_on_vllm_train_as_on_the_embedded_engine(vl_demo, v
     print(f"\nVL rl/logprob_diff per step: {diff}")
     # vLLM leaves the suppressed image placeholder out of its normalizer: -log(1 - p) ~ 1/vocabulary here
     assert sorted(diff) == [1, 3] and all(value < 1e-2 for value in diff.values())
+    asynchronous = write_config(vl_demo, tmp_path / "async", "vllm", {"url": vl_server.url, "probe_tolerance": 1e-4})
+    assert run_distributed(train, 2, str(asynchronous), [*moving, "--rl.async_steps", "1"], timeout_s=900) == [None] * 2
+    assert by_step(tmp_path / "async", "rl/staleness") == {1: 0.0, 3: 2.0}  # batch 1 sampled while batch 0 trained
     # Control: a sync without the encoder-cache reset, then images the server has seen: its engine dies
     trainer = RLTrainer(load_config(runs["vllm"], VL_REWARD, world_size=1, sections={"rl": RLConfig}))
     try:
