@@ -122,7 +122,7 @@ def write_vl_model(directory: Path, texts: list[str], family: str = "qwen2_vl", 
             "rope_type": "default",
             "rope_theta": 10000.0,
             "mrope_section": [head_dim // 4, head_dim // 8, head_dim // 8],
-        },  # fmt: skip
+        },
         "vocab_size": len(tokenizer),
         "bos_token_id": ids["<|endoftext|>"],
         "eos_token_id": ids["<|im_end|>"],

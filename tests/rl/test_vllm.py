@@ -247,7 +247,7 @@ class _ChatServer(_FailingServer):
         self._answer(200, {"choices": [choice], "prompt_token_ids": self.rendered})
 
 
-def test_vision_language_prompts_go_to_the_chat_route_with_their_pixels_and_are_checked(families_demo):
+def test_vision_language_prompts_go_to_the_chat_route_with_their_pixels_and_are_checked(families_demo, tmp_path):
     """Without vLLM: a VL prompt's chat fields carry the trainer's decoded pixels losslessly; the engine sends them to
     /v1/chat/completions and refuses a rendering other than the trainer's, naming where it differs."""
     import base64
@@ -257,30 +257,38 @@ def test_vision_language_prompts_go_to_the_chat_route_with_their_pixels_and_are_
     from PIL import Image
 
     from veomni_lite.data.checks import DataError
-    from veomni_lite.data.sft import ChatEncoder, open_image
+    from veomni_lite.data.sft import ChatEncoder, image_reference, open_image
     from veomni_lite.data.sft_dataset import ImageProcessing
     from veomni_lite.models.pretrained import load_image_processor, load_tokenizer
     from veomni_lite.rl.engine import RolloutRequest, SamplingSettings
     from veomni_lite.rl.prompts import chat_fields, encode_row
+    from veomni_lite.rl.trainer import RLTrainer
     from veomni_lite.rl.vllm_engine import EngineError, VLLMEngine, VLLMSettings
 
     model, digits = families_demo / "models" / "qwen2_vl", families_demo / "digits"
     encoder = ChatEncoder(load_tokenizer(model), "", False, "<|image_pad|>", model)
     row = json.loads((digits / "train.jsonl").read_text().splitlines()[0])
-    prompt = encode_row(row, "row 0", encoder, ImageProcessing(load_image_processor(model)), "messages", {}, digits)
+    images = ImageProcessing(load_image_processor(model))
+    assert encode_row(row, "row 0", encoder, images, "messages", {}, digits).images == []  # kept only when asked
+    prompt = encode_row(row, "row 0", encoder, images, "messages", {}, digits, keep_images=True)
     fields = chat_fields(prompt)
     assert sorted(fields) == ["add_generation_prompt", "messages"] and len(fields["messages"]) == 1  # no answer turn
     image_part, text_part = fields["messages"][0]["content"]
     assert text_part == row["messages"][0]["content"][1]
     url = image_part["image_url"]["url"]
     sent = Image.open(io.BytesIO(base64.b64decode(url.removeprefix("data:image/png;base64,"))))
-    assert np.array_equal(np.asarray(sent), np.asarray(open_image(prompt.images[0], "row 0")))  # RGB, lossless
+    decoded = open_image(image_reference(row["images"][0], digits, "row 0"), "row 0")  # the trainer's pixels (RGB)
+    assert np.array_equal(np.asarray(sent), np.asarray(decoded))
     assert chat_fields(prompt, "{{ messages }}", "<|image_pad|>")["chat_template_kwargs"] == {
         "image_token": "<|image_pad|>"
     }
-    text_row = encode_row({"text": "plain"}, "row 1", encoder, None, "text", {}, digits)
-    with pytest.raises(DataError, match="row 1: a prompt of the text format has no chat messages"):
-        chat_fields(text_row)
+    with pytest.raises(ValueError, match="row 1: no chat messages kept"):
+        chat_fields(encode_row({"text": "plain"}, "row 1", encoder, None, "text", {}, digits, keep_images=True))
+    args = ["--model.pretrained_dir", str(model), "--data.train_path", str(digits / "train.jsonl"), "--data.format",
+            "text", "--rl.rewards", "[{name: c, function: exact_match}]", "--rl.engine", "vllm", "--rl.vllm",
+            "{url: 'http://127.0.0.1:1'}", "--train.output_dir", str(tmp_path)]  # fmt: skip
+    with pytest.raises(DataError, match="data.format: text has no chat messages, which rl.engine: vllm sends"):
+        RLTrainer(load_config(None, args, world_size=1, sections={"rl": RLConfig}))
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), _ChatServer)
     threading.Thread(target=server.serve_forever, daemon=True).start()

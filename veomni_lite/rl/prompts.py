@@ -3,9 +3,10 @@
 Each row becomes a `Prompt`: the conversation without its last assistant turn, rendered with the generation prompt
 (`ChatEncoder.encode_prompt`), its images through the model's image processor, the reference answer (the column
 `data.columns.answer`, default `answer`, else the last assistant turn's text, else None) and every other column,
-which the reward functions receive. A prompt with images also keeps its messages and where its images are, for an
-engine that renders prompts itself (`chat_fields`). Rows are read whole into memory (prompt sets are small next to SFT
-sets); a bad row is a DataError naming the file and the row (0-based, as every data error counts rows).
+which the reward functions receive. For an engine that renders prompts itself (`keep_images`), a prompt with images
+also keeps its messages and its decoded images as PNG (`chat_fields`). Rows are read whole into memory (prompt sets
+are small next to SFT sets); a bad row is a DataError naming the file and the row (0-based, as every data error counts
+rows).
 
 Rollout batch k takes `prompts_per_step` prompts of the epoch's seeded permutation (epoch e = k // (n //
 prompts_per_step), a trailing partial batch dropped), so the batches are the same on every layout.
@@ -34,8 +35,8 @@ ANSWER_COLUMN = "answer"
 @dataclass
 class Prompt:
     """One prompt: its token ids (image placeholders expanded), rendered text, images' model inputs, reference answer
-    (or None), other columns and row name; with images, also its messages (typed parts, as the chat template gets them)
-    and its images' `image_reference`s."""
+    (or None), other columns and row name; kept for an engine that renders prompts itself, its messages (typed parts,
+    as the chat template gets them) and its decoded images as PNG."""
 
     ids: list[int]
     text: str
@@ -44,7 +45,7 @@ class Prompt:
     where: str
     model_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     messages: list[dict[str, Any]] = field(default_factory=list)
-    images: list[dict[str, Any]] = field(default_factory=list)
+    images: list[bytes] = field(default_factory=list)
 
 
 def _answer(row: Mapping[str, Any], conversation: Any, column: str) -> str | None:
@@ -64,8 +65,10 @@ def encode_row(
     fmt: str,
     columns: Mapping[str, Any],
     media_dir: Path,
+    keep_images: bool = False,
 ) -> Prompt:
-    """One row as a `Prompt` (a DataError naming `where` when it cannot be)."""
+    """One row as a `Prompt` (a DataError naming `where` when it cannot be); `keep_images`: with its messages and its
+    decoded images as PNG (lossless: the pixels the image processor saw), for `chat_fields`."""
     answer_column = str(columns.get("answer", ANSWER_COLUMN))
     plain = {k: v for k, v in columns.items() if k != "answer"}
     if fmt == "prompt_completion" and row.get(plain.get("completion", "completion")) is None:
@@ -73,29 +76,29 @@ def encode_row(
     conversation = to_conversation(row, fmt, plain, where)
     model_inputs: dict[str, torch.Tensor] = {}
     lengths: list[int] = []
-    references: list[dict[str, Any]] = []
+    decoded: list[Any] = []
     if conversation.images:
         if images is None:
             raise DataError(f"{where}: the row has images but the model takes none (not a vision-language model)")
-        references = [image_reference(value, media_dir, where) for value in conversation.images]
-        model_inputs = images([open_image(reference, where) for reference in references])
+        decoded = [open_image(image_reference(value, media_dir, where), where) for value in conversation.images]
+        model_inputs = images(decoded)
         lengths = images.token_counts(model_inputs["image_grid_thw"])
     ids, text = encoder.encode_prompt(conversation, lengths, where)
     used = {answer_column, plain.get("images", "images")}
     other = {k: v for k, v in row.items() if k not in used}
-    messages = encoder.prompt_messages(conversation) if references else []
-    answer = _answer(row, conversation, answer_column)
-    return Prompt(ids, text, answer, other, where, model_inputs, messages, references)
+    prompt = Prompt(ids, text, _answer(row, conversation, answer_column), other, where, model_inputs)
+    if keep_images and decoded:
+        prompt.messages, prompt.images = encoder.prompt_messages(conversation), [_png(image) for image in decoded]
+    return prompt
 
 
 def chat_fields(prompt: Prompt, chat_template: str | None = None, image_token: str = "") -> dict[str, Any]:
-    """The fields of an OpenAI chat request that give `prompt` with the generation prompt, for an engine that renders
-    prompts itself: `messages` with each image a PNG data URL of the pixels the trainer's image processor saw (lossless,
-    whatever the file's format), and `chat_template` (with `image_token` for it) where the run overrides the model's.
-    A prompt of the `text` format has no messages: a DataError."""
+    """The fields of an OpenAI chat request that give `prompt` (read with `keep_images`) with the generation prompt, for
+    an engine that renders prompts itself: `messages` with each image a PNG data URL of the pixels the trainer's image
+    processor saw, and `chat_template` (with `image_token` for it) where the run overrides the model's."""
     if not prompt.messages:
-        raise DataError(f"{prompt.where}: a prompt of the text format has no chat messages for the engine to render")
-    urls = iter(_data_url(open_image(reference, prompt.where)) for reference in prompt.images)
+        raise ValueError(f"{prompt.where}: no chat messages kept (the text format, or read without keep_images)")
+    urls = iter("data:image/png;base64," + base64.b64encode(image).decode() for image in prompt.images)
     messages = []
     for message in prompt.messages:
         content = message["content"]
@@ -109,10 +112,10 @@ def chat_fields(prompt: Prompt, chat_template: str | None = None, image_token: s
     return fields
 
 
-def _data_url(image: Any) -> str:
+def _png(image: Any) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    return buffer.getvalue()
 
 
 class PromptSet:
@@ -143,14 +146,16 @@ def read_prompts(
     columns: Mapping[str, Any],
     media_dir: str | Path = "",
     max_prompt_len: int = 0,
+    keep_images: bool = False,
 ) -> PromptSet:
-    """Every row of `sources` as a `Prompt`; a prompt over `max_prompt_len` tokens (0: no limit) is a DataError."""
+    """Every row of `sources` as a `Prompt` (`encode_row`); a prompt over `max_prompt_len` tokens (0: no limit) is a
+    DataError."""
     prompts = []
     for source in sources:
         base = Path(media_dir) if media_dir else source.path.parent
         for index, row in source.read(0, source.num_rows):
             where = row_name(source.path, index)
-            prompt = encode_row(row, where, encoder, images, fmt, columns, base)
+            prompt = encode_row(row, where, encoder, images, fmt, columns, base, keep_images)
             if max_prompt_len and len(prompt.ids) > max_prompt_len:
                 raise DataError(
                     f"{where}: the prompt has {len(prompt.ids)} tokens, over data.max_seq_len - rl.max_new_tokens = "

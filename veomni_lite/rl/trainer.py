@@ -202,7 +202,13 @@ class RLTrainer(SFTTrainer):
         )
         self.rewards = load_rewards(rl.rewards, ".") if rl.rewards else []
         prompt_len = max(data.max_seq_len - rl.max_new_tokens, 0)
-        options = (self.encoder, self.images, data.format, data.columns, data.media_dir, prompt_len)
+        renders = vision and rl.engine == "vllm"  # the server renders VL prompts from their messages and images
+        if renders and data.format == "text":
+            raise DataError(
+                "data.format: text has no chat messages, which rl.engine: vllm sends with a VL prompt's images; use a "
+                "chat format (messages, sharegpt, ...) or rl.engine: transformers"
+            )
+        options = (self.encoder, self.images, data.format, data.columns, data.media_dir, prompt_len, renders)
         if rl.rollouts_path:
             self.given = read_rollouts(
                 rl.rollouts_path, rl.num_generations, self._encode_given_prompt,
@@ -453,7 +459,7 @@ class RLTrainer(SFTTrainer):
         """Prompt i of rollout batch k with its `count` samples' seeds; a VL prompt on vLLM with its chat fields."""
         seeds = [sample_seed(self.config.train.seed, k, i, j) for j in range(count)]
         chat = {}
-        if prompt.images and self.rl.engine == "vllm":
+        if prompt.images:  # kept only where the vLLM engine renders the prompt
             override = self.encoder.template if self.config.data.chat_template else None
             chat = chat_fields(prompt, override, self.encoder.image_token)
         return RolloutRequest(prompt.ids, seeds, prompt.model_inputs, chat)
