@@ -540,10 +540,12 @@ def test_vision_language_rollouts_carry_the_trainers_images_and_prompt(vl_demo, 
     """Through vLLM's chat route: the sampled tokens' log-probabilities are a plain forward's with the trainer's
     pixels, and after a sync that changes only the vision tower, the new tower's (the encoder cache is reset).
     Controls: another image under the same prompt moves them; a prompt the server renders otherwise is a named
-    EngineError; an image request without chat fields is refused."""
+    EngineError; an image request without chat fields is refused. A run's own chat template travels with the request
+    and is the one the server renders with."""
     from transformers import Qwen2VLForConditionalGeneration
 
     from veomni_lite.rl.engine import RolloutRequest
+    from veomni_lite.rl.prompts import chat_fields
     from veomni_lite.rl.trainer import RLTrainer
     from veomni_lite.rl.vllm_engine import EngineError
 
@@ -577,6 +579,13 @@ def test_vision_language_rollouts_carry_the_trainers_images_and_prompt(vl_demo, 
             engine.generate([RolloutRequest(edited, [1], requests[0].model_inputs, requests[0].chat)], settings)
         with pytest.raises(EngineError, match="request 0 has images but no chat fields"):
             engine.generate([RolloutRequest(edited, [1], requests[0].model_inputs)], settings)
+        # data.chat_template: the request carries the run's template, which the server renders with (not its own)
+        from examples.sft_demo import TEMPLATE
+
+        for template, renders_alike in ((TEMPLATE, True), (TEMPLATE.replace("assistant\n", "assistant:\n"), False)):
+            chat = chat_fields(prompts[0], template, "<|image_pad|>")
+            with contextlib.nullcontext() if renders_alike else pytest.raises(EngineError, match="first difference"):
+                engine.generate([RolloutRequest(requests[0].prompt_ids, [1], requests[0].model_inputs, chat)], settings)
         with torch.no_grad():  # a new vision tower: the same images, other encoder outputs
             for parameter in model.model.visual.parameters():
                 parameter.add_(torch.randn_like(parameter) * 0.05)

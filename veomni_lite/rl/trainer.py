@@ -401,6 +401,15 @@ class RLTrainer(SFTTrainer):
         results = self.engine.generate(requests, settings)  # every rank: the vLLM engine's call is collective
         return self._samples_of(k, prompts, indices, results, self.step)
 
+    def _request(self, k: int, i: int, prompt: Prompt, count: int) -> RolloutRequest:
+        """Prompt i of rollout batch k with its `count` samples' seeds; a VL prompt on vLLM with its chat fields."""
+        seeds = [sample_seed(self.config.train.seed, k, i, j) for j in range(count)]
+        chat = {}
+        if prompt.images:  # kept only where the vLLM engine renders the prompt
+            override = self.encoder.template if self.config.data.chat_template else None
+            chat = chat_fields(prompt, override, self.encoder.image_token)
+        return RolloutRequest(prompt.ids, seeds, prompt.model_inputs, chat)
+
     def _samples_of(
         self, k: int, prompts: Sequence[Prompt], indices: list[int], results: list[list[Any]], version: int
     ) -> list[RolloutSample]:
@@ -454,15 +463,6 @@ class RLTrainer(SFTTrainer):
         """Every rank's requests of batch k (prompt i is rank i mod world's), as `_generate` makes its own."""
         world, count = self.parallel.world_size, self.rl.num_generations
         return [[self._request(k, i, prompts[i], count) for i in range(r, len(prompts), world)] for r in range(world)]
-
-    def _request(self, k: int, i: int, prompt: Prompt, count: int) -> RolloutRequest:
-        """Prompt i of rollout batch k with its `count` samples' seeds; a VL prompt on vLLM with its chat fields."""
-        seeds = [sample_seed(self.config.train.seed, k, i, j) for j in range(count)]
-        chat = {}
-        if prompt.images:  # kept only where the vLLM engine renders the prompt
-            override = self.encoder.template if self.config.data.chat_template else None
-            chat = chat_fields(prompt, override, self.encoder.image_token)
-        return RolloutRequest(prompt.ids, seeds, prompt.model_inputs, chat)
 
     # --- end rl.async_steps ---
 
