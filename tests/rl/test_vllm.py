@@ -64,10 +64,16 @@ def vllm_server(math_demo: Path, tmp_path_factory: pytest.TempPathFactory) -> An
     """One float32 vLLM server on loopback for the session (stopped at its end, or by the last test)."""
     if not VLLM_PYTHON.is_file():
         pytest.skip(".venv-vllm is absent (make vllm-env)")
+    yield from _serve(math_demo / "model", tmp_path_factory.mktemp("vllm_server"))
+
+
+def _serve(model: Path, log_dir: Path, renders_prompts: bool = False) -> Any:
+    """A float32 server of `model` on loopback, yielded once ready and stopped after (a session fixture's body)."""
     from veomni_lite.rl.vllm_engine import VLLMServer
 
-    log = tmp_path_factory.mktemp("vllm_server") / "server.log"
-    server = VLLMServer(str(VLLM_PYTHON), str(math_demo / "model"), log, SERVER_ARGS)
+    server = VLLMServer(
+        str(VLLM_PYTHON), str(model), log_dir / "server.log", SERVER_ARGS, renders_prompts=renders_prompts
+    )
     try:
         server.wait_ready(600, time.monotonic())
         yield server
@@ -506,15 +512,7 @@ def vl_server(vl_demo: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """A float32 vLLM server of the tiny Qwen2-VL, started as a launched one is (it renders prompts itself)."""
     if not VLLM_VISION.is_file():
         pytest.skip(".venv-vllm has no torchvision (make vllm-env)")
-    from veomni_lite.rl.vllm_engine import VLLMServer
-
-    log = tmp_path_factory.mktemp("vllm_vl_server") / "server.log"
-    server = VLLMServer(str(VLLM_PYTHON), str(vl_demo / "model"), log, SERVER_ARGS, renders_prompts=True)
-    try:
-        server.wait_ready(600, time.monotonic())
-        yield server
-    finally:
-        server.stop()
+    yield from _serve(vl_demo / "model", tmp_path_factory.mktemp("vllm_vl_server"), renders_prompts=True)
 
 
 VL_REWARD = ["--rl.rewards", "[{name: correct, function: exact_match}]"]

@@ -339,20 +339,6 @@ def token_tensors(ids: numpy.ndarray, labels: numpy.ndarray, labels_key: str = "
     }
 
 
-def sample_tensors(
-    ids: numpy.ndarray,
-    labels: numpy.ndarray,
-    references: list[dict[str, Any]],
-    tokens: list[int],
-    images: ImageProcessing | None,
-    where: str,
-    origin: str,
-    remedy: str = "",
-) -> dict[str, torch.Tensor]:
-    """What the collator takes of a sample: `input_ids` and `labels` (int64) and its `image_tensors`."""
-    return {**token_tensors(ids, labels), **image_tensors(references, tokens, images, where, origin, remedy)}
-
-
 def image_tensors(
     references: list[dict[str, Any]],
     tokens: list[int],

@@ -43,7 +43,7 @@ from veomni_lite.data.checks import DataError
 from veomni_lite.data.loader import MicroBatch, StepLoader
 from veomni_lite.data.mixture import seeded_generator
 from veomni_lite.data.sft import row_name
-from veomni_lite.data.sft_dataset import RowEncoder, sample_tensors
+from veomni_lite.data.sft_dataset import RowEncoder, image_tensors, token_tensors
 
 __all__ = ["SampleStream", "StreamingLoader"]
 
@@ -123,10 +123,8 @@ class SampleStream:
 
     def tensors(self, sample: Sample) -> dict[str, torch.Tensor]:
         """What the collator takes of `sample` (its images decoded and processed here)."""
-        return sample_tensors(
-            sample.input_ids, sample.labels, sample.images, sample.image_tokens, self.rows.images, sample.where,
-            "the header read",
-        )  # fmt: skip
+        images = image_tensors(sample.images, sample.image_tokens, self.rows.images, sample.where, "the header read")
+        return {**token_tensors(sample.input_ids, sample.labels), **images}
 
     # ------------------------------------------------------------------ reading
 
