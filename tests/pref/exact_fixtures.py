@@ -23,6 +23,7 @@ from veomni_lite.data.loader import StepLoader
 from veomni_lite.data.packing import padding_micro_batch
 from veomni_lite.distributed.parallel_state import get_parallel_state
 from veomni_lite.distributed.sequence_parallel import slice_micro_batch
+from veomni_lite.models.heads import LogprobRequest
 from veomni_lite.models.hf_causal_lm import hf_config_from_dict
 from veomni_lite.models.hf_reward_model import HFRewardModel
 from veomni_lite.plain_loop import LossStep
@@ -182,7 +183,10 @@ def layout_steps(rank: int, world: int, layout: Layout, all_cases: list[Preferen
                 step = LossStep(micro_batches, PREF_MODE, marked=True)
                 for micro_batch, tokens in step:
                     inputs = {k: v for k, v in micro_batch.items() if k in MODEL_INPUTS}
-                    output = model(**inputs)["scores" if reward_model else "logits"]
+                    if reward_model:
+                        output = model(**inputs)["scores"]
+                    else:  # the trainer's path: the LM head fused with the log-probabilities
+                        output = model(**inputs, logprobs=LogprobRequest(micro_batch[PREF_LABELS]))["logprobs"]
                     outputs = case(output, micro_batch, sp_group)
                     step.loss({"pref_loss": outputs["pref_loss"]}, tokens).backward()
                     for key, (total, count) in outputs["metrics"].items():

@@ -23,8 +23,9 @@ from veomni_lite.data.collator import collate
 from veomni_lite.data.loader import StepLoader
 from veomni_lite.distributed.parallel_state import get_parallel_state
 from veomni_lite.distributed.sequence_parallel import slice_micro_batch
+from veomni_lite.models.heads import LogprobRequest
 from veomni_lite.plain_loop import LossStep
-from veomni_lite.rl.policy_loss import PolicyLoss
+from veomni_lite.rl.policy_loss import POLICY_LABELS, PolicyLoss
 from veomni_lite.rl.rollouts import RolloutSample, collate_rollouts
 from veomni_lite.split_invariance import Layout
 from veomni_lite.utils.loss_utils import LossModes, mark_sequences, reset_loss_memo
@@ -209,8 +210,9 @@ def layout_steps(
                     step = LossStep(run, case.modes, marked=True)
                     for micro_batch, tokens in step:
                         inputs = {k: v for k, v in micro_batch.items() if k in MODEL_INPUTS}
-                        logits = model(**inputs)["logits"]
-                        outputs = case.loss(logits, micro_batch, sp_group)
+                        # the trainer's path: the LM head fused with the log-probabilities and entropies
+                        request = LogprobRequest(micro_batch[POLICY_LABELS], case.loss.temperature, entropy=True)
+                        outputs = case.loss(model(**inputs, logprobs=request), micro_batch, sp_group)
                         step.loss({"policy_loss": outputs["policy_loss"]}, tokens).backward()
                     step.verify()
                     reset_loss_memo()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from veomni_lite.loss_keys import IGNORE_INDEX
+from veomni_lite.models.heads import token_logprobs
 from veomni_lite.rl.policy_loss import (
     ADVANTAGES,
     ENGINE_LOGPROBS,
@@ -27,10 +28,16 @@ def batch(seed: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return logits, {POLICY_LABELS: labels, "sequence_ids": torch.tensor([[0] * 6, [1] * 6]), **values}
 
 
+def outputs_of(logits: torch.Tensor, micro_batch: dict, temperature: float = 1.0) -> dict[str, torch.Tensor]:
+    """What the model's forward gives the loss (`LogprobRequest`), here from whole logits."""
+    logp, entropy = token_logprobs(logits, micro_batch[POLICY_LABELS], temperature, entropy=True)
+    return {"logprobs": logp, "entropy": entropy}
+
+
 def test_the_loss_and_its_metrics_are_the_hand_computation():
     logits, micro_batch = batch()
     loss = PolicyLoss("ppo_clip", 0.2, 0.28, 3.0, 0.1, "k2", 0.01, "token", 1.5, temperature=0.7)
-    out = loss(logits, micro_batch)
+    out = loss(outputs_of(logits, micro_batch, 0.7), micro_batch)
     labels = micro_batch[POLICY_LABELS]
     valid = labels != IGNORE_INDEX
     logp_all = torch.log_softmax(logits.detach() / 0.7, -1)
@@ -61,6 +68,7 @@ def pytest_approx(value: torch.Tensor):
 def test_a_micro_batch_without_targets_is_an_exact_zero_with_a_zero_gradient():
     logits, micro_batch = batch(1)
     micro_batch[POLICY_LABELS] = torch.full_like(micro_batch[POLICY_LABELS], IGNORE_INDEX)
-    out = PolicyLoss("gspo", kl_coef=0.1, entropy_coef=0.01, importance_sampling="sequence")(logits, micro_batch)
+    loss = PolicyLoss("gspo", kl_coef=0.1, entropy_coef=0.01, importance_sampling="sequence")
+    out = loss(outputs_of(logits, micro_batch), micro_batch)
     out["policy_loss"].backward()
     assert out["policy_loss"].item() == 0.0 and torch.equal(logits.grad, torch.zeros_like(logits))

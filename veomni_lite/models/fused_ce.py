@@ -125,3 +125,112 @@ def linear_cross_entropy(
         per_token = per_token * weights.reshape(-1).to(per_token.dtype)
     count = (labels != IGNORE_INDEX).sum()
     return per_token.sum() / count.clamp(min=1)
+
+
+class _LinearLogprobs(torch.autograd.Function):
+    """hidden [N, H], weight [V, H], bias [V] or None, labels [N] -> (log-probability of each target under
+    softmax(logits / temperature) [N], that distribution's entropy [N] or an empty tensor); see
+    `linear_token_logprobs`."""
+
+    @staticmethod
+    def forward(
+        ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, temperature: float, chunk: int,
+        entropy: bool,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        count = labels.shape[0]
+        logp = hidden.new_empty(count, dtype=dtype)
+        lse = torch.empty_like(logp)
+        entropies = torch.empty_like(logp) if entropy else logp.new_empty(0)
+        for start in range(0, count, chunk):
+            rows = slice(start, start + chunk)
+            z, targets = _logits(hidden[rows], weight, bias), labels[rows]
+            if temperature != 1.0:
+                z.div_(temperature)
+            picked = z.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
+            if entropy:  # one exp for both: lse = m + log sum e, H = lse - sum_v p_v z_v, e = exp(z - m)
+                top = z.amax(dim=-1, keepdim=True)
+                e = (z - top).exp_()
+                total = e.sum(-1)
+                lse[rows] = top.squeeze(1) + total.log()
+                entropies[rows] = lse[rows] - e.mul_(z).sum(-1) / total
+                del e
+            else:
+                lse[rows] = torch.logsumexp(z, dim=-1)
+            logp[rows] = torch.where(targets != IGNORE_INDEX, picked - lse[rows], 0.0)
+            del z
+        ctx.chunk, ctx.temperature, ctx.entropy = chunk, temperature, entropy
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, entropies)
+        return logp, entropies
+
+    @staticmethod
+    def backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):
+        hidden, weight, bias, labels, lse, entropies = ctx.saved_tensors
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        if grad_entropy is not None and not ctx.entropy:
+            grad_entropy = None
+        if grad_logp is None and grad_entropy is None:
+            return None, None, None, None, None, None, None
+        accumulate = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=weight.device) if need_weight else None
+        grad_bias = torch.zeros(bias.shape, dtype=accumulate, device=bias.device) if need_bias else None
+        temperature = ctx.temperature
+        for start in range(0, labels.shape[0], ctx.chunk):
+            rows = slice(start, start + ctx.chunk)
+            h, targets = hidden[rows], labels[rows]
+            valid = targets != IGNORE_INDEX
+            g_logp = lse.new_zeros(h.shape[0]) if grad_logp is None else grad_logp[rows]
+            g_logp = torch.where(valid, g_logp, 0.0).to(lse.dtype)
+            # d logp / dz = onehot - p;  d H / dz = -p (log p + H); built in place in the chunk's logits buffer
+            log_p = _logits(h, weight, bias)
+            if temperature != 1.0:
+                log_p.div_(temperature)
+            log_p.sub_(lse[rows, None])
+            if grad_entropy is not None:
+                g_entropy = grad_entropy[rows].to(lse.dtype)[:, None]
+                grad = log_p.exp()
+                grad.mul_(log_p.add_(entropies[rows, None]).mul_(g_entropy).add_(g_logp[:, None])).neg_()
+            else:
+                grad = log_p.exp_().mul_(-g_logp[:, None])
+            del log_p
+            grad.scatter_add_(1, targets.clamp(min=0)[:, None], g_logp[:, None])  # no host read
+            if temperature != 1.0:
+                grad.div_(temperature)
+            grad = grad.to(weight.dtype)
+            if grad_hidden is not None:
+                grad_hidden[rows] = grad @ weight
+            if grad_weight is not None:
+                if grad.dtype == accumulate:
+                    grad_weight.addmm_(grad.t(), h)
+                else:
+                    grad_weight.add_(grad.t() @ h)
+            if grad_bias is not None:
+                grad_bias.add_(grad.sum(0))
+            del grad
+        grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
+        grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def linear_token_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    chunk_tokens: int | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """The policy and preference heads' inputs without the whole logits: ([...] log-probability of each target under
+    softmax(F.linear(hidden, weight, bias) / temperature), 0 where `labels == IGNORE_INDEX`; [...] that
+    distribution's entropy at every position, or None), float32 (float64 for a float64 weight), both differentiable,
+    chunked over the tokens like `linear_token_cross_entropy` (the entropy's backward runs only when it is used)."""
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(f"fused LM head: hidden {list(hidden.shape)} does not match labels {list(labels.shape)}")
+    chunk = chunk_tokens or default_chunk_tokens(weight.shape[0])
+    flat_labels = labels.reshape(-1).to(hidden.device)
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    logp, entropies = _LinearLogprobs.apply(flat_hidden, weight, bias, flat_labels, temperature, chunk, entropy)
+    return logp.view(labels.shape), entropies.view(labels.shape) if entropy else None

@@ -1,10 +1,12 @@
 """What every loss head shares: the local mean over valid targets (from logits, or fused with the LM head's matmul:
-`lm_head_loss`), and the FLOPs estimate of a decoder."""
+`lm_head_loss`), the targets' log-probabilities and entropies the policy and preference heads read (`LogprobRequest`,
+`lm_head_logprobs`, fused the same way), and the FLOPs estimate of a decoder."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +14,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from veomni_lite.loss_keys import IGNORE_INDEX
-from veomni_lite.models.fused_ce import linear_cross_entropy
+from veomni_lite.models.fused_ce import linear_cross_entropy, linear_token_logprobs
 
 # Tokens per cross-entropy chunk: a chunk's float32 logits and log-probabilities are the most any head holds at once
 # (0: one chunk, the whole micro-batch).
@@ -62,6 +64,47 @@ def lm_head_loss(
     if fused and type(head) is nn.Linear:  # a wrapped head (an adapter, say) computes its own logits
         return linear_cross_entropy(hidden, head.weight, labels, weights, head.bias)
     return masked_mean_cross_entropy(head(hidden), labels, weights)
+
+
+def token_logprobs(
+    logits: Tensor, labels: Tensor, temperature: float = 1.0, entropy: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """From whole logits: ([B, S] log-probability of each target under softmax(logits / temperature), 0 where the
+    label is ignored; [B, S] entropy of that distribution, or None). Computed in float32 at least."""
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    logp_all = F.log_softmax(logits.to(dtype) / temperature, dim=-1)
+    valid = labels != IGNORE_INDEX
+    logp = logp_all.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    logp = torch.where(valid, logp, 0.0)
+    if not entropy:
+        return logp, None
+    return logp, -(logp_all.exp() * logp_all).sum(-1)
+
+
+@dataclass(frozen=True)
+class LogprobRequest:
+    """What a model's forward computes instead of a loss when given `logprobs=LogprobRequest(...)`: the
+    log-probability of each of `labels` (shifted like any labels key; IGNORE_INDEX: 0) under softmax(logits /
+    `temperature`) and, with `entropy`, that distribution's entropy at every position (see `lm_head_logprobs`)."""
+
+    labels: Tensor
+    temperature: float = 1.0
+    entropy: bool = False
+
+
+def lm_head_logprobs(head: nn.Module, hidden: Tensor, request: LogprobRequest, fused: bool = True) -> dict[str, Tensor]:
+    """{"logprobs": [B, S], "entropy": [B, S] (with `request.entropy`)} of `request` (float32 at least, differentiable):
+    `token_logprobs(head(hidden), ...)`; for a plain `nn.Linear` head and `fused`, computed chunk by chunk from its
+    parameters (`linear_token_logprobs`), so the [tokens, vocab] logits are never whole in memory. Call it inside the
+    model's forward (FSDP2 has all-gathered the head there)."""
+    labels = request.labels.to(hidden.device)
+    if fused and type(head) is nn.Linear:  # a wrapped head (an adapter, say) computes its own logits
+        logp, entropy = linear_token_logprobs(
+            hidden, head.weight, labels, head.bias, request.temperature, request.entropy
+        )
+    else:
+        logp, entropy = token_logprobs(head(hidden), labels, request.temperature, request.entropy)
+    return {"logprobs": logp} if entropy is None else {"logprobs": logp, "entropy": entropy}
 
 
 def decoder_flops_per_token(

@@ -5,9 +5,10 @@ Built from a config dict (`{"model_type": "qwen2", "hidden_size": 64, ...}`, no 
 micro-batch with labels already shifted once (a packed row adds `attention_sequence_ids`, its whole row's samples on
 the host, from which `decoder_attention_inputs` builds the block mask or flash-attention's boundaries), and returns
 `{"foundation_loss": mean cross-entropy over this rank's valid targets}` (an exact 0 without targets), the LM head
-fused with the cross-entropy unless `fused_lm_head` is False (`lm_head_loss`); without labels it returns
-`{"logits"}`. The decoder runs with the positions it is given (global positions under SP), so no model code changes
-for Ulysses.
+fused with the cross-entropy unless `fused_lm_head` is False (`lm_head_loss`); with `logprobs=LogprobRequest(...)`
+the targets' log-probabilities (and entropies) the policy and preference heads read, fused the same way
+(`lm_head_logprobs`); without either it returns `{"logits"}`. The decoder runs with the positions it is given (global
+positions under SP), so no model code changes for Ulysses.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS
-from veomni_lite.models.heads import decoder_flops_per_token, lm_head_loss
+from veomni_lite.models.heads import LogprobRequest, decoder_flops_per_token, lm_head_logprobs, lm_head_loss
 from veomni_lite.models.hf_attention import decoder_attention_inputs, enable_ulysses
 from veomni_lite.models.pretrained import LOCAL_ONLY, load_config, save_config
 from veomni_lite.models.registry import dtype_of
@@ -105,8 +106,12 @@ class HFCausalLM(TrainableModel):
         labels: torch.Tensor | None = None,
         foundation_loss_weights: torch.Tensor | None = None,
         attention_sequence_ids: torch.Tensor | None = None,
+        logprobs: LogprobRequest | None = None,
         **_: Any,
     ) -> dict[str, torch.Tensor]:
+        if logprobs is not None:
+            hidden = self.hidden_states(input_ids, position_ids, attention_sequence_ids)
+            return lm_head_logprobs(self.hf_model.lm_head, hidden, logprobs, self.fused_lm_head)
         if labels is None:
             return {"logits": self.logits(input_ids, position_ids, attention_sequence_ids)}
         hidden = self.hidden_states(input_ids, position_ids, attention_sequence_ids)

@@ -35,7 +35,13 @@ from torch import Tensor, nn
 
 from veomni_lite.data.collator import packed_positions, sequence_ids, shift_labels
 from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS, IGNORE_INDEX, SEQUENCE_IDS
-from veomni_lite.models.heads import decoder_flops_per_token, lm_head_loss, masked_mean_cross_entropy
+from veomni_lite.models.heads import (
+    LogprobRequest,
+    decoder_flops_per_token,
+    lm_head_logprobs,
+    lm_head_loss,
+    masked_mean_cross_entropy,
+)
 from veomni_lite.models.hf_attention import decoder_attention_inputs, enable_ulysses
 from veomni_lite.models.pretrained import load_config, save_config
 from veomni_lite.models.registry import dtype_of, family_of
@@ -282,11 +288,14 @@ class QwenVLWithImageHead(TrainableModel):
         foundation_loss_weights: Tensor | None = None,
         image_decoder_loss_weights: Tensor | None = None,
         attention_sequence_ids: Tensor | None = None,
+        logprobs: LogprobRequest | None = None,
         **_: Any,
     ) -> dict[str, Tensor]:
         hidden = self.hidden_states(
             input_ids, position_ids, image_feature_index, pixel_values, image_grid_thw, attention_sequence_ids
         )
+        if logprobs is not None:  # the policy and preference heads' inputs (see `lm_head_logprobs`)
+            return lm_head_logprobs(self.vlm.lm_head, hidden, logprobs, self.fused_lm_head)
         head = self.image_head
         if labels is None:
             logits = self.vlm.lm_head(hidden)

@@ -2,18 +2,21 @@
 
 Batch keys (per position of the SP shard, in the shifted frame of `policy_labels`: position t holds what concerns the
 target token at t + 1): `policy_labels` (response tokens; prompts, padding and masked responses are IGNORE_INDEX),
-`policy_advantages` (the sample's advantage A), `policy_old_logprobs` (old_t, before the rollout batch's first update),
+`policy_advantages` (the sample's advantage A), `policy_old_logprobs` (old_t, before the rollout batch's first update;
+absent on policy, with one mini-batch and one epoch, where it is logp_t itself, detached, as TRL and verl take it),
 `policy_ref_logprobs` (the frozen reference's, where `kl_coef` > 0), `policy_engine_logprobs` (the rollout engine's,
 where `importance_sampling` is on), `sequence_ids`, and `policy_loss_weights` under seq-mean-token-mean.
 
-With logp_t = log softmax(logits / temperature) at the target, r_t = exp(logp_t - old_t):
+The model gives logp_t = log softmax(logits / temperature) at the target and the entropy H_t of that distribution
+(`LogprobRequest`: fused with the LM head, the [tokens, vocab] logits never whole); with r_t = exp(logp_t - old_t):
   ppo_clip  pg_t = max(-A r_t, -A clip(r_t, 1 - clip_low, 1 + clip_high)); with dual_clip c and A < 0, min(pg_t, -A c)
   gspo      the same with r_t replaced by s = exp(mean over the sequence's response tokens of (logp - old)), the mean
             taken over the whole sequence (`sequence_sums`, exact under packing and SP, with its gradient)
   l_t = w_t pg_t + kl_coef kl_t - entropy_coef H_t
 w_t = min(exp(old_t - engine_t), is_cap) for `importance_sampling: token`, min(exp(sum over the sequence of (old -
-engine)), is_cap) for `sequence`, else 1 (detached). kl_t is `kl_estimator` of d = logp - ref: k1 d, k2 d^2 / 2, k3
-exp(-d) + d - 1. `mean_global_loss` then makes the step's value exactly the mode's over every micro-batch and rank.
+engine)), is_cap) for `sequence`, else 1 (detached; 1 too for rollouts given without the engine's log-probabilities).
+kl_t is `kl_estimator` of d = logp - ref: k1 d, k2 d^2 / 2, k3 exp(-d) + d - 1. `mean_global_loss` then makes the step's
+value exactly the mode's over every micro-batch and rank.
 """
 
 from __future__ import annotations
@@ -24,9 +27,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from veomni_lite.loss_keys import IGNORE_INDEX, SEQUENCE_IDS, loss_weights_key
+from veomni_lite.models.heads import token_logprobs
 from veomni_lite.rl.config import POLICY, RLConfig
 from veomni_lite.rl.sequence import sequence_sums
 
@@ -45,23 +48,9 @@ __all__ = [
     "REF_LOGPROBS",
     "TOKEN_VALUES",
     "PolicyLoss",
+    "engine_mismatch",
     "token_logprobs",
 ]
-
-
-def token_logprobs(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """([B, S] log-probability of each target under softmax(logits / temperature), 0 where the label is ignored;
-    [B, S] entropy of that distribution, or None). Computed in float32 at least."""
-    dtype = torch.promote_types(logits.dtype, torch.float32)
-    logp_all = F.log_softmax(logits.to(dtype) / temperature, dim=-1)
-    valid = labels != IGNORE_INDEX
-    logp = logp_all.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    logp = torch.where(valid, logp, 0.0)
-    if not entropy:
-        return logp, None
-    return logp, -(logp_all.exp() * logp_all).sum(-1)
 
 
 def _kl(logp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -96,22 +85,26 @@ class PolicyLoss:
         )  # fmt: skip
 
     def __call__(
-        self, logits: torch.Tensor, batch: Mapping[str, Any], sp_group: dist.ProcessGroup | None = None
+        self, outputs: Mapping[str, torch.Tensor], batch: Mapping[str, Any], sp_group: dist.ProcessGroup | None = None
     ) -> dict[str, Any]:
         """{"policy_loss": this shard's mean over its valid tokens of w l_t (an exact 0 without any), "metrics":
-        {name: (total, count)} of this shard's tokens}. Collective over `sp_group` for gspo and sequence-level
-        importance sampling (every shard calls it alike)."""
-        labels = batch[POLICY_LABELS].to(logits.device)
+        {name: (total, count)} of this shard's tokens} from the model's `outputs` ({"logprobs", "entropy"} [B, S] of
+        `LogprobRequest(batch["policy_labels"], temperature, entropy=True)`). Collective over `sp_group` for gspo and
+        sequence-level importance sampling (every shard calls it alike)."""
+        logp, entropy = outputs["logprobs"], outputs["entropy"]
+        device = logp.device
+        labels = batch[POLICY_LABELS].to(device)
         valid = labels != IGNORE_INDEX
         mask = valid.to(torch.float64)
-        logp, entropy = token_logprobs(logits, labels, self.temperature, entropy=True)
-        logp = logp.double()
+        out_dtype = torch.promote_types(logp.dtype, torch.float32)
+        logp = torch.where(valid, logp.double(), 0.0)
 
         def key(name: str) -> torch.Tensor:
-            return torch.where(valid, batch[name].to(logits.device, torch.float64), 0.0)
+            return torch.where(valid, batch[name].to(device, torch.float64), 0.0)
 
-        advantages, old = key(ADVANTAGES), key(OLD_LOGPROBS)
-        sequences = batch[SEQUENCE_IDS].to(logits.device)
+        on_policy = OLD_LOGPROBS not in batch
+        advantages, old = key(ADVANTAGES), logp.detach() if on_policy else key(OLD_LOGPROBS)
+        sequences = batch[SEQUENCE_IDS].to(device)
         log_ratio = torch.where(valid, logp - old, 0.0)
         if self.policy_loss == "gspo":
             counts = sequence_sums(mask, sequences, sp_group)
@@ -121,14 +114,17 @@ class PolicyLoss:
         pg = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(low, high))
         if self.dual_clip:
             pg = torch.where(advantages < 0, torch.minimum(pg, -advantages * self.dual_clip), pg)
-        if self.importance_sampling != "none":
-            diff = torch.where(valid, old - key(ENGINE_LOGPROBS), 0.0)
+        metrics: dict[str, Any] = {}
+        count = mask.sum()
+        engine = key(ENGINE_LOGPROBS) if ENGINE_LOGPROBS in batch else None  # None: rollouts given without them
+        if self.importance_sampling != "none" and engine is not None:
+            diff = torch.where(valid, old - engine, 0.0)
             if self.importance_sampling == "sequence":
                 diff = sequence_sums(diff, sequences, sp_group)
             pg = pg * torch.exp(diff).clamp(max=self.is_cap)
+        if on_policy and engine is not None:  # else the trainer records these from the old pass
+            metrics.update(engine_mismatch(old, engine, valid))
         per_token = pg
-        metrics: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        count = mask.sum()
         if self.kl_coef:
             kl = _kl(logp, key(REF_LOGPROBS), self.kl_estimator)
             per_token = per_token + self.kl_coef * kl
@@ -138,12 +134,26 @@ class PolicyLoss:
             per_token = per_token - self.entropy_coef * entropy
         weights = batch.get(loss_weights_key(POLICY))
         if weights is not None:
-            per_token = per_token * weights.to(logits.device, torch.float64)
+            per_token = per_token * weights.to(device, torch.float64)
         loss = torch.where(valid, per_token, 0.0).sum() / count.clamp(min=1)
         with torch.no_grad():
-            metrics["rl/entropy"] = ((entropy * mask).sum(), count)
+            metrics["rl/entropy"] = ((torch.where(valid, entropy, 0.0)).sum(), count)
             clipped_low = (ratio < low) & (advantages < 0) & valid
             clipped_high = (ratio > high) & (advantages > 0) & valid
             metrics["rl/clip_ratio/low"] = (clipped_low.sum().double(), count)
             metrics["rl/clip_ratio/high"] = (clipped_high.sum().double(), count)
-        return {f"{POLICY}_loss": loss.to(torch.promote_types(logits.dtype, torch.float32)), "metrics": metrics}
+        return {f"{POLICY}_loss": loss.to(out_dtype), "metrics": metrics}
+
+
+@torch.no_grad()
+def engine_mismatch(old: torch.Tensor, engine: torch.Tensor, valid: torch.Tensor) -> dict[str, Any]:
+    """`rl/importance_ratio/{mean,min,max}` exp(old - engine) and `rl/logprob_diff` |old - engine| over the `valid`
+    tokens (metric values: (total, count) for means, tensors for extrema, +-inf without valid tokens; no host read)."""
+    ratio = torch.exp(old - engine)
+    count = valid.sum().double()
+    return {
+        "rl/importance_ratio/mean": (torch.where(valid, ratio, 0.0).sum(), count),
+        "rl/importance_ratio/min": torch.where(valid, ratio, torch.inf).min(),
+        "rl/importance_ratio/max": torch.where(valid, ratio, -torch.inf).max(),
+        "rl/logprob_diff": (torch.where(valid, (old - engine).abs(), 0.0).sum(), count),
+    }

@@ -42,7 +42,6 @@ import torch.nn.functional as F
 
 from veomni_lite.config import ConfigError
 from veomni_lite.loss_keys import IGNORE_INDEX, SEQUENCE_IDS, seq_starts_key
-from veomni_lite.rl.policy_loss import token_logprobs
 from veomni_lite.rl.sequence import sequence_totals
 
 PREF = "pref"  # the head's name: `pref_labels`, `pref_loss`
@@ -186,8 +185,9 @@ class PreferenceLoss:
         self, output: torch.Tensor, batch: Mapping[str, Any], sp_group: dist.ProcessGroup | None = None
     ) -> dict[str, Any]:
         """{"pref_loss": this shard's placed pair losses over its valid `pref_labels` entries (an exact 0 without
-        any), "metrics": {name: (total, pairs)} of the pairs anchored on this shard}. `output`: the logits [B, S, V]
-        (DPO family) or the per-position scores [B, S] (bradley_terry). Collective over `sp_group` (every shard calls
+        any), "metrics": {name: (total, pairs)} of the pairs anchored on this shard}. `output` [B, S]: the model's
+        log-probability of each `pref_labels` target (DPO family; `LogprobRequest`, 0 where ignored) or its
+        per-position scores (bradley_terry). Collective over `sp_group` (every shard calls
         it alike)."""
         device = output.device
         labels = batch[PREF_LABELS].to(device)
@@ -201,8 +201,7 @@ class PreferenceLoss:
         if self.loss == "bradley_terry":
             channels = [torch.where(valid, output.double(), 0.0), per_position(MARGINS)]
         else:
-            logp = token_logprobs(output, labels)[0].double()
-            channels = [logp, valid.double(), per_position(REF_LOGPROBS)]
+            channels = [torch.where(valid, output.double(), 0.0), valid.double(), per_position(REF_LOGPROBS)]
         totals = sequence_totals(torch.stack(channels), ids, sp_group)
         pairs = totals.shape[1] // 2
         losses, values = self.pair_losses(totals[:, 0 : 2 * pairs : 2], totals[:, 1 : 2 * pairs : 2])

@@ -2,15 +2,16 @@
 
 An `SFTTrainer` whose samples are pairs (`veomni_lite.rl.preference_data`, `data.format: preference`), collated by
 `collate_pairs` (padded or packed, under `train.micro_batch_size` or the token budget) and SP-sliced like any batch;
-`forward` turns the model's logits (a reward model's scores) into the `pref` head (`PreferenceLoss`), whose mode is
-`seq-mean-token-sum` over pairs, so `LossStep` + `mean_global_loss` make every step exactly the mean over its pairs on
-all ranks (one loss all-reduce per step). The reference of sigmoid / ipo / hinge is the initial weights
-(`ReferenceWeights`: this rank's shards cloned, or under LoRA the adapters off), run on the same micro-batch before the
-policy's forward, or with `pref.precompute_reference` computed once before training, each rank a share of the pairs,
-into an Arrow cache inside the pair cache's directory (`<pair cache>/reference/<fingerprint>/`, keyed by the weights
-files and the master dtype; reused by a later run or a resume, read memory-mapped, nothing loaded runs code). The
-pairs themselves are preprocessed once into `data.cache_dir` (`PairDataset`) and read memory-mapped. Metrics (TRL's
-names, pair-weighted over micro-batches, ranks and the log window) and `eval/...` the same on `data.eval_path`.
+`forward` turns the model's token log-probabilities (fused with its LM head; a reward model's scores) into the `pref`
+head (`PreferenceLoss`), whose mode is `seq-mean-token-sum` over pairs, so `LossStep` + `mean_global_loss` make every
+step exactly the mean over its pairs on all ranks (one loss all-reduce per step). The reference of sigmoid / ipo / hinge
+is the initial weights (`ReferenceWeights`: this rank's shards cloned, or under LoRA the adapters off), run on the same
+micro-batch before the policy's forward, or with `pref.precompute_reference` computed once before training, each rank a
+share of the pairs, into an Arrow cache inside the pair cache's directory (`<pair cache>/reference/<fingerprint>/`,
+keyed by the weights files and the master dtype; reused by a later run or a resume, read memory-mapped, nothing loaded
+runs code). The pairs themselves are preprocessed once into `data.cache_dir` (`PairDataset`) and read memory-mapped.
+Metrics (TRL's names, pair-weighted over micro-batches, ranks and the log window) and `eval/...` the same on
+`data.eval_path`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from veomni_lite.distributed.collectives import agree, all_gather_objects, all_r
 from veomni_lite.distributed.sequence_parallel import slice_micro_batch
 from veomni_lite.loss_keys import IGNORE_INDEX, SEQUENCE_IDS, is_labels_key
 from veomni_lite.metrics.accumulator import MetricSpec
+from veomni_lite.models.heads import LogprobRequest
 from veomni_lite.models.hf_reward_model import HFRewardModel
 from veomni_lite.models.pretrained import (
     check_vocabulary,
@@ -41,7 +43,6 @@ from veomni_lite.models.pretrained import (
 )
 from veomni_lite.models.registry import DTYPES
 from veomni_lite.plain_loop import LossStep
-from veomni_lite.rl.policy_loss import token_logprobs
 from veomni_lite.rl.preference import (
     DPO_METRICS,
     PREF,
@@ -176,15 +177,19 @@ class PreferenceTrainer(SFTTrainer):
         return slice_micro_batch(micro_batch, self.parallel.sp_rank, self.parallel.sp_size, pad_id=self.pad_id)
 
     def _model_output(self, batch: Mapping[str, Any]) -> torch.Tensor:
-        outputs = self.model(**{k: v for k, v in batch.items() if not is_labels_key(k)})
-        return outputs["scores" if self.pref.reward_model else "logits"]
+        """[B, S]: a reward model's scores, else the log-probability of each `pref_labels` target (the LM head fused
+        with them unless `model.fused_lm_head` is false: `LogprobRequest`)."""
+        inputs = {k: v for k, v in batch.items() if not is_labels_key(k)}
+        if self.pref.reward_model:
+            return self.model(**inputs)["scores"]
+        return self.model(**inputs, logprobs=LogprobRequest(batch[PREF_LABELS]))["logprobs"]
 
     def forward(self, micro_batch: Mapping[str, Any]) -> Mapping[str, Any]:
         """The pref head of one micro-batch from the model's output; the live reference's log-probabilities first."""
         batch = self.preforward(micro_batch)
         if self.reference is not None:
             with torch.no_grad(), self.reference.active():
-                batch[REF_LOGPROBS] = token_logprobs(self._model_output(batch), batch[PREF_LABELS])[0].double()
+                batch[REF_LOGPROBS] = self._model_output(batch).double()
         sp_group = self.parallel.sp_group if self.parallel.sp_size > 1 else None
         return self.head(self._model_output(batch), batch, sp_group)
 
@@ -237,7 +242,7 @@ class PreferenceTrainer(SFTTrainer):
                 members = chunks[round_] if round_ < len(chunks) else [0]  # a rank without pairs left: a forward
                 whole = self.collate([pairs[i] for i in members])
                 batch = self.preforward(self.shard(whole))
-                logp = token_logprobs(self._model_output(batch), batch[PREF_LABELS])[0].double().cpu()
+                logp = self._model_output(batch).double().cpu()
                 if self.parallel.sp_size > 1:
                     shards = all_gather_objects(logp, self.parallel.sp_group)
                     logp = torch.cat(shards, dim=1)[:, : whole["input_ids"].shape[1]]

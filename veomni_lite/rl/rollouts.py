@@ -79,10 +79,10 @@ class RolloutSample:
             ENGINE_LOGPROBS: self.engine_logprobs,
         }
         for key, value in values.items():
-            full = torch.zeros(prompt + response, dtype=torch.float64)
-            if value is not None:
+            if value is not None:  # absent: not computed (old on policy, no reference) or not given (engine)
+                full = torch.zeros(prompt + response, dtype=torch.float64)
                 full[prompt:] = torch.tensor(value, dtype=torch.float64)
-            out[key] = full
+                out[key] = full
         return out
 
 
@@ -94,16 +94,18 @@ def collate_rollouts(
     samples: Sequence[Mapping[str, torch.Tensor]], collate: Callable[..., dict[str, torch.Tensor]], packing: bool
 ) -> dict[str, torch.Tensor]:
     """`RolloutSample.tensors` of several samples -> one micro-batch: `collate` (the model's own collate function,
-    taking `labels`) makes the ids, labels and positions; each float key is shifted like the labels and padded with 0
-    (or packed in the same order)."""
+    taking `labels`) makes the ids, labels and positions; each float key any sample has is shifted like the labels and
+    padded with 0 (or packed in the same order; 0 for a sample without it)."""
     base = [
         {("labels" if k == POLICY_LABELS else k): v for k, v in s.items() if k not in TOKEN_VALUES} for s in samples
     ]
     batch = collate(base)
     batch[POLICY_LABELS] = batch.pop("labels")
     rows, length = batch["input_ids"].shape[:2]
-    for key in TOKEN_VALUES:
-        shifted = [_shift(s[key]) for s in samples]
+    for key in (k for k in TOKEN_VALUES if any(k in s for s in samples)):
+        shifted = [
+            _shift(s[key]) if key in s else torch.zeros(len(s["input_ids"]), dtype=torch.float64) for s in samples
+        ]
         if packing:
             flat = torch.cat(shifted)
             batch[key] = torch.cat([flat, flat.new_zeros(length - flat.numel())])[None]

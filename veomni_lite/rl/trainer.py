@@ -38,6 +38,7 @@ from veomni_lite.distributed.collectives import agree, all_gather_objects, all_r
 from veomni_lite.distributed.sequence_parallel import slice_micro_batch
 from veomni_lite.loss_keys import IGNORE_INDEX, SEQUENCE_IDS, is_labels_key
 from veomni_lite.metrics.accumulator import MetricSpec
+from veomni_lite.models.heads import LogprobRequest
 from veomni_lite.models.pretrained import (
     check_vocabulary,
     is_vision_language,
@@ -48,7 +49,7 @@ from veomni_lite.models.pretrained import (
 from veomni_lite.rl.advantages import group_advantages
 from veomni_lite.rl.config import POLICY, RLConfig
 from veomni_lite.rl.engine import RolloutEngine, RolloutRequest, SamplingSettings, TransformersEngine
-from veomni_lite.rl.policy_loss import OLD_LOGPROBS, POLICY_LABELS, REF_LOGPROBS, PolicyLoss, token_logprobs
+from veomni_lite.rl.policy_loss import OLD_LOGPROBS, POLICY_LABELS, REF_LOGPROBS, PolicyLoss, engine_mismatch
 from veomni_lite.rl.prompts import Prompt, PromptSet, chat_fields, encode_row, read_prompts
 from veomni_lite.rl.reference import ReferenceWeights
 from veomni_lite.rl.rewards import RewardError, load_rewards, score
@@ -294,10 +295,9 @@ class RLTrainer(SFTTrainer):
         was_training = self.model.training
         self.model.eval()
         batch = self.preforward(self._mark_and_slice(whole))
-        logits = self.model(**{k: v for k, v in batch.items() if not is_labels_key(k)})["logits"]
+        logp = self._model_logprobs(batch, LogprobRequest(batch[POLICY_LABELS]))["logprobs"]
         self.model.train(was_training)
-        values = self._whole_sequence(token_logprobs(logits, batch[POLICY_LABELS], 1.0)[0].double().cpu(),
-                                      whole["input_ids"].shape[1])  # fmt: skip
+        values = self._whole_sequence(logp.double().cpu(), whole["input_ids"].shape[1])
         return _response_values(whole, values, [sample], 0)
 
     def close(self) -> None:
@@ -336,18 +336,23 @@ class RLTrainer(SFTTrainer):
             micro_batch = mark_sequences(micro_batch, self.loss_modes)
         return slice_micro_batch(micro_batch, self.parallel.sp_rank, self.parallel.sp_size, pad_id=self.pad_id)
 
+    def _model_logprobs(self, batch: Mapping[str, Any], request: LogprobRequest) -> dict[str, torch.Tensor]:
+        """The model's {"logprobs", "entropy"} of `request` on a prepared micro-batch (the LM head fused with them
+        unless `model.fused_lm_head` is false: `LogprobRequest`)."""
+        return self.model(**{k: v for k, v in batch.items() if not is_labels_key(k)}, logprobs=request)
+
     def forward(self, micro_batch: Mapping[str, Any]) -> Mapping[str, Any]:
-        """The policy loss of one micro-batch from the model's logits (see `PolicyLoss`)."""
+        """The policy loss of one micro-batch from the model's log-probabilities and entropies (see `PolicyLoss`)."""
         batch = self.preforward(micro_batch)
-        logits = self.model(**{k: v for k, v in batch.items() if not is_labels_key(k)})["logits"]
-        return self.policy(logits, batch, self.parallel.sp_group if self.parallel.sp_size > 1 else None)
+        outputs = self._model_logprobs(batch, LogprobRequest(batch[POLICY_LABELS], self.rl.temperature, entropy=True))
+        return self.policy(outputs, batch, self.parallel.sp_group if self.parallel.sp_size > 1 else None)
 
     @torch.no_grad()
     def logprobs(self, micro_batch: Mapping[str, Any]) -> torch.Tensor:
         """[B, S] log-probabilities of the micro-batch's `policy_labels` under the current weights (eval mode)."""
         batch = self.preforward(micro_batch)
-        logits = self.model(**{k: v for k, v in batch.items() if not is_labels_key(k)})["logits"]
-        return token_logprobs(logits, batch[POLICY_LABELS], self.rl.temperature)[0].double().cpu()
+        request = LogprobRequest(batch[POLICY_LABELS], self.rl.temperature)
+        return self._model_logprobs(batch, request)["logprobs"].double().cpu()
 
     # ------------------------------------------------------------------ rollouts
 
@@ -484,17 +489,30 @@ class RLTrainer(SFTTrainer):
         order = sorted(range(len(samples)), key=lambda i: samples[i].group)  # stable: a group's samples keep order
         return [samples[i] for i in order]
 
+    @property
+    def on_policy(self) -> bool:
+        """One optimizer step per rollout batch (one mini-batch, one epoch): the old log-probabilities are the
+        training forward's own, detached (TRL and verl), so no forward computes them first."""
+        return self.loader.steps_per_rollout == 1
+
     def prepare(self, samples: list[RolloutSample], loader: RolloutLoader) -> list[list[dict[str, torch.Tensor]]]:
-        """Each mini-batch's micro-batches of this rank (marked, sliced); the old and reference log-probabilities
-        computed on them now (before the batch's first update) unless the samples hold them (a resumed batch)."""
+        """Each mini-batch's micro-batches of this rank (marked, sliced); the old (unless `on_policy`) and reference
+        log-probabilities computed on them now (before the batch's first update) unless the samples hold them (a
+        resumed batch)."""
         size = self.config.train.global_batch_size
         mask = self.rl.mask_truncated
         plans = []
         for m in range(loader.minibatches):
             chunk = samples[m * size : (m + 1) * size]
             plans.append([(chunk, indices) for indices in loader.plan(m, chunk)])
-        if samples[0].old_logprobs is None:
+        first = samples[0]
+        if self.on_policy:
+            missing = self.reference is not None and first.ref_logprobs is None
+        else:
+            missing = first.old_logprobs is None
+        if missing:
             self._fill_logprobs(samples, plans)
+        if not self.on_policy:  # on policy the loss records them, from the training forward
             self._record_engine_mismatch([s for s in samples if s.group % self.parallel.world_size == self.rank])
         out = []
         for plan in plans:
@@ -518,7 +536,7 @@ class RLTrainer(SFTTrainer):
                 members = [chunk[i] for i in indices]
                 whole = self.collate([s.tensors() for s in members])
                 sliced = self._mark_and_slice(whole)
-                passes = [(OLD_LOGPROBS, None)]
+                passes = [] if self.on_policy else [(OLD_LOGPROBS, None)]
                 if self.reference is not None:
                     passes.append((REF_LOGPROBS, self.reference))
                 for key, reference in passes:
@@ -536,7 +554,7 @@ class RLTrainer(SFTTrainer):
             merged: dict[int, list[float]] = {}
             for part in all_gather_objects(found[key], self.control_group):
                 merged.update(part)
-            if key == REF_LOGPROBS and self.reference is None:
+            if (key == REF_LOGPROBS and self.reference is None) or (key == OLD_LOGPROBS and self.on_policy):
                 continue
             for index, sample in enumerate(samples):
                 setattr(sample, attribute, merged[index])
@@ -606,11 +624,7 @@ class RLTrainer(SFTTrainer):
             return
         old = torch.tensor([x for o, _ in pairs for x in o], dtype=torch.float64)
         engine = torch.tensor([x for _, e in pairs for x in e], dtype=torch.float64)
-        ratio = torch.exp(old - engine)
-        record = self._pending_records
-        record["rl/importance_ratio/mean"] = (ratio.sum(), float(ratio.numel()))
-        record["rl/importance_ratio/min"], record["rl/importance_ratio/max"] = ratio.min(), ratio.max()
-        record["rl/logprob_diff"] = ((old - engine).abs().sum(), float(ratio.numel()))
+        self._pending_records.update(engine_mismatch(old, engine, torch.ones_like(old, dtype=torch.bool)))
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
         """The loop's step, with this step's rollout metrics and times recorded."""
