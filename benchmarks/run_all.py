@@ -1,13 +1,14 @@
 """`make bench`: run every block, write the raw results and docs/benchmarks.md (`report.py`).
 
 Blocks, in order: the whole step against the peers' loss-normalization schemes and the trainer against a bare loop
-(`bench_worker.py`, `trainer_costs.py`), packing against padding (`packing.py`), the fused LM head (`lm_head.py`),
-SFT data start-up (`data_startup.py`), LoRA against full fine-tuning (`lora.py`), RL rollout generation against
-transformers' own sampling (`rl_generation.py`), an RL step's generation share and reference memory (`rl_step.py`),
-a DPO step against an SFT step and the DPO reference's memory per rank (`preference.py`), rollouts on vLLM and its
-weight sync (`rl_vllm.py`, "not run" without `.venv-vllm`). Each block's module has `block(work_dir, quick) -> dict`
-in the shape `report.py` reads. `--quick` (`make bench QUICK=1`, under 5 minutes on 2 cores) runs the small size of
-every block; the full mode the large ones. Raw results go to `benchmarks/results/<mode>/results.json` (ignored by
+(`bench_worker.py`, `trainer_costs.py`), packing against padding (`packing.py`), the fused LM head (`lm_head.py`), SFT
+data start-up (`data_startup.py`), LoRA against full fine-tuning (`lora.py`), RL rollout generation against
+transformers' own sampling (`rl_generation.py`), an RL step's generation share and reference memory (`rl_step.py`), a
+DPO step against an SFT step and the DPO reference's memory per rank (`preference.py`), SFT, GRPO and DPO at Qwen's
+151,936-token vocabulary (`real_size.py`: peak memory against one logits tensor, time per position), rollouts on vLLM
+and its weight sync (`rl_vllm.py`, "not run" without `.venv-vllm`). Each block's module has `block(work_dir, quick) ->
+dict` in the shape `report.py` reads. `--quick` (`make bench QUICK=1`, under 5 minutes on 2 cores) runs the small size
+of every block; the full mode the large ones. Raw results go to `benchmarks/results/<mode>/results.json` (ignored by
 git); the page to `--out-dir` (default docs/).
 `--report-only` rebuilds the page from that JSON.
 """
@@ -40,6 +41,7 @@ BLOCKS = (
     "rl_generation",
     "rl_step",
     "preference",
+    "real_size",
     "rl_vllm",
 )
 

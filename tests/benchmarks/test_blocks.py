@@ -127,3 +127,29 @@ def test_preference_targets_are_paired_ratios_to_sft(monkeypatch: pytest.MonkeyP
     assert speed[1][2] == pytest.approx(100 / 1.2 / 100)  # live: the median of 60/100, 60/50, 83.3/100
     assert speed[2][5] == 0.5 and speed[0][5] is None
     assert mem[0][4] == 502.0 and mem[0][5] == "+4.0 / +4.5" and mem[1][4] == 497.5
+
+
+def test_real_size_targets(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import real_size
+
+    peaks = {"sft": (500.0, 900.0), "grpo": (480.0, 1000.0), "dpo": (510.0, 1100.0)}
+    seconds = {"sft": [10.0, 12.0, 11.0], "grpo": [15.0, 30.0, 20.0], "dpo": [14.0, 14.0, 14.0]}
+
+    def measure(work_dir: Path, quick: bool) -> dict[str, Any]:
+        jobs = ("grpo",) if quick else real_size.JOBS
+        vocabs = (real_size.BASE_VOCAB, real_size.VOCAB)
+        run = {"seconds": None, "positions": [4096] * 3}
+        return {job: {vocab: {**run, "seconds": seconds[job], "peak_rss_mib": peaks[job][big]}
+                      for big, vocab in enumerate(vocabs)} for job in jobs}  # fmt: skip
+
+    monkeypatch.setattr(real_size, "measure", measure)
+    monkeypatch.setattr(real_size, "model_dir", lambda work_dir, vocab: work_dir)
+    monkeypatch.setattr(real_size, "write_data", lambda work_dir: work_dir)
+    full = by_name(real_size.block(tmp_path, quick=False))
+    grpo, dpo = (f"{real_size.JOBS_LABELS[j]}: peak growth / one float32 logits tensor" for j in ("grpo", "dpo"))
+    assert full[grpo]["values"] == [520.0 / real_size.LOGITS_MIB]
+    assert full[dpo]["values"] == [590.0 / real_size.LOGITS_MIB]
+    assert full["GRPO time per position / SFT's at vocab 151,936"]["values"] == [15 / 11, 30 / 11, 20 / 11]
+    quick = by_name(real_size.block(tmp_path, quick=True))
+    assert quick[grpo]["values"] == [520.0 / real_size.LOGITS_MIB] and quick[dpo]["values"] == []
+    assert "quick mode" in quick["GRPO time per position / SFT's at vocab 151,936"]["note"]
