@@ -15,7 +15,7 @@ import torch
 from veomni_lite.config import ConfigError
 from veomni_lite.data.checks import DataError
 from veomni_lite.data.sft import row_name
-from veomni_lite.rl.rewards import RewardError, RewardFunction, load_rewards, normalize, score
+from veomni_lite.rl.rewards import RewardError, RewardFunction, check_answers, load_rewards, normalize, score
 
 EOT = "<|im_end|>"
 
@@ -88,6 +88,25 @@ def test_math_missing_or_unparseable_answer_is_an_error_naming_the_row():
     ):
         run(exact, ["7", "7"], ["7", None])
     assert issubclass(RewardError, DataError)
+
+
+def test_check_answers_raises_at_start_what_scoring_the_row_would_raise(tmp_path):
+    write(tmp_path / "mine.py", USER_REWARDS)
+    rewards = load_rewards(
+        [{"name": "fmt", "function": "regex", "pattern": "="}, {"name": "mine", "function": "mine.py:score"},
+         {"name": "correct", "function": "math"}], tmp_path
+    )  # fmt: skip
+    rows = [row_name("data/rl.jsonl", i) for i in range(3)]
+    for answers in (["7", None, "4"], ["7", "seven", "4"], ["7", 4.5, "4"]):
+        with pytest.raises(RewardError) as scored:
+            score(rewards, ["q"] * 3, ["7"] * 3, answers, [{}] * 3, rows)
+        with pytest.raises(RewardError) as checked:
+            check_answers(rewards, answers, rows)
+        assert str(checked.value) == str(scored.value)
+        assert "reward 'correct' (built-in math), data/rl.jsonl, row 1 (0-based)" in str(checked.value)
+    check_answers(rewards, ["7", "1/2", 4], rows)  # usable answers pass
+    # regex and a user's function are not checked (a user's function decides for itself what a missing answer means)
+    check_answers(rewards[:2], [None] * 3, rows)
 
 
 def test_regex_searches_the_completion():

@@ -32,6 +32,10 @@ Contract:
   row, and the first row that raises alone is named; rewards should be pure functions), returns a value that is not
   a real number or not finite, or returns the wrong number of values (the message then names the batch's rows).
 - `score` gives (total float64 [N] = sum over rewards of weight * value, {name: float64 [N] unweighted}).
+- `check_answers(rewards, answers, rows)` raises, before any rollout, the RewardError scoring would raise on the first
+  row whose reference answer a reward that needs one cannot use (`exact_match`: a missing or non-text answer; `math`:
+  also one math-verify cannot parse); the trainer calls it on every prompt row at start. A user's function is not
+  checked (whether it needs the answer is its own).
 Each rank scores the rollouts it generated; the trainer then calls `agree(problem, RewardError, group)`, so a
 reward that fails on one rank's row is the same named error on every rank.
 """
@@ -93,6 +97,8 @@ class RewardFunction:
     where: str
     fn: Callable[..., Any] = field(repr=False, compare=False)
     per_row: bool = field(default=False, repr=False)
+    answer_check: Callable[[Any], Any] | None = field(default=None, repr=False, compare=False)
+    """A built-in's check of one reference answer (raises `_RowProblem`), None when the reward needs no answer."""
 
     def __call__(
         self,
@@ -132,6 +138,17 @@ class RewardFunction:
         except Exception as exc:  # noqa: BLE001 - find the row, then name it
             raise self._row_that_raises(prompts, completions, answers, columns, rows, exc) from exc
         return self._check(out, rows)
+
+    def check_answers(self, answers: Sequence[Any], rows: Sequence[str]) -> None:
+        """Raise the RewardError scoring would raise on the first row (`rows[i]` names row i) whose reference answer
+        this reward cannot use; a reward that needs no answer (`answer_check` None) checks nothing."""
+        if self.answer_check is None:
+            return
+        for answer, row in zip(answers, rows, strict=True):
+            try:
+                self.answer_check(answer)
+            except Exception as exc:  # noqa: BLE001 - the same named error as the row's scoring
+                raise self._error(row, _describe(exc)) from exc
 
     def _row_that_raises(
         self,
@@ -235,6 +252,13 @@ def score(
     return total, each
 
 
+def check_answers(rewards: Sequence[RewardFunction], answers: Sequence[Any], rows: Sequence[str]) -> None:
+    """Every reward's `check_answers` on the rows' reference answers, rewards in order (the first RewardError, as
+    `score` would raise it on that row)."""
+    for reward in rewards:
+        reward.check_answers(answers, rows)
+
+
 # ---- built-ins ----
 
 
@@ -280,13 +304,19 @@ def _parse_reference(answer: str, timeout: int | None) -> list[Any]:
     return parse(answer, parsing_timeout=timeout)
 
 
+def _math_reference(answer: Any, timeout: int | None = None) -> list[Any]:
+    """math-verify's parse of a reference answer (a `_RowProblem` when there is none, or it finds nothing)."""
+    reference = _parse_reference(_answer_text(answer), timeout)
+    if not reference:
+        raise _RowProblem(f"math-verify finds no answer it can parse in the reference {answer!r}")
+    return reference
+
+
 def _math(prompt: str, completion: str, answer: Any) -> float:
     from math_verify import parse, verify
 
     timeout = _math_timeout()
-    reference = _parse_reference(_answer_text(answer), timeout)
-    if not reference:
-        raise _RowProblem(f"math-verify finds no answer it can parse in the reference {answer!r}")
+    reference = _math_reference(answer, timeout)
     predicted = parse(completion, parsing_timeout=timeout)
     return float(bool(predicted) and verify(reference, predicted, timeout_seconds=timeout))
 
@@ -316,6 +346,13 @@ def _regex(pattern: re.Pattern[str]) -> Callable[[str, str, Any], float]:
         return float(pattern.search(completion) is not None)
 
     return regex
+
+
+_ANSWER_CHECKS: dict[str, Callable[[Any], Any]] = {
+    "exact_match": _answer_text,
+    "math": lambda answer: _math_reference(answer, _math_timeout()),
+}
+"""The built-ins that need a reference answer: each one's check of it (what its scoring of the row would raise)."""
 
 
 # ---- loading ----
@@ -349,7 +386,8 @@ def load_rewards(
         options = {k: v for k, v in spec.items() if k not in _SPEC_KEYS}
         if target in BUILT_INS:
             fn = _built_in(at, target, options, Path(base_dir))
-            loaded.append(RewardFunction(name, float(weight), f"built-in {target}", fn, per_row=True))
+            check = _ANSWER_CHECKS.get(target)
+            loaded.append(RewardFunction(name, float(weight), f"built-in {target}", fn, True, check))
         else:
             fn, where = _user_function(at, target, Path(base_dir), modules)
             if options:

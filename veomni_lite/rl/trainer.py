@@ -52,7 +52,7 @@ from veomni_lite.rl.engine import RolloutEngine, RolloutRequest, SamplingSetting
 from veomni_lite.rl.policy_loss import OLD_LOGPROBS, POLICY_LABELS, REF_LOGPROBS, PolicyLoss, engine_mismatch
 from veomni_lite.rl.prompts import Prompt, PromptSet, chat_fields, encode_row, read_prompts
 from veomni_lite.rl.reference import ReferenceWeights
-from veomni_lite.rl.rewards import RewardError, load_rewards, score
+from veomni_lite.rl.rewards import RewardError, check_answers, load_rewards, score
 from veomni_lite.rl.rollouts import RolloutSample, collate_rollouts, read_rollouts
 from veomni_lite.rl.weights import engine_model, full_hf_state
 from veomni_lite.trainer.sft import SFTTrainer, image_token
@@ -177,7 +177,9 @@ class RLTrainer(SFTTrainer):
 
     def build_datasets(self) -> tuple[Any, Any | None]:
         """The prompts of `data.train_path` and `data.eval_path` (or the rollouts of `rl.rollouts_path`), read alike on
-        every rank; an input error on one rank is a DataError on every rank."""
+        every rank, every row checked before the first rollout (rendering, images, length, and its answer where a
+        configured reward needs one: the error its rollout batch would raise); an input error on one rank is a
+        DataError on every rank."""
         problem: Exception | None = None
         train = evaluation = None
         self.given: list[RolloutSample] | None = None
@@ -230,6 +232,9 @@ class RLTrainer(SFTTrainer):
         evaluation = None
         if data.eval_path and self.config.train.eval_interval:
             evaluation = read_prompts(read_sources(data.eval_path, "data.eval_path"), *options)
+        for prompts in (train, evaluation):  # every row's answer, where a reward needs one, before any rollout
+            if prompts is not None:
+                check_answers(self.rewards, [p.answer for p in prompts.prompts], [p.where for p in prompts.prompts])
         return train, evaluation
 
     @property
