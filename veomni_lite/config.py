@@ -20,7 +20,7 @@ import difflib
 import json
 import os
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -376,6 +376,21 @@ ALIASES: dict[str, str] = {
 }
 
 
+def closest(name: str, known: Iterable[str], cutoff: float = 0.6) -> str | None:
+    """The name in `known` closest to a mistyped `name` (difflib's ratio at least `cutoff`), else None."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=cutoff)
+    return close[0] if close else None
+
+
+def unknown_key(at: str, key: str, known: Iterable[str], takes: str) -> ConfigError:
+    """The error for an unknown `key` of the entry at `at` (a mapping in a list: a reward, a tool, an environment):
+    "`at`.`key`: unknown key (did you mean `x`?); `takes`", x the closest known key (`closest`), the hint left out
+    when none is close."""
+    guess = closest(key, known)
+    hint = f" (did you mean `{guess}`?)" if guess else ""
+    return ConfigError(f"{at}.{key}: unknown key{hint}; {takes}")
+
+
 def did_you_mean(dotted: str, sections: Mapping[str, type] | None = None) -> str:
     """The hint for a mistyped `section` or `section.name`: " (did you mean `x`?)", else "". x is the key of that name
     in another section, else the closest name (difflib's ratio at least 0.6) in the closest section (old flat `train.*`
@@ -384,17 +399,17 @@ def did_you_mean(dotted: str, sections: Mapping[str, type] | None = None) -> str
     section, _, name = dotted.partition(".")
     keys = [f"{s}.{f.name}" for s, cls in sections.items() for f in fields(cls)] + list(ALIASES)
     names = [key.partition(".")[2] for key in keys]
-    guess = difflib.get_close_matches(section, list(sections), n=1)
+    guess = closest(section, sections)
     if not name:
-        return f" (did you mean `{guess[0]}`?)" if guess else ""
+        return f" (did you mean `{guess}`?)" if guess else ""
     if name in names:
         return f" (did you mean `{keys[names.index(name)]}`?)"
     if guess:
-        in_section = [key.partition(".")[2] for key in keys if key.startswith(f"{guess[0]}.")]
-        if close := difflib.get_close_matches(name, in_section, n=1):
-            return f" (did you mean `{guess[0]}.{close[0]}`?)"
-    if close := difflib.get_close_matches(name, names, n=1, cutoff=0.8):
-        return f" (did you mean `{keys[names.index(close[0])]}`?)"
+        in_section = [key.partition(".")[2] for key in keys if key.startswith(f"{guess}.")]
+        if close := closest(name, in_section):
+            return f" (did you mean `{guess}.{close}`?)"
+    if close := closest(name, names, cutoff=0.8):
+        return f" (did you mean `{keys[names.index(close)]}`?)"
     return ""
 
 

@@ -182,7 +182,11 @@ def test_user_file_runs_alone_its_directory_is_not_put_on_the_import_path(tmp_pa
         ([{"name": "x", "function": "math", "weight": "1"}], r"rl.rewards\[0\].weight: expected a finite number"),
         ([{"name": "x", "function": "math", "weight": math.inf}], r"rl.rewards\[0\].weight: expected a finite"),
         ([{"name": "x", "function": "math", "weight": True}], r"rl.rewards\[0\].weight: expected a finite number"),
-        ([{"name": "x", "function": "math", "pattern": "7"}], r"rl.rewards\[0\].pattern: unknown key for .*'math'"),
+        ([{"name": "x", "function": "math", "pattern": "7"}], r"rl.rewards\[0\].pattern: unknown key; the built-in 'm"),
+        ([{"name": "x", "fuction": "math"}], r"rl.rewards\[0\].fuction: unknown key \(did you mean `function`\?\); a"),
+        ([{"nmae": "x", "function": "math"}], r"rl.rewards\[0\].nmae: unknown key \(did you mean `name`\?\); the b"),
+        ([{"name": "x", "function": "regex", "patern": "7"}], r"\[0\].patern: unknown key \(did you mean `pattern`\?"),
+        ([{"name": "x", "function": "mine.py:score", "wieght": 2}], r"\[0\].wieght: unknown key \(did you mean `weig"),
         ([{"name": "x", "function": "regex"}], r"rl.rewards\[0\].pattern: the built-in 'regex' needs a pattern"),
         ([{"name": "x", "function": "regex", "pattern": "(7"}], r"rl.rewards\[0\].pattern: '\(7' is not a valid"),
         ([{"name": "x", "function": "exact_match", "end_of_turn": 3}], r"rl.rewards\[0\].end_of_turn: expected a"),
@@ -192,6 +196,7 @@ def test_user_file_runs_alone_its_directory_is_not_put_on_the_import_path(tmp_pa
         ([{"name": "x", "function": "mine.py:nothing"}], r"rl.rewards\[0\].function: .*mine.py defines no 'nothing'"),
         ([{"name": "x", "function": "mine.py:NOT_A_FUNCTION"}], r"rl.rewards\[0\].function: .* is a int, not a"),
         ([{"name": "x", "function": "mine.py:score", "scale": 2}], r"rl.rewards\[0\].scale: unknown key; a function"),
+        ([{"name": "x", "function": "math", "zzz": 2}], r"rl.rewards\[0\].zzz: unknown key; the built-in 'math' takes"),
         (
             [{"name": "x", "function": "broken.py:score"}],
             r"rl.rewards\[0\].function: importing .*broken.py raised Zero",
@@ -358,3 +363,15 @@ def test_a_reward_failing_on_one_ranks_row_is_the_same_named_error_on_every_rank
         "no error; totals [2.0, 2.0]",
         "no error; totals [2.0, 1.0]",  # "boom" holds no number: math gives 0
     ]
+
+
+def test_a_mistyped_key_of_a_reward_entry_is_named_with_the_key_it_resembles_through_the_config():
+    from veomni_lite.config import load_config
+    from veomni_lite.rl.config import RLConfig
+
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, ["--rl.rewards", "[{name: correct, fuction: math}]"], sections={"rl": RLConfig})
+    assert str(caught.value).endswith(
+        "rl.rewards[0].fuction: unknown key (did you mean `function`?); a reward entry takes name, function, weight, "
+        "end_of_turn, pattern, path, suffix"
+    )

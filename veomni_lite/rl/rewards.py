@@ -9,7 +9,8 @@ Contract:
   that file, is executed with importlib (its directory is not put on `sys.path`), because the user's config names it;
   nothing from a dataset or a model directory runs. A bad spec (not a mapping, a missing or unknown key, a duplicate
   name, an unknown built-in, a missing file or function, a file that fails to import, a bad `pattern`) is a
-  `ConfigError` (a ValueError) naming `rl.rewards[i].<key>`.
+  `ConfigError` (a ValueError) naming `rl.rewards[i].<key>`; an unknown key comes first, with the closest known one
+  (`fuction`: "unknown key (did you mean `function`?)").
 - Built-ins score each row alone (`answers[i]` is row i's reference answer text, None when it has none):
   `exact_match`: 1.0 when `normalize(completion) == normalize(answer)`, else 0.0; `normalize` strips, removes a
   trailing end-of-turn text (option `end_of_turn`: a string or a list of them, e.g. "<|im_end|>"), strips trailing
@@ -59,7 +60,7 @@ from typing import Any
 
 import torch
 
-from veomni_lite.config import ConfigError
+from veomni_lite.config import ConfigError, unknown_key
 from veomni_lite.data.checks import DataError
 
 BUILT_INS: dict[str, tuple[str, ...]] = {
@@ -371,6 +372,7 @@ def load_rewards(
         at = f"{key}[{index}]"
         if not isinstance(spec, Mapping):
             raise ConfigError(f"{at}: expected a mapping {{name, function, weight}}, got {type(spec).__name__}")
+        _check_keys(at, spec)
         for required in ("name", "function"):
             if not isinstance(spec.get(required), str) or not spec[required]:
                 raise ConfigError(f"{at}.{required}: required, a non-empty string (got {spec.get(required)!r})")
@@ -390,19 +392,30 @@ def load_rewards(
             loaded.append(RewardFunction(name, float(weight), f"built-in {target}", fn, True, check))
         else:
             fn, where = _user_function(at, target, Path(base_dir), modules)
-            if options:
-                raise ConfigError(f"{at}.{next(iter(options))}: unknown key; a function of your own takes no options")
             loaded.append(RewardFunction(name, float(weight), where, fn))
     return loaded
+
+
+def _check_keys(at: str, spec: Mapping[str, Any]) -> None:
+    """A ConfigError naming the entry's first unknown key, with the closest known one (`config.unknown_key`): known are
+    name, function, weight and the options of the entry's built-in (none for a function of your own; any built-in's
+    while `function` is missing, so that a mistyped `function` is named as such)."""
+    target = spec.get("function")
+    if isinstance(target, str) and target in BUILT_INS:
+        known, takes = _SPEC_KEYS + BUILT_INS[target], f"the built-in {target!r} takes"
+    elif isinstance(target, str) and target:
+        known, takes = _SPEC_KEYS, "a function of your own takes no options:"
+    else:
+        options = tuple(dict.fromkeys(option for built_in in BUILT_INS.values() for option in built_in))
+        known, takes = _SPEC_KEYS + options, "a reward entry takes"
+    for key in spec:
+        if key not in known:
+            raise unknown_key(at, str(key), known, f"{takes} {', '.join(known)}")
 
 
 def _built_in(
     at: str, target: str, options: dict[str, Any], base_dir: Path = Path(".")
 ) -> Callable[[str, str, Any], float]:
-    for option in options:
-        if option not in BUILT_INS[target]:
-            allowed = ", ".join(_SPEC_KEYS + BUILT_INS[target])
-            raise ConfigError(f"{at}.{option}: unknown key for the built-in {target!r} (it takes {allowed})")
     if target == "exact_match":
         end_of_turn = options.get("end_of_turn", ())
         end_of_turn = (end_of_turn,) if isinstance(end_of_turn, str) else end_of_turn
