@@ -12,8 +12,10 @@ the agent's own one-line "failed" log is left out (the report says it).
 the rank's error file (`TORCHELASTIC_ERROR_FILE`, set by torchrun for each rank), which both this report and
 torchrun's own read, and prints nothing. An agreed error (one every rank raises alike) is shown once: local rank 0's
 file holds it, the others' say they stopped on the same error (keeping it under `cause`, for this report) and are
-dated a second later, so torchrun's report picks local rank 0's as the root cause. Without torchrun, `text` goes to
-stderr (an agreed error from rank 0 only).
+dated a second later, so torchrun's report picks local rank 0's as the root cause (when the ranks reached it within
+a second of each other). The file also says whether the error was agreed, so that this report shows the lowest rank's
+(rank 0's when it recorded one) whatever the clock says. Without torchrun, `text` goes to stderr (an agreed error from
+rank 0 only).
 """
 
 from __future__ import annotations
@@ -52,17 +54,25 @@ def record_error(text: str, agreed: bool) -> None:
     # torchrun's own format, which its report shows; a pointer is dated a second later, so that the report's root
     # cause (its earliest failure) is local rank 0's whichever rank exited first
     extra = {"py_callstack": shown, "timestamp": str(int(time.time()) + pointer)}
-    Path(path).write_text(json.dumps({"message": {"message": shown, "extraInfo": extra}, "cause": text}))
+    record = {"message": {"message": shown, "extraInfo": extra}, "cause": text, "agreed": agreed}
+    Path(path).write_text(json.dumps(record))
 
 
 def failure_report(error: ChildFailedError) -> tuple[str, int]:
     """(the report, the exit code) of torchrun's `ChildFailedError`: a line naming each failed rank's exit code,
-    then the cause whole: the first failure's (by torchrun's clock) recorded text, else that of the lowest rank that
-    recorded one (a rank stopped by torchrun before it could), else the first failure's own message."""
+    then the cause whole: when the first failure (by torchrun's clock) recorded an agreed error, or recorded nothing,
+    and a rank recorded an agreed one, the lowest such rank's (every rank raised it alike: rank 0's when it recorded
+    it, however late); else the first failure's recorded text, else that of the lowest rank that recorded one (a rank
+    stopped by torchrun before it could), else the first failure's own message."""
     failures = error.failures
     first_rank, first = error.get_first_failure()
     recorded = [(rank, f) for rank, f in sorted(failures.items()) if "cause" in f.error_file_data]
-    rank, failure = (first_rank, first) if "cause" in first.error_file_data or not recorded else recorded[0]
+    agreed = [(rank, f) for rank, f in recorded if f.error_file_data.get("agreed")]
+    first_is_own = "cause" in first.error_file_data and not first.error_file_data.get("agreed")
+    if agreed and not first_is_own:
+        rank, failure = agreed[0]
+    else:
+        rank, failure = (first_rank, first) if "cause" in first.error_file_data or not recorded else recorded[0]
     if "cause" in failure.error_file_data:
         cause = failure.error_file_data["cause"]
     elif isinstance(failure.message, dict):  # torchrun's own `record`: the traceback

@@ -94,3 +94,26 @@ def test_without_torchrun_an_agreed_error_is_printed_by_rank_0_only(monkeypatch,
     monkeypatch.setenv("RANK", str(rank))
     record_error(CAUSE, agreed=agreed)
     assert capsys.readouterr().err == (CAUSE + "\n" if printed else "")
+
+
+def test_an_agreed_error_is_shown_from_rank_0_even_when_rank_1_recorded_it_first(tmp_path, monkeypatch):
+    """Ranks reach an agreed error unsynchronized (a config error comes before any process group): rank 1 may record
+    it seconds before rank 0, whose pointer-dating then no longer makes torchrun's clock pick rank 0."""
+    import veomni_lite.torchrun as launcher
+
+    second = recorded(tmp_path, monkeypatch, 1, CAUSE)
+    later = launcher.time.time() + 5
+    monkeypatch.setattr(launcher.time, "time", lambda: later)
+    first = recorded(tmp_path, monkeypatch, 0, CAUSE)
+    error = ChildFailedError("train.py", {1: failure(1, 2, second), 0: failure(0, 2, first)})
+    assert error.get_first_failure()[0] == 1, "by the clock, rank 1's came first"
+    report, exitcode = failure_report(error)
+    assert report.splitlines()[0].endswith("The cause, from rank 0:") and report.splitlines()[-1] == CAUSE
+    assert exitcode == 2
+    # negative control: a rank's own (not agreed) error that came first stays the cause, from that rank
+    own = recorded(tmp_path, monkeypatch, 1, "Traceback ...\nRuntimeError: boom", agreed=False)
+    monkeypatch.setattr(launcher.time, "time", lambda: later + 5)
+    first = recorded(tmp_path, monkeypatch, 0, CAUSE)
+    report, exitcode = failure_report(ChildFailedError("train.py", {1: failure(1, 1, own), 0: failure(0, 2, first)}))
+    assert report.splitlines()[0].endswith("The cause, from rank 1:") and report.endswith("RuntimeError: boom")
+    assert exitcode == 1
