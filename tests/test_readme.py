@@ -83,3 +83,42 @@ def test_the_quick_start_commands_are_makefile_targets():
     commands = re.findall(r"^make ([a-z-]+)", quick_start, re.M)
     assert {"train", "train-text", "train-sft", "test", "quality", "bench"} <= set(commands)
     assert set(commands) <= targets, set(commands) - targets
+
+
+# plain torchrun launched as a command (`torchrun --...`, `.venv/bin/torchrun x.py`, `python -m torch.distributed.run`),
+# not prose about it ("one torchrun agent per node") nor the launcher (`python -m veomni_lite.torchrun`)
+BARE_TORCHRUN = re.compile(
+    r"(?:^|[\s;&|(`])(?:\S*/)?torchrun[ \t]+(?:--?\w|\\|\$|\S+\.py\b)|-m[ \t]+torch\.distributed\.run\b", re.M
+)
+
+
+def bare_torchrun_launches(text: str) -> list[str]:
+    """The lines of `text` that launch plain torchrun rather than `python -m veomni_lite.torchrun`."""
+    return [line.strip() for line in text.splitlines() if BARE_TORCHRUN.search(line)]
+
+
+def test_every_launch_line_in_the_docs_goes_through_the_launcher_that_ends_with_the_cause():
+    """A failed run under plain torchrun ends with its 40-line report, the cause buried above it; the launcher ends
+    with the cause (veomni_lite/torchrun.py). Every page a user copies a command from launches through it."""
+    root = README.parent
+    pages = [README, *sorted((root / "docs").glob("*.md")), root / "Makefile", *sorted((root / "scripts").iterdir())]
+    found = {str(page.relative_to(root)): bare_torchrun_launches(page.read_text()) for page in pages if page.is_file()}
+    assert {page: lines for page, lines in found.items() if lines} == {}
+    launches = [line for page in pages if page.suffix == ".md" for line in page.read_text().splitlines()]
+    assert sum("python -m veomni_lite.torchrun --" in line for line in launches) >= 8
+    # negative controls: each way of launching plain torchrun is found; prose and the launcher are not
+    bare = [
+        "torchrun --standalone --nproc_per_node 2 trainers/train_preference.py configs/dpo_math.yaml",
+        ".venv/bin/torchrun --nnodes 2 --nproc_per_node 8 \\",
+        "srun --kill-on-bad-exit=1 .venv/bin/torchrun \\",
+        "torchrun trainers/train_sft.py configs/sft_help.yaml",
+        "python -m torch.distributed.run --standalone trainers/train_rl.py",
+        "OMP_NUM_THREADS=1 torchrun $ARGS",
+    ]
+    assert bare_torchrun_launches("\n".join(bare)) == bare
+    fine = [
+        ".venv/bin/python -m veomni_lite.torchrun --standalone --nproc_per_node 2 trainers/train_rl.py x.yaml",
+        "One torchrun agent per node; they meet over torchrun's c10d rendezvous",
+        "under `torchrun` the same lines normalize; two torchrun launches of `trainers/train_sft.py`'s trainer",
+    ]
+    assert bare_torchrun_launches("\n".join(fine)) == []

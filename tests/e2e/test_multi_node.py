@@ -1,5 +1,6 @@
-"""Multi-node launch as the README documents it: two torchrun agents rendezvous over c10d on 127.0.0.1, as two
-nodes would (one process each, DP=2), and train with the same per-step losses as one standalone 2-process run."""
+"""Multi-node launch as the README documents it: two torchrun agents (through `python -m veomni_lite.torchrun`, the
+launcher the docs use) rendezvous over c10d on 127.0.0.1, as two nodes would (one process each, DP=2), and train with
+the same per-step losses as one standalone 2-process run."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def free_port() -> int:
 
 @pytest.mark.slow
 def test_two_agents_over_c10d_train_like_one_standalone_run(tmp_path):
-    standalone = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    standalone = run([sys.executable, "-m", "veomni_lite.torchrun", "--standalone", "--nproc_per_node", "2",
                       *JOB, "--train.output_dir", str(tmp_path / "one")])  # fmt: skip
     assert standalone.returncode == 0, standalone.stderr[-3000:]
     port = free_port()
@@ -37,7 +38,7 @@ def test_two_agents_over_c10d_train_like_one_standalone_run(tmp_path):
             [
                 sys.executable,
                 "-m",
-                "torch.distributed.run",
+                "veomni_lite.torchrun",
                 "--nnodes",
                 "2",
                 "--nproc_per_node",
