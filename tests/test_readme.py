@@ -102,6 +102,7 @@ def test_every_launch_line_in_the_docs_goes_through_the_launcher_that_ends_with_
     with the cause (veomni_lite/torchrun.py). Every page a user copies a command from launches through it."""
     root = README.parent
     pages = [README, *sorted((root / "docs").glob("*.md")), root / "Makefile", *sorted((root / "scripts").iterdir())]
+    pages += sorted((root / "trainers").glob("*.py"))  # each entry point's usage line
     found = {str(page.relative_to(root)): bare_torchrun_launches(page.read_text()) for page in pages if page.is_file()}
     assert {page: lines for page, lines in found.items() if lines} == {}
     launches = [line for page in pages if page.suffix == ".md" for line in page.read_text().splitlines()]

@@ -1,4 +1,5 @@
-"""torchrun --standalone --nproc_per_node N trainers/train_rl.py CONFIG.yaml [--section.key VALUE ...]
+"""python -m veomni_lite.torchrun --standalone --nproc_per_node N trainers/train_rl.py
+    CONFIG.yaml [--section.key VALUE ...]
 
 Online RL (GRPO family) of the local model directory `model.pretrained_dir` (any causal LM transformers ships, or a
 vision-language family of veomni_lite/models/registry.py) on the prompts of `data.train_path`, or on the rollouts of

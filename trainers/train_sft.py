@@ -1,4 +1,5 @@
-"""torchrun --standalone --nproc_per_node N trainers/train_sft.py CONFIG.yaml [--section.key VALUE ...]
+"""python -m veomni_lite.torchrun --standalone --nproc_per_node N trainers/train_sft.py
+    CONFIG.yaml [--section.key VALUE ...]
 
 Supervised fine-tuning of the local model directory `model.pretrained_dir` (any causal LM transformers ships, or a
 vision-language family of veomni_lite/models/registry.py: Qwen2-VL, Qwen2.5-VL, Qwen3-VL) on the user's files

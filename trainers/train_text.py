@@ -1,4 +1,5 @@
-"""torchrun --standalone --nproc_per_node N trainers/train_text.py configs/qwen2_text.yaml [--parallel.sp_size 2]
+"""python -m veomni_lite.torchrun --standalone --nproc_per_node N trainers/train_text.py
+    configs/qwen2_text.yaml [--parallel.sp_size 2]
 
 `model.arch` picks the model: a transformers causal LM such as `qwen2` on Python's help pages, or `tiny`
 (configs/text_tiny.yaml).

@@ -1,4 +1,5 @@
-"""torchrun --standalone --nproc_per_node N trainers/train_vlm.py configs/qwen2_vl_digits.yaml [--parallel.sp_size 2]
+"""python -m veomni_lite.torchrun --standalone --nproc_per_node N trainers/train_vlm.py
+    configs/qwen2_vl_digits.yaml [--parallel.sp_size 2]
 
 `model.arch` picks the model: `qwen2_vl` (Qwen2-VL on the handwritten digits) or `tiny` (configs/vlm_tiny.yaml).
 """
