@@ -170,3 +170,27 @@ def test_the_loss_curve_costs_the_same_however_long_the_run(tmp_path, monkeypatc
     assert len(draws) == 1
     sink.flush()  # a checkpoint or the end of the run draws what is pending
     assert len(draws) == 2 and (tmp_path / "loss_curve.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_panels_give_each_quantity_its_own_axes_and_leave_out_the_empty_ones(tmp_path):
+    series: dict = {}
+    path = tmp_path / "loss_curve.png"
+    panels = [("policy loss", ["train/policy_loss"]), ("KL", ["rl/kl"]), ("entropy", ["rl/entropy", "eval/entropy"])]
+    sink = LossCurveSink(path, series, panels=panels)
+    assert sink.figure() is None and sink.plot_panels() == []
+    for step in (1, 2, 3):
+        append_series(series, step, 0, {"train/policy_loss": 1e-3 * step, "rl/entropy": 2.0 - 0.1 * step})
+    assert sink.plot_panels() == [("policy loss", ["train/policy_loss"]), ("entropy", ["rl/entropy"])]
+    figure = sink.figure()
+    assert [axes.get_ylabel() for axes in figure.axes] == ["policy loss", "entropy"]  # no KL logged: no KL axes
+    assert [[line.get_label() for line in axes.get_lines()] for axes in figure.axes] == [
+        ["train/policy_loss"],
+        ["rl/entropy"],
+    ]
+    assert list(figure.axes[1].get_lines()[0].get_ydata()) == pytest.approx([1.9, 1.8, 1.7])
+    sink.flush()
+    assert not path.exists(), "nothing was written yet: flush draws only what is pending"
+    sink.write(3, 0, {})
+    assert path.read_bytes().startswith(PNG_MAGIC)
+    # one list of keys is one axes named by `ylabel`, as before
+    assert [axes.get_ylabel() for axes in LossCurveSink(path, series, keys=["rl/entropy"]).figure().axes] == ["loss"]

@@ -84,6 +84,13 @@ class StepEndError(RuntimeError):
     """A step-end bookkeeping task failed; `__cause__` is its own exception, with its traceback."""
 
 
+def as_panels(name: str, spec: Sequence[str] | Sequence[sinks.Panel]) -> list[sinks.Panel]:
+    """A `plots` entry as the figure's panels: a list of keys is one panel named by the file name's first word."""
+    if all(isinstance(item, str) for item in spec):
+        return [(name.split("_")[0], [str(key) for key in spec])]
+    return [(label, list(keys)) for label, keys in spec]  # type: ignore[misc]
+
+
 class MetricLogger:
     """The train and eval windows, the series, the sinks and the step-end worker of one run.
 
@@ -94,8 +101,10 @@ class MetricLogger:
     output's `"metrics"` entry, `{name: (total, count)}` of a `mean` metric or `{name: value}`, is recorded per
     micro-batch, and a `mean` metric `X/_sq` (the mean of the squares) turns into `X/std` at log time (population std,
     from exact sums).
-    `plots`: more figures beside loss_curve.png, `{file name: series keys}` (the y axis named by the file name's first
-    word: reward_curve.png, "reward").
+    `plots`: more figures beside loss_curve.png (which draws `train/loss`, each loss key when there are several, and
+    `eval/loss`), `{file name: series keys}` (one axes, named by the file name's first word: reward_curve.png,
+    "reward") or `{file name: [(y label, series keys), ...]}` (stacked axes, `sinks.Panel`); an entry named
+    loss_curve.png replaces the default one.
     """
 
     def __init__(
@@ -112,7 +121,7 @@ class MetricLogger:
         pad_id: int = 0,
         run_config: Mapping[str, Any] | None = None,
         extra_specs: Sequence[MetricSpec] = (),
-        plots: Mapping[str, Sequence[str]] | None = None,
+        plots: Mapping[str, Sequence[str] | Sequence[sinks.Panel]] | None = None,
     ) -> None:
         if settings.log_interval < 1:
             raise ValueError(f"MetricLogger: log_interval must be >= 1; got {settings.log_interval}")
@@ -161,11 +170,11 @@ class MetricLogger:
         if settings.tensorboard:
             out.append(sinks.TensorBoardSink(output / "tensorboard"))
         if settings.plot:
-            keys = ["train/loss", *(f"train/{name}" for name in self.loss_names), "eval/loss"]
-            out.append(sinks.LossCurveSink(output / "loss_curve.png", self.series, keys))
+            heads = [f"train/{name}" for name in self.loss_names] if len(self.loss_names) > 1 else []  # one: = loss
+            figures = {"loss_curve.png": ["train/loss", *heads, "eval/loss"], **self.plots}
             out += [
-                sinks.LossCurveSink(output / name, self.series, list(keys), ylabel=name.split("_")[0])
-                for name, keys in self.plots.items()
+                sinks.LossCurveSink(output / name, self.series, panels=as_panels(name, spec))
+                for name, spec in figures.items()
             ]
         if settings.wandb:
             out.append(sinks.WandbSink(output / "wandb", settings.wandb_project, run_config))

@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 Scalar = int | float
 Epoch = int | float | None
 Series = dict[str, list[dict[str, Any]]]  # key -> [{"step", "epoch", "value"}], steps increasing
+Panel = tuple[str, Sequence[str]]  # one axes of a figure: its y label and the series keys drawn on it
 
 
 def as_scalar(value: object) -> Scalar | None:
@@ -235,7 +236,9 @@ class LossCurveSink(Sink):
     """`loss_curve.png` of the series' `keys` (default: every key whose last part ends with "loss") against step, at
     a cost flat in the run's length: redrawn at most once per `min_interval_s` (and on flush: checkpoints, the end),
     from at most `max_points` evenly strided points per key, the newest included. Drawn on matplotlib's Agg canvas (no
-    pyplot state, safe off the main thread); the file is replaced atomically."""
+    pyplot state, safe off the main thread); the file is replaced atomically. `panels`, in place of `keys` and
+    `ylabel`: one axes per (y label, keys), stacked over a shared step axis, so quantities of different scales each
+    get their own; a panel none of whose keys has a point yet is left out."""
 
     def __init__(
         self,
@@ -245,15 +248,28 @@ class LossCurveSink(Sink):
         max_points: int = 2000,
         min_interval_s: float = 30.0,
         ylabel: str = "loss",
+        panels: Sequence[Panel] | None = None,
     ):
         self.path, self.series, self.keys, self.ylabel = Path(path), series, keys, ylabel
+        self.panels = [(label, list(keys)) for label, keys in panels] if panels is not None else None
         self.max_points, self.min_interval_s = max_points, min_interval_s
         self._dirty, self._drawn_at = False, -math.inf
 
     def plot_keys(self) -> list[str]:
+        """Every key the figure draws now (over its panels)."""
+        if self.panels is not None:
+            return [key for _, keys in self.plot_panels() for key in keys]
         if self.keys is not None:
             return [k for k in self.keys if k in self.series]
         return sorted(k for k in self.series if k.rsplit("/", 1)[-1].endswith("loss"))
+
+    def plot_panels(self) -> list[tuple[str, list[str]]]:
+        """The figure's axes now: (y label, the keys with points), the empty ones left out."""
+        if self.panels is None:
+            keys = self.plot_keys()
+            return [(self.ylabel, keys)] if keys else []
+        drawn = [(label, [k for k in keys if k in self.series]) for label, keys in self.panels]
+        return [(label, keys) for label, keys in drawn if keys]
 
     def points(self, key: str) -> list[dict[str, Any]]:
         points = self.series[key]
@@ -273,27 +289,38 @@ class LossCurveSink(Sink):
     def resume(self, step: int) -> None:
         self._dirty = True
 
-    def redraw(self) -> None:
-        keys, self._dirty = self.plot_keys(), False
-        if not keys:
-            return
-        self._drawn_at = time.monotonic()
+    def figure(self) -> Any | None:
+        """The figure as it would be drawn now (a matplotlib `Figure`, one axes per panel); None: nothing to draw."""
+        panels = self.plot_panels()
+        if not panels:
+            return None
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
         from matplotlib.ticker import MaxNLocator
 
-        figure = Figure(figsize=(8, 4.5), dpi=100)
+        figure = Figure(figsize=(8, 4.5 if len(panels) == 1 else 1.2 + 2.4 * len(panels)), dpi=100)
         FigureCanvasAgg(figure)
-        axes = figure.add_subplot()
-        for key in keys:
-            points = self.points(key)
-            values = [float(p["value"]) if math.isfinite(float(p["value"])) else math.nan for p in points]
-            axes.plot([p["step"] for p in points], values, marker="." if len(points) < 50 else None, label=key)
-        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
-        axes.set(xlabel="step", ylabel=self.ylabel)
-        axes.grid(True, alpha=0.3)
-        axes.legend()
+        all_axes = figure.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+        for axes, (label, keys) in zip(all_axes, panels):
+            for key in keys:
+                points = self.points(key)
+                values = [float(p["value"]) if math.isfinite(float(p["value"])) else math.nan for p in points]
+                axes.plot([p["step"] for p in points], values, marker="." if len(points) < 50 else None, label=key)
+            axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+            axes.set(ylabel=label)
+            axes.ticklabel_format(axis="y", useOffset=False)  # values as they are, not as offsets from one
+            axes.grid(True, alpha=0.3)
+            axes.legend()
+        all_axes[-1].set(xlabel="step")
         figure.tight_layout()
+        return figure
+
+    def redraw(self) -> None:
+        self._dirty = False
+        figure = self.figure()
+        if figure is None:
+            return
+        self._drawn_at = time.monotonic()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp.png")
         figure.savefig(tmp, format="png")

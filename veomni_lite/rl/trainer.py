@@ -38,6 +38,7 @@ from veomni_lite.distributed.collectives import agree, all_gather_objects, all_r
 from veomni_lite.distributed.sequence_parallel import slice_micro_batch
 from veomni_lite.loss_keys import IGNORE_INDEX, SEQUENCE_IDS, is_labels_key
 from veomni_lite.metrics.accumulator import MetricSpec
+from veomni_lite.metrics.sinks import Panel
 from veomni_lite.models.heads import LogprobRequest
 from veomni_lite.models.pretrained import (
     check_vocabulary,
@@ -152,7 +153,13 @@ def _plain(sample: RolloutSample) -> dict[str, Any]:
 class RLTrainer(SFTTrainer):
     """See the module docstring. `config.rl` is the `rl` section (`veomni_lite.rl.config.RLConfig`)."""
 
-    plots = {"reward_curve.png": ["rl/reward/mean", "eval/reward"]}
+    plots: dict[str, list[Panel]] = {  # the policy loss alone (it sits near 0), each quantity on its own axes
+        "loss_curve.png": [("policy loss", ["train/policy_loss"]), ("KL", ["rl/kl"]), ("entropy", ["rl/entropy"])],
+        "reward_curve.png": [
+            ("reward", ["rl/reward/mean", "eval/reward"]),
+            ("response tokens", ["rl/response_length/mean", "rl/response_length/max"]),
+        ],
+    }
 
     def __init__(self, config: Any) -> None:
         self.rl: RLConfig = config.rl

@@ -54,6 +54,7 @@ from veomni_lite.distributed.sequence_parallel import slice_micro_batch
 from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS, loss_weights_key, name_of_loss
 from veomni_lite.metrics import MetricLogger
 from veomni_lite.metrics.accumulator import MetricSpec
+from veomni_lite.metrics.sinks import Panel
 from veomni_lite.models.lora import (
     LoraError,
     LoraSettings,
@@ -151,7 +152,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, max_st
 class BaseTrainer(ABC):
     """Build everything from a Config, then `train()`. Subclasses implement the three `build_*` hooks."""
 
-    plots: dict[str, list[str]] = {}  # figures beside loss_curve.png: {file name: series keys} (see MetricLogger)
+    plots: dict[str, list[str] | list[Panel]] = {}  # figures: {file name: series keys or panels} (see MetricLogger)
 
     def __init__(self, config: Config) -> None:
         self.config = config
