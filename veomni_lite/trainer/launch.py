@@ -1,19 +1,26 @@
-"""Shared body of the torchrun entry points: parse the config, set up the logger, train, say where the outputs are.
+"""Shared body of the torchrun entry points: parse the config, set up the logger, train, list what the run wrote.
 
 The usage line and the final summary are printed (they are the CLI's own output); everything the library says goes
 through the `veomni_lite` logger. An error that stops the run is said once (`veomni_lite.torchrun.record_error`):
 under torchrun in each rank's error file, which torchrun's report and `python -m veomni_lite.torchrun` print (the
 latter last, with its exit code), else on stderr. An error every rank raises alike (`AGREED_ERRORS`: a bad config,
 bad data, a cause the ranks agreed on) is one line without a traceback; any other keeps its traceback.
+
+A finished run's last lines list every top-level entry of `train.output_dir` that the run wrote or changed (files,
+then directories with a trailing `/`): metrics.jsonl, the figures (loss_curve.png, a trainer's own: reward_curve.png,
+accuracy_curve.png), rollouts.jsonl, tensorboard/, checkpoints/, config.yaml, ...; what the directory held before and
+the run left alone (an earlier command's file) is not listed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import traceback
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from veomni_lite.config import NAMED_ARCHES, ConfigError, load_config
@@ -55,13 +62,14 @@ def main(
         print(f"usage: {sys.argv[0]} CONFIG.yaml [--section.key VALUE ...]", file=sys.stderr)
         return 2
     trainer: BaseTrainer | None = None
+    before: dict[str, int] = {}
     try:  # an error is recorded before the teardown, which a rank that already exited does not wait for
-        trainer = _build(trainers, argv, defaults, sections)
+        trainer = _build(trainers, argv, defaults, sections, before)
         trainer.train()
         if trainer.is_main:
             print(f"[veomni_lite] done: {trainer.step} steps. Outputs in {trainer.output_dir.resolve()}:")
-            for name in ("metrics.jsonl", "loss_curve.png", "tensorboard/", "checkpoints/", "config.yaml"):
-                print(f"  {trainer.output_dir / name}")
+            for name in written_since(trainer.output_dir, before):
+                print(f"  {os.path.join(trainer.output_dir, name)}")  # a directory keeps its trailing /
         return 0
     except tuple(AGREED_ERRORS) as exc:
         label, code = next(AGREED_ERRORS[kind] for kind in type(exc).__mro__ if kind in AGREED_ERRORS)
@@ -80,14 +88,43 @@ def main(
         destroy_process_groups()
 
 
+def snapshot(directory: Path) -> dict[str, int]:
+    """{name: newest modification time in ns} of each top-level entry of `directory` (a directory's over everything
+    under it, itself included); {} when `directory` does not exist."""
+    if not directory.is_dir():
+        return {}
+    times = {}
+    for entry in directory.iterdir():
+        newest = entry.lstat().st_mtime_ns
+        if entry.is_dir() and not entry.is_symlink():
+            for root, dirs, files in os.walk(entry):
+                for name in dirs + files:
+                    with contextlib.suppress(OSError):  # a file removed while walking
+                        newest = max(newest, os.lstat(os.path.join(root, name)).st_mtime_ns)
+        times[entry.name] = newest
+    return times
+
+
+def written_since(directory: Path, before: Mapping[str, int]) -> list[str]:
+    """The top-level entries of `directory` that are new or changed since `before` (`snapshot`): files, then
+    directories with a trailing `/`, each sorted by name."""
+    changed = [name for name, newest in snapshot(directory).items() if before.get(name) != newest]
+    files = sorted(name for name in changed if not (directory / name).is_dir())
+    return files + sorted(f"{name}/" for name in changed if (directory / name).is_dir())
+
+
 def _build(
     trainers: Mapping[str, type[BaseTrainer]],
     argv: list[str],
     defaults: Mapping[str, Mapping[str, Any]] | None,
     sections: Mapping[str, type] | None = None,
+    before: dict[str, int] | None = None,
 ) -> BaseTrainer:
-    """The trainer `argv`'s config names (logging set up in between: config errors come before any process group)."""
+    """The trainer `argv`'s config names (logging set up in between: config errors come before any process group);
+    `before` gets the output directory's `snapshot` from before the trainer is built (the main rank's)."""
     config = load_config(argv[0], argv[1:], defaults=defaults, sections=sections)
+    if before is not None and int(os.environ.get("RANK", "0")) == 0:
+        before.update(snapshot(Path(config.train.output_dir)))
     arch = config.model.arch
     causal_lm = arch not in NAMED_ARCHES and family_of(arch) is CAUSAL_LM
     trainer_cls = trainers.get(arch, trainers.get("*") if causal_lm else None)
