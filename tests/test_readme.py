@@ -82,7 +82,13 @@ def test_the_quick_start_commands_are_makefile_targets():
     targets = set(re.findall(r"^([a-z-]+):", (README.parent / "Makefile").read_text(), re.M))
     commands = re.findall(r"^make ([a-z-]+)", quick_start, re.M)
     assert {"train", "train-text", "train-sft", "test", "quality", "bench"} <= set(commands)
+    assert {"train-lora", "train-rl", "train-dpo", "train-rm"} <= set(commands), "every post-training demo"
     assert set(commands) <= targets, set(commands) - targets
+
+
+def test_the_readme_stays_a_ten_minute_page():
+    """At most 400 lines: the depth lives under docs/, which the README links."""
+    assert len(README.read_text().splitlines()) <= 400
 
 
 # plain torchrun launched as a command (`torchrun --...`, `.venv/bin/torchrun x.py`, `python -m torch.distributed.run`),
