@@ -94,7 +94,7 @@ def test_the_readme_stays_a_ten_minute_page():
 # plain torchrun launched as a command (`torchrun --...`, `.venv/bin/torchrun x.py`, `python -m torch.distributed.run`),
 # not prose about it ("one torchrun agent per node") nor the launcher (`python -m veomni_lite.torchrun`)
 BARE_TORCHRUN = re.compile(
-    r"(?:^|[\s;&|(`])(?:\S*/)?torchrun[ \t]+(?:--?\w|\\|\$|\S+\.py\b)|-m[ \t]+torch\.distributed\.run\b", re.M
+    r"(?:^|[\s;&|(`'\"])(?:\S*/)?torchrun[ \t]+(?:--?\w|\\|\$|[\w./-]+\.py\b)|-m[ \t]+torch\.distributed\.run\b", re.M
 )
 
 
@@ -121,11 +121,13 @@ def test_every_launch_line_in_the_docs_goes_through_the_launcher_that_ends_with_
         "torchrun trainers/train_sft.py configs/sft_help.yaml",
         "python -m torch.distributed.run --standalone trainers/train_rl.py",
         "OMP_NUM_THREADS=1 torchrun $ARGS",
+        '"""torchrun --standalone --nproc_per_node N trainers/train_rl.py CONFIG.yaml',
     ]
     assert bare_torchrun_launches("\n".join(bare)) == bare
     fine = [
         ".venv/bin/python -m veomni_lite.torchrun --standalone --nproc_per_node 2 trainers/train_rl.py x.yaml",
         "One torchrun agent per node; they meet over torchrun's c10d rendezvous",
         "under `torchrun` the same lines normalize; two torchrun launches of `trainers/train_sft.py`'s trainer",
+        "no page launches plain torchrun (`tests/test_readme.py`).",
     ]
     assert bare_torchrun_launches("\n".join(fine)) == []
