@@ -215,15 +215,25 @@ def test_under_lora_the_reference_is_the_base_with_the_adapters_off(demo, pairs,
     assert_same(by_step(tmp_path / "dp2", "train/pref_loss"), losses, "lora dp2")
 
 
-def _reference_counting_forwards(rank: int, world: int, args: list[str], fail_write: bool = False) -> dict[str, Any]:
+def _reference_counting_forwards(rank: int, world: int, args: list[str], fail: str = "") -> dict[str, Any]:
     """Build (the reference is computed in `on_model_built`): the values every rank maps and the forwards this rank
-    ran. `fail_write`: rank 1's Arrow write fails after its first batch (a fault on one rank only)."""
+    ran. A fault on rank 1 only, `fail`: "write", its Arrow write of the reference fails after its first batch;
+    "mkdir", it cannot make the reference's directory."""
     from veomni_lite.data import sft_cache
 
     forwards = []
     original = PreferenceTrainer._model_output
     PreferenceTrainer._model_output = lambda self, batch: forwards.append(1) or original(self, batch)
-    if fail_write and rank == 1:
+    if fail == "mkdir" and rank == 1:
+        mkdir = Path.mkdir
+
+        def failing_mkdir(path: Path, *args: Any, **kwargs: Any) -> None:
+            if "reference" in path.parts and path.name.startswith(".tmp-"):
+                raise PermissionError(13, "Permission denied", str(path))
+            mkdir(path, *args, **kwargs)
+
+        Path.mkdir = failing_mkdir
+    if fail == "write" and rank == 1:
         write = sft_cache.write_batches
 
         def failing(path: Path, schema: Any, batches: Any) -> None:
@@ -248,7 +258,8 @@ def test_a_token_budget_reference_pass_runs_the_agreed_forwards_and_equals_one_p
     """13 pairs, packed under 160 tokens, planned per window of 3 pairs as training plans them: dp rank 0 plans 4
     micro-batches, dp rank 1 plans 5; every rank runs 5 forwards (rank 0 one padding forward), at DP=2 and DP=2 x
     SP=2, and maps the reference one process computes. A write failing on rank 1 only is the same named error on
-    every rank, after the same forwards (no rank left waiting in a forward)."""
+    every rank, after the same forwards (no rank left waiting in a forward); a directory rank 1 cannot make is that
+    error before any forward."""
     odd = write_jsonl(tmp_path / "odd.jsonl", help_pairs(13))
 
     def args(out: str, *extra: str) -> list[str]:
@@ -273,9 +284,11 @@ def test_a_token_budget_reference_pass_runs_the_agreed_forwards_and_equals_one_p
             for mine, expected in zip(got["values"], one["values"], strict=True):
                 for side, want in zip(mine, expected, strict=True):
                     assert side == pytest.approx(want, rel=1e-5, abs=1e-6), name
-    outcomes = run_ranks(_reference_counting_forwards, 2, args("fault", *budget), True, timeout_s=300, pg_timeout_s=30)
-    results = [outcomes[rank] for rank in (0, 1)]
-    assert [status for status, _ in results] == ["ok", "ok"], results
-    assert [r["forwards"] for _, r in results] == [5, 5], results
-    assert results[0][1]["error"] == results[1][1]["error"], results
-    assert "data.cache_dir: [Errno 28] No space left on device" in results[0][1]["error"], results
+    for fault, forwards, cause in (("write", 5, "[Errno 28] No space left on device"), ("mkdir", 0, "[Errno 13]")):
+        outcomes = run_ranks(_reference_counting_forwards, 2, args(fault, *budget), fault, timeout_s=300,
+                             pg_timeout_s=30)  # fmt: skip
+        results = [outcomes[rank] for rank in (0, 1)]
+        assert [status for status, _ in results] == ["ok", "ok"], results
+        assert [r["forwards"] for _, r in results] == [forwards, forwards], results
+        assert results[0][1]["error"] == results[1][1]["error"], results
+        assert f"data.cache_dir: {cause}" in results[0][1]["error"], results
