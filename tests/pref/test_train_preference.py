@@ -213,3 +213,82 @@ def test_under_lora_the_reference_is_the_base_with_the_adapters_off(demo, pairs,
     assert by_step(tmp_path / "one", "rewards/margins")[4] != 0.0
     run_distributed(_ranked, 2, pref_args(demo, pairs, tmp_path / "dp2", *lora), timeout_s=600)
     assert_same(by_step(tmp_path / "dp2", "train/pref_loss"), losses, "lora dp2")
+
+
+def _reference_counting_forwards(rank: int, world: int, args: list[str], fail: str = "") -> dict[str, Any]:
+    """Build (the reference is computed in `on_model_built`): the values every rank maps and the forwards this rank
+    ran. A fault on rank 1 only, `fail`: "write", its Arrow write of the reference fails after its first batch;
+    "mkdir", it cannot make the reference's directory."""
+    from veomni_lite.data import sft_cache
+
+    forwards = []
+    original = PreferenceTrainer._model_output
+    PreferenceTrainer._model_output = lambda self, batch: forwards.append(1) or original(self, batch)
+    if fail == "mkdir" and rank == 1:
+        mkdir = Path.mkdir
+
+        def failing_mkdir(path: Path, *args: Any, **kwargs: Any) -> None:
+            if "reference" in path.parts and path.name.startswith(".tmp-"):
+                raise PermissionError(13, "Permission denied", str(path))
+            mkdir(path, *args, **kwargs)
+
+        Path.mkdir = failing_mkdir
+    if fail == "write" and rank == 1:
+        write = sft_cache.write_batches
+
+        def failing(path: Path, schema: Any, batches: Any) -> None:
+            if "reference" not in path.parts:  # the pairs' own cache
+                return write(path, schema, batches)
+            write(path, schema, [next(iter(batches))])
+            raise OSError(28, "No space left on device")
+
+        sft_cache.write_batches = failing
+    try:
+        trainer = PreferenceTrainer(config(args, world))
+    except DataError as exc:
+        return {"error": str(exc), "forwards": len(forwards)}
+    finally:
+        PreferenceTrainer._model_output = original  # called in the test process too
+    trainer.loader.close()
+    return {"values": references(trainer), "forwards": len(forwards)}
+
+
+@pytest.mark.slow
+def test_a_token_budget_reference_pass_runs_the_agreed_forwards_and_equals_one_process(demo, tmp_path):
+    """13 pairs, packed under 160 tokens, planned per window of 3 pairs as training plans them: dp rank 0 plans 4
+    micro-batches, dp rank 1 plans 5; every rank runs 5 forwards (rank 0 one padding forward), at DP=2 and DP=2 x
+    SP=2, and maps the reference one process computes. A write failing on rank 1 only is the same named error on
+    every rank, after the same forwards (no rank left waiting in a forward); a directory rank 1 cannot make is that
+    error before any forward."""
+    odd = write_jsonl(tmp_path / "odd.jsonl", help_pairs(13))
+
+    def args(out: str, *extra: str) -> list[str]:
+        return pref_args(demo, odd, tmp_path / out, "--pref.precompute_reference", "true", "--train.micro_batch_size",
+                         "3", "--train.global_batch_size", "6", "--parallel.collective_timeout_s", "30",
+                         *extra)  # fmt: skip
+
+    budget = ["--data.packing", "true", "--data.max_tokens_per_micro_batch", "160"]
+    one = _reference_counting_forwards(0, 1, args("one"))  # micro-batches of 3 pairs in order: no planner
+    assert one["forwards"] == 5 and len(one["values"]) == 13
+    packed = _reference_counting_forwards(0, 1, args("packed", *budget))
+    assert packed["forwards"] == 7  # windows of 6, 6 and 1 pairs: 3 + 3 + 1 micro-batches
+    for mine, expected in zip(packed["values"], one["values"], strict=True):
+        for side, want in zip(mine, expected, strict=True):
+            assert side == pytest.approx(want, rel=1e-5, abs=1e-6), "packed"
+    for name, world, extra in (("dp2", 2, []), ("dp2sp2", 4, ["--parallel.sp_size", "2"])):
+        ranks = run_distributed(
+            _reference_counting_forwards, world, args(name, *budget, *extra), timeout_s=600, pg_timeout_s=30
+        )
+        assert [r["forwards"] for r in ranks] == [5] * world, name
+        for got in ranks:
+            for mine, expected in zip(got["values"], one["values"], strict=True):
+                for side, want in zip(mine, expected, strict=True):
+                    assert side == pytest.approx(want, rel=1e-5, abs=1e-6), name
+    for fault, forwards, cause in (("write", 5, "[Errno 28] No space left on device"), ("mkdir", 0, "[Errno 13]")):
+        outcomes = run_ranks(_reference_counting_forwards, 2, args(fault, *budget), fault, timeout_s=300,
+                             pg_timeout_s=30)  # fmt: skip
+        results = [outcomes[rank] for rank in (0, 1)]
+        assert [status for status, _ in results] == ["ok", "ok"], results
+        assert [r["forwards"] for _, r in results] == [forwards, forwards], results
+        assert results[0][1]["error"] == results[1][1]["error"], results
+        assert f"data.cache_dir: {cause}" in results[0][1]["error"], results

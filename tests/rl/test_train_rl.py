@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.dist_helpers import run_distributed
+from tests.dist_helpers import run_distributed, run_ranks
 from tests.trainer.helpers import read_events, train_built
 from veomni_lite.config import ConfigError, load_config
 from veomni_lite.data.checks import DataError
@@ -163,3 +163,68 @@ def test_rollout_metrics_equal_a_hand_computation_over_the_window_at_dp2(demo, r
     for key, value in expected.items():
         assert event[key] == pytest.approx(float(value), rel=1e-9, abs=1e-12), key
     assert [s["advantage"] for s in samples] == pytest.approx(advantages.tolist(), abs=1e-12)
+
+
+def _run_counting_forwards(rank: int, world: int, args: list[str]) -> dict[str, list[int]]:
+    """Train; this rank's planned micro-batches per rollout batch (`prepare`), and the log-probability forwards it
+    ran (`logprobs`: old and reference, padding included) per rollout batch."""
+    trainer = RLTrainer(config(args, world))
+    planned, forwards = [], []
+    prepare, logprobs = trainer.prepare, trainer.logprobs
+
+    def counted_prepare(samples: Any, loader: Any) -> Any:
+        forwards.append(0)
+        out = prepare(samples, loader)
+        planned.append(sum(len(micro_batches) for micro_batches in out))
+        return out
+
+    def counted_logprobs(micro_batch: Any) -> Any:
+        forwards[-1] += 1
+        return logprobs(micro_batch)
+
+    trainer.prepare, trainer.logprobs = counted_prepare, counted_logprobs
+    train_built(trainer)
+    return {"planned": planned, "forwards": forwards}
+
+
+# 4 responses a rank per mini-batch packed under 24 tokens: the ranks plan 5 and 4 micro-batches for rollout batch 0,
+# 4 and 5 for batch 1 (dp ranks 0 and 1).
+UNEVEN = ["--data.packing", "true", "--data.max_tokens_per_micro_batch", "24", "--parallel.collective_timeout_s", "60"]
+
+
+@pytest.mark.slow
+def test_uneven_token_budget_plans_compute_old_and_reference_logprobs_like_one_process(demo, rollouts, tmp_path):
+    """The old and reference log-probability pass runs one FSDP forward per micro-batch: with plans of 5 and 4
+    micro-batches every rank runs 5 (a padding forward on the shorter plan) instead of one rank waiting in a forward
+    that the other never joins; the run equals one process step by step, at DP=2 and DP=2 x SP=2."""
+    train(rl_args(demo, rollouts, tmp_path / "one"))
+    reference = {key: by_step(tmp_path / "one", key) for key in ("train/policy_loss", "train/grad_norm", "rl/kl")}
+    assert sorted(reference["train/policy_loss"]) == list(range(1, 9))
+    for name, world, extra in (("dp2", 2, []), ("dp2sp2", 4, ["--parallel.sp_size", "2"])):
+        args = rl_args(demo, rollouts, tmp_path / name, *UNEVEN, *extra)
+        ranks = run_distributed(_run_counting_forwards, world, args, timeout_s=600, pg_timeout_s=60)
+        sp = world // 2
+        assert [r["planned"] for r in ranks] == [[5, 4]] * sp + [[4, 5]] * sp, (name, ranks)
+        assert all(r["forwards"] == [2 * 5, 2 * 5] for r in ranks), (name, ranks)  # old + reference, 5 each
+        for key, expected in reference.items():
+            got = by_step(tmp_path / name, key)
+            assert sorted(got) == sorted(expected), (name, key)
+            for step, value in expected.items():
+                assert got[step] == pytest.approx(value, rel=RTOL, abs=1e-7), (name, key, step, got, expected)
+
+
+def _run_unpadded(rank: int, world: int, args: list[str]) -> None:
+    import veomni_lite.rl.trainer as rl_trainer
+
+    rl_trainer.agreed_count = lambda count, group=None: count  # each rank its own plan's count: the old pass
+    train(args, world)
+
+
+@pytest.mark.slow
+def test_without_the_agreed_count_the_uneven_plans_hang_in_a_forward(demo, rollouts, tmp_path):
+    """The negative control: each rank running its own plan's forwards, rank 0 waits in a forward's all-gather while
+    rank 1 waits in the gather of the values, until the collective timeout."""
+    args = rl_args(demo, rollouts, tmp_path, "--train.max_steps", "1", *UNEVEN, "--parallel.collective_timeout_s", "5")
+    outcomes = run_ranks(_run_unpadded, 2, args, timeout_s=300, pg_timeout_s=5)
+    assert [status for status, _ in outcomes.values()] == ["error", "error"], outcomes
+    assert "all_gather_object" in outcomes[1][1] and "_fsdp_collectives" in outcomes[0][1], outcomes

@@ -93,7 +93,9 @@ def build(
 ) -> tuple[Path, bool]:
     """(the cache directory of `key` under `root`, whether it was found). On a miss every rank runs
     `write_shard(start, stop, path)` on its share of the `num_rows()` rows, which returns its counts (summed into
-    `meta["counts"]`); see the module docstring. Collective over `group` (every rank calls it alike)."""
+    `meta["counts"]`); see the module docstring. Collective over `group` (every rank calls it alike). Every rank calls
+    `write_shard` (a failure to make the directory is agreed before), so it may run collectives, each rank the same
+    ones, as long as it returns or raises a DataError or OSError only after them."""
     fp = fingerprint(key)
     final = root / fp
     rank, size = _rank(group), group_size(group)
@@ -111,8 +113,17 @@ def build(
     if rank == 0:
         logger.info("%s: preprocessing into %s (%d rank(s) share the rows)", what, final, size)
 
+    # write_shard may run collectives (the preference reference's forwards): a rank that cannot make the directory
+    # must not skip them alone, so that failure is agreed before
+    _, problem = _attempt(lambda: tmp.mkdir(parents=True, exist_ok=True))
+    try:
+        agree(problem, DataError, group)
+    except DataError:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
     def write() -> dict[str, int]:
-        tmp.mkdir(parents=True, exist_ok=True)
         rows = num_rows()
         counts = write_shard(rows * rank // size, rows * (rank + 1) // size, tmp / f"shard-{rank:05d}.arrow")
         return {**counts, "rows_total": rows}

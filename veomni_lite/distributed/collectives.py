@@ -10,6 +10,8 @@ Contract:
 - A failed or timed-out collective raises CollectiveError naming the rank, the op, shape and dtype.
 
 `all_gather_objects` gathers one picklable value per rank, for error paths that every rank reaches together.
+`agreed_count` is the length every rank gives a pass that runs a collective per item of a list of its own (an FSDP
+forward per planned micro-batch): no rank may call fewer collectives than another.
 `destroy_process_groups` is how a process run by torchrun tears them down before it exits.
 """
 
@@ -118,6 +120,15 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list
         message = f"rank {dist.get_rank()}: all_gather_object over a group of {size} ranks failed: {exc}"
         raise CollectiveError(message) from exc
     return gathered
+
+
+def agreed_count(count: int, group: dist.ProcessGroup | None = None) -> int:
+    """Collective: the largest `count` over the ranks of `group` (one MAX all-reduce of one int64; `count` itself
+    without a process group). A pass that runs a collective per item of a list whose length this rank's own data
+    decides (e.g. one FSDP forward per micro-batch of a token-budget plan) runs this many items on every rank, a
+    shorter list padded with items whose results are dropped, as a train step pads with `padding_flag`
+    micro-batches: else a rank that is done waits in its next collective while another waits in a forward."""
+    return int(all_reduce(int(count), op="max", group=group))
 
 
 def rank_problems(

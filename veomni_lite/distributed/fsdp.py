@@ -1,15 +1,24 @@
 """FSDP2 (`fully_shard`) over the dp x sp mesh: each transformer block, then the root.
 
 Gradients are averaged over all dp x sp ranks, which is the W that `mean_global_loss` scales by.
+
+Sharded parameters. FSDP2 registers a module's parameters as sharded DTensors, swaps in gathered plain Parameters for
+a forward and swaps the shards back when it reshards. The root module does not reshard after a forward (it expects
+the backward to follow), so after a forward outside training (a reference pass, a warm-up, an evaluation) the root's
+parameters (embeddings, final norm, LM head) are plain gathered tensors until the next backward. Whoever collects
+`model.parameters()` then (an optimizer, a reference copy) gets those, never updated by FSDP: `reshard` first, and
+`check_sharded` what was collected.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from veomni_lite.distributed.parallel_state import ParallelState
@@ -44,6 +53,32 @@ def set_gradient_sync(model: nn.Module, last: bool, every_micro_batch: bool = Tr
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(last or every_micro_batch, recurse=True)
         model.set_requires_all_reduce(last, recurse=True)
+
+
+def reshard(model: nn.Module) -> None:
+    """Every FSDP2 module of `model` back to its shards, so `model.parameters()` yields the sharded DTensors again
+    (see the module docstring; a no-op without FSDP). Local: no collective."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def check_sharded(model: nn.Module, params: Iterable[torch.Tensor], what: str = "the optimizer") -> None:
+    """Raise RuntimeError naming each trainable parameter in `params` that is not the sharded DTensor FSDP2 updates
+    (under FSDP; a no-op without it): one collected while the model was gathered, without `reshard`."""
+    if not isinstance(model, FSDPModule):
+        return
+    names = {id(param): name for name, param in model.named_parameters()}
+    unsharded = [
+        names.get(id(param), f"<a tensor of shape {tuple(param.shape)} outside the model>")
+        for param in params
+        if param.requires_grad and not isinstance(param, DTensor)
+    ]
+    if unsharded:
+        raise RuntimeError(
+            f"{what} holds {len(unsharded)} gathered, unsharded parameter(s) of the FSDP model, which would never "
+            f"train: {unsharded}; call veomni_lite.distributed.fsdp.reshard(model) after a forward outside training"
+        )
 
 
 def checkpoint_activations(blocks: list[nn.Module]) -> None:

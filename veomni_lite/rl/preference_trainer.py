@@ -26,6 +26,7 @@ import torch
 
 from veomni_lite.data import sft_cache
 from veomni_lite.data.checks import DataError
+from veomni_lite.data.packing import plan_micro_batches
 from veomni_lite.data.sft import ChatEncoder, read_sources
 from veomni_lite.data.sft_dataset import ImageProcessing
 from veomni_lite.distributed.collectives import agree, all_gather_objects, all_reduce
@@ -220,44 +221,84 @@ class PreferenceTrainer(SFTTrainer):
         if self.is_main:
             logger.info("%s: %d pairs %s %s", what, len(pairs), "read from" if found else "computed into", directory)
 
+    def _reference_plan(self, pairs: PairDataset, low: int, high: int) -> list[list[list[int]]]:
+        """Pairs [low, high) in micro-batches as training plans them, by window (consecutive pairs, in order):
+        `train.micro_batch_size` pairs each (a window each), or under `data.max_tokens_per_micro_batch` the token
+        budget's plan (`plan_micro_batches`, which reorders a window's pairs) of each window of the pairs one rank
+        holds in a step (global batch / dp), which bounds the planner's cost as in training."""
+        budget = self.config.data.max_tokens_per_micro_batch
+        if not budget:
+            size = self.config.train.micro_batch_size
+            return [[list(range(i, min(i + size, high)))] for i in range(low, high, size)]
+        window = max(self.config.train.global_batch_size // self.parallel.dp_size, 1)
+        lengths = pairs.lengths()
+        plan = []
+        for first in range(low, high, window):
+            last = min(first + window, high)
+            where = f"pref.precompute_reference, pairs [{first}, {last}): "
+            cut = plan_micro_batches(lengths[first:last].tolist(), budget, self.config.data.packing, where)
+            plan.append([[first + j for j in micro_batch] for micro_batch in cut])
+        return plan
+
     @torch.no_grad()
     def _write_reference(self, pairs: PairDataset, start: int, stop: int, path: Path) -> dict[str, int]:
         """The reference log-probabilities of pairs [start, stop) (this rank's share of `sft_cache.build`) into the
-        Arrow file `path`, as they are computed. The ranks of an SP group (consecutive ranks: rank = dp_rank x sp_size
-        + sp_rank) run the forwards of their dp share of the pairs together, micro-batch by micro-batch, and every
-        rank runs the same number of forwards (FSDP's collectives); each rank keeps the pairs of its own share."""
+        Arrow file `path`, in pair order, a window at a time as they are computed. The ranks of an SP group
+        (consecutive ranks: rank = dp_rank x sp_size + sp_rank) run the forwards of their dp share of the pairs
+        together, micro-batch by micro-batch (planned as training plans them, `_reference_plan`), and every rank runs
+        the same number of forwards, the most any rank planned (FSDP's collectives; agreed in one all-reduce that also
+        agrees a planning error): a shorter plan is padded with forwards of one pair whose values are dropped, and a
+        rank whose file write fails runs its remaining forwards before `sft_cache.build` agrees the error. Each rank
+        keeps the pairs of its own share."""
         import pyarrow as pa
 
-        count, size = len(pairs), self.config.train.micro_batch_size
+        count = len(pairs)
         dp, dp_rank = self.parallel.dp_size, self.parallel.dp_rank
         low, high = count * dp_rank // dp, count * (dp_rank + 1) // dp
         assert low <= start <= stop <= high, "an SP group's ranks share its dp share of the rows"
-        chunks = [list(range(i, min(i + size, high))) for i in range(low, high, size)]
-        rounds = max(-(-(count * (r + 1) // dp - count * r // dp) // size) for r in range(dp))
+        windows: list[list[list[int]]] = []
+        problem: DataError | None = None
+        try:
+            windows = self._reference_plan(pairs, low, high)
+        except DataError as exc:
+            problem = exc
+        plan = [(w, members) for w, window in enumerate(windows) for members in window]
+        (rounds,) = agree(problem, DataError, self.control_group, [len(plan)], "pref.precompute_reference: ")
         written = {"samples": 0}
         schema = pa.schema([("ref_chosen", pa.large_list(pa.float64())), ("ref_rejected", pa.large_list(pa.float64()))])
 
         def batches() -> Any:
+            pending: dict[int, tuple[list[float], list[float]]] = {}  # this window's pairs of this rank's share
             for round_ in range(rounds):
-                members = chunks[round_] if round_ < len(chunks) else [0]  # a rank without pairs left: a forward
+                real = round_ < len(plan)
+                members = plan[round_][1] if real else [low if low < high else 0]  # padding: one pair, dropped
                 whole = self.collate([pairs[i] for i in members])
                 batch = self.preforward(self.shard(whole))
                 logp = self._model_output(batch).double().cpu()
                 if self.parallel.sp_size > 1:
                     shards = all_gather_objects(logp, self.parallel.sp_group)
                     logp = torch.cat(shards, dim=1)[:, : whole["input_ids"].shape[1]]
-                mine = [(p, i) for p, i in enumerate(members) if start <= i < stop and round_ < len(chunks)]
-                if mine:
-                    ids, valid = whole[SEQUENCE_IDS], whole[PREF_LABELS] != IGNORE_INDEX
-                    sides = [[logp[(ids == 2 * p + k) & valid].tolist() for p, _ in mine] for k in (0, 1)]
-                    written["samples"] += len(mine)
-                    yield {"ref_chosen": sides[0], "ref_rejected": sides[1]}
+                if not real:
+                    continue
+                ids, valid = whole[SEQUENCE_IDS], whole[PREF_LABELS] != IGNORE_INDEX
+                for p, i in enumerate(members):
+                    if start <= i < stop:
+                        pending[i] = (logp[(ids == 2 * p) & valid].tolist(), logp[(ids == 2 * p + 1) & valid].tolist())
+                window_done = round_ + 1 == len(plan) or plan[round_ + 1][0] != plan[round_][0]
+                if window_done and pending:
+                    order = sorted(pending)
+                    written["samples"] += len(order)
+                    yield {"ref_chosen": [pending[i][0] for i in order], "ref_rejected": [pending[i][1] for i in order]}
+                    pending = {}
 
         was_training = self.model.training
         self.model.eval()
+        produced = batches()
         try:
-            sft_cache.write_batches(path, schema, batches())
+            sft_cache.write_batches(path, schema, produced)
         finally:
+            for _ in produced:  # a write that failed here: the forwards left still run on every rank
+                pass
             self.model.train(was_training)
         return written
 

@@ -16,8 +16,8 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
+from veomni_lite.distributed.fsdp import check_sharded, reshard
 from veomni_lite.models.lora import LoraLinear
 
 __all__ = ["ReferenceWeights"]
@@ -34,7 +34,9 @@ class ReferenceWeights:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.adapters = [module for module in model.modules() if isinstance(module, LoraLinear)]
+        reshard(model)  # the shards, whatever forward ran before
         self.params = [] if self.adapters else [p for p in model.parameters() if p.requires_grad]
+        check_sharded(model, self.params, "the reference")
         with torch.no_grad():
             self.values = [_local(p).detach().clone() for p in self.params]
 
@@ -56,20 +58,15 @@ class ReferenceWeights:
                 for module, scale in zip(self.adapters, scales):
                     module.scaling = scale
             return
-        self._reshard()
+        # FSDP2's root keeps its gathered parameters after a forward (see veomni_lite.distributed.fsdp): those would
+        # not see a swap of the shards
+        reshard(self.model)
         self._swap()
         try:
             yield
         finally:
-            self._reshard()
+            reshard(self.model)
             self._swap()
-
-    def _reshard(self) -> None:
-        """Every FSDP2 module back to its shards: the root keeps its gathered parameters after a forward (FSDP2 frees
-        them in backward), and those would not see a swap of the shards."""
-        for module in self.model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
 
     @torch.no_grad()
     def _swap(self) -> None:

@@ -19,6 +19,7 @@ the policy loss (`PolicyLoss`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -34,7 +35,7 @@ from veomni_lite.data.checks import DataError
 from veomni_lite.data.loader import StepLoader
 from veomni_lite.data.sft import ChatEncoder, read_sources
 from veomni_lite.data.sft_dataset import ImageProcessing
-from veomni_lite.distributed.collectives import agree, all_gather_objects, all_reduce
+from veomni_lite.distributed.collectives import agree, agreed_count, all_gather_objects, all_reduce
 from veomni_lite.distributed.sequence_parallel import slice_micro_batch
 from veomni_lite.loss_keys import IGNORE_INDEX, SEQUENCE_IDS, is_labels_key
 from veomni_lite.metrics.accumulator import MetricSpec
@@ -538,29 +539,33 @@ class RLTrainer(SFTTrainer):
 
     def _fill_logprobs(self, samples: list[RolloutSample], plans: list[list[tuple[list, list[int]]]]) -> None:
         """Old (and reference) log-probabilities of every sample's response tokens, computed on this rank's
-        micro-batches and gathered (collective)."""
+        micro-batches and gathered (collective). Each forward is collective (FSDP), and the ranks' token-budget plans
+        may hold different numbers of micro-batches: every rank runs the largest count (`agreed_count`), a shorter
+        plan padded with forwards of its first sample whose values are dropped. The ranks of an SP group share one
+        plan, so they pad alike (and skip the SP gather together)."""
         was_training = self.model.training
         self.model.eval()
         found: dict[str, dict[int, list[float]]] = {OLD_LOGPROBS: {}, REF_LOGPROBS: {}}
         index_of = {id(s): i for i, s in enumerate(samples)}
-        for plan in plans:
-            for chunk, indices in plan:
-                members = [chunk[i] for i in indices]
-                whole = self.collate([s.tensors() for s in members])
-                sliced = self._mark_and_slice(whole)
-                passes = [] if self.on_policy else [(OLD_LOGPROBS, None)]
-                if self.reference is not None:
-                    passes.append((REF_LOGPROBS, self.reference))
-                for key, reference in passes:
-                    if reference is None:
-                        values = self.logprobs(sliced)
-                    else:
-                        with reference.active():
-                            values = self.logprobs(sliced)
-                    values = self._whole_sequence(values, whole["input_ids"].shape[1])
-                    if self.parallel.sp_rank == 0:
-                        for position, sample in enumerate(members):
-                            found[key][index_of[id(sample)]] = _response_values(whole, values, members, position)
+        work = [(chunk, indices) for plan in plans for chunk, indices in plan]
+        passes: list[tuple[str, ReferenceWeights | None]] = [] if self.on_policy else [(OLD_LOGPROBS, None)]
+        if self.reference is not None:
+            passes.append((REF_LOGPROBS, self.reference))
+        for number in range(agreed_count(len(work), self.control_group)):
+            real = number < len(work)
+            chunk, indices = work[number] if real else (work[0][0], work[0][1][:1])
+            members = [chunk[i] for i in indices]
+            whole = self.collate([s.tensors() for s in members])
+            sliced = self._mark_and_slice(whole)
+            for key, reference in passes:
+                with reference.active() if reference is not None else contextlib.nullcontext():
+                    values = self.logprobs(sliced)
+                if not real:
+                    continue
+                values = self._whole_sequence(values, whole["input_ids"].shape[1])
+                if self.parallel.sp_rank == 0:
+                    for position, sample in enumerate(members):
+                        found[key][index_of[id(sample)]] = _response_values(whole, values, members, position)
         self.model.train(was_training)
         for key, attribute in ((OLD_LOGPROBS, "old_logprobs"), (REF_LOGPROBS, "ref_logprobs")):
             merged: dict[int, list[float]] = {}

@@ -44,7 +44,9 @@ from veomni_lite.data.packing import padding_micro_batch
 from veomni_lite.distributed.collectives import agree, all_gather_objects, destroy_process_groups
 from veomni_lite.distributed.fsdp import (
     apply_fsdp,
+    check_sharded,
     checkpoint_activations,
+    reshard,
     resolve_mixed_precision,
     set_gradient_sync,
 )
@@ -202,12 +204,16 @@ class BaseTrainer(ABC):
             del weights
             if self.lora is not None:
                 init_adapters(self.model, train.seed)  # each rank its shards of the values a whole build has
-        self.trainable = [param for param in self.model.parameters() if param.requires_grad]
         self.on_model_built()
         prefetch = config.data.prefetch_steps if config.data.prefetch_steps >= 0 else int(self.device.type != "cpu")
         self.loader = self._make_loader(self.train_dataset, train.seed, prefetch, token_budget=True)
         self.max_steps = self._run_length()
+        # A forward before training (a reference pass, a warm-up) leaves FSDP2's root gathered: the optimizer and the
+        # grad norm must hold the shards, which FSDP2 updates (see veomni_lite.distributed.fsdp).
+        reshard(self.model)
+        self.trainable = [param for param in self.model.parameters() if param.requires_grad]
         self.optimizer = build_optimizer(self.model, optim)
+        check_sharded(self.model, (param for group in self.optimizer.param_groups for param in group["params"]))
         self.scheduler = build_scheduler(self.optimizer, optim, self.max_steps)
         self._log_run_length()
         self.checkpoints = CheckpointManager(
@@ -367,7 +373,8 @@ class BaseTrainer(ABC):
 
     def on_model_built(self) -> None:  # noqa: B027 - a hook with nothing to do by default
         """Called once the model is sharded and filled, before the loader, the optimizer and any resume (e.g. to keep
-        what the initial weights are)."""
+        what the initial weights are). It may run forwards (every rank the same number: each is collective): the
+        model is resharded before the optimizer takes its parameters."""
 
     def forward(self, micro_batch: Mapping[str, Any]) -> Mapping[str, Any]:
         """One micro-batch's outputs: `{"<name>_loss": local mean}` for every loss key (and optionally `"metrics"`,
