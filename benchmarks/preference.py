@@ -81,8 +81,8 @@ def _args(variant: str, work_dir: Path, model_dir: Path, tag: str) -> list[str]:
 
 def _trainer(variant: str, work_dir: Path, model_dir: Path, tag: str) -> Any:
     from veomni_lite.config import load_config
-    from veomni_lite.rl.preference import PrefConfig
-    from veomni_lite.rl.preference_trainer import PreferenceTrainer
+    from veomni_lite.preference.config import PrefConfig
+    from veomni_lite.preference.trainer import PreferenceTrainer
     from veomni_lite.trainer.sft import SFTTrainer
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -98,7 +98,7 @@ def _speed_worker(work_dir: Path, model_dir: Path, budget_s: float, min_reps: in
 
     from harness import timed_reps
 
-    from veomni_lite.rl.preference_trainer import PreferenceTrainer
+    from veomni_lite.preference.trainer import PreferenceTrainer
 
     reference_s = []
     precompute = PreferenceTrainer._precompute

@@ -109,8 +109,8 @@ def _trainer(job: str, work_dir: Path, vocab: int) -> Any:
                  "--train.global_batch_size", str(SEQUENCES)]  # fmt: skip
         return SFTTrainer(load_config(None, args, world_size=1))
     if job == "dpo":
-        from veomni_lite.rl.preference import PrefConfig
-        from veomni_lite.rl.preference_trainer import PreferenceTrainer
+        from veomni_lite.preference.config import PrefConfig
+        from veomni_lite.preference.trainer import PreferenceTrainer
 
         args += ["--data.format", "preference", "--data.train_path", str(data / "pairs.jsonl"),
                  "--train.global_batch_size", str(SEQUENCES // 2)]  # fmt: skip

@@ -49,7 +49,8 @@ def measure(quick: bool) -> dict[str, Any]:
     from harness import interleaved_times
     from transformers import GenerationConfig
 
-    from veomni_lite.rl.engine import RolloutRequest, SamplingSettings, TransformersEngine
+    from veomni_lite.engines.base import RolloutRequest, SamplingSettings
+    from veomni_lite.engines.embedded import TransformersEngine
 
     size, model = SIZES[quick], QUICK if quick else FULL
     engine = TransformersEngine(build(model), torch.device("cpu"), batch_size=BATCH)

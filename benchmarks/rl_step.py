@@ -62,7 +62,7 @@ def _worker(work_dir: Path, model_dir: Path, variant: str, batches: int, out: Pa
         generate = 0.0
         for _ in range(trainer.loader.steps_per_rollout):
             micro_batches = trainer.loader.next_step()
-            generate += trainer._generate_s
+            generate += trainer.rollouts.generate_s
             trainer.train_step(micro_batches)
         rows.append({"seconds": time.perf_counter() - start, "generate_s": generate})
     whole = model_bytes(trainer.model)

@@ -69,7 +69,7 @@ def write_model(directory: Path, shape: dict[str, int]) -> Any:
 
 def _requests(size: dict[str, int], vocab: int) -> tuple[list[Any], Any]:
     """The rollout requests every measurement sends: prompts of 8 to 48 random tokens, `SAMPLES` seeded samples each."""
-    from veomni_lite.rl.engine import RolloutRequest, SamplingSettings
+    from veomni_lite.engines.base import RolloutRequest, SamplingSettings
 
     generator = torch.Generator().manual_seed(1)
     lengths = torch.randint(8, 49, (size["prompts"],), generator=generator).tolist()
@@ -100,7 +100,7 @@ def _logprobs(model: Any, ids: list[int]) -> list[float]:
 @contextlib.contextmanager
 def _serving(model_dir: Path, log: Path, args: list[str], env: dict[str, str] | None = None) -> Iterator[Any]:
     """A `VLLMServer` of `model_dir` (float32 plus `args`; `env` set while it starts), ready; stopped on exit."""
-    from veomni_lite.rl.vllm_engine import VLLMServer
+    from veomni_lite.engines.vllm import VLLMServer
 
     saved = {key: os.environ.get(key) for key in env or {}}
     os.environ.update(env or {})
@@ -122,7 +122,7 @@ def _serving(model_dir: Path, log: Path, args: list[str], env: dict[str, str] | 
 def _synced_engine(server: Any, model_dir: Path, model: Any, count: int) -> tuple[Any, list[tuple[float, ...]]]:
     """An engine on `server`, probed against `model`, and its `count` syncs of `model`'s weights: (write s,
     reload s, whole sync s with the probe, probe |diff|) each."""
-    from veomni_lite.rl.vllm_engine import VLLMEngine, VLLMSettings
+    from veomni_lite.engines.vllm import VLLMEngine, VLLMSettings
 
     settings = VLLMSettings.parse({"url": server.url, "probe_tolerance": 1e-4, "request_timeout_s": 1800})
     engine = VLLMEngine(settings, str(model_dir), None, lambda ids: _logprobs(model, ids), list(range(3, 67)))
@@ -135,7 +135,7 @@ def _synced_engine(server: Any, model_dir: Path, model: Any, count: int) -> tupl
 
 
 def measure_size(name: str, work_dir: Path, quick: bool) -> dict[str, Any]:
-    from veomni_lite.rl.engine import TransformersEngine
+    from veomni_lite.engines.embedded import TransformersEngine
 
     size = WORK[quick]
     model = write_model(work_dir / name, SIZES[name])

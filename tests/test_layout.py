@@ -124,3 +124,30 @@ def test_the_data_side_loads_without_the_loss_module_or_distributed_pieces():
     assert "veomni_lite.loss_keys" in loaded
     for heavy in ("veomni_lite.utils.loss_utils", "veomni_lite.distributed", "veomni_lite.trainer"):
         assert heavy not in loaded, loaded
+
+
+POST_TRAINING_ROOMS = ("veomni_lite.rl", "veomni_lite.preference", "veomni_lite.engines")
+
+
+def room_edges(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """(importer's room, imported room) for every import between different post-training rooms."""
+
+    def room(module: str) -> str | None:
+        return next((r for r in POST_TRAINING_ROOMS if module == r or module.startswith(r + ".")), None)
+
+    return {(room(a), room(b)) for a, deps in graph.items() for b in deps if room(a) and room(b) and room(a) != room(b)}
+
+
+def test_post_training_rooms_share_one_base_and_never_import_each_other():
+    """RL uses the engines; preference training and the engines import no other room; both trainers import the one
+    shared module (docs/architecture.md's picture)."""
+    graph = import_graph()
+    assert room_edges(graph) == {("veomni_lite.rl", "veomni_lite.engines")}
+    assert "veomni_lite.post_training" in graph["veomni_lite.rl.trainer"]
+    assert "veomni_lite.post_training" in graph["veomni_lite.preference.trainer"]
+
+
+def test_room_edges_see_a_cross_import():
+    """Negative control: an import from preference into rl is an edge the test above refuses."""
+    graph = {"veomni_lite.preference.trainer": {"veomni_lite.rl.policy_loss"}, "veomni_lite.rl.policy_loss": set()}
+    assert room_edges(graph) == {("veomni_lite.preference", "veomni_lite.rl")}

@@ -114,7 +114,7 @@ class DataConfig:
     """SFT: the held-out data, as `train_path`; empty: `eval_fraction` of the training rows."""
     format: Literal["messages", "sharegpt", "alpaca", "prompt_completion", "text", "preference"] = "messages"
     """SFT: how a row holds its conversation (see `veomni_lite.data.sft`); `preference`: chosen / rejected pairs, for
-    `trainers/train_preference.py` (see `veomni_lite.rl.preference_data`)."""
+    `trainers/train_preference.py` (see `veomni_lite.preference.pairs`)."""
     columns: dict[str, Any] = field(default_factory=dict)
     """SFT: column and role names where a dataset differs, e.g. `{conversations: dialog, user_tag: user}`."""
     media_dir: str = ""

@@ -25,7 +25,7 @@ from tests.pref import test_train_preference as pref
 from tests.rl import test_train_rl as rl
 from tests.trainer.helpers import read_events, train_built
 from veomni_lite.config import load_config
-from veomni_lite.rl.preference_trainer import PreferenceTrainer
+from veomni_lite.preference.trainer import PreferenceTrainer
 from veomni_lite.rl.trainer import RLTrainer
 from veomni_lite.trainer.base import BaseTrainer
 from veomni_lite.trainer.sft import SFTTrainer

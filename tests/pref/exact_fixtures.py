@@ -27,7 +27,8 @@ from veomni_lite.models.heads import LogprobRequest
 from veomni_lite.models.hf_causal_lm import hf_config_from_dict
 from veomni_lite.models.hf_reward_model import HFRewardModel
 from veomni_lite.plain_loop import LossStep
-from veomni_lite.rl.preference import PREF_LABELS, PREF_MODE, PreferenceLoss, collate_pairs
+from veomni_lite.preference.losses import PREF_LABELS, PREF_MODE, PreferenceLoss
+from veomni_lite.preference.pairs import collate_pairs
 from veomni_lite.split_invariance import Layout
 from veomni_lite.utils.loss_utils import reset_loss_memo
 

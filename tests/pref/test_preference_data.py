@@ -19,8 +19,8 @@ from veomni_lite.data.checks import DataError
 from veomni_lite.data.sft import ChatEncoder, read_sources
 from veomni_lite.loss_keys import IGNORE_INDEX
 from veomni_lite.models.pretrained import load_tokenizer
-from veomni_lite.rl.preference import PREF_LABELS
-from veomni_lite.rl.preference_data import PairDataset, PairEncoder
+from veomni_lite.preference.losses import PREF_LABELS
+from veomni_lite.preference.pairs import PairDataset, PairEncoder
 
 
 @pytest.fixture(scope="module")
@@ -307,7 +307,7 @@ def test_vision_language_pair_images_are_referenced_not_decoded_at_build_time(de
 )
 def test_preference_configs_are_checked_before_any_process_group(demo, extra, message):
     from veomni_lite.config import ConfigError, load_config
-    from veomni_lite.rl.preference import PrefConfig
+    from veomni_lite.preference.config import PrefConfig
 
     model = str(demo / "models/qwen2_help")
     args = ["--model.arch", "auto", "--model.pretrained_dir", model, "--data.format", "preference",

@@ -148,7 +148,7 @@ def test_a_lora_reward_model_trains_its_score_head_resumes_and_exports_the_train
     from tests.trainer.helpers import train_built
     from veomni_lite.models.hf_reward_model import HFRewardModel
     from veomni_lite.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-    from veomni_lite.rl.preference_trainer import PreferenceTrainer
+    from veomni_lite.preference.trainer import PreferenceTrainer
     from veomni_lite.trainer.safe_load import load_dcp_metadata
 
     lora = ("--model.lora", LORA_YAML)

@@ -16,8 +16,8 @@ from tests.dist_helpers import run_distributed, run_ranks
 from tests.trainer.helpers import read_events, train_built
 from veomni_lite.config import load_config
 from veomni_lite.data.checks import DataError
-from veomni_lite.rl.preference import PrefConfig
-from veomni_lite.rl.preference_trainer import PreferenceTrainer
+from veomni_lite.preference.config import PrefConfig
+from veomni_lite.preference.trainer import PreferenceTrainer
 
 RTOL = 1e-5
 

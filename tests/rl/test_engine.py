@@ -1,4 +1,4 @@
-"""The embedded rollout engine (`veomni_lite.rl.engine.TransformersEngine`) on tiny float32 models, one process.
+"""The embedded rollout engine (`veomni_lite.engines.embedded.TransformersEngine`) on tiny float32 models, one process.
 
 Each property against a plain reference: a sample depends on its seed, not on its batch (control: transformers' own
 sampler does depend on it); the first token's frequencies over many seeds are the filtered softmax (controls: the
@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from veomni_lite.rl.engine import Rollout, RolloutRequest, SamplingSettings, TransformersEngine
+from veomni_lite.engines.base import Rollout, RolloutRequest, SamplingSettings
+from veomni_lite.engines.embedded import TransformersEngine
 
 VOCAB = 64
 CPU = torch.device("cpu")

@@ -16,8 +16,9 @@ from tests.pref import exact_fixtures as pref_fixtures
 from tests.rl import exact_fixtures as rl_fixtures
 from veomni_lite.data.collator import collate
 from veomni_lite.models.heads import LogprobRequest
+from veomni_lite.preference.losses import PREF_LABELS
+from veomni_lite.preference.pairs import collate_pairs
 from veomni_lite.rl.policy_loss import POLICY_LABELS
-from veomni_lite.rl.preference import PREF_LABELS, collate_pairs
 from veomni_lite.rl.rollouts import collate_rollouts
 from veomni_lite.utils.loss_utils import LossModes, mark_sequences
 

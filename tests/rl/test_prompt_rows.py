@@ -92,7 +92,7 @@ def test_a_bad_answer_in_the_held_out_prompts_is_found_at_start_too(math_demo, t
 
 def _build_on_rank(rank: int, world: int, demo: Path, files: list[Path], out: Path) -> str:
     """Build the trainer on this rank's prompt file; the message of what it raises (the rollout engine untouched)."""
-    from veomni_lite.rl.engine import TransformersEngine
+    from veomni_lite.engines.embedded import TransformersEngine
 
     def no_generation(*args, **kwargs):
         raise AssertionError("a rollout was generated")

@@ -47,9 +47,9 @@ def run(args: list[str], world_size: int = 1) -> dict[str, Any]:
         trainer.metrics.close()
     events = read_events(trainer.output_dir)
     return {
-        "responses": [s.response_ids for s in trainer.last_samples],
-        "rewards": [s.reward for s in trainer.last_samples],
-        "logprobs": [s.engine_logprobs for s in trainer.last_samples],
+        "responses": [s.response_ids for s in trainer.rollouts.last],
+        "rewards": [s.reward for s in trainer.rollouts.last],
+        "logprobs": [s.engine_logprobs for s in trainer.rollouts.last],
         "losses": {e["step"]: e["train/policy_loss"] for e in events if "train/policy_loss" in e},
     }
 
@@ -126,7 +126,7 @@ def trained(args: list[str]) -> RLTrainer:
 def test_a_vision_language_model_generates_from_its_images_and_trains(demo, tmp_path):
     args = vl_args(demo / "models/qwen2_vl_digits", demo / "digits/eval.jsonl", tmp_path)
     trainer = trained(args)
-    samples = trainer.last_samples
+    samples = trainer.rollouts.last
     image = trainer.model_config.image_token_id
     assert len(samples) == 4 and all("pixel_values" in s.model_inputs for s in samples)
     assert all(image in s.prompt_ids and image not in s.response_ids for s in samples)
@@ -168,7 +168,7 @@ def test_the_other_vision_language_families_generate_and_train(families_demo, fa
     digits = families_demo / "digits/eval.jsonl"
     args = vl_args(families_demo / "models" / family, digits, tmp_path, "--rl.kl_coef", "0.1")
     trainer = trained(args)
-    assert len(trainer.last_samples) == 4 and engine_gap(trainer) < 1e-4
+    assert len(trainer.rollouts.last) == 4 and engine_gap(trainer) < 1e-4
 
 
 def test_an_rl_run_exports_to_a_directory_transformers_loads_with_the_trained_logits(math_demo, tmp_path):

@@ -15,9 +15,9 @@ from tests.pref.test_train_preference import pairs, pref_args  # noqa: F401 - pa
 from tests.rl.test_train_rl import rl_args, write_rollouts
 from veomni_lite.metrics.logger import as_panels
 from veomni_lite.metrics.sinks import LossCurveSink
+from veomni_lite.preference.config import PrefConfig
+from veomni_lite.preference.trainer import PreferenceTrainer
 from veomni_lite.rl.config import RLConfig
-from veomni_lite.rl.preference import PrefConfig
-from veomni_lite.rl.preference_trainer import PreferenceTrainer
 from veomni_lite.rl.trainer import RLTrainer
 from veomni_lite.trainer import launch
 

@@ -132,7 +132,7 @@ def _run_returning_samples(rank: int, world: int, args: list[str]) -> list[dict[
         trainer.train()
     finally:
         trainer.metrics.close()
-    return [vars(s) for s in trainer.last_samples]
+    return [vars(s) for s in trainer.rollouts.last]
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""`rl.engine: vllm` (`veomni_lite.rl.vllm_engine`).
+"""`rl.engine: vllm` (`veomni_lite.engines.vllm`).
 
 Without vLLM (every `make test`): the `rl.vllm` settings are checked by name; a server that refuses connections,
 answers with an HTTP error or not within `request_timeout_s` is an EngineError naming the engine and the request on
@@ -69,7 +69,7 @@ def vllm_server(math_demo: Path, tmp_path_factory: pytest.TempPathFactory) -> An
 
 def _serve(model: Path, log_dir: Path, renders_prompts: bool = False) -> Any:
     """A float32 server of `model` on loopback, yielded once ready and stopped after (a session fixture's body)."""
-    from veomni_lite.rl.vllm_engine import VLLMServer
+    from veomni_lite.engines.vllm import VLLMServer
 
     server = VLLMServer(
         str(VLLM_PYTHON), str(model), log_dir / "server.log", SERVER_ARGS, renders_prompts=renders_prompts
@@ -105,8 +105,8 @@ def train(rank: int, world: int, path: str, extra: list[str], hook: str = "") ->
     """One rank's run of the config at `path`: None when it finishes, the EngineError's message when it fails with one.
     `hook`: "skip_sync" (rank 0 writes the weights only at the first sync), "kill" (rank 0 kills the launched server
     after step 2)."""
+    from veomni_lite.engines.vllm import EngineError, VLLMEngine
     from veomni_lite.rl.trainer import RLTrainer
-    from veomni_lite.rl.vllm_engine import EngineError, VLLMEngine
 
     if hook == "skip_sync":
         original, calls = VLLMEngine._write, []
@@ -215,7 +215,7 @@ def _train_against(handler: type, demo: Path, out: Path, **vllm: Any) -> list[st
 
 @pytest.mark.slow
 def test_an_engine_that_refuses_or_answers_an_error_is_a_named_error_on_every_rank(math_demo, tmp_path):
-    from veomni_lite.rl.vllm_engine import free_port
+    from veomni_lite.engines.vllm import free_port
 
     refused = write_config(math_demo, tmp_path / "refused", "vllm", {"url": f"http://127.0.0.1:{free_port()}"})
     errors = run_distributed(train, 2, str(refused), [], timeout_s=600)
@@ -265,11 +265,11 @@ def test_vision_language_prompts_go_to_the_chat_route_with_their_pixels_and_are_
     from veomni_lite.data.checks import DataError
     from veomni_lite.data.sft import ChatEncoder, image_reference, open_image
     from veomni_lite.data.sft_dataset import ImageProcessing
+    from veomni_lite.engines.base import RolloutRequest, SamplingSettings
+    from veomni_lite.engines.vllm import EngineError, VLLMEngine, VLLMSettings
     from veomni_lite.models.pretrained import load_image_processor, load_tokenizer
-    from veomni_lite.rl.engine import RolloutRequest, SamplingSettings
     from veomni_lite.rl.prompts import chat_fields, encode_row
     from veomni_lite.rl.trainer import RLTrainer
-    from veomni_lite.rl.vllm_engine import EngineError, VLLMEngine, VLLMSettings
 
     model, digits = families_demo / "models" / "qwen2_vl", families_demo / "digits"
     encoder = ChatEncoder(load_tokenizer(model), "", False, "<|image_pad|>", model)
@@ -336,8 +336,8 @@ def _plain_model(demo: Path) -> Any:
 @pytest.mark.slow
 @requires_vllm
 def test_the_engine_samples_with_the_trainers_log_probabilities(math_demo, vllm_server):
-    from veomni_lite.rl.engine import RolloutRequest, SamplingSettings
-    from veomni_lite.rl.vllm_engine import VLLMEngine, VLLMSettings
+    from veomni_lite.engines.base import RolloutRequest, SamplingSettings
+    from veomni_lite.engines.vllm import VLLMEngine, VLLMSettings
 
     model = _plain_model(math_demo)
 
@@ -461,7 +461,7 @@ def test_a_launched_server_that_does_not_start_in_time_is_stopped_and_named(math
 
 def _wave(engine: Any) -> list:
     """A wave of 48 seeded requests of 100-token prompts: 4800 prompt tokens, over a CPU server's 2048-token budget."""
-    from veomni_lite.rl.engine import RolloutRequest, SamplingSettings
+    from veomni_lite.engines.base import RolloutRequest, SamplingSettings
 
     requests = [RolloutRequest([3 + (7 * i + t) % 90 for t in range(100)], [i]) for i in range(48)]
     return engine.generate(requests, SamplingSettings(max_new_tokens=4, temperature=1.0))
@@ -474,7 +474,7 @@ def test_a_wave_over_the_token_budget_completes_on_a_cpu_server(math_demo, vllm_
     """vLLM 0.32's CPU build kills its engine when a seeded request's prompt is prefilled in chunks; a launched server
     here runs without chunked prefill (`cpu_server_args`). Negative control: the same wave on a server with chunked
     prefill on is a named EngineError."""
-    from veomni_lite.rl.vllm_engine import EngineError, VLLMEngine, VLLMServer, VLLMSettings
+    from veomni_lite.engines.vllm import EngineError, VLLMEngine, VLLMServer, VLLMSettings
 
     assert not torch.cuda.is_available()
     engine = VLLMEngine(VLLMSettings.parse({"url": vllm_server.url}), str(math_demo / "model"), None, None, [1, 2])
@@ -542,21 +542,21 @@ def test_vision_language_rollouts_carry_the_trainers_images_and_prompt(vl_demo, 
     and is the one the server renders with."""
     from transformers import Qwen2VLForConditionalGeneration
 
-    from veomni_lite.rl.engine import RolloutRequest
+    from veomni_lite.engines.base import RolloutRequest
+    from veomni_lite.engines.vllm import EngineError
     from veomni_lite.rl.prompts import chat_fields
     from veomni_lite.rl.trainer import RLTrainer
-    from veomni_lite.rl.vllm_engine import EngineError
 
     vllm = {"url": vl_server.url, "probe_tolerance": 1e-4}
     path = write_config(vl_demo, tmp_path / "engine", "vllm", vllm)
     trainer = RLTrainer(load_config(path, VL_REWARD, world_size=1, sections={"rl": RLConfig}))
     try:
-        trainer._sync_engine()
-        engine, settings = trainer.engine, trainer._sampling(greedy=False)
+        trainer.rollouts.sync_engine()
+        engine, settings = trainer.engine, trainer.rollouts.sampling(greedy=False)
         assert engine.last_probe_diff < 1e-5
         model = Qwen2VLForConditionalGeneration.from_pretrained(str(vl_demo / "model"), dtype=torch.float32).eval()
         prompts = trainer.train_dataset.prompts[:3]
-        requests = [trainer._request(0, i, prompt, 2) for i, prompt in enumerate(prompts[:2])]
+        requests = [trainer.rollouts.request(0, i, prompt, 2) for i, prompt in enumerate(prompts[:2])]
         urls = [request.chat["messages"][0]["content"][0]["image_url"]["url"] for request in requests]
         assert all(url.startswith("data:image/png;base64,") for url in urls)
 
@@ -567,7 +567,7 @@ def test_vision_language_rollouts_carry_the_trainers_images_and_prompt(vl_demo, 
         seen = generated(requests)
         print(f"\nVL sampled tokens' mean |engine - plain forward| log-prob (float32): {sum(seen) / len(seen):.2e}")
         assert sum(seen) / len(seen) < 1e-5 and max(seen) < 1e-4
-        other = trainer._request(0, 2, prompts[2], 1)  # another digit's image: 8x8 pixels, the same tokens
+        other = trainer.rollouts.request(0, 2, prompts[2], 1)  # another digit's image: 8x8 pixels, the same tokens
         assert other.prompt_ids == requests[0].prompt_ids
         swapped = RolloutRequest(requests[0].prompt_ids, [7], requests[0].model_inputs, other.chat)
         assert max(generated([swapped])) > 1e-3
@@ -600,9 +600,9 @@ def test_vision_language_rollouts_carry_the_trainers_images_and_prompt(vl_demo, 
 def test_vision_language_runs_on_vllm_train_as_on_the_embedded_engine(vl_demo, vl_server, tmp_path):
     """Synchronous and one-step async; then the negative control of the encoder-cache reset (the VL server's last
     test: it kills the server's engine)."""
+    from veomni_lite.engines.vllm import EngineError
+    from veomni_lite.engines.weights import full_hf_state
     from veomni_lite.rl.trainer import RLTrainer
-    from veomni_lite.rl.vllm_engine import EngineError
-    from veomni_lite.rl.weights import full_hf_state
 
     runs = {
         "vllm": write_config(vl_demo, tmp_path / "vllm", "vllm", {"url": vl_server.url, "probe_tolerance": 1e-4}),
@@ -623,13 +623,14 @@ def test_vision_language_runs_on_vllm_train_as_on_the_embedded_engine(vl_demo, v
     # Control: a sync without the encoder-cache reset, then images the server has seen: its engine dies
     trainer = RLTrainer(load_config(runs["vllm"], VL_REWARD, world_size=1, sections={"rl": RLConfig}))
     try:
-        trainer._sync_engine()
-        requests = [trainer._request(0, i, prompt, 2) for i, prompt in enumerate(trainer.train_dataset.prompts[:2])]
-        trainer.engine.generate(requests, trainer._sampling(greedy=False))
+        trainer.rollouts.sync_engine()
+        prompts = trainer.train_dataset.prompts[:2]
+        requests = [trainer.rollouts.request(0, i, prompt, 2) for i, prompt in enumerate(prompts)]
+        trainer.engine.generate(requests, trainer.rollouts.sampling(greedy=False))
         trainer.engine.renders_prompts = False  # the sync below skips /reset_encoder_cache
         trainer.engine.sync_weights(full_hf_state(trainer.model, trainer.lora), 1)
         with pytest.raises(EngineError, match="answered HTTP 500"):
-            trainer.engine.generate(requests, trainer._sampling(greedy=False))
+            trainer.engine.generate(requests, trainer.rollouts.sampling(greedy=False))
     finally:
         trainer.close()
     assert "Encoder cache miss" in vl_server.log_path.read_text()

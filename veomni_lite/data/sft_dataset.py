@@ -14,7 +14,7 @@ pipeline (the prefetch thread or `data.num_workers` worker processes). An image 
 `DataError` naming the row, which the trainer turns into the same stop on every rank at that step (`_agree`). No
 rank holds the samples in its heap: `length(i)` and every sample are read from the memory-mapped columns. Rows are
 named as everywhere, `row N (0-based)` within the file (`row_name`). `CachedSamples` is the part the preference pairs
-(`veomni_lite.rl.preference_data`) share: the build through the cache, the memory-mapped rows, their names and images.
+(`veomni_lite.preference.pairs`) share: the build through the cache, the memory-mapped rows, their names and images.
 """
 
 from __future__ import annotations
@@ -217,7 +217,7 @@ class CachedSamples:
     """The samples an encoder writes (`rows`: a `RowEncoder`, or one with its `key()`, `schema()` and call), in order,
     preprocessed once into the Arrow cache and read memory-mapped (`samples`: `sft_cache.MappedRows` of the columns
     `LISTS` and `SCALARS`); `stats` says what `overlength` did. `SFTDataset` and the preference pairs
-    (`veomni_lite.rl.preference_data.PairDataset`) are its two kinds.
+    (`veomni_lite.preference.pairs.PairDataset`) are its two kinds.
 
     `cache_dir`: where the cache lives (`data.cache_dir`); None: a private temporary one, removed once mapped (one
     process only). `group`: the process group whose ranks share the preprocessing (None: the default group, if any).

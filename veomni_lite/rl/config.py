@@ -73,7 +73,7 @@ class RLConfig:
     """Rollouts written to rollouts.jsonl and TensorBoard's text tab at each log (0: none)."""
     vllm: dict[str, Any] = field(default_factory=dict)
     """`rl.engine: vllm`: `url` or `launch`, `python`, `sync_dir`, `start_timeout_s`, `request_timeout_s`,
-    `probe_tolerance`, `server_args`, `max_concurrency` (`veomni_lite.rl.vllm_engine.VLLMSettings`, docs/vllm.md)."""
+    `probe_tolerance`, `server_args`, `max_concurrency` (`veomni_lite.engines.vllm.VLLMSettings`, docs/vllm.md)."""
     async_steps: int = 0
     """Rollout batches generated ahead of training: 0 synchronous; 1 (vLLM engine) batch k+1 is generated while batch
     k trains, by the weights before batch k (one rollout batch stale, logged as `rl/staleness` in optimizer steps), with
@@ -113,7 +113,7 @@ class RLConfig:
         if self.advantage in ("grpo", "rloo") and self.num_generations < 2:
             raise ConfigError(f"rl.num_generations: {self.advantage} compares a group's responses, needs >= 2")
         if self.engine == "vllm" and not self.rollouts_path:
-            from veomni_lite.rl.vllm_engine import VLLMSettings
+            from veomni_lite.engines.vllm import VLLMSettings
 
             try:
                 VLLMSettings.parse(self.vllm)

@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 from veomni_lite.loss_keys import IGNORE_INDEX, SEQUENCE_IDS, loss_weights_key
 from veomni_lite.models.heads import token_logprobs
+from veomni_lite.post_training import sequence_sums
 from veomni_lite.rl.config import POLICY, RLConfig
-from veomni_lite.rl.sequence import sequence_sums
 
 POLICY_LABELS = f"{POLICY}_labels"
 ADVANTAGES = f"{POLICY}_advantages"

@@ -62,6 +62,11 @@ class RolloutSample:
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
 
+    def plain(self) -> dict[str, Any]:
+        """Its fields as plain data (what a checkpoint and the samples' all-gather carry); `RolloutSample(**plain)`
+        rebuilds it."""
+        return dict(vars(self))
+
     def tensors(self, mask_truncated: bool = False) -> dict[str, torch.Tensor]:
         """What `collate_rollouts` takes: unshifted `input_ids`, `policy_labels` and per-token floats at the
         response tokens' own positions (0 elsewhere), plus the image inputs."""

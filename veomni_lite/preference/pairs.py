@@ -31,7 +31,7 @@ written by `PreferenceTrainer`), which `attach_reference` maps beside the pairs.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +42,10 @@ from veomni_lite.data import sft_cache
 from veomni_lite.data.checks import DataError
 from veomni_lite.data.sft import ChatEncoder, Conversation, Source, Turn, row_name, to_conversation
 from veomni_lite.data.sft_dataset import REMEDY, CachedSamples, ImageProcessing, RowEncoder, token_tensors
-from veomni_lite.loss_keys import IGNORE_INDEX
-from veomni_lite.rl.preference import PREF_LABELS
+from veomni_lite.loss_keys import IGNORE_INDEX, SEQUENCE_IDS
+from veomni_lite.preference.losses import MARGINS, PREF_LABELS, PREF_STARTS, REF_LOGPROBS
 
-__all__ = ["PairDataset", "PairEncoder", "pair_cost", "to_pair_turns"]
+__all__ = ["PairDataset", "PairEncoder", "collate_pairs", "pair_cost", "to_pair_turns"]
 
 SIDES = ("chosen", "rejected")
 
@@ -280,3 +280,50 @@ class PairDataset(CachedSamples):
     def summary(self) -> str:
         tokens = self.lengths()
         return f"{len(self)} pairs from {self.stats}, {int(tokens.sum())} tokens (max {int(tokens.max())} per pair)"
+
+
+def _side_positions(ids: torch.Tensor, valid: torch.Tensor, side: int) -> torch.Tensor:
+    """[N, 2] (row, column) of side `side`'s valid entries, in order."""
+    return torch.nonzero((ids == side) & valid)
+
+
+def collate_pairs(
+    pairs: Sequence[Mapping[str, Any]],
+    collate_sides: Callable[[Sequence[Mapping[str, torch.Tensor]]], dict[str, torch.Tensor]],
+    reward_model: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Pairs ({"chosen": side, "rejected": side, optional "ref_chosen"/"ref_rejected": [response targets] float64
+    tensors, optional "margin"}; a side: `input_ids`, unshifted `pref_labels`, optional `pixel_values`) -> one
+    micro-batch of 2P sequences, side 2p chosen and 2p + 1 rejected (`collate_sides`: the model's padded or packed
+    collate, which numbers the sequences in order), with the head's keys (see the module docstring)."""
+    sides = [pair[which] for pair in pairs for which in ("chosen", "rejected")]
+    # the model's collate shifts and pads `labels` (a vision-language collate knows no other labels key)
+    batch = collate_sides([{("labels" if k == PREF_LABELS else k): v for k, v in side.items()} for side in sides])
+    batch[PREF_LABELS] = batch.pop("labels")
+    ids = batch[SEQUENCE_IDS]
+    if reward_model:  # one entry at each side's last token: the score is read there
+        labels = torch.full_like(ids, IGNORE_INDEX)
+        for side in range(len(sides)):
+            where = torch.nonzero(ids == side)[-1]
+            labels[where[0], where[1]] = 0
+        batch[PREF_LABELS] = labels
+    valid = batch[PREF_LABELS] != IGNORE_INDEX
+    starts = torch.zeros_like(ids, dtype=torch.bool)
+    for index in range(len(pairs)):
+        found = _side_positions(ids, valid, 2 * index)
+        if not len(found):
+            raise ValueError(f"collate_pairs: pair {index}'s chosen side has no response target")
+        starts[found[0, 0], found[0, 1]] = True
+    batch[PREF_STARTS] = starts
+    if any("ref_chosen" in pair for pair in pairs):
+        ref = torch.zeros_like(ids, dtype=torch.float64)
+        for index, pair in enumerate(pairs):
+            for offset, which in enumerate(("ref_chosen", "ref_rejected")):
+                found = _side_positions(ids, valid, 2 * index + offset)
+                ref[found[:, 0], found[:, 1]] = torch.as_tensor(pair[which], dtype=torch.float64)
+        batch[REF_LOGPROBS] = ref
+    if any("margin" in pair for pair in pairs):
+        margins = torch.zeros_like(ids, dtype=torch.float64)
+        margins[starts] = torch.tensor([float(pair.get("margin", 0.0)) for pair in pairs], dtype=torch.float64)
+        batch[MARGINS] = margins
+    return batch

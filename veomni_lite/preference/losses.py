@@ -32,25 +32,22 @@ model: `rewards/chosen` r_c, `rewards/rejected`, `rewards/margins`, `rewards/acc
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from veomni_lite.config import ConfigError
 from veomni_lite.loss_keys import IGNORE_INDEX, SEQUENCE_IDS, seq_starts_key
-from veomni_lite.rl.sequence import sequence_totals
+from veomni_lite.post_training import sequence_totals
+from veomni_lite.preference.config import PREF, PREF_LOSSES, PREF_MODE, PrefConfig
 
-PREF = "pref"  # the head's name: `pref_labels`, `pref_loss`
 PREF_LABELS = f"{PREF}_labels"
 PREF_STARTS = seq_starts_key(PREF)
 REF_LOGPROBS = f"{PREF}_ref_logprobs"
 MARGINS = f"{PREF}_margins"
-PREF_MODE = "seq-mean-token-sum"
-PREF_LOSSES = ("sigmoid", "ipo", "hinge", "simpo", "bradley_terry")
 DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
                "logps/rejected")  # fmt: skip
 RM_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracy", "rewards/mean")
@@ -65,71 +62,8 @@ __all__ = [
     "PREF_STARTS",
     "REF_LOGPROBS",
     "RM_METRICS",
-    "PrefConfig",
     "PreferenceLoss",
-    "collate_pairs",
 ]
-
-
-@dataclass
-class PrefConfig:
-    """Preference training (`trainers/train_preference.py`): the `pref` section (see `veomni_lite.rl.preference`)."""
-
-    loss: Literal["sigmoid", "ipo", "hinge", "simpo", "bradley_terry"] = "sigmoid"
-    """sigmoid (DPO), ipo, hinge, simpo (reference-free) or bradley_terry (a reward model: one score per sequence).
-    TRL's DPOTrainer default: sigmoid."""
-    beta: float = 0.1
-    """The inverse temperature of the implicit reward (TRL's DPO and CPO/SimPO default 0.1; the SimPO paper uses 2 to
-    2.5 with gamma / beta 0.5)."""
-    gamma: float = 0.5
-    """SimPO's target reward margin gamma (TRL's simpo_gamma 0.5)."""
-    label_smoothing: float = 0.0
-    """The probability that a pair's labels are flipped (conservative DPO, cDPO; sigmoid and simpo; TRL's 0)."""
-    precompute_reference: bool = False
-    """Compute the reference log-probabilities once before training, kept per pair in a file beside the data cache,
-    instead of a reference forward per micro-batch (TRL's precompute_ref_log_probs, default off)."""
-    center_rewards: float = 0.0
-    """bradley_terry: the coefficient c of c (r_c + r_r)^2, which centers the rewards on 0 (TRL's
-    center_rewards_coefficient, default None = 0; its docs suggest 0.01)."""
-    rpo_alpha: float = 0.0
-    """The DPO family: add alpha x the chosen response's negative log-likelihood per token to each pair's loss (RPO,
-    Pang et al. 2024, whose alpha is 1; TRL's rpo_alpha, default None = 0, averages it over the batch's chosen tokens
-    instead of per pair). Keeps the chosen responses likely while the margins grow."""
-
-    @property
-    def reward_model(self) -> bool:
-        return self.loss == "bradley_terry"
-
-    @property
-    def needs_reference(self) -> bool:
-        return self.loss in ("sigmoid", "ipo", "hinge")
-
-    def validate(self, config: Any) -> None:
-        """Cross-field checks (ConfigError naming the key)."""
-        if self.loss not in PREF_LOSSES:
-            raise ConfigError(f"pref.loss: {self.loss!r} is not one of {list(PREF_LOSSES)}")
-        if not self.beta > 0:
-            raise ConfigError(f"pref.beta: must be > 0, got {self.beta}")
-        if not 0 <= self.label_smoothing < 0.5:
-            raise ConfigError(f"pref.label_smoothing: must be in [0, 0.5), got {self.label_smoothing}")
-        if self.label_smoothing and self.loss not in ("sigmoid", "simpo"):
-            raise ConfigError(f"pref.label_smoothing: applies to sigmoid and simpo, not {self.loss}")
-        if self.center_rewards < 0 or (self.center_rewards and not self.reward_model):
-            raise ConfigError("pref.center_rewards: a coefficient >= 0 of pref.loss bradley_terry")
-        if self.rpo_alpha < 0 or (self.rpo_alpha and self.reward_model):
-            raise ConfigError("pref.rpo_alpha: a coefficient >= 0 of the DPO family (not bradley_terry)")
-        if self.precompute_reference and not self.needs_reference:
-            raise ConfigError(f"pref.precompute_reference: pref.loss {self.loss} has no reference")
-        if config.data.format != "preference":
-            raise ConfigError(f"data.format: preference training reads pairs (data.format: preference), not "
-                              f"{config.data.format!r}")  # fmt: skip
-        for key, value in (("data.sources", config.data.sources), ("data.streaming", config.data.streaming)):
-            if value:
-                raise ConfigError(f"{key}: preference training reads data.train_path (and data.eval_path) whole")
-        modes = getattr(config, "loss", None)
-        per_head = dict(getattr(modes, "modes", None) or {})
-        if per_head.get(PREF, PREF_MODE) != PREF_MODE:
-            raise ConfigError(f"loss.modes.{PREF}: the preference head is a mean over pairs ({PREF_MODE}), always")
 
 
 @dataclass(frozen=True)
@@ -213,50 +147,3 @@ class PreferenceLoss:
             count = anchors.sum().double()
             metrics = {name: (torch.where(anchors, value[pair], 0.0).sum(), count) for name, value in values.items()}
         return {f"{PREF}_loss": loss.to(torch.promote_types(output.dtype, torch.float32)), "metrics": metrics}
-
-
-def _side_positions(ids: torch.Tensor, valid: torch.Tensor, side: int) -> torch.Tensor:
-    """[N, 2] (row, column) of side `side`'s valid entries, in order."""
-    return torch.nonzero((ids == side) & valid)
-
-
-def collate_pairs(
-    pairs: Sequence[Mapping[str, Any]],
-    collate_sides: Callable[[Sequence[Mapping[str, torch.Tensor]]], dict[str, torch.Tensor]],
-    reward_model: bool = False,
-) -> dict[str, torch.Tensor]:
-    """Pairs ({"chosen": side, "rejected": side, optional "ref_chosen"/"ref_rejected": [response targets] float64
-    tensors, optional "margin"}; a side: `input_ids`, unshifted `pref_labels`, optional `pixel_values`) -> one
-    micro-batch of 2P sequences, side 2p chosen and 2p + 1 rejected (`collate_sides`: the model's padded or packed
-    collate, which numbers the sequences in order), with the head's keys (see the module docstring)."""
-    sides = [pair[which] for pair in pairs for which in ("chosen", "rejected")]
-    # the model's collate shifts and pads `labels` (a vision-language collate knows no other labels key)
-    batch = collate_sides([{("labels" if k == PREF_LABELS else k): v for k, v in side.items()} for side in sides])
-    batch[PREF_LABELS] = batch.pop("labels")
-    ids = batch[SEQUENCE_IDS]
-    if reward_model:  # one entry at each side's last token: the score is read there
-        labels = torch.full_like(ids, IGNORE_INDEX)
-        for side in range(len(sides)):
-            where = torch.nonzero(ids == side)[-1]
-            labels[where[0], where[1]] = 0
-        batch[PREF_LABELS] = labels
-    valid = batch[PREF_LABELS] != IGNORE_INDEX
-    starts = torch.zeros_like(ids, dtype=torch.bool)
-    for index in range(len(pairs)):
-        found = _side_positions(ids, valid, 2 * index)
-        if not len(found):
-            raise ValueError(f"collate_pairs: pair {index}'s chosen side has no response target")
-        starts[found[0, 0], found[0, 1]] = True
-    batch[PREF_STARTS] = starts
-    if any("ref_chosen" in pair for pair in pairs):
-        ref = torch.zeros_like(ids, dtype=torch.float64)
-        for index, pair in enumerate(pairs):
-            for offset, which in enumerate(("ref_chosen", "ref_rejected")):
-                found = _side_positions(ids, valid, 2 * index + offset)
-                ref[found[:, 0], found[:, 1]] = torch.as_tensor(pair[which], dtype=torch.float64)
-        batch[REF_LOGPROBS] = ref
-    if any("margin" in pair for pair in pairs):
-        margins = torch.zeros_like(ids, dtype=torch.float64)
-        margins[starts] = torch.tensor([float(pair.get("margin", 0.0)) for pair in pairs], dtype=torch.float64)
-        batch[MARGINS] = margins
-    return batch

@@ -75,7 +75,7 @@ import torch
 import torch.distributed as dist
 
 from veomni_lite.distributed.collectives import agree, all_gather_objects, all_reduce, group_size
-from veomni_lite.rl.engine import Rollout, RolloutEngine, RolloutRequest, SamplingSettings
+from veomni_lite.engines.base import Rollout, RolloutEngine, RolloutRequest, SamplingSettings
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Preference training on the one train loop: `PreferenceTrainer` (DPO family and Bradley-Terry reward models).
 
-An `SFTTrainer` whose samples are pairs (`veomni_lite.rl.preference_data`, `data.format: preference`), collated by
+An `SFTTrainer` whose samples are pairs (`veomni_lite.preference.pairs`, `data.format: preference`), collated by
 `collate_pairs` (padded or packed, under `train.micro_batch_size` or the token budget) and SP-sliced like any batch;
 `forward` turns the model's token log-probabilities (fused with its LM head; a reward model's scores) into the `pref`
 head (`PreferenceLoss`), whose mode is `seq-mean-token-sum` over pairs, so `LossStep` + `mean_global_loss` make every
@@ -44,19 +44,18 @@ from veomni_lite.models.pretrained import (
 )
 from veomni_lite.models.registry import DTYPES
 from veomni_lite.plain_loop import LossStep
-from veomni_lite.rl.preference import (
+from veomni_lite.post_training import ReferenceWeights
+from veomni_lite.preference.config import PrefConfig
+from veomni_lite.preference.losses import (
     DPO_METRICS,
     PREF,
     PREF_LABELS,
     PREF_MODE,
     REF_LOGPROBS,
     RM_METRICS,
-    PrefConfig,
     PreferenceLoss,
-    collate_pairs,
 )
-from veomni_lite.rl.preference_data import PairDataset, PairEncoder
-from veomni_lite.rl.reference import ReferenceWeights
+from veomni_lite.preference.pairs import PairDataset, PairEncoder, collate_pairs
 from veomni_lite.trainer.sft import SFTTrainer, cache_dir, image_token
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,4 @@
+"""Preference training (docs/preference.md): `config` (the `pref` section), `losses` (the `pref` head: the DPO family
+and Bradley-Terry reward models, exact per pair), `pairs` (pairs from the user's files, cached; `collate_pairs`),
+`trainer` (`PreferenceTrainer` on the one train loop; entry point `trainers/train_preference.py`).
+"""
