@@ -38,8 +38,16 @@ class RLConfig:
     rewards: list[dict[str, Any]] = field(default_factory=list)
     """`[{name, function, weight}]`, summed with their weights: `exact_match`, `math`, `regex` (with `pattern`), or a
     user's `path/to/file.py:function` (see `veomni_lite.rl.rewards`)."""
-    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
-    """Per group: grpo (R - mean) / (std + eps), dr_grpo R - mean, rloo R - mean of the others."""
+    advantage: Literal["grpo", "dr_grpo", "rloo", "gae"] = "grpo"
+    """Per group: grpo (R - mean) / (std + eps), dr_grpo R - mean, rloo R - mean of the others; gae: PPO with a
+    critic (`rl.critic`, `rl.gamma`, `rl.lam`; see `veomni_lite.rl.critic`)."""
+    critic: dict[str, Any] = field(default_factory=dict)
+    """`rl.advantage: gae`: `{value_head: true, lr, warmup_steps, value_clip}` (`veomni_lite.rl.critic.CriticSettings`;
+    verl's critic lr, critic_warmup 0, cliprange_value 0.5)."""
+    gamma: float = 1.0
+    """GAE's discount (verl's 1.0; OpenRLHF's 1.0)."""
+    lam: float = 1.0
+    """GAE's lambda (verl's 1.0; OpenRLHF uses 0.95)."""
     advantage_eps: float = 1e-6
     """eps of grpo's std (verl's 1e-6; TRL adds 1e-4)."""
     policy_loss: Literal["ppo_clip", "gspo"] = "ppo_clip"
@@ -110,6 +118,14 @@ class RLConfig:
             raise ConfigError(f"rl.dual_clip: must be > 1 (or 0: off), got {self.dual_clip}")
         if self.importance_sampling != "none" and self.is_cap <= 0:
             raise ConfigError(f"rl.is_cap: must be > 0, got {self.is_cap}")
+        if self.advantage == "gae" or self.critic:
+            from veomni_lite.rl.critic import CriticSettings
+
+            if self.advantage != "gae":
+                raise ConfigError(f"rl.critic: set, but rl.advantage is {self.advantage!r}; the critic is for gae")
+            CriticSettings.parse(self.critic)
+            if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
+                raise ConfigError(f"rl.gamma and rl.lam: must be in [0, 1], got {self.gamma}, {self.lam}")
         if self.advantage in ("grpo", "rloo") and self.num_generations < 2:
             raise ConfigError(f"rl.num_generations: {self.advantage} compares a group's responses, needs >= 2")
         if self.engine == "vllm" and not self.rollouts_path:

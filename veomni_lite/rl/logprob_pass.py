@@ -6,7 +6,8 @@ in order); each step's share of this rank is planned into micro-batches as any s
 Before the batch's first update the old log-probabilities (unless on policy: one mini-batch and one epoch, where the
 training forward's own are the old ones) and, with `rl.kl_coef`, the reference's are computed on those very
 micro-batches, every rank running the same count of forwards, then kept per sample (so a checkpoint holds the batch,
-and resumes it on any layout). `probe`: the current weights' log-probabilities of a token sequence, for the vLLM
+and resumes it on any layout); with the critic (`rl.advantage: gae`) its old values too, and GAE's advantages from them
+(`veomni_lite.rl.critic`). `probe`: the current weights' log-probabilities of a token sequence, for the vLLM
 engine's sync check.
 """
 
@@ -22,6 +23,7 @@ from veomni_lite.distributed.collectives import agreed_count, all_gather_objects
 from veomni_lite.loss_keys import IGNORE_INDEX, SEQUENCE_IDS
 from veomni_lite.models.heads import LogprobRequest
 from veomni_lite.post_training import ReferenceWeights
+from veomni_lite.rl.critic import OLD_VALUES
 from veomni_lite.rl.policy_loss import OLD_LOGPROBS, POLICY_LABELS, REF_LOGPROBS
 from veomni_lite.rl.rollouts import RolloutSample
 
@@ -47,8 +49,12 @@ class LogprobPasses:
             plans.append([(chunk, indices) for indices in loader.plan(m, chunk)])
         first = samples[0]
         held = first.ref_logprobs if t.on_policy else first.old_logprobs  # a resumed batch holds them
-        if held is None and (t.reference is not None or not t.on_policy):
+        if t.critic is not None:  # the critic's old values, then GAE (a resumed batch holds its advantages)
+            held = first.old_values
+        if held is None and (t.reference is not None or not t.on_policy or t.critic is not None):
             self._fill(samples, plans)
+        if t.critic is not None and first.token_advantages is None:
+            t.critic.advantages(samples)
         if not t.on_policy:  # on policy the loss records them, from the training forward
             t.records.engine_mismatch([s for s in samples if s.group % t.parallel.world_size == t.rank])
         out = []
@@ -67,10 +73,12 @@ class LogprobPasses:
         t = self.trainer
         was_training = t.model.training
         t.model.eval()
-        found: dict[str, dict[int, list[float]]] = {OLD_LOGPROBS: {}, REF_LOGPROBS: {}}
+        found: dict[str, dict[int, list[float]]] = {OLD_LOGPROBS: {}, REF_LOGPROBS: {}, OLD_VALUES: {}}
         index_of = {id(s): i for i, s in enumerate(samples)}
         work = [(chunk, indices) for plan in plans for chunk, indices in plan]
         passes: list[tuple[str, ReferenceWeights | None]] = [] if t.on_policy else [(OLD_LOGPROBS, None)]
+        if t.critic is not None:  # the value head's, from the old pass's forward (on policy: a forward of its own)
+            passes.append((OLD_VALUES, None))
         if t.reference is not None:
             passes.append((REF_LOGPROBS, t.reference))
         for number in range(agreed_count(len(work), t.control_group)):
@@ -79,9 +87,14 @@ class LogprobPasses:
             members = [chunk[i] for i in indices]
             whole = t.collate([s.tensors() for s in members])
             sliced = t.mark_and_slice(whole)
+            if t.critic is not None:
+                t.critic.captured.clear()
             for key, reference in passes:
-                with reference.active() if reference is not None else contextlib.nullcontext():
-                    values = t.logprobs(sliced)
+                if key == OLD_VALUES:
+                    values = t.critic.old_values(sliced)
+                else:
+                    with reference.active() if reference is not None else contextlib.nullcontext():
+                        values = t.logprobs(sliced)
                 if not real:
                     continue
                 values = self.whole_sequence(values, whole["input_ids"].shape[1])
@@ -89,7 +102,9 @@ class LogprobPasses:
                     for position, sample in enumerate(members):
                         found[key][index_of[id(sample)]] = _response_values(whole, values, members, position)
         t.model.train(was_training)
-        for key, attribute in ((OLD_LOGPROBS, "old_logprobs"), (REF_LOGPROBS, "ref_logprobs")):
+        keys = [(OLD_LOGPROBS, "old_logprobs"), (REF_LOGPROBS, "ref_logprobs")]
+        keys += [(OLD_VALUES, "old_values")] if t.critic is not None else []
+        for key, attribute in keys:
             merged: dict[int, list[float]] = {}
             for part in all_gather_objects(found[key], t.control_group):
                 merged.update(part)

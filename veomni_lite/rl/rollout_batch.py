@@ -64,10 +64,11 @@ class RolloutBatches:
             else:
                 mine = self.generate(k, prompts, self.sampling(greedy=False))
             samples = self._gather(mine)
-        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
-        advantages = group_advantages(rewards, rl.num_generations, rl.advantage, rl.advantage_eps)
-        for sample, advantage in zip(samples, advantages.tolist()):
-            sample.advantage = advantage
+        if rl.advantage != "gae":  # gae: from the critic's values, after the passes (`veomni_lite.rl.critic`)
+            rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+            advantages = group_advantages(rewards, rl.num_generations, rl.advantage, rl.advantage_eps)
+            for sample, advantage in zip(samples, advantages.tolist()):
+                sample.advantage = advantage
         self.generate_s = time.perf_counter() - start
         t.records.rollouts([s for s in samples if s.group % t.parallel.world_size == t.rank])
         self.last = samples

@@ -27,6 +27,7 @@ import torch
 from veomni_lite.data.checks import DataError
 from veomni_lite.data.sft import row_name
 from veomni_lite.loss_keys import IGNORE_INDEX
+from veomni_lite.rl.critic import CRITIC_VALUES, OLD_VALUES, RETURNS, VALUE_LABELS
 from veomni_lite.rl.policy_loss import (
     ADVANTAGES,
     ENGINE_LOGPROBS,
@@ -58,6 +59,9 @@ class RolloutSample:
     response_text: str = ""
     where: str = ""
     version: int = 0  # the policy version (optimizer steps) whose weights sampled it
+    old_values: list[float] | None = None  # the critic's (`rl.advantage: gae`, `veomni_lite.rl.critic`)
+    returns: list[float] | None = None
+    token_advantages: list[float] | None = None  # GAE's per token; else `advantage` at every token
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
@@ -78,10 +82,12 @@ class RolloutSample:
             labels[:] = IGNORE_INDEX
         out = {"input_ids": ids, POLICY_LABELS: labels, **self.model_inputs}
         values = {
-            ADVANTAGES: [self.advantage] * response,
+            ADVANTAGES: self.token_advantages if self.token_advantages is not None else [self.advantage] * response,
             OLD_LOGPROBS: self.old_logprobs,
             REF_LOGPROBS: self.ref_logprobs,
             ENGINE_LOGPROBS: self.engine_logprobs,
+            OLD_VALUES: self.old_values,
+            RETURNS: self.returns,
         }
         for key, value in values.items():
             if value is not None:  # absent: not computed (old on policy, no reference) or not given (engine)
@@ -100,14 +106,14 @@ def collate_rollouts(
 ) -> dict[str, torch.Tensor]:
     """`RolloutSample.tensors` of several samples -> one micro-batch: `collate` (the model's own collate function,
     taking `labels`) makes the ids, labels and positions; each float key any sample has is shifted like the labels and
-    padded with 0 (or packed in the same order; 0 for a sample without it)."""
-    base = [
-        {("labels" if k == POLICY_LABELS else k): v for k, v in s.items() if k not in TOKEN_VALUES} for s in samples
-    ]
+    padded with 0 (or packed in the same order; 0 for a sample without it). With the critic's returns, `value_labels`
+    is a copy of `policy_labels`."""
+    floats = TOKEN_VALUES + CRITIC_VALUES
+    base = [{("labels" if k == POLICY_LABELS else k): v for k, v in s.items() if k not in floats} for s in samples]
     batch = collate(base)
     batch[POLICY_LABELS] = batch.pop("labels")
     rows, length = batch["input_ids"].shape[:2]
-    for key in (k for k in TOKEN_VALUES if any(k in s for s in samples)):
+    for key in (k for k in floats if any(k in s for s in samples)):
         shifted = [
             _shift(s[key]) if key in s else torch.zeros(len(s["input_ids"]), dtype=torch.float64) for s in samples
         ]
@@ -119,6 +125,8 @@ def collate_rollouts(
             for row, value in enumerate(shifted):
                 out[row, : value.numel()] = value
             batch[key] = out
+    if RETURNS in batch:  # the critic's head trains on the policy's tokens
+        batch[VALUE_LABELS] = batch[POLICY_LABELS].clone()
     return batch
 
 

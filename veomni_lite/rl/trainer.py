@@ -46,6 +46,7 @@ from veomni_lite.models.pretrained import (
 )
 from veomni_lite.post_training import ReferenceWeights
 from veomni_lite.rl.config import POLICY, RLConfig
+from veomni_lite.rl.critic import VALUE, VALUE_LABELS, Critic
 from veomni_lite.rl.loader import RolloutLoader
 from veomni_lite.rl.logprob_pass import LogprobPasses
 from veomni_lite.rl.policy_loss import POLICY_LABELS, PolicyLoss
@@ -82,6 +83,7 @@ class RLTrainer(SFTTrainer):
         self.rollouts = RolloutBatches(self)
         self.passes = LogprobPasses(self)
         self.records = RolloutRecords(self)
+        self.critic = Critic.of(self)  # rl.advantage: gae: the value head and its loss (`veomni_lite.rl.critic`)
         super().__init__(config)
         self.records.trim_file()
 
@@ -176,10 +178,24 @@ class RLTrainer(SFTTrainer):
 
     @property
     def label_limits(self) -> dict[str, int]:
-        return {POLICY_LABELS: self.vocab_size}
+        return {POLICY_LABELS: self.vocab_size, VALUE_LABELS: self.vocab_size}
 
     def trained_loss_keys(self, model: Any) -> tuple[str, ...]:
-        return (f"{POLICY}_loss",)
+        return (f"{POLICY}_loss",) + ((f"{VALUE}_loss",) if self.critic is not None else ())
+
+    def build_model(self) -> Any:
+        model = super().build_model()
+        return self.critic.attach(model) if self.critic is not None else model
+
+    def materialize(self, model: torch.nn.Module) -> None:
+        if self.critic is None:
+            return super().materialize(model)
+        self.critic.materialize(model, super().materialize)
+
+    def make_optimizer(self) -> torch.optim.Optimizer:
+        if self.critic is None:
+            return super().make_optimizer()
+        return self.critic.optimizer(self.model, self.config.optim)  # the value head's groups at rl.critic.lr
 
     def _check_loss_weights(self, model: Any) -> None:
         """The policy loss applies `policy_loss_weights` itself (`PolicyLoss`)."""
@@ -248,7 +264,8 @@ class RLTrainer(SFTTrainer):
         """The policy loss of one micro-batch from the model's log-probabilities and entropies (see `PolicyLoss`)."""
         batch = self.preforward(micro_batch)
         outputs = self.model_logprobs(batch, LogprobRequest(batch[POLICY_LABELS], self.rl.temperature, entropy=True))
-        return self.policy(outputs, batch, self.parallel.sp_group if self.parallel.sp_size > 1 else None)
+        loss = self.policy(outputs, batch, self.parallel.sp_group if self.parallel.sp_size > 1 else None)
+        return loss if self.critic is None else self.critic.add_value_loss(loss, batch, f"{POLICY}_loss")
 
     @torch.no_grad()
     def logprobs(self, micro_batch: Mapping[str, Any]) -> torch.Tensor:
@@ -266,12 +283,14 @@ class RLTrainer(SFTTrainer):
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
         """The loop's step, with this step's rollout metrics and times recorded (`RolloutRecords.flush`)."""
         start = time.perf_counter()
+        if self.critic is not None and self.critic.warming_up():
+            self.critic.freeze_policy(self.optimizer)
         super().train_step(micro_batches)
         self.metrics.train.record("time/train_s", time.perf_counter() - start)
         self.records.flush()
 
     def metric_specs(self) -> list[MetricSpec]:
-        return self.records.specs()
+        return self.records.specs() + (self.critic.specs() if self.critic is not None else [])
 
     def train(self) -> dict[str, float]:
         """The loop; a fresh run with evaluation on first evaluates the starting weights (logged at step 1, the step

@@ -126,11 +126,13 @@ ADAMW_KERNELS: dict[str, tuple[bool | None, bool | None]] = {
 }
 
 
-def build_optimizer(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over `parameter_groups`, with the config's lr, betas, eps and kernels."""
+def build_optimizer(
+    model: torch.nn.Module, optim: OptimConfig, groups: list[dict[str, Any]] | None = None
+) -> torch.optim.AdamW:
+    """AdamW over `groups` (default `parameter_groups`), with the config's lr, betas, eps and kernels."""
     foreach, fused = ADAMW_KERNELS[optim.implementation]
     return torch.optim.AdamW(
-        parameter_groups(model, optim.weight_decay, optim.weight_decay_on),
+        parameter_groups(model, optim.weight_decay, optim.weight_decay_on) if groups is None else groups,
         lr=optim.lr,
         betas=(optim.betas[0], optim.betas[1]),
         eps=optim.eps,
@@ -212,7 +214,7 @@ class BaseTrainer(ABC):
         # grad norm must hold the shards, which FSDP2 updates (see veomni_lite.distributed.fsdp).
         reshard(self.model)
         self.trainable = [param for param in self.model.parameters() if param.requires_grad]
-        self.optimizer = build_optimizer(self.model, optim)
+        self.optimizer = self.make_optimizer()
         check_sharded(self.model, (param for group in self.optimizer.param_groups for param in group["params"]))
         self.scheduler = build_scheduler(self.optimizer, optim, self.max_steps)
         self._log_run_length()
@@ -370,6 +372,10 @@ class BaseTrainer(ABC):
         """The loss keys each micro-batch's outputs carry (the model's own; a trainer that computes its loss from the
         model's logits names its own)."""
         return tuple(model.loss_keys)
+
+    def make_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer of the sharded model: AdamW over `parameter_groups` (`build_optimizer`)."""
+        return build_optimizer(self.model, self.config.optim)
 
     def on_model_built(self) -> None:  # noqa: B027 - a hook with nothing to do by default
         """Called once the model is sharded and filled, before the loader, the optimizer and any resume (e.g. to keep

@@ -1,0 +1,334 @@
+"""PPO's critic (`rl.advantage: gae` with `rl.critic`), composed by `RLTrainer` as one part (`Critic`).
+
+The critic is a value head on the policy's trunk (`rl.critic.value_head: true`): `nn.Linear(hidden, 1)` on the
+decoder's last hidden state at every position, a submodule of the policy (`value_head`), so FSDP2 shards it with the
+root, the checkpoint holds it, and the export (the transformers model alone) leaves it out. It trains with the policy in
+the same optimizer step as its own loss head `value` (`value_labels`: the response tokens, as `policy_labels`), with its
+own loss mode (`loss.modes.value`, else `loss.mode`) and token count: `mean_global_loss` makes both heads exact over
+GA x DP x SP x packing with the step's one all-reduce. Its parameters are their own AdamW group, at `rl.critic.lr`.
+A separate value model (`rl.critic.pretrained_dir`) is not built yet: a config error says so.
+
+Per rollout batch, on the host, alike on every rank (every rank holds every sample after the passes' gather):
+- old values V_t: a no-grad forward on the micro-batches of the old / reference log-probabilities
+  (`LogprobPasses`), at the positions that predict each response token (the shifted frame: the state before token t);
+- token rewards: the sequence reward at the last response token, 0 elsewhere (no KL in the reward: the KL stays a loss
+  term, `rl.kl_coef`, as verl's use_kl_loss);
+- GAE over each response (`gae`): delta_t = r_t + gamma V_{t+1} - V_t with V after the last token 0 (a truncated
+  response is not bootstrapped, as verl), A_t = delta_t + gamma lam A_{t+1}; returns R_t = A_t + V_t;
+- the advantages whitened over the batch's trained response tokens, (A - mean) / sqrt(var + 1e-8), var with Bessel's
+  correction (verl's masked_whiten); the returns are not.
+The value loss per token (`ValueLoss`, verl's clipped value loss): with old values o_t and c = `rl.critic.value_clip`,
+  l_t = 0.5 max((v_t - R_t)^2, (o_t + clip(v_t - o_t, -c, c) - R_t)^2)       (c = 0: 0.5 (v_t - R_t)^2)
+Critic warm-up (`rl.critic.warmup_steps`, verl's critic_warmup): the first N optimizer steps train the value head only:
+the policy loss is multiplied by 0 and every other parameter group steps with lr 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from veomni_lite.config import ConfigError
+from veomni_lite.loss_keys import IGNORE_INDEX, loss_weights_key
+from veomni_lite.metrics.accumulator import MetricSpec
+
+VALUE = "value"  # the head's name: `value_labels`, `value_loss`
+VALUE_LABELS = f"{VALUE}_labels"
+OLD_VALUES = f"{VALUE}_old_values"
+RETURNS = f"{VALUE}_returns"
+CRITIC_VALUES = (OLD_VALUES, RETURNS)  # float per-token keys of a sample, in the shifted frame like the advantages
+WHITEN_EPS = 1e-8
+
+__all__ = [
+    "CRITIC_VALUES",
+    "OLD_VALUES",
+    "RETURNS",
+    "VALUE",
+    "VALUE_LABELS",
+    "Critic",
+    "CriticSettings",
+    "ValueLoss",
+    "gae",
+    "whiten",
+]
+
+
+@dataclass(frozen=True)
+class CriticSettings:
+    """`rl.critic`: `value_head` (a linear head on the policy's trunk) or `pretrained_dir` (a separate value model:
+    not yet), `lr` (the critic's AdamW rate; absent: `optim.lr`), `warmup_steps` (verl's critic_warmup, 0) and
+    `value_clip` (verl's cliprange_value 0.5; 0: unclipped)."""
+
+    value_head: bool = False
+    pretrained_dir: str = ""
+    lr: float | None = None
+    warmup_steps: int = 0
+    value_clip: float = 0.5
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> CriticSettings:
+        """The settings of a `rl.critic` mapping (ConfigError naming a bad key)."""
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(f"rl.critic: unknown key(s) {unknown}; known: {sorted(known)}")
+        settings = cls(**raw)
+        if settings.pretrained_dir:
+            raise ConfigError(
+                "rl.critic.pretrained_dir: a separate value model is not supported yet; use rl.critic.value_head: true"
+            )
+        if not settings.value_head:
+            raise ConfigError("rl.critic: set value_head: true (a linear value head on the policy's trunk)")
+        if settings.lr is not None and not settings.lr > 0:
+            raise ConfigError(f"rl.critic.lr: must be > 0, got {settings.lr}")
+        if settings.warmup_steps < 0 or settings.value_clip < 0:
+            raise ConfigError("rl.critic.warmup_steps and rl.critic.value_clip: must be >= 0")
+        return settings
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns) [T] of one response's token rewards and old values [T] (float64): delta_t = r_t +
+    gamma V_{t+1} - V_t (V_T = 0), A_t = delta_t + gamma lam A_{t+1}, returns = A + V."""
+    rewards, values = rewards.double(), values.double()
+    advantages = torch.zeros_like(values)
+    running, following = 0.0, 0.0
+    for t in range(values.numel() - 1, -1, -1):
+        delta = rewards[t] + gamma * following - values[t]
+        running = delta + gamma * lam * running
+        advantages[t] = running
+        following = values[t]
+    return advantages, advantages + values
+
+
+def whiten(values: torch.Tensor, of: torch.Tensor | None = None, eps: float = WHITEN_EPS) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) with the mean and var (Bessel's correction) of `of` (default `values`): verl's
+    masked_whiten; with fewer than 2 values in `of`, centred only."""
+    values = values.double()
+    of = values if of is None else of.double()
+    if of.numel() < 2:
+        return values - of.mean() if of.numel() else values
+    return (values - of.mean()) * torch.rsqrt(of.var(correction=1) + eps)
+
+
+@dataclass(frozen=True)
+class ValueLoss:
+    """The value head's loss (see the module docstring) as the loss contract wants it."""
+
+    value_clip: float = 0.5
+
+    def __call__(self, values: torch.Tensor, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """{"value_loss": this shard's mean over its valid `value_labels` tokens of l_t (times `value_loss_weights`
+        where the batch has them; an exact 0 without tokens), "metrics": {"critic/value_loss": (total, count)}} from
+        the model's values [B, S] at the batch's positions (shifted frame). No collective."""
+        device = values.device
+        valid = batch[VALUE_LABELS].to(device) != IGNORE_INDEX
+        mask = valid.to(torch.float64)
+        v = torch.where(valid, values.double(), 0.0)
+        returns = torch.where(valid, batch[RETURNS].to(device, torch.float64), 0.0)
+        loss = (v - returns) ** 2
+        if self.value_clip:
+            old = torch.where(valid, batch[OLD_VALUES].to(device, torch.float64), 0.0)
+            clipped = old + (v - old).clamp(-self.value_clip, self.value_clip)
+            loss = torch.maximum(loss, (clipped - returns) ** 2)
+        loss = 0.5 * loss
+        count = mask.sum()
+        per_token = loss
+        weights = batch.get(loss_weights_key(VALUE))
+        if weights is not None:
+            per_token = per_token * weights.to(device, torch.float64)
+        out = torch.where(valid, per_token, 0.0).sum() / count.clamp(min=1)
+        metrics = {"critic/value_loss": (torch.where(valid, loss.detach(), 0.0).sum(), count)}
+        return {f"{VALUE}_loss": out.to(torch.promote_types(values.dtype, torch.float32)), "metrics": metrics}
+
+
+class ValueHead(nn.Module):
+    """`nn.Linear(hidden, 1)`, zero-initialised (every value starts at 0, so the first advantages are the plain
+    returns), applied to the trunk's last hidden states."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, 1, dtype=dtype, device=device)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.linear(hidden).squeeze(-1)
+
+
+def attach_value_head(model: nn.Module, captured: dict[str, torch.Tensor]) -> None:
+    """Add `model.value_head` and a forward hook on the trunk (`model.hf_model.model`) that writes the values [B, S]
+    of each forward into `captured["values"]` (inside the model's forward, where FSDP2 has gathered the head)."""
+    trunk = getattr(getattr(model, "hf_model", None), "model", None)
+    if trunk is None:
+        raise ConfigError(f"rl.critic.value_head: {type(model).__name__} has no decoder trunk (hf_model.model)")
+    config = model.config
+    hidden = getattr(config, "text_config", config).hidden_size
+    first = next(model.parameters())
+    model.value_head = ValueHead(hidden, first.dtype, first.device)  # on meta where the model is
+
+    def capture(_module: nn.Module, _inputs: Any, output: Any) -> None:
+        captured["values"] = model.value_head(output.last_hidden_state)
+
+    trunk.register_forward_hook(capture)
+
+
+class Critic:
+    """The critic part of `trainer` (an `RLTrainer`); `Critic.of(trainer)` is None without `rl.advantage: gae`."""
+
+    def __init__(self, trainer: Any, settings: CriticSettings) -> None:
+        self.trainer = trainer
+        self.settings = settings
+        self.loss = ValueLoss(settings.value_clip)
+        self.captured: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def of(cls, trainer: Any) -> Critic | None:
+        rl = trainer.rl
+        return cls(trainer, CriticSettings.parse(rl.critic)) if rl.advantage == "gae" else None
+
+    def attach(self, model: nn.Module) -> nn.Module:
+        """The policy with its value head (called on the built model, before FSDP2)."""
+        if self.trainer.lora is not None:
+            raise ConfigError("rl.critic.value_head: not with model.lora yet (the head would be frozen with the base)")
+        attach_value_head(model, self.captured)
+        return model
+
+    @torch.no_grad()
+    def materialize(self, model: nn.Module, fill: Any) -> None:
+        """A sharded build filled from the directory: `fill(model)` (the trainer's `materialize`) without the value
+        head, which the directory does not hold, then the head's shards zeroed (its initial values)."""
+        head = model._modules.pop("value_head")
+        try:
+            fill(model)
+        finally:
+            model._modules["value_head"] = head
+        for param in head.parameters():
+            param.zero_()
+
+    def take(self) -> torch.Tensor:
+        """The values of the model's last forward."""
+        return self.captured.pop("values")
+
+    def warming_up(self) -> bool:
+        """The step about to train is a warm-up step (the policy does not update)."""
+        return self.trainer.step < self.settings.warmup_steps
+
+    def optimizer(self, model: nn.Module, optim: Any) -> torch.optim.Optimizer:
+        """The trainer's AdamW (`build_optimizer`) with the value head's parameters in their own groups (`critic`:
+        True) at `rl.critic.lr` (else `optim.lr`), decayed like the rest (its weight; not its bias)."""
+        from veomni_lite.trainer.base import build_optimizer, parameter_groups
+
+        groups = parameter_groups(model, optim.weight_decay, optim.weight_decay_on)
+        head = {id(p) for p in model.value_head.parameters()}
+        lr = optim.lr
+        out = []
+        for group in groups:
+            rest = [p for p in group["params"] if id(p) not in head]
+            mine = [p for p in group["params"] if id(p) in head]
+            out.append({**group, "params": rest})
+            if mine:
+                out.append({**group, "params": mine, "lr": self.settings.lr or lr, "critic": True})
+        return build_optimizer(model, optim, out)
+
+    def freeze_policy(self, optimizer: torch.optim.Optimizer) -> None:
+        """During warm-up: every group but the critic's steps with lr 0 this step (the scheduler's next step sets the
+        scheduled rates again, from its base rates)."""
+        for group in optimizer.param_groups:
+            if not group.get("critic"):
+                group["lr"] = 0.0
+
+    def add_value_loss(self, outputs: dict[str, Any], batch: Mapping[str, Any], policy_key: str) -> dict[str, Any]:
+        """The policy's `outputs` with the value loss and its metrics added (`policy_key`'s loss times 0 in
+        warm-up)."""
+        value = self.loss(self.take(), batch)
+        if self.warming_up():
+            outputs[policy_key] = outputs[policy_key] * 0.0
+        outputs[f"{VALUE}_loss"] = value[f"{VALUE}_loss"]
+        outputs["metrics"] = {**outputs.get("metrics", {}), **value["metrics"]}
+        return outputs
+
+    def advantages(self, samples: Sequence[Any]) -> None:
+        """Each sample's token advantages and returns from its `old_values` (`apply_gae`), and the batch's critic
+        metrics into the pending rollout records (the same values on every rank)."""
+        rl = self.trainer.rl
+        metrics = apply_gae(samples, rl.gamma, rl.lam, rl.mask_truncated)
+        pending = self.trainer.records.pending
+        kept = [s for s in samples if not (rl.mask_truncated and s.truncated)]
+        if kept:  # `rl/advantage/*` of the trained tokens (whole batch, alike on every rank: the mean stays exact)
+            advantages = torch.tensor([a for s in kept for a in s.token_advantages], dtype=torch.float64)
+            count = float(advantages.numel())
+            pending["rl/advantage/mean"] = (advantages.sum(), count)
+            pending["rl/advantage/_sq"] = ((advantages * advantages).sum(), count)
+            pending["rl/advantage/min"], pending["rl/advantage/max"] = advantages.min(), advantages.max()
+        for name, value in metrics.items():
+            extreme = name.endswith(("/min", "/max"))
+            pending[name] = torch.tensor(value, dtype=torch.float64) if extreme else (value, 1.0)
+
+    @torch.no_grad()
+    def old_values(self, micro_batch: Mapping[str, Any]) -> torch.Tensor:
+        """[B, S] values of a prepared micro-batch (float64, host): the last forward's (the old log-probabilities'
+        pass, under the current weights), else a forward of its own (`RLTrainer.logprobs`)."""
+        if "values" not in self.captured:
+            self.trainer.logprobs(micro_batch)
+        return self.take().double().cpu()
+
+    def specs(self) -> list[MetricSpec]:
+        """The critic's metric specs."""
+        return [
+            MetricSpec("critic/value_loss", "mean"),
+            MetricSpec("critic/values/mean", "mean"),
+            MetricSpec("critic/values/min", "min"),
+            MetricSpec("critic/values/max", "max"),
+            MetricSpec("critic/returns/mean", "mean"),
+            MetricSpec("critic/explained_variance", "mean"),
+        ]
+
+
+def apply_gae(samples: Sequence[Any], gamma: float, lam: float, mask_truncated: bool) -> dict[str, Any]:
+    """See `Critic.advantages`: samples with `reward`, `response_ids`, `old_values`, `truncated`; sets
+    `token_advantages` and `returns`. A sample left out of the loss (`mask_truncated` and truncated) gets its GAE but
+    is not in the whitening statistics nor the metrics."""
+    raw, kept = [], []
+    for sample in samples:
+        values = torch.tensor(sample.old_values, dtype=torch.float64)
+        rewards = torch.zeros_like(values)
+        if rewards.numel():
+            rewards[-1] = sample.reward
+        advantages, returns = gae(rewards, values, gamma, lam)
+        raw.append(advantages)
+        sample.returns = returns.tolist()
+        kept.append(not (mask_truncated and sample.truncated))
+    trained = [a for a, keep in zip(raw, kept) if keep]
+    flat = torch.cat(trained) if trained else torch.zeros(0, dtype=torch.float64)
+    for sample, advantages in zip(samples, raw):
+        sample.token_advantages = whiten(advantages, flat).tolist()
+    return critic_metrics(
+        [torch.tensor(s.old_values, dtype=torch.float64) for s, k in zip(samples, kept) if k],
+        [torch.tensor(s.returns, dtype=torch.float64) for s, k in zip(samples, kept) if k],
+    )
+
+
+def critic_metrics(values: Sequence[torch.Tensor], returns: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """The batch's critic metrics over its trained response tokens: values' mean, min, max and the explained variance
+    1 - Var(R - V) / Var(R) (population variances from the batch's exact sums; absent when Var(R) is 0)."""
+    v = torch.cat(list(values)) if values else torch.zeros(0, dtype=torch.float64)
+    r = torch.cat(list(returns)) if returns else torch.zeros(0, dtype=torch.float64)
+    if not v.numel():
+        return {}
+    n = float(v.numel())
+    residual = r - v
+    var_r = (r * r).sum() / n - (r.sum() / n) ** 2
+    var_e = (residual * residual).sum() / n - (residual.sum() / n) ** 2
+    out = {
+        "critic/values/mean": float(v.mean()),
+        "critic/values/min": float(v.min()),
+        "critic/values/max": float(v.max()),
+        "critic/returns/mean": float(r.mean()),
+    }
+    if float(var_r) > 0:
+        out["critic/explained_variance"] = 1.0 - float(var_e) / float(var_r)
+    return out
