@@ -13,7 +13,7 @@ QUICK ?=
 TORCHRUN := $(PY) -m veomni_lite.torchrun --standalone --nproc_per_node $(NPROC)
 
 .PHONY: install test test-quick test-gpu test-vllm vllm-env quality train train-text train-sft train-lora train-rl \
-	train-rl-math preference-pairs train-dpo train-rm figures bench clean
+	train-rl-math train-ppo preference-pairs train-dpo train-rm figures bench clean
 
 install: $(STAMP)
 
@@ -118,6 +118,16 @@ train-rl-math: install
 	$(TORCHRUN) trainers/train_sft.py configs/rl_math_sft.yaml
 	$(PY) -m veomni_lite.export outputs/rl_math_sft outputs/rl_math_sft_hf
 	$(TORCHRUN) trainers/train_rl.py configs/rl_math.yaml $(ARGS)
+
+# PPO with a critic (docs/rl.md): the same problems and SFT warm start (exported once to outputs/rl_math_sft_hf), then
+# PPO with GAE over a value head on the policy's trunk (configs/ppo_math.yaml).
+PPO_CONFIG ?= configs/ppo_math.yaml
+train-ppo: install
+	$(PY) -m examples.rl_math outputs/rl_math
+	test -f outputs/rl_math_sft_hf/model.safetensors || ( \
+	  $(TORCHRUN) trainers/train_sft.py configs/rl_math_sft.yaml && \
+	  $(PY) -m veomni_lite.export outputs/rl_math_sft outputs/rl_math_sft_hf )
+	$(TORCHRUN) trainers/train_rl.py $(PPO_CONFIG) $(ARGS)
 
 # Preference training (docs/preference.md): the arithmetic problems of examples/rl_math, an SFT warm start
 # (configs/rl_math_sft.yaml, exported once to outputs/rl_math_sft_hf) and pairs of the worked solution against the
