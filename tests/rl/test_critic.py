@@ -72,7 +72,7 @@ def test_value_loss_is_the_clipped_squared_error_over_the_valid_tokens():
         expected = (v - r) ** 2
         if clip:
             expected = torch.maximum(expected, (o + (v - o).clamp(-clip, clip) - r) ** 2)
-        assert float(out["value_loss"]) == pytest.approx(float(0.5 * expected.mean()), abs=1e-12)
+        assert float(out["value_loss"].detach()) == pytest.approx(float(0.5 * expected.mean()), abs=1e-12)
         total, count = out["metrics"]["critic/value_loss"]
         assert float(total / count) == pytest.approx(float(0.5 * expected.mean()), abs=1e-12)
     unclipped = (v - r) ** 2
@@ -128,5 +128,5 @@ def test_ppo_on_given_rollouts_warms_the_critic_up_then_trains_both(demo, tmp_pa
     assert steps[1]["train/policy_loss"] == 0.0 and steps[3]["train/policy_loss"] != 0.0
     first = steps[1]
     assert first["critic/values/mean"] == 0.0 and first["critic/explained_variance"] == pytest.approx(0.0, abs=1e-12)
-    assert first["critic/value_loss"] == pytest.approx(first["train/value_loss"], rel=1e-9)
+    assert first["critic/value_loss"] == pytest.approx(first["train/value_loss"], rel=1e-6)  # float32 loss
     assert first["rl/advantage/mean"] == pytest.approx(0.0, abs=1e-9)
