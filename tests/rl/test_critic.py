@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.rl.test_train_rl import config, rl_args, write_rollouts
+from tests.dist_helpers import run_distributed
+from tests.rl.test_train_rl import by_step, config, rl_args, write_rollouts
 from tests.trainer.helpers import train_built
 from veomni_lite.config import ConfigError
 from veomni_lite.loss_keys import IGNORE_INDEX
@@ -130,3 +131,24 @@ def test_ppo_on_given_rollouts_warms_the_critic_up_then_trains_both(demo, tmp_pa
     assert first["critic/values/mean"] == 0.0 and first["critic/explained_variance"] == pytest.approx(0.0, abs=1e-12)
     assert first["critic/value_loss"] == pytest.approx(first["train/value_loss"], rel=1e-6)  # float32 loss
     assert first["rl/advantage/mean"] == pytest.approx(0.0, abs=1e-9)
+
+
+def _ranked(rank: int, world: int, args: list[str]) -> None:
+    train_built(RLTrainer(config(args, world)))
+
+
+@pytest.mark.slow
+def test_ppo_logs_the_same_steps_at_one_process_and_dp2(demo, tmp_path):
+    """DP=2 builds the value head on meta and fills the policy shard by shard (`Critic.materialize`); both heads'
+    losses, the grad norm and the critic's batch metrics equal one process's."""
+    rollouts = write_rollouts(tmp_path / "r.jsonl", groups=4)
+    critic = '{"value_head": true, "lr": 0.01, "warmup_steps": 1}'
+    extra = ("--rl.advantage", "gae", "--rl.critic", critic, "--train.max_steps", "4")
+    train_built(RLTrainer(config(rl_args(demo, rollouts, tmp_path / "one", *extra))))
+    run_distributed(_ranked, 2, rl_args(demo, rollouts, tmp_path / "dp2", *extra), timeout_s=600)
+    keys = ("train/policy_loss", "train/value_loss", "train/grad_norm", "critic/explained_variance")
+    for key in keys:
+        expected, got = by_step(tmp_path / "one", key), by_step(tmp_path / "dp2", key)
+        assert sorted(got) == sorted(expected) and expected, key
+        for step, value in expected.items():
+            assert got[step] == pytest.approx(value, rel=1e-5, abs=1e-7), (key, step)
