@@ -138,17 +138,23 @@ def _ranked(rank: int, world: int, args: list[str]) -> None:
 
 
 @pytest.mark.slow
-def test_ppo_logs_the_same_steps_at_one_process_and_dp2(demo, tmp_path):
-    """DP=2 builds the value head on meta and fills the policy shard by shard (`Critic.materialize`); both heads'
-    losses, the grad norm and the critic's batch metrics equal one process's."""
+def test_ppo_logs_the_same_steps_at_one_process_dp2_and_sp2_packed(demo, tmp_path):
+    """DP=2 builds the value head on meta and fills the policy shard by shard (`Critic.materialize`); SP=2 packed
+    gathers each shard's old values. Both heads' losses, the grad norm and the critic's batch metrics equal one
+    process's."""
     rollouts = write_rollouts(tmp_path / "r.jsonl", groups=4)
     critic = '{"value_head": true, "lr": 0.01, "warmup_steps": 1}'
     extra = ("--rl.advantage", "gae", "--rl.critic", critic, "--train.max_steps", "4")
     train_built(RLTrainer(config(rl_args(demo, rollouts, tmp_path / "one", *extra))))
-    run_distributed(_ranked, 2, rl_args(demo, rollouts, tmp_path / "dp2", *extra), timeout_s=600)
+    layouts = {
+        "dp2": [],
+        "sp2": ["--parallel.sp_size", "2", "--data.packing", "true", "--data.max_tokens_per_micro_batch", "40"],
+    }
     keys = ("train/policy_loss", "train/value_loss", "train/grad_norm", "critic/explained_variance")
-    for key in keys:
-        expected, got = by_step(tmp_path / "one", key), by_step(tmp_path / "dp2", key)
-        assert sorted(got) == sorted(expected) and expected, key
-        for step, value in expected.items():
-            assert got[step] == pytest.approx(value, rel=1e-5, abs=1e-7), (key, step)
+    for name, more in layouts.items():
+        run_distributed(_ranked, 2, rl_args(demo, rollouts, tmp_path / name, *extra, *more), timeout_s=600)
+        for key in keys:
+            expected, got = by_step(tmp_path / "one", key), by_step(tmp_path / name, key)
+            assert sorted(got) == sorted(expected) and expected, (name, key)
+            for step, value in expected.items():
+                assert got[step] == pytest.approx(value, rel=1e-5, abs=1e-7), (name, key, step)
