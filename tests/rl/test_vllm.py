@@ -1082,3 +1082,77 @@ def test_a_killed_engine_is_a_named_error_on_every_rank_and_the_run_resumes(math
     assert sorted(by_step(tmp_path / "run", "train/policy_loss")) == [1, 2, 3, 4, 5, 6]
     diff = by_step(tmp_path / "run", "rl/logprob_diff")
     assert sorted(diff) == [1, 3, 5] and all(value < 1e-5 for value in diff.values())
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@requires_vllm
+def test_two_launched_servers_give_one_servers_rollouts_and_the_key_guards_only_v1(math_demo, tmp_path, monkeypatch):
+    """`rl.vllm.launch: 2` with `api_key_env`: both servers synced and checked; a wave of 8 prompts x 4 seeded samples
+    spread over the two equals the same wave on one of them (tokens, and log-probabilities to 1e-6). vLLM's --api-key
+    (given as VLLM_API_KEY): /v1 answers 401 without the key, while the dev-mode weight routes run without it
+    (docs/vllm.md, Security). Both servers' process groups are gone after close. The session's servers are stopped
+    first (two servers at a time on this machine): the file's last test."""
+    import urllib.error
+    import urllib.request
+
+    from veomni_lite.rl.engine import RolloutRequest, SamplingSettings
+    from veomni_lite.rl.vllm_boot import members
+    from veomni_lite.rl.vllm_engine import VLLMEngine, VLLMSettings
+
+    for server in _SERVED:
+        server.stop()
+    monkeypatch.setenv("TEST_VLLM_KEY", "k3y-for-the-test")
+    model = _plain_model(math_demo)
+
+    def reference(ids: list[int]) -> list[float]:
+        with torch.no_grad():
+            logp = model(torch.tensor([ids])).logits[0].double().log_softmax(-1)
+        return [logp[t - 1, ids[t]].item() for t in range(1, len(ids))]
+
+    def engine(**vllm: Any) -> VLLMEngine:
+        settings = VLLMSettings.parse({"api_key_env": "TEST_VLLM_KEY", "sync_dir": str(tmp_path / "sync"), **vllm})
+        made = VLLMEngine(settings, str(math_demo / "model"), None, reference, list(range(3, 40)), tmp_path / "s.log")
+        made.sync_weights(model.state_dict(), 0)
+        return made
+
+    requests = [RolloutRequest([1, 5 + i, 9, 33, 40 - i, 12], [10 * i + j for j in range(4)]) for i in range(8)]
+    sampling = SamplingSettings(max_new_tokens=12, temperature=TEMPERATURE)
+    two = engine(launch=2, python=str(VLLM_PYTHON), server_args=SERVER_ARGS, start_timeout_s=900)
+    servers = two.servers
+    try:
+        assert len(servers) == 2 and (tmp_path / "s_1.log").is_file()
+        assert all(e.check.gap < 1e-5 for e in two.endpoints), [e.check.gap for e in two.endpoints]
+        spread_over_two = two.generate(requests, sampling)
+        one = engine(url=servers[1].url)
+        alone = one.generate(requests, sampling)
+        one.close()
+        assert [[r.response_ids for r in g] for g in spread_over_two] == [[r.response_ids for r in g] for g in alone]
+        diffs = [
+            abs(a - b)
+            for g, h in zip(spread_over_two, alone)
+            for r, s in zip(g, h)
+            for a, b in zip(r.logprobs, s.logprobs)
+        ]
+        print(f"\ntwo servers against one: {sum(len(r.response_ids) for g in alone for r in g)} tokens equal, "
+              f"log-probabilities max |diff| {max(diffs):.1e}")  # fmt: skip
+        assert max(diffs) < 1e-6
+
+        def status(route: str, key: str = "", body: Any = None) -> int:
+            data = None if body is None else json.dumps(body).encode()
+            headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+            request = urllib.request.Request(servers[0].url + route, data=data, headers=headers)
+            try:
+                with urllib.request.urlopen(request, timeout=60) as answer:
+                    return answer.status
+            except urllib.error.HTTPError as error:
+                return error.code
+
+        assert status("/v1/models") == 401 and status("/v1/models", "wrong") == 401
+        assert status("/v1/models", "k3y-for-the-test") == 200
+        reload = {"method": "reload_weights", "kwargs": {"weights_path": str(two.sync_path)}}
+        assert status("/collective_rpc", body=reload) == 200  # not guarded: the weights reloaded without the key
+        assert status("/reset_prefix_cache", body={}) == 200
+    finally:
+        two.close()
+    assert all(server.exited() is not None and not members(server.pid) for server in servers)
