@@ -215,7 +215,9 @@ def spread(count: int, servers: int) -> list[range]:
 
 class VLLMServer:
     """A vLLM OpenAI-compatible server this process starts on 127.0.0.1 (see the module docstring) and stops, with
-    every process it starts: they share a process group of their own (`vllm_boot`), whose id is `pid`."""
+    every process it starts: they share a process group of their own (`vllm_boot`), whose id is `pid`. Build it on a
+    thread that lives as long as the server: Linux's parent-death signal, which ends the server with the trainer,
+    follows the creating thread."""
 
     MODULE = SERVER_MODULE
     """What the server process runs (`python -m MODULE`); tests put a stand-in here."""
