@@ -59,16 +59,19 @@ def members(pgid: int) -> list[int]:
 
 def end_group(pgid: int, grace_s: float = GRACE_S, spare: int = 0) -> None:
     """End process group `pgid`: SIGTERM, up to `grace_s` for its processes other than `spare` to exit, then SIGKILL
-    to every process left. The caller makes sure `pgid` still names the group (a member it has not reaped)."""
+    to every process left, and up to 5 s more until none is left. The caller makes sure `pgid` still names the group
+    (a member it has not reaped)."""
     try:
         os.killpg(pgid, signal.SIGTERM)
     except ProcessLookupError:
         return
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and [pid for pid in members(pgid) if pid != spare]:
-        time.sleep(0.05)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGKILL)
+    for wait_s, final in ((grace_s, False), (5.0, True)):
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and [pid for pid in members(pgid) if pid != spare]:
+            time.sleep(0.05)
+        if not final:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)  # `spare` too, when it is of the group
 
 
 def _set_parent_death_signal(sig: int) -> None:

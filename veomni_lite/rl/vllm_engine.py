@@ -269,18 +269,23 @@ class VLLMServer:
         it to end. The server is not reaped before `stop`, so its pid keeps naming its process group."""
         deadline = time.monotonic() + wait_s
         while self._code is None:
-            try:
-                info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-            except ChildProcessError:  # reaped already (stop)
-                self._code = self.process.returncode
+            self._code = self._status()
+            if self._code is not None or time.monotonic() >= deadline:
                 break
-            if info is not None:
-                self._code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-            elif time.monotonic() >= deadline:
-                break
-            else:
-                time.sleep(0.05)
+            time.sleep(0.05)
         return self._code
+
+    def _status(self) -> int | None:
+        """The exit code if the server has exited, seen without reaping it (waitid WNOWAIT)."""
+        if not hasattr(os, "waitid"):  # pragma: no cover - no waitid (macOS): poll, which reaps
+            return self.process.poll()
+        try:
+            info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:  # reaped already
+            return self.process.poll()
+        if info is None:
+            return None
+        return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
     def log_tail(self, lines: int = 15) -> str:
         try:
