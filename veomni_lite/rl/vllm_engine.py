@@ -43,13 +43,14 @@ server should be started with `--logprobs-mode processed_logprobs` (the probe be
 log-probabilities are raw in every mode).
 
 Weight sync (`sync_weights`, collective): rank 0 writes the full weights (transformers' names, tied weights under each
-name) as `model.safetensors`, with the model's `config.json`, into `rl.vllm.sync_dir`/<run>/, and every server POSTs
-`/collective_rpc` `reload_weights` with that directory, then `/reset_prefix_cache` (a cached prompt would otherwise
-reuse results of the old weights) and, for a vision-language model, `/reset_encoder_cache` (the images'
-vision-encoder outputs are of the old weights too; without the reset vLLM 0.32's engine dies, "Encoder cache miss", on
-the next wave of images it has seen). Then each server's sync check (`SyncCheck`) on its prompt log-probabilities of a
-fixed token sequence (`probe_ids`) against the trainer's (`reference`, a collective forward of the trainer's model on
-every rank); a failed check is an `EngineError` on every rank (the engine does not serve the trainer's weights).
+name) as `model.safetensors`, with the model's `config.json`, into `rl.vllm.sync_dir`/<run>/, and POSTs to every
+server (at once) `/collective_rpc` `reload_weights` with that directory, then `/reset_prefix_cache` (a cached prompt
+would otherwise reuse results of the old weights) and, for a vision-language model, `/reset_encoder_cache` (the
+images' vision-encoder outputs are of the old weights too; without the reset vLLM 0.32's engine dies, "Encoder cache
+miss", on the next wave of images it has seen). Then each server's sync check (`SyncCheck`) on its prompt
+log-probabilities of a fixed token sequence (`probe_ids`) against the trainer's (`reference`, a collective forward of
+the trainer's model on every rank); a failed check is an `EngineError` on every rank (the engine does not serve the
+trainer's weights).
 """
 
 from __future__ import annotations
