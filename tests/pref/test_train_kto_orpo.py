@@ -13,9 +13,21 @@ from tests.dist_helpers import run_distributed
 from tests.pref.test_train_preference import RTOL, RTOLS, _ranked, assert_same, by_step, pref_args, train
 
 KEYS = {
-    "kto": ("train/pref_loss", "train/grad_norm", "kl", "rewards/chosen", "rewards/rejected", "logps/chosen"),
-    "orpo": ("train/pref_loss", "train/grad_norm", "rewards/margins", "nll_loss", "log_odds_ratio", "log_odds_chosen"),
+    "kto": ("train/pref_loss", "train/grad_norm", "train/kl", "rewards/chosen", "rewards/rejected", "logps/chosen"),
+    "orpo": (
+        "train/pref_loss",
+        "train/grad_norm",
+        "rewards/margins",
+        "train/nll_loss",
+        "train/log_odds_ratio",
+        "train/log_odds_chosen",
+    ),
 }
+
+
+# beta (pi - ref) near 0 is a difference of two float32 sums near -69 (absolute error about 1e-6 x 0.1 x 69): its
+# relative agreement across layouts is about 1e-4 where it is 0.003 (step 2); the float64 tests hold 1e-12
+TOLERANCES = {**RTOLS, "rewards/chosen": 2e-4, "rewards/rejected": 2e-4, "rewards/margins": 2e-4}
 
 
 def rows(loss: str, path: Path) -> Path:
@@ -37,8 +49,8 @@ def test_kto_and_orpo_train_alike_on_one_process_dp2_and_sp2_packed(demo, tmp_pa
     reference = {key: by_step(tmp_path / "one", key) for key in KEYS[loss]}
     assert sorted(reference["train/pref_loss"]) == [1, 2, 3, 4]
     if loss == "kto":  # step 1: the policy is the reference, z0 = 0, each row's loss w (1 - sig(0)) = w / 2
-        assert reference["kl"][1] == 0.0 and reference["rewards/chosen"][1] == 0.0
-        assert max(reference["kl"].values()) > 0, reference["kl"]
+        assert reference["train/kl"][1] == 0.0 and reference["rewards/chosen"][1] == 0.0
+        assert max(reference["train/kl"].values()) > 0, reference["train/kl"]
     layouts = {
         "dp2": [],
         "sp2": ["--parallel.sp_size", "2", "--data.packing", "true", "--data.max_tokens_per_micro_batch", "120"],
@@ -46,4 +58,4 @@ def test_kto_and_orpo_train_alike_on_one_process_dp2_and_sp2_packed(demo, tmp_pa
     for name, more in layouts.items():
         run_distributed(_ranked, 2, pref_args(demo, data, tmp_path / name, *extra, *more), timeout_s=600)
         for key, expected in reference.items():
-            assert_same(by_step(tmp_path / name, key), expected, f"{loss} {name} {key}", RTOLS.get(key, RTOL))
+            assert_same(by_step(tmp_path / name, key), expected, f"{loss} {name} {key}", TOLERANCES.get(key, RTOL))
