@@ -59,3 +59,23 @@ def test_kto_and_orpo_train_alike_on_one_process_dp2_and_sp2_packed(demo, tmp_pa
         run_distributed(_ranked, 2, pref_args(demo, data, tmp_path / name, *extra, *more), timeout_s=600)
         for key, expected in reference.items():
             assert_same(by_step(tmp_path / name, key), expected, f"{loss} {name} {key}", TOLERANCES.get(key, RTOL))
+
+
+@pytest.mark.slow
+def test_kto_precomputed_reference_trains_like_the_live_one_and_evaluates(demo, tmp_path):
+    """The precomputed reference holds both sides of each row (completion and mismatched), so the KL pass and the
+    loss read it as they read the live one's; evaluation runs its own KL pass (`eval/kl`: 0 on the starting
+    weights, where the policy is the reference)."""
+    data = rows("kto", tmp_path / "kto.jsonl")
+    held = rows("kto", tmp_path / "held.jsonl")
+    evaluation = ["--data.eval_path", str(held), "--train.eval_interval", "2", "--train.eval_batches", "1"]
+    live = pref_args(demo, data, tmp_path / "live", "--pref.loss", "kto", "--optim.lr", "1e-2", *evaluation)
+    train(live)
+    train(pref_args(demo, data, tmp_path / "pre", "--pref.loss", "kto", "--optim.lr", "1e-2", *evaluation,
+                    "--pref.precompute_reference", "true"))  # fmt: skip
+    for key in ("train/pref_loss", "train/kl", "eval/pref_loss", "eval/kl"):
+        expected = by_step(tmp_path / "live", key)
+        assert expected, key
+        assert_same(by_step(tmp_path / "pre", key), expected, f"precomputed {key}", TOLERANCES.get(key, RTOL))
+    kl = by_step(tmp_path / "live", "eval/kl")
+    assert kl[1] == 0.0 and max(kl.values()) > 0, kl
