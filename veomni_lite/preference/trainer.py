@@ -1,4 +1,4 @@
-"""Preference training on the one train loop: `PreferenceTrainer` (DPO family and Bradley-Terry reward models).
+"""Preference training on the one train loop: `PreferenceTrainer` (DPO family, ORPO, KTO, Bradley-Terry reward models).
 
 An `SFTTrainer` whose samples are pairs (`veomni_lite.preference.pairs`, `data.format: preference`), collated by
 `collate_pairs` (padded or packed, under `train.micro_batch_size` or the token budget) and SP-sliced like any batch;
@@ -10,6 +10,8 @@ micro-batch before the policy's forward, or with `pref.precompute_reference` com
 share of the pairs, into an Arrow cache inside the pair cache's directory (`<pair cache>/reference/<fingerprint>/`,
 keyed by the weights files and the master dtype; reused by a later run or a resume, read memory-mapped, nothing loaded
 runs code). The pairs themselves are preprocessed once into `data.cache_dir` (`PairDataset`) and read memory-mapped.
+KTO's reference point z0 is the whole step's KL estimate: `train_step` (and each eval step) runs `kto_pass` over all
+of the step's micro-batches first (reference and no-grad policy forwards, one all-reduce), then the loss pass.
 Metrics (TRL's names, pair-weighted over micro-batches, ranks and the log window) and `eval/...` the same on
 `data.eval_path`.
 """
