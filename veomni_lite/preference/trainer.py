@@ -1,4 +1,4 @@
-"""Preference training on the one train loop: `PreferenceTrainer` (DPO family and Bradley-Terry reward models).
+"""Preference training on the one train loop: `PreferenceTrainer` (DPO family, ORPO, KTO, Bradley-Terry reward models).
 
 An `SFTTrainer` whose samples are pairs (`veomni_lite.preference.pairs`, `data.format: preference`), collated by
 `collate_pairs` (padded or packed, under `train.micro_batch_size` or the token budget) and SP-sliced like any batch;
@@ -10,6 +10,8 @@ micro-batch before the policy's forward, or with `pref.precompute_reference` com
 share of the pairs, into an Arrow cache inside the pair cache's directory (`<pair cache>/reference/<fingerprint>/`,
 keyed by the weights files and the master dtype; reused by a later run or a resume, read memory-mapped, nothing loaded
 runs code). The pairs themselves are preprocessed once into `data.cache_dir` (`PairDataset`) and read memory-mapped.
+KTO's reference point z0 is the whole step's KL estimate: `train_step` (and each eval step) runs `kto_pass` over all
+of the step's micro-batches first (reference and no-grad policy forwards, one all-reduce), then the loss pass.
 Metrics (TRL's names, pair-weighted over micro-batches, ranks and the log window) and `eval/...` the same on
 `data.eval_path`.
 """
@@ -47,13 +49,15 @@ from veomni_lite.plain_loop import LossStep
 from veomni_lite.post_training import ReferenceWeights
 from veomni_lite.preference.config import PrefConfig
 from veomni_lite.preference.losses import (
-    DPO_METRICS,
+    KL,
     PREF,
     PREF_LABELS,
     PREF_MODE,
     REF_LOGPROBS,
-    RM_METRICS,
     PreferenceLoss,
+    kto_kl_totals,
+    kto_reference_point,
+    metric_names,
 )
 from veomni_lite.preference.pairs import PairDataset, PairEncoder, collate_pairs
 from veomni_lite.trainer.sft import SFTTrainer, cache_dir, image_token
@@ -70,6 +74,7 @@ class PreferenceTrainer(SFTTrainer):
         self.pref: PrefConfig = config.pref
         self.head = PreferenceLoss.of(self.pref)
         self.reference: ReferenceWeights | None = None
+        self._z0 = torch.zeros((), dtype=torch.float64)  # kto: the reference point of the step (`kto_pass`)
         config.loss.modes = {**config.loss.modes, PREF: PREF_MODE}  # the head is a mean over pairs (see the module)
         super().__init__(config)
 
@@ -100,7 +105,7 @@ class PreferenceTrainer(SFTTrainer):
             agree(problem, DataError, self.control_group, where=f"{key}: ")
             rows = PairEncoder(
                 sources, self.encoder, data.columns, data.max_seq_len, data.overlength, data.media_dir, self.images,
-                data.max_tokens_per_micro_batch, data.packing,
+                data.max_tokens_per_micro_batch, data.packing, self.pref.kto,
             )  # fmt: skip
             pairs = PairDataset(rows, cache_dir(self.config), self.control_group, key)
             if self.is_main:
@@ -185,13 +190,39 @@ class PreferenceTrainer(SFTTrainer):
         return self.model(**inputs, logprobs=LogprobRequest(batch[PREF_LABELS]))["logprobs"]
 
     def forward(self, micro_batch: Mapping[str, Any]) -> Mapping[str, Any]:
-        """The pref head of one micro-batch from the model's output; the live reference's log-probabilities first."""
+        """The pref head of one micro-batch from the model's output; the live reference's log-probabilities first
+        (unless kto's KL pass left them in the micro-batch), kto's reference point z0 of the step (`kto_pass`)."""
         batch = self.preforward(micro_batch)
-        if self.reference is not None:
+        if self.reference is not None and REF_LOGPROBS not in batch:
             with torch.no_grad(), self.reference.active():
                 batch[REF_LOGPROBS] = self._model_output(batch).double()
+        if self.pref.kto:
+            batch[KL] = self._z0
         sp_group = self.parallel.sp_group if self.parallel.sp_size > 1 else None
         return self.head(self._model_output(batch), batch, sp_group)
+
+    @torch.no_grad()
+    def kto_pass(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """kto: z0 of the step whose micro-batches (this rank's, SP-sharded) these are, before any loss: every
+        micro-batch's reference log-probabilities (kept in it for the loss pass) and a no-grad policy forward, their
+        `kto_kl_totals` summed and all-reduced over every rank (`kto_reference_point`). Costs one more policy forward
+        (no grad) per micro-batch than DPO; every rank runs its agreed count of micro-batches, as the loss pass."""
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for micro_batch in micro_batches:
+            batch = self.preforward(micro_batch)
+            if self.reference is not None:
+                with self.reference.active():
+                    micro_batch[REF_LOGPROBS] = batch[REF_LOGPROBS] = self._model_output(batch).double()
+            totals += kto_kl_totals(self._model_output(batch), batch)
+        group = self.parallel.world_group if self.parallel.world_size > 1 else None
+        self._z0 = kto_reference_point(totals, group)
+        return self._z0
+
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
+        """kto: the KL pass over the whole step first (`kto_pass`), then the step."""
+        if self.pref.kto:
+            self.kto_pass(micro_batches)
+        super().train_step(micro_batches)
 
     # ------------------------------------------------------------------ precomputed reference
 
@@ -305,11 +336,13 @@ class PreferenceTrainer(SFTTrainer):
 
     @property
     def metric_names(self) -> tuple[str, ...]:
-        return RM_METRICS if self.pref.reward_model else DPO_METRICS
+        return metric_names(self.pref.loss)
 
     @property
     def plots(self) -> dict[str, list[str]]:  # type: ignore[override]
-        """`accuracy_curve.png`: the pair accuracy, trained and held out, beside loss_curve.png."""
+        """`accuracy_curve.png`: the pair accuracy, trained and held out, beside loss_curve.png (kto: the rewards)."""
+        if self.pref.kto:
+            return {"accuracy_curve.png": ["rewards/chosen", "rewards/rejected"]}
         accuracy = self.metric_names[3]
         return {"accuracy_curve.png": [accuracy, f"eval/{accuracy}"]}
 
@@ -329,7 +362,10 @@ class PreferenceTrainer(SFTTrainer):
         totals: dict[str, torch.Tensor] = {}
         sums = torch.zeros(2 * len(self.metric_names), dtype=torch.float64)
         for _ in range(batches):
-            step = LossStep([self.shard(mb) for mb in loader.next_step()], self.loss_modes, marked=True)
+            micro_batches = [self.shard(mb) for mb in loader.next_step()]
+            if self.pref.kto:
+                self.kto_pass(micro_batches)
+            step = LossStep(micro_batches, self.loss_modes, marked=True)
             for micro_batch, tokens in step:
                 outputs = self.forward(micro_batch)
                 for key, value in step.scaled({f"{PREF}_loss": outputs[f"{PREF}_loss"]}, tokens).items():
