@@ -123,8 +123,8 @@ def _ours(job: str, args: list[str]) -> Any:
         from veomni_lite.rl.trainer import RLTrainer
 
         return RLTrainer(load_config(None, args, world_size=world, sections={"rl": RLConfig}))
-    from veomni_lite.rl.preference import PrefConfig
-    from veomni_lite.rl.preference_trainer import PreferenceTrainer
+    from veomni_lite.preference.config import PrefConfig
+    from veomni_lite.preference.trainer import PreferenceTrainer
 
     return PreferenceTrainer(load_config(None, args, world_size=world, sections={"pref": PrefConfig}))
 
@@ -431,7 +431,7 @@ def _job(job: str, work_dir: Path, model_dir: Path, steps: int) -> dict[str, Any
     name = f"{job}_{world}p"
     from trl import DPOTrainer
 
-    from veomni_lite.rl.preference_trainer import PreferenceTrainer
+    from veomni_lite.preference.trainer import PreferenceTrainer
 
     passes = {"ours": _Clock(), "trl": _Clock()}  # the precomputed reference's pass over the pairs, at build
     restore = [passes["ours"].wrap(PreferenceTrainer, "_precompute"),
