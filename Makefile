@@ -59,7 +59,7 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -c "import vllm, transformers, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $(VLLM_STAMP)
 
-# The vLLM engine's tests (tests/rl/test_vllm.py, marker vllm): a text and a VL server per session on loopback, ~3 min.
+# The vLLM engine's tests (tests/rl/test_vllm.py, marker vllm): servers on loopback, at most two at a time.
 # CI's `make test` does not build .venv-vllm (minutes and 3.5 GB), so there they skip; where it exists they run too.
 test-vllm: install vllm-env
 	VLLM_CPU_KVCACHE_SPACE=1 $(PY) -m pytest -q -s -m vllm tests/rl/test_vllm.py $(PYTEST_ARGS)

@@ -98,17 +98,17 @@ def _speed_worker(work_dir: Path, model_dir: Path, budget_s: float, min_reps: in
 
     from harness import timed_reps
 
-    from veomni_lite.preference.trainer import PreferenceTrainer
+    from veomni_lite.preference.reference_pass import PrecomputedReference
 
     reference_s = []
-    precompute = PreferenceTrainer._precompute
+    precompute = PrecomputedReference.compute
 
     def timed_precompute(self: Any, *args: Any) -> None:
         start = time.perf_counter()
         precompute(self, *args)
         reference_s.append(time.perf_counter() - start)
 
-    PreferenceTrainer._precompute = timed_precompute  # type: ignore[method-assign]
+    PrecomputedReference.compute = timed_precompute  # type: ignore[method-assign]
     built = {variant: _trainer(variant, work_dir, model_dir, "speed") for variant in VARIANTS}
     # every step's micro-batches fetched beforehand (a warm-up repetition, then at most max_reps timed ones)
     batches = {

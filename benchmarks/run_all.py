@@ -5,7 +5,8 @@ Blocks, in order: the whole step against the peers' loss-normalization schemes a
 data start-up (`data_startup.py`), LoRA against full fine-tuning (`lora.py`), RL rollout generation against
 transformers' own sampling (`rl_generation.py`), an RL step's generation share and reference memory (`rl_step.py`), a
 DPO step against an SFT step and the DPO reference's memory per rank (`preference.py`), SFT, GRPO and DPO at Qwen's
-151,936-token vocabulary (`real_size.py`: peak memory against one logits tensor, time per position), rollouts on vLLM
+151,936-token vocabulary (`real_size.py`: peak memory against one logits tensor, time per position), our SFT, GRPO and
+DPO trainers against TRL's on the same work at 1 and 2 processes (`trl_side_by_side.py`), rollouts on vLLM
 and its weight sync (`rl_vllm.py`, "not run" without `.venv-vllm`). Each block's module has `block(work_dir, quick) ->
 dict` in the shape `report.py` reads. `--quick` (`make bench QUICK=1`, under 5 minutes on 2 cores) runs the small size
 of every block; the full mode the large ones. Raw results go to `benchmarks/results/<mode>/results.json` (ignored by
@@ -42,6 +43,7 @@ BLOCKS = (
     "rl_step",
     "preference",
     "real_size",
+    "trl_side_by_side",
     "rl_vllm",
 )
 

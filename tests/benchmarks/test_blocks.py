@@ -153,3 +153,50 @@ def test_real_size_targets(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
     quick = by_name(real_size.block(tmp_path, quick=True))
     assert quick[grpo]["values"] == [520.0 / real_size.LOGITS_MIB] and quick[dpo]["values"] == []
     assert "quick mode" in quick["GRPO time per position / SFT's at vocab 151,936"]["note"]
+
+
+def test_trl_side_by_side_targets(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import preference
+    import trl_side_by_side as bench
+
+    def result(job: str, nproc: int, steps: int) -> dict[str, Any]:
+        warmup = bench.WARMUP[steps == bench.STEPS[True]]  # slow first steps, then 1, 3, 2, 1, ... against 4
+        ours = [9.0] * warmup + [[1.0, 3.0, 2.0][i % 3] for i in range(steps - warmup)]
+        trl = [9.0] * warmup + [4.0] * (steps - warmup)
+        generate = [0.0] * steps if job != "grpo" else [1.0] * steps
+        out = {
+            "times": {"ours": ours, "trl": trl, "ours_generate": generate, "trl_generate": generate},
+            "build_s": {"ours": 1.0, "trl": 2.0}, "reference_pass_s": {"ours": 0.5, "trl": 0.7},
+            "trl_parallel": "DistributedDataParallel (MULTI_CPU)",
+            "losses": {"ours": [0.5] * steps, "trl": [0.5 + 1e-7] * steps},
+            "grad_norms": {"ours": [2.0] * steps, "trl": [2.0] * steps},
+        }  # fmt: skip
+        if job == "grpo":
+            out["losses"]["ours"] = [0.3] * steps  # its own samples: no equality expected
+            out |= {"lengths": {"ours": [15.0], "trl": [16.0]}, "rewards": {"ours": [0.1], "trl": [0.2]}}
+            if nproc == 1:
+                out |= {"given": {"losses": [0.5 + 3e-6] * steps, "grad_norms": [2.0] * steps}, "prompts_equal": True}
+        return out
+
+    launched = []
+
+    def launch(work: Path, model: Path, nproc: int, jobs: list[str], steps: int) -> dict[str, Any]:
+        launched.append((nproc, steps))
+        return {job: result(job, nproc, steps) for job in jobs}
+
+    monkeypatch.setattr(preference, "write_inputs", lambda work, model: (tmp_path, tmp_path, tmp_path))
+    monkeypatch.setattr(bench, "_launch", launch)
+    full = by_name(bench.block(tmp_path, quick=False))
+    assert launched == [(1, bench.STEPS[False]), (2, bench.STEPS[False])]
+    steps = bench.STEPS[False] - bench.WARMUP[False]  # the paired ratios after the warm-up steps
+    assert full["SFT step, ours / TRL, 2 process(es)"]["values"] == [[0.25, 0.75, 0.5][i % 3] for i in range(steps)]
+    assert full["GRPO step without generation, ours / TRL, 1 process(es)"]["values"][:3] == [0.0, 2.0 / 3.0, 1.0 / 3.0]
+    assert full["DPO, live reference: largest per-step loss difference, 1 process(es)"]["values"] == [
+        pytest.approx(1e-7)
+    ]
+    assert full["GRPO on TRL's samples: largest per-step loss difference"]["values"] == [pytest.approx(2.9e-6)]
+    assert len([name for name in full if "GRPO on TRL" in name]) == 1  # 1 process only
+    launched.clear()
+    quick = by_name(bench.block(tmp_path, quick=True))
+    assert launched == [(1, bench.STEPS[True])]
+    assert quick["DPO, precomputed reference step, ours / TRL, 1 process(es)"]["values"] == [0.25, 0.75]

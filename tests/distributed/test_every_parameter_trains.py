@@ -116,8 +116,10 @@ def _trains_and_resumes(rank: int, world: int, case: str, demo: Path, inputs: di
     computed = []
     if case == "dpo_cached":  # an earlier run computed the reference into the shared cache
         cls(config(world, "--train.output_dir", str(out / "earlier"))).loader.close()
-        original = cls._write_reference
-        cls._write_reference = lambda *a: computed.append(1) or original(*a)
+        from veomni_lite.preference.reference_pass import PrecomputedReference
+
+        original = PrecomputedReference.write
+        PrecomputedReference.write = lambda *a: computed.append(1) or original(*a)
     try:
         trainer = cls(config(world, "--train.max_steps", str(steps)))
     except RuntimeError as exc:

@@ -164,14 +164,18 @@ def test_the_causal_lm_trains_alike_fused_and_unfused_on_packed_rows(mode, tied)
         assert _rel(got, want) < TOL
 
 
-def test_qwen2_vl_foundation_head_is_fused_by_default_and_equals_the_plain_one(monkeypatch):
+def vl_model_and_batch() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """A float64 Qwen2-VL and a packed micro-batch of image and text samples."""
     from tests.models.test_packing import vl_samples
     from veomni_lite.models.qwen2_vl import collate_qwen2_vl
 
-    model = make_vl().double()
     samples = [*vl_samples(), text_sample(5, seed=9)]
     samples = [{**s, **({"pixel_values": s["pixel_values"].double()} if "pixel_values" in s else {})} for s in samples]
-    batch = collate_qwen2_vl(samples, 6, 2, PAD, packing=True)
+    return make_vl().double(), collate_qwen2_vl(samples, 6, 2, PAD, packing=True)
+
+
+def test_qwen2_vl_foundation_head_is_fused_by_default_and_equals_the_plain_one(monkeypatch):
+    model, batch = vl_model_and_batch()
     calls: list[int] = []
     original = heads.linear_cross_entropy
     monkeypatch.setattr(heads, "linear_cross_entropy", lambda *a, **k: calls.append(1) or original(*a, **k))

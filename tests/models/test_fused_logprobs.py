@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.models.test_fused_ce import HIDDEN, TOKENS, VOCAB, _head, _labels, _lm, _rel
-from tests.models.test_hf_models import PAD, make_vl, text_sample
+from tests.models.test_fused_ce import HIDDEN, TOKENS, VOCAB, _head, _labels, _lm, _rel, vl_model_and_batch
+from tests.models.test_hf_models import PAD
 from tests.models.test_packing import Shapes, text_samples
 from veomni_lite.data.collator import pack
 from veomni_lite.loss_keys import IGNORE_INDEX
@@ -119,13 +119,7 @@ def test_the_causal_lm_gives_the_plain_heads_logprobs_on_packed_rows(tied):
 
 
 def test_qwen2_vl_logprobs_are_fused_by_default_and_equal_the_plain_ones(monkeypatch):
-    from tests.models.test_packing import vl_samples
-    from veomni_lite.models.qwen2_vl import collate_qwen2_vl
-
-    model = make_vl().double()
-    samples = [*vl_samples(), text_sample(5, seed=9)]
-    samples = [{**s, **({"pixel_values": s["pixel_values"].double()} if "pixel_values" in s else {})} for s in samples]
-    batch = collate_qwen2_vl(samples, 6, 2, PAD, packing=True)
+    model, batch = vl_model_and_batch()
     calls: list[int] = []
     original = heads.linear_token_logprobs
     monkeypatch.setattr(heads, "linear_token_logprobs", lambda *a, **k: calls.append(1) or original(*a, **k))

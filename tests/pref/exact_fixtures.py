@@ -6,10 +6,17 @@ response token and reward margins. Two optimizer steps of 4 pairs, plain SGD. `h
 gradient from the formulas alone, one side of one pair at a time; `layout_steps` runs the same steps through the
 trainer's pieces (`StepLoader.share`, `collate_pairs`, `slice_micro_batch`, `LossStep`, `PreferenceLoss`) on one rank
 of a layout, counting the loss all-reduces over the world.
+
+ORPO and KTO (`orpo_kto_cases`) run on the same pairs: KTO reads pair i as one unpaired row, desirable as `LABELS`
+says, its completion the pair's chosen response and its mismatched completion (the KL side) the rejected one, whose
+reference log-probabilities are lowered by `KL_SHIFT` so that the KL estimate z0 is positive (not clamped to 0).
+KTO's z0 is the mean over the step's 4 rows at the step's starting weights; the negative controls take it per rank
+or per micro-batch instead.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -27,7 +34,14 @@ from veomni_lite.models.heads import LogprobRequest
 from veomni_lite.models.hf_causal_lm import hf_config_from_dict
 from veomni_lite.models.hf_reward_model import HFRewardModel
 from veomni_lite.plain_loop import LossStep
-from veomni_lite.preference.losses import PREF_LABELS, PREF_MODE, PreferenceLoss
+from veomni_lite.preference.losses import (
+    KL,
+    PREF_LABELS,
+    PREF_MODE,
+    PreferenceLoss,
+    kto_kl_totals,
+    kto_reference_point,
+)
 from veomni_lite.preference.pairs import collate_pairs
 from veomni_lite.split_invariance import Layout
 from veomni_lite.utils.loss_utils import reset_loss_memo
@@ -38,6 +52,8 @@ CHOSEN = (4, 2, 7, 3, 19, 5, 2, 6)
 REJECTED = (2, 6, 3, 3, 4, 8, 1, 5)
 MARGINS = (0.0, 0.5, 0.0, 1.0, 0.0, 0.2, 0.0, 0.0)
 MODEL_INPUTS = ("input_ids", "position_ids", "attention_sequence_ids")
+LABELS = (True, False, True, True, False, True, False, False)  # kto: pair i's row is desirable
+KL_SHIFT = 1.5
 
 
 def cases() -> list[PreferenceLoss]:
@@ -48,6 +64,13 @@ def cases() -> list[PreferenceLoss]:
         PreferenceLoss("hinge", beta=2.0),
         PreferenceLoss("simpo", beta=2.0, gamma=0.7, label_smoothing=0.05),
         PreferenceLoss("bradley_terry", center_rewards=0.01),
+    ]
+
+
+def orpo_kto_cases() -> list[PreferenceLoss]:
+    return [
+        PreferenceLoss("orpo", orpo_lambda=0.7),
+        PreferenceLoss("kto", beta=0.5, desirable_weight=1.3, undesirable_weight=0.8),
     ]
 
 
@@ -72,7 +95,8 @@ def pairs() -> list[dict[str, Any]]:
         chosen = torch.randint(1, VOCAB, (CHOSEN[index],), generator=g).tolist()
         rejected = torch.randint(1, VOCAB, (REJECTED[index],), generator=g).tolist()
         ref = [-3.0 + 0.5 * torch.randn(len(side), generator=g, dtype=torch.float64) for side in (chosen, rejected)]
-        out.append({"prompt": prompt, "chosen": chosen, "rejected": rejected, "ref": ref, "margin": MARGINS[index]})
+        out.append({"prompt": prompt, "chosen": chosen, "rejected": rejected, "ref": ref, "margin": MARGINS[index],
+                    "label": LABELS[index]})  # fmt: skip
     return out
 
 
@@ -101,6 +125,9 @@ def _hand_loss(case: PreferenceLoss, model: torch.nn.Module, pair: dict[str, Any
         return -torch.log(torch.sigmoid(r_c - r_r - pair["margin"])) + case.center_rewards * (r_c + r_r) ** 2
     lc, lr = _side_logps(model, pair["prompt"], pair["chosen"]), _side_logps(model, pair["prompt"], pair["rejected"])
     ref_c, ref_r = pair["ref"]
+    if case.loss == "orpo":  # the ORPO paper's eq. (4), (7): odds from the length-averaged log-probabilities
+        odds_c, odds_r = (torch.exp(x.mean()) / (1 - torch.exp(x.mean())) for x in (lc, lr))
+        return -lc.mean() - case.orpo_lambda * torch.log(torch.sigmoid(torch.log(odds_c / odds_r)))
     nll = -case.rpo_alpha * lc.mean()  # RPO: the chosen response's mean negative log-likelihood
     if case.loss == "simpo":
         x = b * lc.mean() - b * lr.mean() - case.gamma
@@ -114,13 +141,33 @@ def _hand_loss(case: PreferenceLoss, model: torch.nn.Module, pair: dict[str, Any
     return -(1 - s) * torch.log(torch.sigmoid(b * h)) - s * torch.log(torch.sigmoid(-b * h)) + nll
 
 
+@torch.no_grad()
+def hand_z0(model: torch.nn.Module, rows: list[dict[str, Any]]) -> torch.Tensor:
+    """KTO's reference point over `rows` (TRL's KTO): the mean of pi - ref of their mismatched sides, clamped at 0."""
+    kl = [_side_logps(model, r["prompt"], r["rejected"]).sum() - (r["ref"][1] - KL_SHIFT).sum() for r in rows]
+    return torch.clamp(sum(kl) / len(kl), min=0)
+
+
+def _hand_kto(case: PreferenceLoss, model: torch.nn.Module, row: dict[str, Any], z0: torch.Tensor) -> torch.Tensor:
+    """One KTO row's loss (TRL's KTOTrainer, loss_type "kto"; KTO paper eq. (7)), its reference point given."""
+    d = _side_logps(model, row["prompt"], row["chosen"]).sum() - row["ref"][0].sum()
+    if row["label"]:
+        return case.desirable_weight * (1 - torch.sigmoid(case.beta * (d - z0)))
+    return case.undesirable_weight * (1 - torch.sigmoid(case.beta * (z0 - d)))
+
+
 def hand_reference(case: PreferenceLoss) -> list[list[torch.Tensor]]:
-    """Each step's gradient of the mean of its pairs' losses (float64, one process, one pair at a time)."""
+    """Each step's gradient of the mean of its pairs' losses (float64, one process, one pair at a time; kto: z0 of
+    the step's rows first)."""
     model, data = build_model(case), pairs()
     grads = []
     for indices in steps():
         model.zero_grad()
-        loss = sum(_hand_loss(case, model, data[i]) for i in indices) / len(indices)
+        if case.loss == "kto":
+            z0 = hand_z0(model, [data[i] for i in indices])
+            loss = sum(_hand_kto(case, model, data[i], z0) for i in indices) / len(indices)
+        else:
+            loss = sum(_hand_loss(case, model, data[i]) for i in indices) / len(indices)
         loss.backward()
         step = step_gradients(model)
         grads.append(step)
@@ -133,12 +180,15 @@ def _side(prompt: list[int], response: list[int]) -> dict[str, torch.Tensor]:
             PREF_LABELS: torch.tensor([-100] * len(prompt) + response)}  # fmt: skip
 
 
-def pair_item(pair: dict[str, Any], reward_model: bool) -> dict[str, Any]:
+def pair_item(pair: dict[str, Any], reward_model: bool, kto: bool = False) -> dict[str, Any]:
     item = {"chosen": _side(pair["prompt"], pair["chosen"]), "rejected": _side(pair["prompt"], pair["rejected"])}
     if reward_model:
         item["margin"] = pair["margin"]
     else:
         item["ref_chosen"], item["ref_rejected"] = pair["ref"]
+    if kto:
+        item["ref_rejected"] = item["ref_rejected"] - KL_SHIFT
+        item["label"] = pair["label"]
     return item
 
 
@@ -148,10 +198,11 @@ def pair_length(pair: dict[str, Any], packed: bool) -> int:
 
 
 def layout_steps(rank: int, world: int, layout: Layout, all_cases: list[PreferenceLoss],
-                 shard_local: bool = False) -> dict[str, Any]:  # fmt: skip
+                 shard_local: bool = False, z0_scope: str = "step") -> dict[str, Any]:  # fmt: skip
     """This rank's run of every case: each step's gradient averaged over the ranks (as FSDP) and the loss
-    all-reduces over the world each step made. Negative control `shard_local`: each SP shard applies the loss to its
-    own partial sums."""
+    all-reduces over the world each step made (kto: and its KL pass's, `kl_calls`). Negative control `shard_local`:
+    each SP shard applies the loss to its own partial sums; kto's `z0_scope` "rank": each rank's z0 from its own
+    rows, "micro": each micro-batch's from its own."""
     from veomni_lite.distributed.parallel_state import init_parallel_state
 
     state = init_parallel_state(layout.dp, layout.sp) if world > 1 else get_parallel_state()
@@ -161,11 +212,11 @@ def layout_steps(rank: int, world: int, layout: Layout, all_cases: list[Preferen
     sp_group = state.sp_group if layout.sp > 1 and not shard_local else None
     out: dict[str, Any] = {}
     for case in all_cases:
-        reward_model = case.loss == "bradley_terry"
+        reward_model, kto = case.loss == "bradley_terry", case.loss == "kto"
         model = build_model(case)
         if layout.sp > 1:
             model.enable_sequence_parallel(state.sp_group)
-        grads, calls, metrics = [], [], []
+        grads, calls, metrics, kl_calls, plans = [], [], [], [], []
         for number, indices in enumerate(steps()):
             reset_loss_memo()
             model.zero_grad(set_to_none=True)
@@ -174,11 +225,28 @@ def layout_steps(rank: int, world: int, layout: Layout, all_cases: list[Preferen
             micro_batches = []
             for j in range(max(counts)):
                 members = plan[j] if j < len(plan) else plan[0]
-                whole = collate_pairs([pair_item(data[i], reward_model) for i in members],
+                whole = collate_pairs([pair_item(data[i], reward_model, kto) for i in members],
                                       lambda sides: collate(sides, packing=layout.packed), reward_model)  # fmt: skip
                 if j >= len(plan):
                     whole = padding_micro_batch(whole)
                 micro_batches.append(slice_micro_batch(whole, state.sp_rank, layout.sp))
+            plans.append(len(plan))
+            if kto:  # the KL pass over the whole step before any loss (the trainer's `kto_pass`)
+                with counting_world_all_reduces() as kl_world_calls, torch.no_grad():
+                    kl = []
+                    for micro_batch in micro_batches:
+                        inputs = {k: v for k, v in micro_batch.items() if k in MODEL_INPUTS}
+                        output = model(**inputs, logprobs=LogprobRequest(micro_batch[PREF_LABELS]))["logprobs"]
+                        kl.append(kto_kl_totals(output, micro_batch))
+                    if z0_scope == "micro":
+                        for micro_batch, totals_ in zip(micro_batches, kl):
+                            micro_batch[KL] = kto_reference_point(totals_)
+                    else:
+                        group = dist.group.WORLD if world > 1 and z0_scope == "step" else None
+                        z0 = kto_reference_point(torch.stack(kl).sum(0), group)
+                        for micro_batch in micro_batches:
+                            micro_batch[KL] = z0
+                kl_calls.append(len(kl_world_calls))
             totals: dict[str, list[float]] = {}
             with counting_world_all_reduces() as world_calls:
                 step = LossStep(micro_batches, PREF_MODE, marked=True)
@@ -203,7 +271,7 @@ def layout_steps(rank: int, world: int, layout: Layout, all_cases: list[Preferen
             calls.append(len(world_calls))
             metrics.append({key: total / count for key, (total, count) in totals.items()})
             descend(model, step_grads, LR)
-        out[name(case)] = {"grads": grads, "calls": calls, "metrics": metrics}
+        out[name(case)] = {"grads": grads, "calls": calls, "metrics": metrics, "kl_calls": kl_calls, "plans": plans}
     return out
 
 
@@ -212,6 +280,18 @@ def hand_metrics(case: PreferenceLoss) -> dict[str, float]:
     """The first step's metrics (TRL's names), by hand from the initial model, one pair at a time."""
     model, data = build_model(case), pairs()
     rows = []
+    if case.loss == "kto":
+        first = [data[i] for i in steps()[0]]
+        z0 = float(hand_z0(model, first))
+        out = {"kl": z0}
+        for key, label in (("chosen", True), ("rejected", False)):
+            mine = [r for r in first if r["label"] == label]
+            logps = [float(_side_logps(model, r["prompt"], r["chosen"]).sum()) for r in mine]
+            out[f"rewards/{key}"] = sum(
+                case.beta * (lp - float(r["ref"][0].sum())) for lp, r in zip(logps, mine)
+            ) / len(mine)
+            out[f"logps/{key}"] = sum(logps) / len(mine)
+        return out
     for pair in (data[i] for i in steps()[0]):
         if case.loss == "bradley_terry":
             r_c, r_r = (float(_score(model, pair["prompt"], pair[k])) for k in ("chosen", "rejected"))
@@ -220,6 +300,15 @@ def hand_metrics(case: PreferenceLoss) -> dict[str, float]:
             continue
         lc, lr = (_side_logps(model, pair["prompt"], pair[k]) for k in ("chosen", "rejected"))
         ref_c, ref_r = pair["ref"]
+        if case.loss == "orpo":
+            l_c, l_r = float(lc.mean()), float(lr.mean())
+            log_odds = (l_c - l_r) - (math.log(1 - math.exp(l_c)) - math.log(1 - math.exp(l_r)))
+            c, r = case.orpo_lambda * l_c, case.orpo_lambda * l_r
+            rows.append({"rewards/chosen": c, "rewards/rejected": r, "rewards/margins": c - r,
+                         "rewards/accuracies": float(c > r), "logps/chosen": l_c, "logps/rejected": l_r,
+                         "nll_loss": -l_c, "log_odds_ratio": -math.log1p(math.exp(-log_odds)),
+                         "log_odds_chosen": log_odds})  # fmt: skip
+            continue
         if case.loss in ("ipo", "simpo"):
             lc, lr, ref_c, ref_r = lc.mean(), lr.mean(), ref_c.mean(), ref_r.mean()
         else:

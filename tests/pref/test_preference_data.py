@@ -295,7 +295,12 @@ def test_vision_language_pair_images_are_referenced_not_decoded_at_build_time(de
     ("extra", "message"),
     [
         (["--data.format", "messages"], "data.format: preference training reads pairs"),
-        (["--pref.loss", "kto"], "pref.loss"),
+        (["--pref.loss", "nca"], "pref.loss"),
+        (["--pref.desirable_weight", "2"], "pref.desirable_weight: a weight > 0 of pref.loss kto"),
+        (["--pref.loss", "kto", "--pref.undesirable_weight", "0"], "pref.undesirable_weight: a weight > 0"),
+        (["--pref.loss", "kto", "--pref.orpo_lambda", "0.5"], "pref.orpo_lambda: a weight >= 0 of pref.loss orpo"),
+        (["--pref.loss", "orpo", "--pref.rpo_alpha", "1"], "pref.rpo_alpha"),
+        (["--pref.loss", "orpo", "--pref.precompute_reference", "true"], "pref.precompute_reference: .* orpo"),
         (["--pref.loss", "hinge", "--pref.label_smoothing", "0.1"], "pref.label_smoothing: applies to sigmoid"),
         (["--pref.loss", "simpo", "--pref.precompute_reference", "true"], "pref.precompute_reference: .* simpo"),
         (["--pref.center_rewards", "0.01"], "pref.center_rewards"),

@@ -17,6 +17,7 @@ from tests.trainer.helpers import read_events, train_built
 from veomni_lite.config import load_config
 from veomni_lite.data.checks import DataError
 from veomni_lite.preference.config import PrefConfig
+from veomni_lite.preference.reference_pass import PrecomputedReference
 from veomni_lite.preference.trainer import PreferenceTrainer
 
 RTOL = 1e-5
@@ -103,8 +104,8 @@ def test_precomputed_references_train_like_the_live_reference(demo, pairs, tmp_p
     assert sorted(p.name for p in directory.iterdir()) == ["meta.json", "shard-00000.arrow"]
     # a later run (a resume alike) reads the reference back: no forward computes it, the same values
     calls = []
-    original = PreferenceTrainer._write_reference
-    monkeypatch.setattr(PreferenceTrainer, "_write_reference", lambda *a: calls.append(1) or original(*a))
+    original = PrecomputedReference.write
+    monkeypatch.setattr(PrecomputedReference, "write", lambda *a: calls.append(1) or original(*a))
     again = PreferenceTrainer(config(precomputed + ["--checkpoint.resume", "false"]))
     again.loader.close()
     assert calls == [] and again.train_pairs.reference is not None and references(again) == references(first)

@@ -5,7 +5,8 @@ sampler does depend on it); the first token's frequencies over many seeds are th
 wrong temperature, no top-p); recorded log-probabilities are a plain forward's log-softmax(logits / T) (controls:
 without the temperature, after the filters); stop ids cut a response without changing its prefix; greedy is
 transformers' own greedy `generate`; `sync_weights` loads exactly the given weights, refuses mismatched keys by name;
-a Qwen2-VL prompt with images generates the same tokens alone and left-padded in a batch.
+a prompt's samples share its prefill (the same samples as each row running the whole prompt); a Qwen2-VL prompt with
+images generates the same tokens alone and left-padded in a batch.
 """
 
 from __future__ import annotations
@@ -109,6 +110,32 @@ def test_a_sample_depends_on_its_seed_not_on_its_batch() -> None:
     ids, mask = left_pad([requests[0].prompt_ids, requests[3].prompt_ids])
     theirs_together = model.generate(ids, attention_mask=mask, generation_config=config)[1, -8:]
     assert not torch.equal(theirs_alone, theirs_together)
+
+
+def test_a_prompts_samples_share_its_prefill() -> None:
+    """The rows of one request run its prompt once (all but its last token, into the KV cache repeated to its rows):
+    the same tokens and log-probabilities as each row running the whole prompt."""
+    model = tiny_lm(logit_scale=4.0)
+    requests = [RolloutRequest(p, [10 * i + j for j in range(4)]) for i, p in enumerate(prompts(5, 9, 3, 9))]
+    shapes: list[tuple[int, int]] = []
+    hook = model.register_forward_pre_hook(
+        lambda _m, _a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
+    try:
+        shared = TransformersEngine(model, CPU, batch_size=12).generate(requests, SETTINGS)
+        prefills, shapes[:] = list(shapes), []
+        whole = TransformersEngine(copy.deepcopy(model), CPU, batch_size=12, share_prompts=False).generate(
+            requests, SETTINGS
+        )
+    finally:
+        hook.remove()
+    # rows ordered by prompt length (3, 5, 9, 9) in chunks of 12: three prompts, then one; each prefilled once
+    assert [shape for shape in prefills if shape[1] > 1] == [(3, 8), (1, 8)]
+    assert [shape for shape in prefills if shape[1] == 1][:1] == [(12, 1)]  # the last prompt token, every row
+    assert responses(shared) == responses(whole)
+    for group, reference in zip(shared, whole):
+        for rollout, expected in zip(group, reference):
+            torch.testing.assert_close(rollout.logprobs, expected.logprobs, rtol=0, atol=1e-6)
 
 
 def reference_first_token(model: Any, prompt: list[int], temperature: float, top_k: int, top_p: float) -> Any:

@@ -170,7 +170,7 @@ def _run_counting_forwards(rank: int, world: int, args: list[str]) -> dict[str, 
     ran (`logprobs`: old and reference, padding included) per rollout batch."""
     trainer = RLTrainer(config(args, world))
     planned, forwards = [], []
-    prepare, logprobs = trainer.prepare, trainer.logprobs
+    prepare, logprobs = trainer.passes.prepare, trainer.logprobs
 
     def counted_prepare(samples: Any, loader: Any) -> Any:
         forwards.append(0)
@@ -182,7 +182,7 @@ def _run_counting_forwards(rank: int, world: int, args: list[str]) -> dict[str, 
         forwards[-1] += 1
         return logprobs(micro_batch)
 
-    trainer.prepare, trainer.logprobs = counted_prepare, counted_logprobs
+    trainer.passes.prepare, trainer.logprobs = counted_prepare, counted_logprobs
     train_built(trainer)
     return {"planned": planned, "forwards": forwards}
 
@@ -214,9 +214,9 @@ def test_uneven_token_budget_plans_compute_old_and_reference_logprobs_like_one_p
 
 
 def _run_unpadded(rank: int, world: int, args: list[str]) -> None:
-    import veomni_lite.rl.trainer as rl_trainer
+    import veomni_lite.rl.logprob_pass as logprob_pass
 
-    rl_trainer.agreed_count = lambda count, group=None: count  # each rank its own plan's count: the old pass
+    logprob_pass.agreed_count = lambda count, group=None: count  # each rank its own plan's count: the old pass
     train(args, world)
 
 

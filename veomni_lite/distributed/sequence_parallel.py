@@ -28,9 +28,19 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 _SEQUENCE_PAD = {"input_ids": None, "position_ids": None, "image_feature_index": -1, SEQUENCE_IDS: -1}
 # Per-position values of a head, padded with 0: `mark_sequences`' keys, and the RL policy head's per-token values
-# (`veomni_lite.rl.policy_loss`: advantages and log-probabilities, in the labels' shifted frame) and the preference
-# head's per-pair margins (`veomni_lite.preference.losses`).
-_DERIVED_SUFFIXES = ("_seq_starts", "_loss_weights", "_advantages", "_logprobs", "_margins", "_values", "_returns")
+# (`veomni_lite.rl.policy_loss`: advantages and log-probabilities, in the labels' shifted frame), the critic's old
+# values and returns (`veomni_lite.rl.critic`) and the preference head's per-pair margins and KTO labels
+# (`veomni_lite.preference.losses`).
+_DERIVED_SUFFIXES = (
+    "_seq_starts",
+    "_loss_weights",
+    "_advantages",
+    "_logprobs",
+    "_margins",
+    "_desirable",
+    "_values",
+    "_returns",
+)
 
 
 def is_sequence_key(key: str) -> bool:

@@ -9,7 +9,9 @@ seed, the decode position). A sample is therefore a function of its prompt, seed
 the rows sharing its batch, the batch size or the rank, up to the rounding of batched kernels: left padding and batch
 size move float32 logits by about 1e-7 on CPU, and a token flips only when two noisy scores are that close (not seen
 in `benchmarks/rl_generation.py`'s check). The noise comes from the device's generator: CPU and CUDA draw different
-samples for one seed. `greedy`: no warpers, no noise.
+samples for one seed. `greedy`: no warpers, no noise. A request's samples (consecutive rows) share their prompt's
+prefill: all but its last token run once per request into the KV cache, repeated to its rows (`share_prompts`; not for
+vision-language models), so `num_generations` samples cost one prompt forward, not `num_generations`.
 
 Log-probabilities: each sampled token's log-softmax of the raw logits / temperature (before top-k and top-p), taken
 at the step that samples it (the trainer recomputes the same quantity), so no [rows, steps, vocab] logits are kept.
@@ -124,7 +126,9 @@ class TransformersEngine(RolloutEngine):
 
     name = "transformers"
 
-    def __init__(self, hf_model: PreTrainedModel, device: torch.device, batch_size: int = 64) -> None:
+    def __init__(
+        self, hf_model: PreTrainedModel, device: torch.device, batch_size: int = 64, share_prompts: bool = True
+    ) -> None:
         from transformers import GenerationConfig
 
         if batch_size < 1:
@@ -133,6 +137,7 @@ class TransformersEngine(RolloutEngine):
         self.model.generation_config = GenerationConfig()
         self.device = torch.device(device)
         self.batch_size = batch_size
+        self.share_prompts = share_prompts
         config = self.model.config
         self.pad_id = config.get_text_config().pad_token_id
         self.placeholders = {1: getattr(config, "image_token_id", None), 2: getattr(config, "video_token_id", None)}
@@ -199,6 +204,8 @@ class TransformersEngine(RolloutEngine):
         processors, record = _processors(settings, seeds, width, self.device)
         inputs = {key: value.to(self.device) for key, value in inputs.items()}
         with torch.no_grad():
+            if self.share_prompts and not self.vision:
+                inputs.update(self._shared_prefill(rows, inputs["input_ids"], inputs["attention_mask"]))
             generated = self.model.generate(**inputs, generation_config=config, logits_processor=processors)
         tokens = generated.sequences[:, width:].tolist()
         steps = len(tokens[0])
@@ -214,6 +221,26 @@ class TransformersEngine(RolloutEngine):
             reason = "length" if end is None else "stop"
             rollouts.append(Rollout(response, logprobs[row][: len(response)], reason))
         return rollouts
+
+    def _shared_prefill(
+        self, rows: Sequence[tuple[int, int]], input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> dict[str, Any]:
+        """{"cache": the KV cache of every row's prompt but its last token}, computed once per request (a request's
+        samples are consecutive rows) and repeated to its rows; {} when no two rows share a prompt. `generate` then
+        runs only the last prompt token before decoding (positions as `generate` makes them from the mask)."""
+        from transformers import DynamicCache
+
+        owner = torch.tensor([i for i, _ in rows]).unique_consecutive(return_inverse=True)[1]
+        firsts = [r for r in range(len(rows)) if r == 0 or owner[r] != owner[r - 1]]
+        if len(firsts) == len(rows) or input_ids.shape[1] < 2:
+            return {}
+        ids, mask = input_ids[firsts, :-1], attention_mask[firsts, :-1]
+        cache = DynamicCache(config=self.model.config)
+        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+                   logits_to_keep=1)  # fmt: skip
+        cache.batch_select_indices(owner.to(input_ids.device))
+        return {"cache": cache}
 
     def _check_images(self, index: int, request: RolloutRequest) -> None:
         """The prompt's image placeholders are as many as its images' tokens (transformers would embed placeholders

@@ -46,6 +46,35 @@ def _logits(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
 
 
+class _HeadGrads:
+    """The head's input gradients (hidden states, weight, bias: those `needs` asks for), accumulated chunk by chunk
+    from each chunk's logits gradient; the weight's and bias's in float32 for a bf16 weight (float64 for float64)."""
+
+    def __init__(self, needs: tuple[bool, ...], hidden: Tensor, weight: Tensor, bias: Tensor | None) -> None:
+        self.weight, self.bias = weight, bias
+        self.accumulate = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        self.hidden = torch.empty_like(hidden) if needs[0] else None
+        self.weight_grad = torch.zeros(weight.shape, dtype=self.accumulate, device=weight.device) if needs[1] else None
+        self.bias_grad = torch.zeros(bias.shape, dtype=self.accumulate, device=bias.device) if needs[2] else None
+
+    def add(self, rows: slice, grad: Tensor, h: Tensor) -> None:
+        """Chunk `rows` (hidden states `h`) with `grad`, d loss / d logits, in the weight's dtype."""
+        if self.hidden is not None:
+            self.hidden[rows] = grad @ self.weight
+        if self.weight_grad is not None:
+            if grad.dtype == self.accumulate:
+                self.weight_grad.addmm_(grad.t(), h)
+            else:
+                self.weight_grad.add_(grad.t() @ h)
+        if self.bias_grad is not None:
+            self.bias_grad.add_(grad.sum(0))
+
+    def result(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        weight = None if self.weight_grad is None else self.weight_grad.to(self.weight.dtype)
+        bias = None if self.bias_grad is None else self.bias_grad.to(self.bias.dtype)
+        return self.hidden, weight, bias
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """hidden [N, H], weight [V, H], bias [V] or None, labels [N] -> per-token losses [N] (see the module docstring)."""
 
@@ -68,11 +97,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_losses: Tensor):
         hidden, weight, bias, labels, lse = ctx.saved_tensors
-        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        accumulate = torch.float64 if weight.dtype == torch.float64 else torch.float32
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=weight.device) if need_weight else None
-        grad_bias = torch.zeros(bias.shape, dtype=accumulate, device=bias.device) if need_bias else None
+        grads = _HeadGrads(ctx.needs_input_grad[:3], hidden, weight, bias)
         for start in range(0, labels.shape[0], ctx.chunk):
             rows = slice(start, start + ctx.chunk)
             h, targets = hidden[rows], labels[rows]
@@ -81,20 +106,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad = _logits(h, weight, bias).sub_(lse[rows, None]).exp_()
             grad.scatter_add_(1, targets.clamp(min=0)[:, None], -valid.to(grad.dtype)[:, None])  # no host read
             grad.mul_(torch.where(valid, grad_losses[rows], 0.0).to(grad.dtype)[:, None])
-            grad = grad.to(weight.dtype)
-            if grad_hidden is not None:
-                grad_hidden[rows] = grad @ weight
-            if grad_weight is not None:
-                if grad.dtype == accumulate:
-                    grad_weight.addmm_(grad.t(), h)
-                else:
-                    grad_weight.add_(grad.t() @ h)
-            if grad_bias is not None:
-                grad_bias.add_(grad.sum(0))
+            grads.add(rows, grad.to(weight.dtype), h)
             del grad
-        grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
-        grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None
+        return *grads.result(), None, None
 
 
 def linear_token_cross_entropy(
@@ -167,15 +181,11 @@ class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):
         hidden, weight, bias, labels, lse, entropies = ctx.saved_tensors
-        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         if grad_entropy is not None and not ctx.entropy:
             grad_entropy = None
         if grad_logp is None and grad_entropy is None:
             return None, None, None, None, None, None, None
-        accumulate = torch.float64 if weight.dtype == torch.float64 else torch.float32
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=weight.device) if need_weight else None
-        grad_bias = torch.zeros(bias.shape, dtype=accumulate, device=bias.device) if need_bias else None
+        grads = _HeadGrads(ctx.needs_input_grad[:3], hidden, weight, bias)
         temperature = ctx.temperature
         for start in range(0, labels.shape[0], ctx.chunk):
             rows = slice(start, start + ctx.chunk)
@@ -198,20 +208,9 @@ class _LinearLogprobs(torch.autograd.Function):
             grad.scatter_add_(1, targets.clamp(min=0)[:, None], g_logp[:, None])  # no host read
             if temperature != 1.0:
                 grad.div_(temperature)
-            grad = grad.to(weight.dtype)
-            if grad_hidden is not None:
-                grad_hidden[rows] = grad @ weight
-            if grad_weight is not None:
-                if grad.dtype == accumulate:
-                    grad_weight.addmm_(grad.t(), h)
-                else:
-                    grad_weight.add_(grad.t() @ h)
-            if grad_bias is not None:
-                grad_bias.add_(grad.sum(0))
+            grads.add(rows, grad.to(weight.dtype), h)
             del grad
-        grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
-        grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return *grads.result(), None, None, None, None
 
 
 def linear_token_logprobs(

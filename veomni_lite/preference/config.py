@@ -12,7 +12,7 @@ from veomni_lite.config import ConfigError
 __all__ = ["PREF", "PREF_LOSSES", "PREF_MODE", "PrefConfig"]
 
 PREF = "pref"  # the head's name: `pref_labels`, `pref_loss`
-PREF_LOSSES = ("sigmoid", "ipo", "hinge", "simpo", "bradley_terry")
+PREF_LOSSES = ("sigmoid", "ipo", "hinge", "simpo", "bradley_terry", "kto", "orpo")
 PREF_MODE = "seq-mean-token-sum"  # the head's loss mode, always: the mean over the step's pairs
 
 
@@ -20,12 +20,13 @@ PREF_MODE = "seq-mean-token-sum"  # the head's loss mode, always: the mean over 
 class PrefConfig:
     """Preference training (`trainers/train_preference.py`): the `pref` section (`veomni_lite.preference.losses`)."""
 
-    loss: Literal["sigmoid", "ipo", "hinge", "simpo", "bradley_terry"] = "sigmoid"
-    """sigmoid (DPO), ipo, hinge, simpo (reference-free) or bradley_terry (a reward model: one score per sequence).
-    TRL's DPOTrainer default: sigmoid."""
+    loss: Literal["sigmoid", "ipo", "hinge", "simpo", "bradley_terry", "kto", "orpo"] = "sigmoid"
+    """sigmoid (DPO), ipo, hinge, simpo (reference-free), bradley_terry (a reward model: one score per sequence), kto
+    (unpaired rows {prompt, completion, label}; TRL's KTOTrainer) or orpo (reference-free; TRL's ORPOTrainer). TRL's
+    DPOTrainer default: sigmoid."""
     beta: float = 0.1
-    """The inverse temperature of the implicit reward (TRL's DPO and CPO/SimPO default 0.1; the SimPO paper uses 2 to
-    2.5 with gamma / beta 0.5)."""
+    """The inverse temperature of the implicit reward (TRL's DPO, KTO and CPO/SimPO default 0.1; the SimPO paper uses 2
+    to 2.5 with gamma / beta 0.5). Not ORPO's: that is `orpo_lambda`."""
     gamma: float = 0.5
     """SimPO's target reward margin gamma (TRL's simpo_gamma 0.5)."""
     label_smoothing: float = 0.0
@@ -41,13 +42,27 @@ class PrefConfig:
     Pang et al. 2024, whose alpha is 1; TRL's rpo_alpha, default None = 0, averages it over the batch's chosen tokens
     instead of per pair). Keeps the chosen responses likely while the margins grow."""
 
+    desirable_weight: float = 1.0
+    """kto: the weight of a desirable row's loss (label true; TRL's KTOConfig desirable_weight, default 1.0). TRL
+    suggests weights with desirable_weight x desirable rows / (undesirable_weight x undesirable rows) in [1, 4/3]."""
+    undesirable_weight: float = 1.0
+    """kto: the weight of an undesirable row's loss (label false; TRL's undesirable_weight, default 1.0)."""
+    orpo_lambda: float = 0.1
+    """orpo: lambda, the weight of the odds-ratio term beside the chosen response's NLL, also the scale of the logged
+    rewards lambda x log-prob (TRL's ORPOConfig names it beta, default 0.1; the ORPO paper's lambda)."""
+
     @property
     def reward_model(self) -> bool:
         return self.loss == "bradley_terry"
 
     @property
+    def kto(self) -> bool:
+        """Unpaired rows: each sample is (prompt + completion, prompt + a mismatched completion), see pairs.py."""
+        return self.loss == "kto"
+
+    @property
     def needs_reference(self) -> bool:
-        return self.loss in ("sigmoid", "ipo", "hinge")
+        return self.loss in ("sigmoid", "ipo", "hinge", "kto")
 
     def validate(self, config: Any) -> None:
         """Cross-field checks (ConfigError naming the key)."""
@@ -61,8 +76,14 @@ class PrefConfig:
             raise ConfigError(f"pref.label_smoothing: applies to sigmoid and simpo, not {self.loss}")
         if self.center_rewards < 0 or (self.center_rewards and not self.reward_model):
             raise ConfigError("pref.center_rewards: a coefficient >= 0 of pref.loss bradley_terry")
-        if self.rpo_alpha < 0 or (self.rpo_alpha and self.reward_model):
-            raise ConfigError("pref.rpo_alpha: a coefficient >= 0 of the DPO family (not bradley_terry)")
+        if self.rpo_alpha < 0 or (self.rpo_alpha and self.loss in ("bradley_terry", "kto", "orpo")):
+            raise ConfigError("pref.rpo_alpha: a coefficient >= 0 of the DPO family (not bradley_terry, kto, orpo)")
+        for key in ("desirable_weight", "undesirable_weight"):
+            value = getattr(self, key)
+            if not value > 0 or (value != 1.0 and self.loss != "kto"):
+                raise ConfigError(f"pref.{key}: a weight > 0 of pref.loss kto, got {value} (pref.loss {self.loss})")
+        if self.orpo_lambda < 0 or (self.orpo_lambda != 0.1 and self.loss != "orpo"):
+            raise ConfigError(f"pref.orpo_lambda: a weight >= 0 of pref.loss orpo, got {self.orpo_lambda}")
         if self.precompute_reference and not self.needs_reference:
             raise ConfigError(f"pref.precompute_reference: pref.loss {self.loss} has no reference")
         if config.data.format != "preference":

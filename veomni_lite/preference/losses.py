@@ -24,10 +24,24 @@ their papers and TRL define them), h = (pi_c - ref_c) - (pi_r - ref_r), b = beta
   hinge (SLiC)                max(0, 1 - b h)                                   TRL "hinge"
   simpo (reference-free)      -log sig(b (pi_c - pi_r) - gamma) (1 - s) - ...   TRL CPOTrainer loss_type "simpo"
   bradley_terry (reward)      -log sig(r_c - r_r - margin) + c (r_c + r_r)^2    TRL RewardTrainer, c = center_rewards
+  orpo (reference-free)       -l_c - lambda log sig(log odds_c - log odds_r),   TRL ORPOTrainer (its beta = lambda)
+                              l the mean log-prob per token, log odds = l - log(1 - exp l)
+  kto (unpaired)              w_d (1 - sig(b (d - z0))) for a desirable row,    TRL KTOTrainer loss_type "kto"
+                              w_u (1 - sig(b (z0 - d))) for an undesirable one, d = pi - ref of its completion
 and, with `rpo_alpha` a, the DPO family adds a x the chosen side's mean negative log-likelihood per token (RPO).
+ORPO's NLL is each pair's mean per chosen token (the ORPO paper's per-sample L_SFT), the pairs weighed alike; TRL
+averages it over the batch's chosen tokens instead (the same when the chosen responses are equally long).
+KTO: a "pair" is one row: its side 2p is prompt + completion, its side 2p + 1 prompt + a mismatched completion (another
+row's, `pairs.py`), and the row's label (1 desirable, 0 not) sits at the anchor (`pref_desirable`). z0 is the KL
+estimate, the mean over the optimizer step's rows, on all ranks, of pi - ref of the mismatched side, clamped at 0 and
+constant (detached): a statistic of the whole step, computed before any loss by `kto_kl_totals` over every micro-batch
+(a no-grad pass) and `kto_reference_point` (one all-reduce), then given to the head as `pref_kl`.
 Metrics (TRL's names, pair-weighted): `rewards/chosen` b (pi_c - ref_c) (simpo: b pi_c), `rewards/rejected`,
 `rewards/margins`, `rewards/accuracies` (chosen reward > rejected), `logps/chosen`, `logps/rejected`; a reward
-model: `rewards/chosen` r_c, `rewards/rejected`, `rewards/margins`, `rewards/accuracy`, `rewards/mean` (r_c + r_r) / 2.
+model: `rewards/chosen` r_c, `rewards/rejected`, `rewards/margins`, `rewards/accuracy`, `rewards/mean` (r_c + r_r) / 2;
+orpo adds `nll_loss`, `log_odds_ratio` (log sig of the log odds ratio), `log_odds_chosen` (the log odds ratio), its
+rewards lambda l; kto: `kl` (z0), `rewards/chosen` b d and `logps/chosen` pi over the desirable rows, `rewards/rejected`
+and `logps/rejected` over the undesirable ones (each its own count, as TRL's KTOTrainer).
 """
 
 from __future__ import annotations
@@ -50,10 +64,18 @@ REF_LOGPROBS = f"{PREF}_ref_logprobs"
 MARGINS = f"{PREF}_margins"
 DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
                "logps/rejected")  # fmt: skip
+ORPO_METRICS = (*DPO_METRICS, "nll_loss", "log_odds_ratio", "log_odds_chosen")
+KTO_METRICS = ("kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected")
+KTO_LABELS = f"{PREF}_desirable"
+KL = f"{PREF}_kl"
 RM_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracy", "rewards/mean")
 
 __all__ = [
     "DPO_METRICS",
+    "KL",
+    "KTO_LABELS",
+    "KTO_METRICS",
+    "ORPO_METRICS",
     "MARGINS",
     "PREF",
     "PREF_LABELS",
@@ -63,7 +85,43 @@ __all__ = [
     "REF_LOGPROBS",
     "RM_METRICS",
     "PreferenceLoss",
+    "kto_kl_totals",
+    "kto_reference_point",
+    "log1mexp",
+    "metric_names",
 ]
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, stable (TRL's ORPO helper: the branch at -log 2)."""
+    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def metric_names(loss: str) -> tuple[str, ...]:
+    """The metrics `pref.loss` logs (TRL's names)."""
+    return {"bradley_terry": RM_METRICS, "orpo": ORPO_METRICS, "kto": KTO_METRICS}.get(loss, DPO_METRICS)
+
+
+def kto_kl_totals(logprobs: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
+    """[2] float64 of one micro-batch shard (no grad): the sum over its mismatched sides' (odd sequence ids) response
+    targets of policy - reference log-probability, and the rows anchored on it. Summed over every micro-batch and
+    rank (`kto_reference_point`), they give the step's KL estimate: a sum over tokens needs no sequence completion."""
+    device = logprobs.device
+    valid = batch[PREF_LABELS].to(device) != IGNORE_INDEX
+    mismatched = valid & (batch[SEQUENCE_IDS].to(device) % 2 == 1)
+    ref = batch[REF_LOGPROBS].to(device, torch.float64)
+    total = torch.where(mismatched, logprobs.detach().double() - ref, 0.0).sum()
+    rows = (batch[PREF_STARTS].to(device).bool() & valid).sum().double()
+    return torch.stack([total, rows])
+
+
+def kto_reference_point(totals: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """z0 = max(0, KL sum / rows) from this rank's summed `kto_kl_totals` of the step, all-reduced over `group` (every
+    rank of the step, DP and SP: ONE all-reduce; None: this process alone). A float64 scalar, constant."""
+    totals = totals.detach().clone()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(totals, group=group)
+    return (totals[0] / totals[1].clamp(min=1)).clamp(min=0)
 
 
 @dataclass(frozen=True)
@@ -76,14 +134,42 @@ class PreferenceLoss:
     label_smoothing: float = 0.0
     center_rewards: float = 0.0
     rpo_alpha: float = 0.0
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
+    orpo_lambda: float = 0.1
 
     @classmethod
     def of(cls, pref: PrefConfig) -> PreferenceLoss:
-        return cls(pref.loss, pref.beta, pref.gamma, pref.label_smoothing, pref.center_rewards, pref.rpo_alpha)
+        return cls(pref.loss, pref.beta, pref.gamma, pref.label_smoothing, pref.center_rewards, pref.rpo_alpha,
+                   pref.desirable_weight, pref.undesirable_weight, pref.orpo_lambda)  # fmt: skip
 
-    def pair_losses(self, chosen: torch.Tensor, rejected: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Each pair's loss L_p [P] and metric values {name: [P]} from the sides' complete totals [K, P]: (policy
-        log-prob sum, response tokens, reference log-prob sum), or (reward, margin) for bradley_terry."""
+    def pair_losses(
+        self, chosen: torch.Tensor, rejected: torch.Tensor, z0: torch.Tensor | float = 0.0
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]]:
+        """Each pair's loss L_p [P] and metric values {name: [P]} (or ([P] values, [P] weights) for a metric over some
+        pairs) from the sides' complete totals [K, P]: (policy log-prob sum, response tokens, reference log-prob sum;
+        kto: and the label), or (reward, margin) for bradley_terry. `z0`: kto's reference point."""
+        if self.loss == "kto":
+            pi, ref, desirable = chosen[0], chosen[2], chosen[3] > 0.5
+            d = pi - ref
+            losses = torch.where(desirable, self.desirable_weight * (1 - torch.sigmoid(self.beta * (d - z0))),
+                                 self.undesirable_weight * (1 - torch.sigmoid(self.beta * (z0 - d))))  # fmt: skip
+            yes, no = desirable.double(), (~desirable).double()
+            values: dict[str, Any] = {"kl": torch.zeros_like(pi) + z0, "rewards/chosen": (self.beta * d, yes),
+                                      "rewards/rejected": (self.beta * d, no), "logps/chosen": (pi, yes),
+                                      "logps/rejected": (pi, no)}  # fmt: skip
+            return losses, values
+        if self.loss == "orpo":
+            l_c, l_r = chosen[0] / chosen[1].clamp(min=1), rejected[0] / rejected[1].clamp(min=1)
+            log_odds = (l_c - l_r) - (log1mexp(l_c) - log1mexp(l_r))
+            ratio = F.logsigmoid(log_odds)
+            losses = -l_c - self.orpo_lambda * ratio
+            reward_c, reward_r = self.orpo_lambda * l_c, self.orpo_lambda * l_r
+            accuracies = (reward_c > reward_r).double()
+            return losses, {"rewards/chosen": reward_c, "rewards/rejected": reward_r,
+                            "rewards/margins": reward_c - reward_r, "rewards/accuracies": accuracies,
+                            "logps/chosen": l_c, "logps/rejected": l_r, "nll_loss": -l_c, "log_odds_ratio": ratio,
+                            "log_odds_chosen": log_odds}  # fmt: skip
         if self.loss == "bradley_terry":
             r_c, r_r, margin = chosen[0], rejected[0], chosen[1]
             losses = -F.logsigmoid(r_c - r_r - margin) + self.center_rewards * (r_c + r_r) ** 2
@@ -136,14 +222,23 @@ class PreferenceLoss:
             channels = [torch.where(valid, output.double(), 0.0), per_position(MARGINS)]
         else:
             channels = [torch.where(valid, output.double(), 0.0), valid.double(), per_position(REF_LOGPROBS)]
+            if self.loss == "kto":
+                channels.append(per_position(KTO_LABELS))
+        z0 = batch[KL].to(device, torch.float64) if self.loss == "kto" else 0.0
         totals = sequence_totals(torch.stack(channels), ids, sp_group)
         pairs = totals.shape[1] // 2
-        losses, values = self.pair_losses(totals[:, 0 : 2 * pairs : 2], totals[:, 1 : 2 * pairs : 2])
+        losses, values = self.pair_losses(totals[:, 0 : 2 * pairs : 2], totals[:, 1 : 2 * pairs : 2], z0)
         anchors = batch[PREF_STARTS].to(device).bool() & valid
         pair = ids.clamp(min=0) // 2
         placed = torch.where(anchors, losses[pair], 0.0)
         loss = placed.sum() / valid.sum().clamp(min=1)
         with torch.no_grad():
-            count = anchors.sum().double()
-            metrics = {name: (torch.where(anchors, value[pair], 0.0).sum(), count) for name, value in values.items()}
+            count, metrics = anchors.sum().double(), {}
+            for name, value in values.items():
+                value, weight = value if isinstance(value, tuple) else (value, None)
+                if weight is None:
+                    metrics[name] = (torch.where(anchors, value[pair], 0.0).sum(), count)
+                else:
+                    weight = torch.where(anchors, weight[pair], 0.0)
+                    metrics[name] = ((weight * value.detach()[pair]).sum(), weight.sum())
         return {f"{PREF}_loss": loss.to(torch.promote_types(output.dtype, torch.float32)), "metrics": metrics}

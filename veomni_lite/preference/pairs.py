@@ -7,6 +7,12 @@ Rows, in TRL's column layouts (names changeable with `data.columns`: `prompt`, `
   implicit  {"chosen": messages, "rejected": messages}: whole conversations; the prompt is their longest shared
             prefix of messages and each side's response the rest, which must start with an assistant turn;
 plus optional `images` (one image set per pair, both sides see it) and, for reward models, a numeric `margin`.
+  kto       {"prompt": text | messages, "completion": text | messages, "label": bool} (TRL's unpaired layout; true =
+            desirable; columns `prompt`, `completion`, `label`): stored as a pair whose chosen side is prompt +
+            completion and whose rejected side is prompt + a MISMATCHED completion, that of the row before it in
+            file order (the first row takes the last row's; blank lines skipped), as TRL's KTOTrainer rotates the
+            completions by one (TRL: within chunks of per_device_train_batch_size; here over the whole split, so the
+            mismatch does not depend on the layout). The label is kept in the `margin` column (1.0 / 0.0).
 Each side is the prompt then its response, rendered by the chat template (`ChatEncoder`: the model's, or
 `data.chat_template`), its response tokens the head's targets (`pref_labels`; the prompt's own assistant turns do not
 train). Bad rows are a DataError naming the file and the row (0-based): a missing side, identical sides, no shared
@@ -43,9 +49,9 @@ from veomni_lite.data.checks import DataError
 from veomni_lite.data.sft import ChatEncoder, Conversation, Source, Turn, row_name, to_conversation
 from veomni_lite.data.sft_dataset import REMEDY, CachedSamples, ImageProcessing, RowEncoder, token_tensors
 from veomni_lite.loss_keys import IGNORE_INDEX, SEQUENCE_IDS
-from veomni_lite.preference.losses import MARGINS, PREF_LABELS, PREF_STARTS, REF_LOGPROBS
+from veomni_lite.preference.losses import KTO_LABELS, MARGINS, PREF_LABELS, PREF_STARTS, REF_LOGPROBS
 
-__all__ = ["PairDataset", "PairEncoder", "collate_pairs", "pair_cost", "to_pair_turns"]
+__all__ = ["PairDataset", "PairEncoder", "collate_pairs", "pair_cost", "to_kto_turns", "to_pair_turns"]
 
 SIDES = ("chosen", "rejected")
 
@@ -109,6 +115,25 @@ def to_pair_turns(row: Mapping[str, Any], columns: Mapping[str, Any], where: str
     return prompt, chosen, rejected, images
 
 
+def to_kto_turns(row: Mapping[str, Any], columns: Mapping[str, Any], where: str) -> tuple[list, list, bool, list]:
+    """(prompt turns, completion turns, label, images) of an unpaired KTO row (see the module docstring)."""
+    c = {"prompt": "prompt", "completion": "completion", "label": "label", "images": "images", **columns}
+    for which in ("prompt", "completion"):
+        if _missing(row.get(c[which])):
+            raise DataError(f"{where}: missing {which}: column {c[which]!r} is absent or empty (the row has "
+                            f"{sorted(row)})")  # fmt: skip
+    label = row.get(c["label"])
+    if not isinstance(label, bool):
+        raise DataError(f"{where}: column {c['label']!r} is {label!r}, not true (desirable) or false (pref.loss kto)")
+    images = row.get(c["images"]) or []
+    images = images if isinstance(images, list) else [images]
+    prompt = _turns(row[c["prompt"]], "user", columns, where, c["prompt"])
+    completion = _turns(row[c["completion"]], "assistant", columns, where, c["completion"])
+    if not completion or completion[0].role != "assistant":
+        raise DataError(f"{where}: the completion must start with an assistant turn after the prompt")
+    return prompt, completion, label, images
+
+
 def _fit(ids: list[int], labels: list[int], max_len: int, image_id: int | None, where: str, which: str,
          limit: str) -> tuple[list[int], list[int]]:  # fmt: skip
     """A side cut to `max_len` tokens (`limit` names the rule); it must keep a response token and every image token."""
@@ -136,9 +161,11 @@ class PairEncoder(RowEncoder):
         images: ImageProcessing | None = None,
         max_tokens: int = 0,
         packing: bool = False,
+        kto: bool = False,
     ) -> None:
         super().__init__(sources, encoder, "preference", columns, max_seq_len, overlength, str(media_dir), images)
-        self.max_tokens, self.packing = max_tokens, packing
+        self.max_tokens, self.packing, self.kto = max_tokens, packing, kto
+        self._previous: tuple[int, Any] | None = None  # (position, completion) of the row encoded last (kto)
 
     def key(self) -> dict[str, Any]:
         return {
@@ -146,7 +173,24 @@ class PairEncoder(RowEncoder):
             "pair_code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
             "max_tokens": self.max_tokens,
             "packing": self.packing if self.max_tokens else None,  # how a pair is costed against the budget
+            "kto": self.kto,
         }
+
+    def _mismatched(self, index: int, row_index: int, row: Mapping[str, Any]) -> Any:
+        """kto: the completion of the row before this one in the split (cyclic; blank lines skipped): the one encoded
+        last when it is that row, else read back from the files."""
+        column = self.columns.get("completion", "completion")
+        offsets = numpy.cumsum([0] + [source.num_rows for source in self.sources])
+        position, total = int(offsets[index]) + row_index, int(offsets[-1])
+        previous, self._previous = self._previous, (position, row.get(column))
+        if previous is not None and previous[0] == position - 1:
+            return previous[1]
+        for back in range(1, total + 1):
+            at = (position - back) % total
+            source = int(numpy.searchsorted(offsets, at, side="right")) - 1
+            for _, found in self.sources[source].read(at - int(offsets[source]), at - int(offsets[source]) + 1):
+                return found.get(column)
+        return row.get(column)
 
     def schema(self) -> Any:
         import pyarrow as pa
@@ -163,7 +207,15 @@ class PairEncoder(RowEncoder):
         """Row `row_index` of file `index` as the cache's columns (`schema`), or None where `data.overlength: drop`
         leaves it out; `counts` (rows, truncated, dropped, samples) are updated."""
         where = row_name(self.files[index], row_index)
-        prompt, chosen, rejected, values = to_pair_turns(row, self.columns, where)
+        label = None
+        if self.kto:
+            prompt, chosen, label, values = to_kto_turns(row, self.columns, where)
+            other = self._mismatched(index, row_index, row)
+            if _missing(other):
+                raise DataError(f"{where}: the mismatched completion (the previous row's) is missing")
+            rejected = _turns(other, "assistant", self.columns, where, "the mismatched completion")
+        else:
+            prompt, chosen, rejected, values = to_pair_turns(row, self.columns, where)
         references, lengths = self.measure_images(index, values, where)
         frozen = [Turn(t.role, t.parts, train=False) for t in prompt]
         sides = []
@@ -173,7 +225,7 @@ class PairEncoder(RowEncoder):
                 raise DataError(f"{where}: the {which} response has no token to train on")
             sides.append((encoded.input_ids, encoded.labels))
         margin_column = self.columns.get("margin", "margin")
-        margin = row.get(margin_column)
+        margin = None if self.kto else row.get(margin_column)
         if margin is not None and not isinstance(margin, (int, float)):
             raise DataError(f"{where}: column {margin_column!r} is {margin!r}, not a number")
         counts["rows"] += 1
@@ -185,6 +237,8 @@ class PairEncoder(RowEncoder):
         counts["samples"] += 1
         (c_ids, c_labels), (r_ids, r_labels) = fitted
         margin = None if margin is None else float(margin)
+        if label is not None:
+            margin = 1.0 if label else 0.0
         return index, row_index, c_ids, c_labels, r_ids, r_labels, references, lengths, margin
 
     def _fit_pair(self, sides: list[tuple[list[int], list[int]]], where: str) -> list | None:
@@ -230,7 +284,7 @@ class PairDataset(CachedSamples):
         self, rows: PairEncoder, cache_dir: str | Path | None = None, group: Any = None, what: str = "data.train_path"
     ) -> None:
         super().__init__(rows, cache_dir, group, what)
-        self.packing = rows.packing
+        self.packing, self.kto = rows.packing, rows.kto
         self.reference: sft_cache.MappedRows | None = None
 
     def side(self, index: int, which: str) -> tuple[numpy.ndarray, numpy.ndarray]:
@@ -273,7 +327,9 @@ class PairDataset(CachedSamples):
         if reference is not None:
             out["ref_chosen"], out["ref_rejected"] = (torch.from_numpy(values.copy()) for values in reference)
         margin = self.margin(index)
-        if margin is not None:
+        if self.kto:
+            out["label"] = bool(margin)
+        elif margin is not None:
             out["margin"] = margin
         return out
 
@@ -293,9 +349,10 @@ def collate_pairs(
     reward_model: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Pairs ({"chosen": side, "rejected": side, optional "ref_chosen"/"ref_rejected": [response targets] float64
-    tensors, optional "margin"}; a side: `input_ids`, unshifted `pref_labels`, optional `pixel_values`) -> one
-    micro-batch of 2P sequences, side 2p chosen and 2p + 1 rejected (`collate_sides`: the model's padded or packed
-    collate, which numbers the sequences in order), with the head's keys (see the module docstring)."""
+    tensors, optional "margin", kto's "label" bool}; a side: `input_ids`, unshifted `pref_labels`, optional
+    `pixel_values`) -> one micro-batch of 2P sequences, side 2p chosen and 2p + 1 rejected (`collate_sides`: the
+    model's padded or packed collate, which numbers the sequences in order), with the head's keys (see the module
+    docstring)."""
     sides = [pair[which] for pair in pairs for which in ("chosen", "rejected")]
     # the model's collate shifts and pads `labels` (a vision-language collate knows no other labels key)
     batch = collate_sides([{("labels" if k == PREF_LABELS else k): v for k, v in side.items()} for side in sides])
@@ -326,4 +383,8 @@ def collate_pairs(
         margins = torch.zeros_like(ids, dtype=torch.float64)
         margins[starts] = torch.tensor([float(pair.get("margin", 0.0)) for pair in pairs], dtype=torch.float64)
         batch[MARGINS] = margins
+    if any("label" in pair for pair in pairs):  # kto: the row's label at its anchor (1.0 desirable)
+        labels = torch.zeros_like(ids, dtype=torch.float64)
+        labels[starts] = torch.tensor([float(bool(pair.get("label"))) for pair in pairs], dtype=torch.float64)
+        batch[KTO_LABELS] = labels
     return batch

@@ -1,4 +1,4 @@
-"""Preference training on the one train loop: `PreferenceTrainer` (DPO family and Bradley-Terry reward models).
+"""Preference training on the one train loop: `PreferenceTrainer` (DPO family, ORPO, KTO, Bradley-Terry reward models).
 
 An `SFTTrainer` whose samples are pairs (`veomni_lite.preference.pairs`, `data.format: preference`), collated by
 `collate_pairs` (padded or packed, under `train.micro_batch_size` or the token budget) and SP-sliced like any batch;
@@ -10,28 +10,26 @@ micro-batch before the policy's forward, or with `pref.precompute_reference` com
 share of the pairs, into an Arrow cache inside the pair cache's directory (`<pair cache>/reference/<fingerprint>/`,
 keyed by the weights files and the master dtype; reused by a later run or a resume, read memory-mapped, nothing loaded
 runs code). The pairs themselves are preprocessed once into `data.cache_dir` (`PairDataset`) and read memory-mapped.
+KTO's reference point z0 is the whole step's KL estimate: `train_step` (and each eval step) runs `kto_pass` over all
+of the step's micro-batches first (reference and no-grad policy forwards, one all-reduce), then the loss pass.
 Metrics (TRL's names, pair-weighted over micro-batches, ranks and the log window) and `eval/...` the same on
 `data.eval_path`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from veomni_lite.data import sft_cache
 from veomni_lite.data.checks import DataError
-from veomni_lite.data.packing import plan_micro_batches
 from veomni_lite.data.sft import ChatEncoder, read_sources
 from veomni_lite.data.sft_dataset import ImageProcessing
-from veomni_lite.distributed.collectives import agree, all_gather_objects, all_reduce
+from veomni_lite.distributed.collectives import agree, all_reduce
 from veomni_lite.distributed.sequence_parallel import slice_micro_batch
-from veomni_lite.loss_keys import IGNORE_INDEX, SEQUENCE_IDS, is_labels_key
+from veomni_lite.loss_keys import is_labels_key
 from veomni_lite.metrics.accumulator import MetricSpec
 from veomni_lite.models.heads import LogprobRequest
 from veomni_lite.models.hf_reward_model import HFRewardModel
@@ -47,15 +45,18 @@ from veomni_lite.plain_loop import LossStep
 from veomni_lite.post_training import ReferenceWeights
 from veomni_lite.preference.config import PrefConfig
 from veomni_lite.preference.losses import (
-    DPO_METRICS,
+    KL,
     PREF,
     PREF_LABELS,
     PREF_MODE,
     REF_LOGPROBS,
-    RM_METRICS,
     PreferenceLoss,
+    kto_kl_totals,
+    kto_reference_point,
+    metric_names,
 )
 from veomni_lite.preference.pairs import PairDataset, PairEncoder, collate_pairs
+from veomni_lite.preference.reference_pass import PrecomputedReference
 from veomni_lite.trainer.sft import SFTTrainer, cache_dir, image_token
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class PreferenceTrainer(SFTTrainer):
         self.pref: PrefConfig = config.pref
         self.head = PreferenceLoss.of(self.pref)
         self.reference: ReferenceWeights | None = None
+        self._z0 = torch.zeros((), dtype=torch.float64)  # kto: the reference point of the step (`kto_pass`)
         config.loss.modes = {**config.loss.modes, PREF: PREF_MODE}  # the head is a mean over pairs (see the module)
         super().__init__(config)
 
@@ -100,7 +102,7 @@ class PreferenceTrainer(SFTTrainer):
             agree(problem, DataError, self.control_group, where=f"{key}: ")
             rows = PairEncoder(
                 sources, self.encoder, data.columns, data.max_seq_len, data.overlength, data.media_dir, self.images,
-                data.max_tokens_per_micro_batch, data.packing,
+                data.max_tokens_per_micro_batch, data.packing, self.pref.kto,
             )  # fmt: skip
             pairs = PairDataset(rows, cache_dir(self.config), self.control_group, key)
             if self.is_main:
@@ -168,7 +170,7 @@ class PreferenceTrainer(SFTTrainer):
         if self.pref.precompute_reference:
             for pairs, name in ((self.train_pairs, "train"), (self.eval_pairs, "eval")):
                 if pairs is not None:
-                    self._precompute(pairs, name)
+                    PrecomputedReference(self).compute(pairs, name)
         else:
             self.reference = ReferenceWeights(self.model)
 
@@ -176,7 +178,7 @@ class PreferenceTrainer(SFTTrainer):
         """`collate_pairs` marks the pairs (`pref_seq_starts`): only the SP slice here."""
         return slice_micro_batch(micro_batch, self.parallel.sp_rank, self.parallel.sp_size, pad_id=self.pad_id)
 
-    def _model_output(self, batch: Mapping[str, Any]) -> torch.Tensor:
+    def model_output(self, batch: Mapping[str, Any]) -> torch.Tensor:
         """[B, S]: a reward model's scores, else the log-probability of each `pref_labels` target (the LM head fused
         with them unless `model.fused_lm_head` is false: `LogprobRequest`)."""
         inputs = {k: v for k, v in batch.items() if not is_labels_key(k)}
@@ -185,131 +187,51 @@ class PreferenceTrainer(SFTTrainer):
         return self.model(**inputs, logprobs=LogprobRequest(batch[PREF_LABELS]))["logprobs"]
 
     def forward(self, micro_batch: Mapping[str, Any]) -> Mapping[str, Any]:
-        """The pref head of one micro-batch from the model's output; the live reference's log-probabilities first."""
+        """The pref head of one micro-batch from the model's output; the live reference's log-probabilities first
+        (unless kto's KL pass left them in the micro-batch), kto's reference point z0 of the step (`kto_pass`)."""
         batch = self.preforward(micro_batch)
-        if self.reference is not None:
+        if self.reference is not None and REF_LOGPROBS not in batch:
             with torch.no_grad(), self.reference.active():
-                batch[REF_LOGPROBS] = self._model_output(batch).double()
+                batch[REF_LOGPROBS] = self.model_output(batch).double()
+        if self.pref.kto:
+            batch[KL] = self._z0
         sp_group = self.parallel.sp_group if self.parallel.sp_size > 1 else None
-        return self.head(self._model_output(batch), batch, sp_group)
-
-    # ------------------------------------------------------------------ precomputed reference
-
-    def _reference_key(self) -> dict[str, Any]:
-        """What the precomputed reference depends on beyond its pairs (whose cache directory it lives in): the model
-        directory's weights files (name, size, mtime), the master dtype and this code."""
-        directory = Path(self.config.model.pretrained_dir)
-        weights = sorted(p for pattern in ("*.safetensors", "*.bin") for p in directory.glob(pattern))
-        return {
-            "version": sft_cache.CACHE_VERSION,
-            "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
-            "weights": [str(directory.resolve()), [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in weights]],
-            "master_dtype": self.config.parallel.master_dtype,
-        }
-
-    def _precompute(self, pairs: PairDataset, name: str) -> None:
-        """Every pair's reference log-probabilities (collective): read from `<pair cache>/reference/<fingerprint>/`
-        (`sft_cache`, Arrow), else computed now with the initial weights and written there (each rank its share of
-        the rows, published atomically by rank 0), then mapped beside the pairs (`PairDataset.attach_reference`)."""
-        what = f"pref.precompute_reference ({name})"
-        directory, found = sft_cache.build(
-            pairs.directory / "reference", self._reference_key(), lambda: len(pairs),
-            lambda start, stop, path: self._write_reference(pairs, start, stop, path), self.control_group, what,
-        )  # fmt: skip
-        pairs.attach_reference(directory)
-        if self.is_main:
-            logger.info("%s: %d pairs %s %s", what, len(pairs), "read from" if found else "computed into", directory)
-
-    def _reference_plan(self, pairs: PairDataset, low: int, high: int) -> list[list[list[int]]]:
-        """Pairs [low, high) in micro-batches as training plans them, by window (consecutive pairs, in order):
-        `train.micro_batch_size` pairs each (a window each), or under `data.max_tokens_per_micro_batch` the token
-        budget's plan (`plan_micro_batches`, which reorders a window's pairs) of each window of the pairs one rank
-        holds in a step (global batch / dp), which bounds the planner's cost as in training."""
-        budget = self.config.data.max_tokens_per_micro_batch
-        if not budget:
-            size = self.config.train.micro_batch_size
-            return [[list(range(i, min(i + size, high)))] for i in range(low, high, size)]
-        window = max(self.config.train.global_batch_size // self.parallel.dp_size, 1)
-        lengths = pairs.lengths()
-        plan = []
-        for first in range(low, high, window):
-            last = min(first + window, high)
-            where = f"pref.precompute_reference, pairs [{first}, {last}): "
-            cut = plan_micro_batches(lengths[first:last].tolist(), budget, self.config.data.packing, where)
-            plan.append([[first + j for j in micro_batch] for micro_batch in cut])
-        return plan
+        return self.head(self.model_output(batch), batch, sp_group)
 
     @torch.no_grad()
-    def _write_reference(self, pairs: PairDataset, start: int, stop: int, path: Path) -> dict[str, int]:
-        """The reference log-probabilities of pairs [start, stop) (this rank's share of `sft_cache.build`) into the
-        Arrow file `path`, in pair order, a window at a time as they are computed. The ranks of an SP group
-        (consecutive ranks: rank = dp_rank x sp_size + sp_rank) run the forwards of their dp share of the pairs
-        together, micro-batch by micro-batch (planned as training plans them, `_reference_plan`), and every rank runs
-        the same number of forwards, the most any rank planned (FSDP's collectives; agreed in one all-reduce that also
-        agrees a planning error): a shorter plan is padded with forwards of one pair whose values are dropped, and a
-        rank whose file write fails runs its remaining forwards before `sft_cache.build` agrees the error. Each rank
-        keeps the pairs of its own share."""
-        import pyarrow as pa
+    def kto_pass(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """kto: z0 of the step whose micro-batches (this rank's, SP-sharded) these are, before any loss: every
+        micro-batch's reference log-probabilities (kept in it for the loss pass) and a no-grad policy forward, their
+        `kto_kl_totals` summed and all-reduced over every rank (`kto_reference_point`). Costs one more policy forward
+        (no grad) per micro-batch than DPO; every rank runs its agreed count of micro-batches, as the loss pass."""
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for micro_batch in micro_batches:
+            batch = self.preforward(micro_batch)
+            if self.reference is not None:
+                with self.reference.active():
+                    micro_batch[REF_LOGPROBS] = batch[REF_LOGPROBS] = self.model_output(batch).double()
+            totals += kto_kl_totals(self.model_output(batch), batch)
+        group = self.parallel.world_group if self.parallel.world_size > 1 else None
+        self._z0 = kto_reference_point(totals, group)
+        return self._z0
 
-        count = len(pairs)
-        dp, dp_rank = self.parallel.dp_size, self.parallel.dp_rank
-        low, high = count * dp_rank // dp, count * (dp_rank + 1) // dp
-        assert low <= start <= stop <= high, "an SP group's ranks share its dp share of the rows"
-        windows: list[list[list[int]]] = []
-        problem: DataError | None = None
-        try:
-            windows = self._reference_plan(pairs, low, high)
-        except DataError as exc:
-            problem = exc
-        plan = [(w, members) for w, window in enumerate(windows) for members in window]
-        (rounds,) = agree(problem, DataError, self.control_group, [len(plan)], "pref.precompute_reference: ")
-        written = {"samples": 0}
-        schema = pa.schema([("ref_chosen", pa.large_list(pa.float64())), ("ref_rejected", pa.large_list(pa.float64()))])
-
-        def batches() -> Any:
-            pending: dict[int, tuple[list[float], list[float]]] = {}  # this window's pairs of this rank's share
-            for round_ in range(rounds):
-                real = round_ < len(plan)
-                members = plan[round_][1] if real else [low if low < high else 0]  # padding: one pair, dropped
-                whole = self.collate([pairs[i] for i in members])
-                batch = self.preforward(self.shard(whole))
-                logp = self._model_output(batch).double().cpu()
-                if self.parallel.sp_size > 1:
-                    shards = all_gather_objects(logp, self.parallel.sp_group)
-                    logp = torch.cat(shards, dim=1)[:, : whole["input_ids"].shape[1]]
-                if not real:
-                    continue
-                ids, valid = whole[SEQUENCE_IDS], whole[PREF_LABELS] != IGNORE_INDEX
-                for p, i in enumerate(members):
-                    if start <= i < stop:
-                        pending[i] = (logp[(ids == 2 * p) & valid].tolist(), logp[(ids == 2 * p + 1) & valid].tolist())
-                window_done = round_ + 1 == len(plan) or plan[round_ + 1][0] != plan[round_][0]
-                if window_done and pending:
-                    order = sorted(pending)
-                    written["samples"] += len(order)
-                    yield {"ref_chosen": [pending[i][0] for i in order], "ref_rejected": [pending[i][1] for i in order]}
-                    pending = {}
-
-        was_training = self.model.training
-        self.model.eval()
-        produced = batches()
-        try:
-            sft_cache.write_batches(path, schema, produced)
-        finally:
-            for _ in produced:  # a write that failed here: the forwards left still run on every rank
-                pass
-            self.model.train(was_training)
-        return written
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
+        """kto: the KL pass over the whole step first (`kto_pass`), then the step."""
+        if self.pref.kto:
+            self.kto_pass(micro_batches)
+        super().train_step(micro_batches)
 
     # ------------------------------------------------------------------ metrics and eval
 
     @property
     def metric_names(self) -> tuple[str, ...]:
-        return RM_METRICS if self.pref.reward_model else DPO_METRICS
+        return metric_names(self.pref.loss)
 
     @property
     def plots(self) -> dict[str, list[str]]:  # type: ignore[override]
-        """`accuracy_curve.png`: the pair accuracy, trained and held out, beside loss_curve.png."""
+        """`accuracy_curve.png`: the pair accuracy, trained and held out, beside loss_curve.png (kto: the rewards)."""
+        if self.pref.kto:
+            return {"accuracy_curve.png": ["rewards/chosen", "rewards/rejected"]}
         accuracy = self.metric_names[3]
         return {"accuracy_curve.png": [accuracy, f"eval/{accuracy}"]}
 
@@ -329,7 +251,10 @@ class PreferenceTrainer(SFTTrainer):
         totals: dict[str, torch.Tensor] = {}
         sums = torch.zeros(2 * len(self.metric_names), dtype=torch.float64)
         for _ in range(batches):
-            step = LossStep([self.shard(mb) for mb in loader.next_step()], self.loss_modes, marked=True)
+            micro_batches = [self.shard(mb) for mb in loader.next_step()]
+            if self.pref.kto:
+                self.kto_pass(micro_batches)
+            step = LossStep(micro_batches, self.loss_modes, marked=True)
             for micro_batch, tokens in step:
                 outputs = self.forward(micro_batch)
                 for key, value in step.scaled({f"{PREF}_loss": outputs[f"{PREF}_loss"]}, tokens).items():

@@ -80,8 +80,12 @@ class RLConfig:
     rollouts_sample: int = 4
     """Rollouts written to rollouts.jsonl and TensorBoard's text tab at each log (0: none)."""
     vllm: dict[str, Any] = field(default_factory=dict)
-    """`rl.engine: vllm`: `url` or `launch`, `python`, `sync_dir`, `start_timeout_s`, `request_timeout_s`,
-    `probe_tolerance`, `server_args`, `max_concurrency` (`veomni_lite.engines.vllm.VLLMSettings`, docs/vllm.md)."""
+    """`rl.engine: vllm`: the servers, exactly one of `url` (one running server), `urls` (several, a rollout batch's
+    samples spread over them, every one synced) and `launch` (true, or how many servers rank 0 starts on 127.0.0.1);
+    `api_key_env` (the name of an environment variable holding the key sent with every request), `python`,
+    `sync_dir`, `start_timeout_s`, `request_timeout_s`, `probe_tolerance` (the first sync's bound; later syncs are
+    checked against the previous weights), `server_args`, `max_concurrency` (per server)
+    (`veomni_lite.engines.vllm.VLLMSettings`, docs/vllm.md)."""
     async_steps: int = 0
     """Rollout batches generated ahead of training: 0 synchronous; 1 (vLLM engine) batch k+1 is generated while batch
     k trains, by the weights before batch k (one rollout batch stale, logged as `rl/staleness` in optimizer steps), with
