@@ -223,8 +223,8 @@ def _reference_counting_forwards(rank: int, world: int, args: list[str], fail: s
     from veomni_lite.data import sft_cache
 
     forwards = []
-    original = PreferenceTrainer._model_output
-    PreferenceTrainer._model_output = lambda self, batch: forwards.append(1) or original(self, batch)
+    original = PreferenceTrainer.model_output
+    PreferenceTrainer.model_output = lambda self, batch: forwards.append(1) or original(self, batch)
     if fail == "mkdir" and rank == 1:
         mkdir = Path.mkdir
 
@@ -249,7 +249,7 @@ def _reference_counting_forwards(rank: int, world: int, args: list[str], fail: s
     except DataError as exc:
         return {"error": str(exc), "forwards": len(forwards)}
     finally:
-        PreferenceTrainer._model_output = original  # called in the test process too
+        PreferenceTrainer.model_output = original  # called in the test process too
     trainer.loader.close()
     return {"values": references(trainer), "forwards": len(forwards)}
 
