@@ -195,3 +195,56 @@ def test_the_round_limit_is_the_same_named_error_on_every_rank(math_demo, tmp_pa
     assert messages[0].startswith("veomni_lite.rl.dynamic_sampling.DynamicSamplingError: rollout batch 0: 2 ")
     assert "raise rl.dynamic_sampling.max_generation_rounds" in messages[0]
     assert "lower rl.prompts_per_step" in messages[0] and "check the reward" in messages[0]
+
+
+class StartedEngine:
+    """The embedded engine behind the async interface of `rl.async_steps: 1` (`start_generate` / `finish_generate`):
+    it samples at the start, by the weights of that moment, as the vLLM engine's background generation does."""
+
+    def __init__(self, engine: Any, rank: int) -> None:
+        self.engine, self.rank, self.started = engine, rank, None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def start_generate(self, requests_by_rank: list[list[Any]], settings: Any) -> None:
+        assert self.started is None, "a generation is in flight"
+        self.started = self.engine.generate(requests_by_rank[self.rank], settings)
+
+    def finish_generate(self) -> list[list[Any]]:
+        results, self.started = self.started, None
+        assert results is not None, "nothing in flight"
+        return results
+
+
+def run_async(rank: int, world: int, args: list[str]) -> dict[str, Any]:
+    trainer = build(args, world)
+    trainer.rl.async_steps = 1  # the embedded engine started, as vLLM's would be (config checks need vLLM)
+    trainer.engine = StartedEngine(trainer.engine, rank)
+    train_built(trainer)
+    return {"last": [s.plain() for s in trainer.rollouts.last], "events": read_events(trainer.output_dir)}
+
+
+@pytest.mark.slow
+def test_one_step_async_filters_the_background_round_and_generates_further_rounds_now(math_demo, tmp_path):
+    args = ds_args(math_demo, tmp_path / "one", reward_file(tmp_path), "--train.max_steps", "4")
+    counts, texts = expected_counts(math_demo, args, 4)
+    one = run_async(0, 1, args)
+    two = run_distributed(run_async, 2, ds_args(math_demo, tmp_path / "two", reward_file(tmp_path),
+                                                 "--train.max_steps", "4"), timeout_s=900)  # fmt: skip
+    for step, expected in enumerate(counts, start=1):  # the prompt order decides the rounds, async or not
+        for name, value in expected.items():
+            assert series(one["events"], f"rl/dynamic_sampling/{name}")[step] == value, (step, name)
+    last = [RolloutSample(**s) for s in one["last"]]
+    assert [s.prompt_text for s in last[::G]] == texts[-1] and all(learning_groups(metric_values(last, "mine"), G))
+    # batch k's first round was sampled by the weights before batch k-1 trained (staleness 1 optimizer step here),
+    # its further rounds by the current weights (0)
+    stale = {s.version for s in last}
+    assert stale <= {2, 3} and (3 - min(stale)) == 1, stale
+    rounds = series(one["events"], "rl/dynamic_sampling/rounds")
+    staleness = series(one["events"], "rl/staleness/max")
+    assert all(staleness[step] == (1.0 if step > 1 else 0.0) for step in rounds), staleness
+    for rank_result in two:
+        got = [RolloutSample(**s) for s in rank_result["last"]]
+        assert [s.response_ids for s in got] == [s.response_ids for s in last]
+        assert [s.version for s in got] == [s.version for s in last]
