@@ -248,3 +248,28 @@ def test_one_step_async_filters_the_background_round_and_generates_further_round
         got = [RolloutSample(**s) for s in rank_result["last"]]
         assert [s.response_ids for s in got] == [s.response_ids for s in last]
         assert [s.version for s in got] == [s.version for s in last]
+
+
+VARIED = """
+def score(prompts, completions, answers, **columns):
+    return [float(sum(map(ord, c)) % 7) for c in completions]
+"""
+
+
+@pytest.mark.slow
+def test_with_no_flat_group_dynamic_sampling_is_the_run_without_it(math_demo, tmp_path):
+    """Every group learns (a reward of the completion's text): one round per batch, block k for batch k, so the run
+    is the plain run's, step for step; negative control: a run on other seeds differs."""
+    reward = reward_file(tmp_path, VARIED)
+    args = ds_args(math_demo, tmp_path / "ds", reward, "--rl.advantage", "grpo", "--rl.overlong_buffer", "{}")
+    plain = [a if a != "{metric: mine, max_generation_rounds: 4}" else "{}" for a in args]
+    plain[plain.index(str(tmp_path / "ds"))] = str(tmp_path / "plain")
+    with_ds, without = run(args), run(plain)
+    assert series(with_ds["events"], "rl/dynamic_sampling/dropped_groups") == {1: 0.0, 2: 0.0, 3: 0.0}
+    assert "rl/dynamic_sampling/rounds" not in {k for e in without["events"] for k in e}
+    losses = series(with_ds["events"], "train/policy_loss")
+    assert losses == pytest.approx(series(without["events"], "train/policy_loss"), rel=1e-6, abs=1e-9)
+    assert [s["response_ids"] for s in with_ds["last"]] == [s["response_ids"] for s in without["last"]]
+    other = run([*plain[: plain.index("--train.output_dir")], "--train.output_dir", str(tmp_path / "seed"),
+                 *plain[plain.index("--train.output_dir") + 2 :], "--train.seed", "7"])  # fmt: skip
+    assert [s["response_ids"] for s in other["last"]] != [s["response_ids"] for s in with_ds["last"]]
