@@ -1,5 +1,7 @@
 """Group advantages against a hand computation in Python floats (float64), with negative controls: population std
-instead of Bessel's, groups taken interleaved instead of consecutive, and the naive formula on a flat group."""
+instead of Bessel's, groups taken interleaved instead of consecutive, and the naive formula on a flat group.
+REINFORCE++'s batch whitening against verl's per-token formula, with negative controls: a per-rank normalization and
+an unweighted (per-response) one."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import math
 import pytest
 import torch
 
-from veomni_lite.rl.advantages import KINDS, group_advantages, group_stats
+from veomni_lite.rl.advantages import KINDS, WHITEN_EPS, batch_advantages, group_advantages, group_stats
 
 EPS = 1e-6
 # three groups of four: mixed, flat at 0.1 (whose float mean is not 0.1), binary
@@ -128,3 +130,49 @@ def test_group_stats_counts_flat_groups():
     stats = group_stats(torch.tensor([0.0, 0.0, 1.0, 1.0, 1.0, 1.0 + 2**-40], dtype=torch.float64), 2)
     assert (stats["groups"].item(), stats["groups_zero_std"].item()) == (3, 2)
     assert math.isnan(group_stats(torch.zeros(0, dtype=torch.float64), 2)["frac_reward_zero_std"].item())
+
+
+# ---- REINFORCE++ (rl.advantage: reinforce_pp): whitened over the whole batch's response tokens ----
+
+PP_REWARDS = [1.0, 0.0, 0.5, 0.25, 0.1, 0.1, 1.0, 0.0, 0.0, 0.0, 0.3]  # 11 responses (uneven over ranks)
+PP_LENGTHS = [3, 7, 1, 4, 9, 2, 5, 5, 6, 1, 8]
+
+
+def hand_reinforce_pp(rewards: list[float], lengths: list[int]) -> list[float]:
+    """verl's masked_whiten over per-token returns, written out token by token in Python floats."""
+    tokens = [r for r, n in zip(rewards, lengths) for _ in range(n)]
+    mean = sum(tokens) / len(tokens)
+    var = sum((x - mean) ** 2 for x in tokens) / (len(tokens) - 1)
+    return [(r - mean) / math.sqrt(var + WHITEN_EPS) for r in rewards]
+
+
+def test_reinforce_pp_matches_the_per_token_whitening():
+    got = batch_advantages(torch.tensor(PP_REWARDS, dtype=torch.float64), torch.tensor(PP_LENGTHS))
+    assert close(got, hand_reinforce_pp(PP_REWARDS, PP_LENGTHS), rel=1e-12)
+    # token-weighted: the whitened per-token values have mean 0 and (Bessel) variance 1 - eps share
+    weights = torch.tensor(PP_LENGTHS, dtype=torch.float64)
+    assert abs((got * weights).sum().item()) < 1e-12
+
+
+def test_reinforce_pp_negative_controls_per_rank_and_unweighted_statistics_differ():
+    rewards, lengths = torch.tensor(PP_REWARDS, dtype=torch.float64), torch.tensor(PP_LENGTHS)
+    world = batch_advantages(rewards, lengths)
+    # a rank whitening its own share (samples i mod 2) gets other advantages than the world's batch
+    for rank in range(2):
+        share = torch.arange(rank, len(PP_REWARDS), 2)
+        local = batch_advantages(rewards[share], lengths[share])
+        assert not torch.allclose(local, world[share], rtol=1e-3)
+    # sample-weighted statistics (each response counted once) are not the token-weighted ones
+    unweighted = batch_advantages(rewards, torch.ones_like(lengths))
+    assert not torch.allclose(unweighted, world, rtol=1e-3)
+
+
+def test_reinforce_pp_flat_batch_and_bad_inputs():
+    flat = torch.full((5,), 0.1, dtype=torch.float64)
+    assert batch_advantages(flat, torch.tensor([1, 2, 3, 4, 5])).tolist() == [0.0] * 5
+    with pytest.raises(ValueError, match="needs at least 2"):
+        batch_advantages(torch.tensor([1.0], dtype=torch.float64), torch.tensor([1]))
+    with pytest.raises(ValueError, match="lengths must be"):
+        batch_advantages(torch.tensor([1.0, 0.0], dtype=torch.float64), torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="not finite"):
+        batch_advantages(torch.tensor([1.0, math.inf], dtype=torch.float64), torch.tensor([1, 2]))

@@ -375,3 +375,38 @@ def test_a_mistyped_key_of_a_reward_entry_is_named_with_the_key_it_resembles_thr
         "rl.rewards[0].fuction: unknown key (did you mean `function`?); a reward entry takes name, function, weight, "
         "end_of_turn, pattern, path, suffix"
     )
+
+
+# ---- rl.overlong_buffer: DAPO's soft overlong punishment ----
+
+
+def test_overlong_penalty_follows_dapos_formula():
+    from veomni_lite.rl.rewards import overlong_penalty
+
+    max_new, length, penalty = 20, 8, 0.5
+    lengths = list(range(0, 21))
+    got = overlong_penalty(lengths, max_new, length, penalty)
+    expected = [min(-(n - (max_new - length)) / length * penalty, 0.0) for n in lengths]  # verl's dapo reward
+    assert got.dtype == torch.float64 and got.tolist() == pytest.approx(expected, abs=1e-15)
+    assert got[:13].tolist() == [0.0] * 13 and not torch.signbit(got[:13]).any()  # no penalty, no -0.0, up to 12
+    assert got[16].item() == -0.25 and got[20].item() == -0.5  # halfway through the buffer, and at max_new_tokens
+    # negative control: a penalty from the first token of the buffer's start (off by one) is not the formula
+    assert overlong_penalty([13], max_new, length, penalty).item() == -0.0625
+    with pytest.raises(ValueError, match="length must be in"):
+        overlong_penalty([1], 20, 21, 1.0)
+
+
+def test_overlong_buffer_config_is_checked():
+    from veomni_lite.rl.config import OverlongBuffer
+
+    assert OverlongBuffer.parse({"length": 4, "penalty": 2}, 16) == OverlongBuffer(4, 2.0)
+    assert OverlongBuffer.parse({"length": 4}, 16).penalty == 1.0
+    for entry, match in (
+        ({"length": 17}, r"rl.overlong_buffer.length: must be in \(0, rl.max_new_tokens=16\]"),
+        ({"penalty": 1.0}, "rl.overlong_buffer.length: required"),
+        ({"length": 4, "penalty": -1}, "rl.overlong_buffer.penalty: must be >= 0"),
+        ({"length": 4, "factor": 1}, "rl.overlong_buffer.factor: unknown key"),
+        ({"length": "4"}, "rl.overlong_buffer.length: bad value"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            OverlongBuffer.parse(entry, 16)

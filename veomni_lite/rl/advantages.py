@@ -11,6 +11,13 @@ Contract:
 - Rewards must be finite (a rollouts file's NaN is an error naming its index). Computed in float64, returned in
   the rewards' dtype. Pure local math: the trainer calls it on the whole rollout
   batch (every rank has every group's rewards) or on whole groups, never on a split group.
+- `batch_advantages` is REINFORCE++'s (`rl.advantage: reinforce_pp`, verl's
+  `compute_reinforce_plus_plus_outcome_advantage` with gamma 1 and its `masked_whiten`): every response token's return
+  is its response's reward, whitened over every response token of the whole rollout batch, A_i = (R_i - mu) /
+  sqrt(var + 1e-8) with mu = sum_i L_i R_i / L and var = sum_i L_i (R_i - mu)^2 / (L - 1) (L_i response i's tokens,
+  L their sum: token-weighted, Bessel-corrected, as verl; OpenRLHF's `reinforce` divides by L and clamps var at
+  1e-8). The statistics are the batch's: the trainer calls it on the world's all-gathered batch, never a rank's part.
+  A batch whose rewards all equal gets exactly 0.
 - `group_stats` gives the per-batch counts the metrics reduce exactly: groups, groups whose rewards all equal (no
   learning signal under any kind) and their share `frac_reward_zero_std`.
 """
@@ -20,6 +27,7 @@ from __future__ import annotations
 import torch
 
 KINDS = ("grpo", "dr_grpo", "rloo")
+WHITEN_EPS = 1e-8  # verl's masked_whiten: (x - mean) * rsqrt(var + 1e-8)
 
 
 def _groups(rewards: torch.Tensor, group_size: int, what: str) -> torch.Tensor:
@@ -57,6 +65,23 @@ def group_advantages(rewards: torch.Tensor, group_size: int, kind: str, eps: flo
     flat = _all_equal(grouped)
     advantages = torch.where(flat, torch.zeros_like(advantages), advantages)
     return advantages.reshape(-1).to(rewards.dtype)
+
+
+def batch_advantages(rewards: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """REINFORCE++'s advantage [N] of each response: its reward whitened over the batch's response tokens (see the
+    module docstring); `lengths` [N] the responses' token counts (at least 2 tokens in all)."""
+    values = _groups(rewards, 1, "batch_advantages").reshape(-1)
+    if not isinstance(lengths, torch.Tensor) or lengths.shape != rewards.shape or bool((lengths < 0).any()):
+        raise ValueError(f"batch_advantages: lengths must be [N] counts >= 0 like the rewards, got {lengths!r}")
+    weights = lengths.to(torch.float64)
+    tokens = weights.sum()
+    if tokens < 2:
+        raise ValueError(f"batch_advantages: {int(tokens)} response tokens; the batch's variance needs at least 2")
+    if bool(values.amax() == values.amin()):
+        return torch.zeros_like(rewards)
+    mean = (weights * values).sum() / tokens
+    var = (weights * (values - mean) ** 2).sum() / (tokens - 1)
+    return ((values - mean) * torch.rsqrt(var + WHITEN_EPS)).to(rewards.dtype)
 
 
 def _all_equal(grouped: torch.Tensor) -> torch.Tensor:

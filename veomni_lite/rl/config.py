@@ -38,9 +38,11 @@ class RLConfig:
     rewards: list[dict[str, Any]] = field(default_factory=list)
     """`[{name, function, weight}]`, summed with their weights: `exact_match`, `math`, `regex` (with `pattern`), or a
     user's `path/to/file.py:function` (see `veomni_lite.rl.rewards`)."""
-    advantage: Literal["grpo", "dr_grpo", "rloo", "gae"] = "grpo"
-    """Per group: grpo (R - mean) / (std + eps), dr_grpo R - mean, rloo R - mean of the others; gae: PPO with a
-    critic (`rl.critic`, `rl.gamma`, `rl.lam`; see `veomni_lite.rl.critic`)."""
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
+    """Per group: grpo (R - mean) / (std + eps), dr_grpo R - mean, rloo R - mean of the others; reinforce_pp
+    (REINFORCE++, verl's `adv_estimator: reinforce_plus_plus`) R whitened over the whole rollout batch's response tokens
+    (`veomni_lite.rl.advantages.batch_advantages`; the KL stays in the loss, `rl.kl_coef`, as verl's use_kl_loss); gae:
+    PPO with a critic (`rl.critic`, `rl.gamma`, `rl.lam`; see `veomni_lite.rl.critic`)."""
     critic: dict[str, Any] = field(default_factory=dict)
     """`rl.advantage: gae`: `{value_head: true, lr, warmup_steps, value_clip}` (`veomni_lite.rl.critic.CriticSettings`;
     verl's critic lr, critic_warmup 0, cliprange_value 0.5)."""
@@ -86,10 +88,30 @@ class RLConfig:
     `sync_dir`, `start_timeout_s`, `request_timeout_s`, `probe_tolerance` (the first sync's bound; later syncs are
     checked against the previous weights), `server_args`, `max_concurrency` (per server)
     (`veomni_lite.engines.vllm.VLLMSettings`, docs/vllm.md)."""
+    dynamic_sampling: dict[str, Any] = field(default_factory=dict)
+    """DAPO's dynamic sampling (verl's `algorithm.filter_groups`; off when empty): `{metric, max_generation_rounds}`.
+    Groups whose `metric` (`reward`, the total, as verl's default `acc`/score; or a reward's name, `rl/rewards/<name>`)
+    is equal across the group are dropped and further rounds of prompts (the next of the prompt order) generated until
+    `rl.prompts_per_step` groups learn; more than `max_generation_rounds` rounds (DAPO's recipe: 10; verl's
+    max_num_gen_batches, whose 0 = no limit is not offered) is a `DynamicSamplingError` (`DynamicSampling`)."""
+    overlong_buffer: dict[str, Any] = field(default_factory=dict)
+    """DAPO's soft overlong punishment (verl's `reward_model.overlong_buffer`; off when empty): `{length, penalty}`:
+    responses longer than `max_new_tokens - length` tokens get a reward falling linearly to -`penalty` at
+    `max_new_tokens` (DAPO: length 4096 of 20480, penalty 1.0), logged as `rl/rewards/overlong`."""
     async_steps: int = 0
     """Rollout batches generated ahead of training: 0 synchronous; 1 (vLLM engine) batch k+1 is generated while batch
     k trains, by the weights before batch k (one rollout batch stale, logged as `rl/staleness` in optimizer steps), with
     `rl.importance_sampling` correcting by the engine's log-probabilities."""
+
+    @property
+    def filter_groups(self) -> DynamicSampling | None:
+        """`rl.dynamic_sampling` parsed (None: off); a bad entry is a ConfigError naming the key."""
+        return DynamicSampling.parse(self.dynamic_sampling) if self.dynamic_sampling else None
+
+    @property
+    def overlong(self) -> OverlongBuffer | None:
+        """`rl.overlong_buffer` parsed (None: off); a bad entry is a ConfigError naming the key."""
+        return OverlongBuffer.parse(self.overlong_buffer, self.max_new_tokens) if self.overlong_buffer else None
 
     @property
     def rollout_size(self) -> int:
@@ -153,6 +175,22 @@ class RLConfig:
                 "rl.async_steps: 1 samples with the weights one rollout batch old: set rl.importance_sampling "
                 "(token or sequence) so the engine's log-probabilities correct it"
             )
+        filter_groups, overlong = self.filter_groups, self.overlong  # each parsed: a ConfigError names its key
+        if (filter_groups or overlong) and self.rollouts_path:
+            raise ConfigError(
+                "rl.dynamic_sampling / rl.overlong_buffer: act on generated rollouts; drop them or rl.rollouts_path"
+            )
+        if filter_groups and config.train.epochs:
+            raise ConfigError(
+                "rl.dynamic_sampling: a rollout batch takes a varying number of prompts, so train.epochs has no fixed "
+                "length; set train.max_steps instead"
+            )
+        names = {r.get("name") for r in self.rewards if isinstance(r, dict)} | ({"overlong"} if overlong else set())
+        if filter_groups and filter_groups.metric != "reward" and filter_groups.metric not in names:
+            raise ConfigError(
+                f"rl.dynamic_sampling.metric: {filter_groups.metric!r} is neither `reward` (the total) nor a reward's "
+                f"name ({', '.join(sorted(str(n) for n in names))})"
+            )
         if not self.rewards and not self.rollouts_path:
             raise ConfigError("rl.rewards: give at least one reward function ([{name, function, weight}])")
         from veomni_lite.rl.rewards import load_rewards  # a user's file runs here because the config names it
@@ -169,3 +207,57 @@ class RLConfig:
                 f"train.global_batch_size ({batch}) must hold whole groups of rl.num_generations "
                 f"({self.num_generations}) responses"
             )
+
+
+@dataclass(frozen=True)
+class DynamicSampling:
+    """`rl.dynamic_sampling` (see `RLConfig.dynamic_sampling`)."""
+
+    metric: str = "reward"
+    max_generation_rounds: int = 10
+
+    @classmethod
+    def parse(cls, entry: Any) -> DynamicSampling:
+        """The section as given; an unknown key or a bad value is a ConfigError naming it."""
+        return cls(**_checked("rl.dynamic_sampling", entry, {"metric": str, "max_generation_rounds": int}))
+
+    def __post_init__(self) -> None:
+        if self.max_generation_rounds < 1:
+            raise ConfigError(
+                f"rl.dynamic_sampling.max_generation_rounds: must be >= 1, got {self.max_generation_rounds}"
+            )
+
+
+@dataclass(frozen=True)
+class OverlongBuffer:
+    """`rl.overlong_buffer` (see `RLConfig.overlong_buffer`)."""
+
+    length: int
+    penalty: float = 1.0
+
+    @classmethod
+    def parse(cls, entry: Any, max_new_tokens: int) -> OverlongBuffer:
+        """The section as given, `0 < length <= max_new_tokens`, `penalty >= 0`; else a ConfigError naming the key."""
+        fields = _checked("rl.overlong_buffer", entry, {"length": int, "penalty": (int, float)})
+        if "length" not in fields:
+            raise ConfigError("rl.overlong_buffer.length: required (the buffer's tokens before rl.max_new_tokens)")
+        made = cls(fields["length"], float(fields.get("penalty", 1.0)))
+        if not 0 < made.length <= max_new_tokens:
+            raise ConfigError(
+                f"rl.overlong_buffer.length: must be in (0, rl.max_new_tokens={max_new_tokens}], got {made.length}"
+            )
+        if not made.penalty >= 0:
+            raise ConfigError(f"rl.overlong_buffer.penalty: must be >= 0, got {made.penalty}")
+        return made
+
+
+def _checked(where: str, entry: Any, types: dict[str, Any]) -> dict[str, Any]:
+    """`entry` as a mapping of known keys of the right types (ConfigError naming the first bad key)."""
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where}: a mapping ({', '.join(types)}), got {entry!r}")
+    for key, value in entry.items():
+        if key not in types:
+            raise ConfigError(f"{where}.{key}: unknown key (known: {', '.join(types)})")
+        if isinstance(value, bool) or not isinstance(value, types[key]):
+            raise ConfigError(f"{where}.{key}: bad value {value!r}")
+    return dict(entry)

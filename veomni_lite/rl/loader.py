@@ -15,8 +15,8 @@ __all__ = ["RolloutLoader"]
 
 class RolloutLoader(StepLoader):
     """The RL trainer's loader: step s is optimizer step s mod `steps_per_rollout` of rollout batch s //
-    `steps_per_rollout` (see `veomni_lite.rl.trainer`). State: the step, and the current batch's samples when a
-    checkpoint falls inside it."""
+    `steps_per_rollout` (see `veomni_lite.rl.trainer`). State: the step, the current batch's samples when a
+    checkpoint falls inside it, and the prompt block the next rollout batch starts at (`rl.dynamic_sampling`)."""
 
     def __init__(self, trainer: Any) -> None:
         config = trainer.config
@@ -57,9 +57,16 @@ class RolloutLoader(StepLoader):
         the same on every rank). The trainer's step, not this loader's: an interrupt may have fetched one more."""
         trained = self.trainer.step
         inside = trained % self.steps_per_rollout != 0 and self.samples is not None
-        return {"step": trained, "samples": [s.plain() for s in self.samples] if inside else None}
+        last = (trained - 1) // self.steps_per_rollout  # the rollout batch of the last trained step (-1: none)
+        return {
+            "step": trained,
+            "samples": [s.plain() for s in self.samples] if inside else None,
+            "prompt_block": self.trainer.rollouts.start_block(last + 1),  # dynamic sampling: the next batch's first
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.step, self.batch_index = int(state["step"]), -1
+        last = (self.step - 1) // self.steps_per_rollout
+        self.trainer.rollouts.block_ends = {last: int(state.get("prompt_block", last + 1))}
         samples = state.get("samples")
         self._restored = [RolloutSample(**s) for s in samples] if samples is not None else None

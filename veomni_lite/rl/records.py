@@ -2,8 +2,9 @@
 
 Each rollout batch's metrics (`rl/reward/...`, `rl/rewards/<name>`, `rl/advantage/...`, response lengths, truncation,
 staleness; off policy the engine's mismatch `rl/importance_ratio/...` and `rl/logprob_diff`) are this rank's share
-(each sample recorded by one rank), kept until the step that trains the batch's first part records them; at log steps
-the main rank appends the batch's first `rl.rollouts_sample` rollouts to rollouts.jsonl and TensorBoard's text tab.
+(each sample recorded by one rank; `rl/dynamic_sampling/...`, the world's counts per batch, by rank 0), kept until
+the step that trains the batch's first part records them; at log steps the main rank appends the batch's first
+`rl.rollouts_sample` rollouts to rollouts.jsonl and TensorBoard's text tab.
 """
 
 from __future__ import annotations
@@ -63,6 +64,12 @@ class RolloutRecords:
         specs = [
             *_spread_specs("rl/reward"),
             *(MetricSpec(f"rl/rewards/{r.name}", "mean") for r in getattr(self.trainer, "rewards", [])),
+            *([MetricSpec("rl/rewards/overlong", "mean")] if self.trainer.rl.overlong_buffer else []),
+            *(  # per rollout batch, the world's counts (rank 0 records them)
+                MetricSpec(f"rl/dynamic_sampling/{name}", "mean", fmt=".1f")
+                for name in ("generated_groups", "kept_groups", "dropped_groups", "rounds")
+                if self.trainer.rl.dynamic_sampling
+            ),
             MetricSpec("rl/frac_reward_zero_std", "mean"),
             *_spread_specs("rl/advantage"),
             MetricSpec("rl/response_length/mean", "mean", fmt=".1f"),

@@ -33,6 +33,10 @@ Contract:
   row, and the first row that raises alone is named; rewards should be pure functions), returns a value that is not
   a real number or not finite, or returns the wrong number of values (the message then names the batch's rows).
 - `score` gives (total float64 [N] = sum over rewards of weight * value, {name: float64 [N] unweighted}).
+- `overlong_penalty(lengths, max_new_tokens, length, penalty)` is DAPO's soft overlong punishment (`rl.overlong_buffer`,
+  verl's `overlong_buffer`): a response of L tokens gets min(0, -(L - (max_new_tokens - length)) / length * penalty):
+  0 up to max_new_tokens - length tokens, then linearly down to -penalty at max_new_tokens; the trainer adds it to the
+  total (weight 1) and logs it as `rl/rewards/overlong`.
 - `check_answers(rewards, answers, rows)` raises, before any rollout, the RewardError scoring would raise on the first
   row whose reference answer a reward that needs one cannot use (`exact_match`: a missing or non-text answer; `math`:
   also one math-verify cannot parse); the trainer calls it on every prompt row at start. A user's function is not
@@ -251,6 +255,19 @@ def score(
         each[reward.name] = torch.tensor(values, dtype=torch.float64).reshape(len(rows))
         total = total + reward.weight * each[reward.name]
     return total, each
+
+
+OVERLONG = "overlong"  # the overlong buffer's reward name: `rl/rewards/overlong`
+
+
+def overlong_penalty(lengths: Sequence[int], max_new_tokens: int, length: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment of responses of `lengths` tokens, float64 [N] in [-penalty, 0] (module
+    docstring); `0 < length <= max_new_tokens`."""
+    if not 0 < length <= max_new_tokens:
+        raise ValueError(f"overlong_penalty: length must be in (0, max_new_tokens={max_new_tokens}], got {length}")
+    tokens = torch.tensor(list(lengths), dtype=torch.float64)
+    exceed = tokens - (max_new_tokens - length)
+    return torch.clamp(-exceed / length * penalty, max=0.0) + 0.0  # + 0.0: no -0.0
 
 
 def check_answers(rewards: Sequence[RewardFunction], answers: Sequence[Any], rows: Sequence[str]) -> None:

@@ -8,6 +8,14 @@ weights (synced when they changed: one gather of the full weights); each rank sc
 (`agree`); the samples are then all-gathered in batch order and the group advantages computed alike on every rank.
 Given rollouts (`rl.rollouts_path`) skip the generation. Under `rl.async_steps: 1` batch k+1 is generated in the
 background while batch k trains (the vLLM engine).
+
+`rl.dynamic_sampling` (DAPO, verl's filter_groups): batch k is made of rounds; round r generates prompt block b (block
+b = `PromptSet.batch(b, prompts_per_step)`, the prompt order's next; seeds by (seed, b, i, j)), gathers it, drops the
+groups whose metric is equal across the group (`dynamic_sampling.learning_groups`, decided from the gathered rewards,
+alike on every rank) and appends the others, in order, until `prompts_per_step` groups learn (the surplus of the last
+round is dropped, as verl truncates); batch k+1 starts at the block after batch k's last (`block_ends`, in the
+loader's checkpoint). Under `rl.async_steps: 1` the background generation is batch k's first round; further rounds
+are generated synchronously by the current weights, then batch k+1's first round starts in the background.
 """
 
 from __future__ import annotations
@@ -22,9 +30,11 @@ import torch
 from veomni_lite.distributed.collectives import agree, all_gather_objects
 from veomni_lite.engines.base import RolloutRequest, SamplingSettings
 from veomni_lite.engines.weights import full_hf_state
-from veomni_lite.rl.advantages import group_advantages
+from veomni_lite.rl.advantages import batch_advantages, group_advantages
+from veomni_lite.rl.config import DynamicSampling
+from veomni_lite.rl.dynamic_sampling import DynamicSamplingError, learning_groups, metric_values
 from veomni_lite.rl.prompts import Prompt, chat_fields
-from veomni_lite.rl.rewards import RewardError, score
+from veomni_lite.rl.rewards import OVERLONG, RewardError, overlong_penalty, score
 from veomni_lite.rl.rollouts import RolloutSample
 
 __all__ = ["RolloutBatches", "sample_seed"]
@@ -44,7 +54,17 @@ class RolloutBatches:
         self.trainer = trainer
         self.last: list[RolloutSample] = []
         self.generate_s = 0.0
-        self._async_pending: tuple[int, int] | None = None  # (rollout batch, weights version) generating
+        self._async_pending: tuple[int, int] | None = None  # (prompt block, weights version) generating
+        self.block_ends: dict[int, int] = {}  # rollout batch -> the prompt block after its last (dynamic sampling)
+        self._filter = trainer.rl.filter_groups
+        self._overlong = trainer.rl.overlong
+
+    def start_block(self, k: int) -> int:
+        """The prompt block of rollout batch k's first round: k, or under dynamic sampling the block after batch
+        k-1's last (restored from a checkpoint by the loader)."""
+        if self._filter is None or k == 0:
+            return k
+        return self.block_ends.get(k - 1, k)
 
     def make(self, k: int) -> list[RolloutSample]:
         """Rollout batch `k`'s samples in batch order, every reward and advantage filled (collective)."""
@@ -58,19 +78,29 @@ class RolloutBatches:
             for index, sample in enumerate(samples):
                 sample.group = index // rl.num_generations
         else:
-            prompts = t.train_dataset.batch(k, rl.prompts_per_step, t.config.train.seed)
-            if rl.async_steps:
-                mine = self._generate_async(k, prompts, self.sampling(greedy=False))
+            following = k + 1 if (k + 1) * t.loader.steps_per_rollout < t.max_steps else None
+            if self._filter is not None:
+                samples, counts = self._filtered(k, self._filter, following)
             else:
-                mine = self.generate(k, prompts, self.sampling(greedy=False))
-            samples = self._gather(mine)
+                prompts = t.train_dataset.batch(k, rl.prompts_per_step, t.config.train.seed)
+                if rl.async_steps:
+                    mine = self._generate_async(k, prompts, self.sampling(greedy=False), following)
+                else:
+                    mine = self.generate(k, prompts, self.sampling(greedy=False))
+                samples = self._gather(mine)
         if rl.advantage != "gae":  # gae: from the critic's values, after the passes (`veomni_lite.rl.critic`)
             rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
-            advantages = group_advantages(rewards, rl.num_generations, rl.advantage, rl.advantage_eps)
+            if rl.advantage == "reinforce_pp":  # the world's batch: every rank holds every sample here
+                lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.int64)
+                advantages = batch_advantages(rewards, lengths)
+            else:
+                advantages = group_advantages(rewards, rl.num_generations, rl.advantage, rl.advantage_eps)
             for sample, advantage in zip(samples, advantages.tolist()):
                 sample.advantage = advantage
         self.generate_s = time.perf_counter() - start
         t.records.rollouts([s for s in samples if s.group % t.parallel.world_size == t.rank])
+        if self._filter is not None and t.given is None and t.rank == 0:  # world counts: one rank records them
+            t.records.pending.update({f"rl/dynamic_sampling/{name}": (float(n), 1.0) for name, n in counts.items()})
         self.last = samples
         return samples
 
@@ -138,10 +168,57 @@ class RolloutBatches:
         agree(problem, RewardError, t.control_group, where=f"rollout batch {k}: ")
         return samples
 
-    def _generate_async(self, k: int, prompts: Sequence[Prompt], settings: SamplingSettings) -> list[RolloutSample]:
-        """Batch k's samples (this rank's, scored) under `rl.async_steps: 1`: generated in the background while batch
-        k-1 trained, by the weights before it (batch 0, and the first batch after a resume, are generated now); then
-        the current weights are synced and batch k+1's generation starts, to overlap batch k's training."""
+    def _filtered(
+        self, k: int, rule: DynamicSampling, following: int | None
+    ) -> tuple[list[RolloutSample], dict[str, int]]:
+        """Batch k under dynamic sampling (module docstring): its `prompts_per_step` learning groups, renumbered in
+        batch order, and the counts {generated, kept, dropped}_groups and rounds (collective; the same on every
+        rank). Too few within `rule.max_generation_rounds` is a DynamicSamplingError on every rank."""
+        t, rl = self.trainer, self.trainer.rl
+        settings, seed, size = self.sampling(greedy=False), t.config.train.seed, rl.prompts_per_step
+        block = self.start_block(k)
+        kept: list[list[RolloutSample]] = []
+        generated = dropped = rounds = 0
+        while len(kept) < size:
+            if rounds == rule.max_generation_rounds:
+                raise DynamicSamplingError(
+                    f"rollout batch {k}: {rounds} generation rounds ({generated} groups, {dropped} with an equal "
+                    f"{rule.metric!r} across the group) gave {len(kept)} of rl.prompts_per_step={size} groups that "
+                    "learn; raise rl.dynamic_sampling.max_generation_rounds, lower rl.prompts_per_step, or check the "
+                    "reward (does it ever differ within a group?)"
+                )
+            prompts = t.train_dataset.batch(block, size, seed)
+            if rl.async_steps and rounds == 0:  # the round generated in the background while batch k-1 trained
+                mine = self._generate_async(block, prompts, settings, None)
+            else:
+                mine = self.generate(block, prompts, settings)
+            samples = self._gather(mine)
+            groups = [samples[i : i + rl.num_generations] for i in range(0, len(samples), rl.num_generations)]
+            learns = learning_groups(metric_values(samples, rule.metric), rl.num_generations)
+            kept += [group for group, learn in zip(groups, learns) if learn][: size - len(kept)]
+            generated, dropped, rounds, block = (
+                generated + len(groups),
+                dropped + learns.count(False),
+                rounds + 1,
+                block + 1,
+            )
+        self.block_ends = {b: end for b, end in self.block_ends.items() if b >= k - 1}  # the loader may need k-1's
+        self.block_ends[k] = block  # the next batch starts here (the loader checkpoints it)
+        if rl.async_steps and following is not None:
+            self._start_async(block, settings)
+        batch = [sample for group in kept for sample in group]
+        for index, sample in enumerate(batch):
+            sample.group = index // rl.num_generations
+        counts = {"generated_groups": generated, "kept_groups": len(kept), "dropped_groups": dropped, "rounds": rounds}
+        return batch, counts
+
+    def _generate_async(
+        self, k: int, prompts: Sequence[Prompt], settings: SamplingSettings, following: int | None
+    ) -> list[RolloutSample]:
+        """Prompt block k's samples (this rank's, scored) under `rl.async_steps: 1`: generated in the background while
+        the batch before trained, by the weights before it (batch 0, and the first batch after a resume, are generated
+        now); then, unless `following` is None, the current weights are synced and block `following`'s generation
+        starts, to overlap this batch's training."""
         t = self.trainer
         engine = t.engine
         if self._async_pending is not None and self._async_pending[0] == k:
@@ -153,13 +230,18 @@ class RolloutBatches:
             engine.start_generate(self._requests_by_rank(k, prompts), settings)
             results = engine.finish_generate()
         self._async_pending = None
-        if (k + 1) * t.loader.steps_per_rollout < t.max_steps:
-            self.sync_engine()  # waits for nothing in flight: batch k was collected above
-            following = t.train_dataset.batch(k + 1, t.rl.prompts_per_step, t.config.train.seed)
-            engine.start_generate(self._requests_by_rank(k + 1, following), settings)
-            self._async_pending = (k + 1, t.step)
+        if following is not None:
+            self._start_async(following, settings)
         indices = [i for i in range(len(prompts)) if i % t.parallel.world_size == t.rank]
         return self._samples_of(k, prompts, indices, results, version)
+
+    def _start_async(self, block: int, settings: SamplingSettings) -> None:
+        """Prompt block `block`'s generation started in the background by the current weights (nothing in flight)."""
+        t = self.trainer
+        self.sync_engine()
+        prompts = t.train_dataset.batch(block, t.rl.prompts_per_step, t.config.train.seed)
+        t.engine.start_generate(self._requests_by_rank(block, prompts), settings)
+        self._async_pending = (block, t.step)
 
     def _requests_by_rank(self, k: int, prompts: Sequence[Prompt]) -> list[list[RolloutRequest]]:
         """Every rank's requests of batch k (prompt i is rank i mod world's), as `_generate` makes its own."""
@@ -175,6 +257,11 @@ class RolloutBatches:
             t.rewards, [p.text for p in prompts], [s.response_text for s in samples], [p.answer for p in prompts],
             [p.columns for p in prompts], [p.where for p in prompts],
         )  # fmt: skip
+        if self._overlong is not None:  # DAPO's soft overlong punishment, weight 1
+            buffer = self._overlong
+            lengths = [len(s.response_ids) for s in samples]
+            per_name[OVERLONG] = overlong_penalty(lengths, t.rl.max_new_tokens, buffer.length, buffer.penalty)
+            total = total + per_name[OVERLONG]
         for index, sample in enumerate(samples):
             sample.reward = float(total[index])
             sample.rewards = {name: float(values[index]) for name, values in per_name.items()}
