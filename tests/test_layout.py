@@ -151,3 +151,15 @@ def test_room_edges_see_a_cross_import():
     """Negative control: an import from preference into rl is an edge the test above refuses."""
     graph = {"veomni_lite.preference.trainer": {"veomni_lite.rl.policy_loss"}, "veomni_lite.rl.policy_loss": set()}
     assert room_edges(graph) == {("veomni_lite.preference", "veomni_lite.rl")}
+
+
+def test_no_merge_conflict_markers_in_tracked_text():
+    """A merge left no `<<<<<<<` / `>>>>>>>` lines in the code, docs or configs."""
+    files = subprocess.run(["git", "ls-files"], cwd=PACKAGE.parent, capture_output=True, text=True, check=True)
+    found = []
+    for name in files.stdout.split():
+        path = PACKAGE.parent / name
+        if path.suffix in (".py", ".md", ".yaml", ".cfg", ".toml") or path.name == "Makefile":
+            text = path.read_text(errors="replace")
+            found += [name for line in text.splitlines() if line.startswith(("<<<<<<< ", ">>>>>>> "))]
+    assert not found, sorted(set(found))
