@@ -58,6 +58,8 @@ class RolloutSample:
     response_text: str = ""
     where: str = ""
     version: int = 0  # the policy version (optimizer steps) whose weights sampled it
+    response_mask: list[int] | None = None  # multi-turn: 1 at the model's tokens, 0 at the environment's (None: all 1)
+    episode: dict[str, Any] = field(default_factory=dict)  # multi-turn: turns and counts (`veomni_lite.rl.episodes`)
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
@@ -74,6 +76,8 @@ class RolloutSample:
         ids = torch.tensor(self.prompt_ids + self.response_ids, dtype=torch.long)
         labels = ids.clone()
         labels[:prompt] = IGNORE_INDEX
+        if self.response_mask is not None:  # an episode's environment tokens: attended to, never trained
+            labels[prompt:][torch.tensor(self.response_mask, dtype=torch.long) == 0] = IGNORE_INDEX
         if mask_truncated and self.truncated:
             labels[:] = IGNORE_INDEX
         out = {"input_ids": ids, POLICY_LABELS: labels, **self.model_inputs}
