@@ -189,7 +189,8 @@ class Agent:
             results, errors = run_tool_calls(self.tools, calls, problems, self.tool_timeout_s)
             for call in calls:
                 episode.tool_calls[call.name] = episode.tool_calls.get(call.name, 0) + 1
-            episode.tool_calls["error"] = episode.tool_calls.get("error", 0) + len(problems)
+            if problems:  # calls that did not parse (counted apart from the tools' own)
+                episode.tool_calls["error"] = episode.tool_calls.get("error", 0) + len(problems)
             episode.tool_errors += errors
             new = [{"role": "tool", "name": name, "content": result} for name, result in results]
         elif episode.env is not None:
