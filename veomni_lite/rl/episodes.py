@@ -156,7 +156,7 @@ class Agent:
             if first:
                 messages.append({"role": "user", "content": first})
         ids = self.encode(self.render(messages, True))
-        return Episode(start, ids, messages, env=env)
+        return Episode(start, ids, messages, tool_calls={t.name: 0 for t in self.tools}, env=env)
 
     def continuation(self, episode: Episode, end_text: str, new: list[dict[str, Any]]) -> tuple[list[int], str]:
         """The environment's ids and text after the model's end-of-turn token (see the module docstring)."""
