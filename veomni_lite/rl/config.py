@@ -153,6 +153,8 @@ class RLConfig:
                 "rl.async_steps: 1 samples with the weights one rollout batch old: set rl.importance_sampling "
                 "(token or sequence) so the engine's log-probabilities correct it"
             )
+        if self.environment_kwargs and not self.environment:
+            raise ConfigError("rl.environment_kwargs: set, but rl.environment is not; name the class it is for")
         if self.multi_turn:
             self.validate_multi_turn(config)
         if not self.rewards and not self.rollouts_path and not self.environment:

@@ -84,6 +84,7 @@ class Episode:
     done: bool = False
     truncated: bool = False
     last_text: str = ""
+    prompt_text: str = ""
     env: Any = None
 
     @property
@@ -110,7 +111,7 @@ class Episode:
         return RolloutSample(
             group=self.start.group, prompt_ids=list(self.prompt_ids), response_ids=list(self.response_ids),
             truncated=self.truncated, engine_logprobs=list(self.logprobs), model_inputs=self.start.model_inputs,
-            response_text=self.last_text, where=self.start.where, version=version,
+            response_text=self.last_text, where=self.start.where, version=version, prompt_text=self.prompt_text,
             response_mask=list(self.response_mask), episode=stats,
         )  # fmt: skip
 
@@ -155,8 +156,10 @@ class Agent:
             env, first = self.environment.make(start.columns, start.where)
             if first:
                 messages.append({"role": "user", "content": first})
-        ids = self.encode(self.render(messages, True))
-        return Episode(start, ids, messages, tool_calls={t.name: 0 for t in self.tools}, env=env)
+        text = self.render(messages, True)
+        episode = Episode(start, self.encode(text), messages, tool_calls={t.name: 0 for t in self.tools}, env=env)
+        episode.prompt_text = text
+        return episode
 
     def continuation(self, episode: Episode, end_text: str, new: list[dict[str, Any]]) -> tuple[list[int], str]:
         """The environment's ids and text after the model's end-of-turn token (see the module docstring)."""
@@ -340,10 +343,7 @@ def generate_episodes(
         t.engine, starts, settings, t.agent, lambda active: agreed_count(int(active), t.control_group) > 0
     )
     agree(problem, EpisodeError, t.control_group, where=f"rollout batch {k}: ")
-    samples = [episode.sample(t.step) for episode in episodes]
-    for sample, episode in zip(samples, episodes):
-        prompt = prompts[episode.start.group]
-        sample.prompt_text = prompt.text
+    samples = [episode.sample(t.step) for episode in episodes]  # prompt_text: as rendered with the tools
     scored: RewardError | None = None
     try:
         batches._score(samples, [prompts[s.group] for s in samples])
