@@ -13,7 +13,7 @@ QUICK ?=
 TORCHRUN := $(PY) -m veomni_lite.torchrun --standalone --nproc_per_node $(NPROC)
 
 .PHONY: install test test-quick test-gpu test-vllm vllm-env quality train train-text train-sft train-lora train-rl \
-	train-rl-math train-ppo preference-pairs train-dpo train-rm figures bench clean
+	train-agent train-rl-math train-ppo preference-pairs train-dpo train-rm figures bench clean
 
 install: $(STAMP)
 
@@ -128,6 +128,15 @@ train-ppo: install
 	  $(TORCHRUN) trainers/train_sft.py configs/rl_math_sft.yaml && \
 	  $(PY) -m veomni_lite.export outputs/rl_math_sft outputs/rl_math_sft_hf )
 	$(TORCHRUN) trainers/train_rl.py $(PPO_CONFIG) $(ARGS)
+
+# Multi-turn RL with a tool (docs/agents.md): multiplications beyond the tiny model and a calculator tool
+# (python -m examples.agent_calc), a short SFT on tool-using transcripts (configs/agent_calc_sft.yaml, exported),
+# then GRPO episodes (configs/agent_calc.yaml).
+train-agent: install
+	$(PY) -m examples.agent_calc outputs/agent_calc
+	$(TORCHRUN) trainers/train_sft.py configs/agent_calc_sft.yaml
+	$(PY) -m veomni_lite.export outputs/agent_calc_sft outputs/agent_calc_sft_hf
+	$(TORCHRUN) trainers/train_rl.py configs/agent_calc.yaml $(ARGS)
 
 # Preference training (docs/preference.md): the arithmetic problems of examples/rl_math, an SFT warm start
 # (configs/rl_math_sft.yaml, exported once to outputs/rl_math_sft_hf) and pairs of the worked solution against the

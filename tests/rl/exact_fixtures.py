@@ -76,9 +76,15 @@ def _grpo(rewards: torch.Tensor) -> torch.Tensor:
     return ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-6)).reshape(-1)
 
 
+ENV_TOKENS = ((2,), (3, 1), (1,), (2, 2))  # episodes: each group's environment turns, spliced into the responses
+
+
 @torch.no_grad()
-def rollout_batch() -> list[RolloutSample]:
-    """The batch (see the module docstring); log-probabilities from the initial model, perturbed and shifted."""
+def rollout_batch(episodes: bool = False) -> list[RolloutSample]:
+    """The batch (see the module docstring); log-probabilities from the initial model, perturbed and shifted.
+    `episodes`: each response becomes a multi-turn episode, model tokens, then environment turns of `ENV_TOKENS`
+    tokens (the last sample of a group: each after one more model token), then the rest of the model's tokens; the
+    environment tokens carry log-probabilities too (noise), which must not reach any loss."""
     g = torch.Generator().manual_seed(7)
     model = build_model()
     advantages = _grpo(torch.tensor(REWARDS, dtype=torch.float64).reshape(-1))
@@ -88,6 +94,18 @@ def rollout_batch() -> list[RolloutSample]:
         for j in range(GROUP):
             index = group * GROUP + j
             response = torch.randint(1, VOCAB, (RESPONSES[group][j],), generator=g).tolist()
+            mask = None
+            if episodes:
+                mask, spliced, cut = [], [], 1 + j % 2
+                for position, token in enumerate(response):
+                    spliced.append(token)
+                    mask.append(1)
+                    last = position == len(response) - 1  # a response of one token stays one turn
+                    if not last and (position == cut - 1 or (j == GROUP - 1 and position == cut)):
+                        env = torch.randint(1, VOCAB, (sum(ENV_TOKENS[group]),), generator=g).tolist()
+                        spliced += env
+                        mask += [0] * len(env)
+                response = spliced
             logp = _logprobs(model, prompt, response)
             noise = 0.3 * torch.randn(len(response), generator=g, dtype=torch.float64)
             samples.append(
@@ -96,6 +114,7 @@ def rollout_batch() -> list[RolloutSample]:
                     advantage=float(advantages[index]), truncated=index == TRUNCATED,
                     old_logprobs=(logp + noise).tolist(), ref_logprobs=(logp - 0.2 * noise.flip(0)).tolist(),
                     engine_logprobs=(logp + noise + 0.1 * torch.randn(len(response), generator=g)).tolist(),
+                    response_mask=mask,
                 )
             )  # fmt: skip
     return samples
@@ -116,9 +135,10 @@ def steps() -> list[list[int]]:
     return minibatches * EPOCHS
 
 
-def hand_reference(case: Case) -> list[list[torch.Tensor]]:
-    """Each step's gradient, written from the loss's definition, one sample at a time (float64, one process)."""
-    model, batch, rl = build_model(), rollout_batch(), case.loss
+def hand_reference(case: Case, episodes: bool = False) -> list[list[torch.Tensor]]:
+    """Each step's gradient, written from the loss's definition, one sample at a time (float64, one process);
+    `episodes`: over each episode's model tokens only (every other token attended to, in no sum, mean or ratio)."""
+    model, batch, rl = build_model(), rollout_batch(episodes), case.loss
     grads = []
     for indices in steps():
         model.zero_grad()
@@ -133,6 +153,10 @@ def hand_reference(case: Case) -> list[list[torch.Tensor]]:
             entropy = -(logp_all.exp() * logp_all).sum(-1)
             old, ref, engine = (torch.tensor(v, dtype=torch.float64) for v in
                                 (sample.old_logprobs, sample.ref_logprobs, sample.engine_logprobs))  # fmt: skip
+            if sample.response_mask is not None:  # the model's tokens alone
+                model_tokens = torch.tensor(sample.response_mask, dtype=torch.bool)
+                logp, entropy = logp[model_tokens], entropy[model_tokens]
+                old, ref, engine = old[model_tokens], ref[model_tokens], engine[model_tokens]
             a = sample.advantage
             if rl.policy_loss == "gspo":
                 ratio = torch.exp((logp - old).mean()).expand_as(logp)
@@ -170,17 +194,27 @@ def _collate(samples: list[dict[str, torch.Tensor]], packed: bool) -> dict[str, 
 
 
 def layout_steps(
-    rank: int, world: int, layout: Layout, all_cases: list[Case], alone: bool = False, shard_local: bool = False
+    rank: int,
+    world: int,
+    layout: Layout,
+    all_cases: list[Case],
+    alone: bool = False,
+    shard_local: bool = False,
+    episodes: bool = False,
+    leak: bool = False,
 ) -> dict[str, Any]:
     """This rank's run of every case: each step's gradient averaged over the ranks (as FSDP), and the loss
-    all-reduces over the world each step made. Negative controls: `alone`, each micro-batch normalized by its own
-    counts; `shard_local`, each SP shard's sequences reduced over its own tokens only."""
+    all-reduces over the world each step made; `episodes`: on the multi-turn batch. Negative controls: `alone`, each
+    micro-batch normalized by its own counts; `shard_local`, each SP shard's sequences reduced over its own tokens
+    only; `leak`, the episodes' environment tokens trained as the model's."""
     from veomni_lite.distributed.parallel_state import init_parallel_state
 
     state = init_parallel_state(layout.dp, layout.sp) if world > 1 else get_parallel_state()
     loader = StepLoader(lambda x: x, BATCH, layout.micro_batch_size, layout.dp, state.dp_rank, 0, layout.max_tokens,
                         layout.packed)  # fmt: skip
-    batch = rollout_batch()
+    batch = rollout_batch(episodes)
+    for sample in batch if leak else ():
+        sample.response_mask = None
     sp_group = state.sp_group if layout.sp > 1 and not shard_local else None
     out: dict[str, Any] = {}
     for case in all_cases:

@@ -98,6 +98,21 @@ class RLConfig:
     """DAPO's soft overlong punishment (verl's `reward_model.overlong_buffer`; off when empty): `{length, penalty}`:
     responses longer than `max_new_tokens - length` tokens get a reward falling linearly to -`penalty` at
     `max_new_tokens` (DAPO: length 4096 of 20480, penalty 1.0), logged as `rl/rewards/overlong`."""
+    # --- multi-turn episodes (`veomni_lite.rl.episodes`, docs/agents.md) ---
+    tools: list[str] = field(default_factory=list)
+    """`[path/to/file.py:function, ...]`: functions the model may call (`<tool_call>` or Llama-3 JSON), their schemas
+    given to the chat template (`veomni_lite.rl.tools`; TRL's GRPOTrainer `tools`)."""
+    environment: str = ""
+    """`path/to/file.py:Class`: one instance per episode, `reset(row)`, `step(text) -> (observation, reward, done)`
+    (`veomni_lite.rl.environments`; verl's interaction)."""
+    environment_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the environment's class."""
+    max_turns: int = 4
+    """Most model turns of an episode (verl's multi_turn max_assistant_turns; TRL's max_tool_calling_iterations)."""
+    max_episode_tokens: int = 0
+    """Longest episode, prompt included (0: data.max_seq_len); reaching it ends the episode, truncated."""
+    tool_timeout_s: float = 10.0
+    """Per tool call: a call running longer is stopped and its result is an error the model reads."""
     async_steps: int = 0
     """Rollout batches generated ahead of training: 0 synchronous; 1 (vLLM engine) batch k+1 is generated while batch
     k trains, by the weights before batch k (one rollout batch stale, logged as `rl/staleness` in optimizer steps), with
@@ -112,6 +127,11 @@ class RLConfig:
     def overlong(self) -> OverlongBuffer | None:
         """`rl.overlong_buffer` parsed (None: off); a bad entry is a ConfigError naming the key."""
         return OverlongBuffer.parse(self.overlong_buffer, self.max_new_tokens) if self.overlong_buffer else None
+
+    @property
+    def multi_turn(self) -> bool:
+        """Whether rollouts are episodes (tools or an environment)."""
+        return bool(self.tools or self.environment)
 
     @property
     def rollout_size(self) -> int:
@@ -175,6 +195,10 @@ class RLConfig:
                 "rl.async_steps: 1 samples with the weights one rollout batch old: set rl.importance_sampling "
                 "(token or sequence) so the engine's log-probabilities correct it"
             )
+        if self.environment_kwargs and not self.environment:
+            raise ConfigError("rl.environment_kwargs: set, but rl.environment is not; name the class it is for")
+        if self.multi_turn:
+            self.validate_multi_turn(config)
         filter_groups, overlong = self.filter_groups, self.overlong  # each parsed: a ConfigError names its key
         if (filter_groups or overlong) and self.rollouts_path:
             raise ConfigError(
@@ -191,7 +215,7 @@ class RLConfig:
                 f"rl.dynamic_sampling.metric: {filter_groups.metric!r} is neither `reward` (the total) nor a reward's "
                 f"name ({', '.join(sorted(str(n) for n in names))})"
             )
-        if not self.rewards and not self.rollouts_path:
+        if not self.rewards and not self.rollouts_path and not self.environment:
             raise ConfigError("rl.rewards: give at least one reward function ([{name, function, weight}])")
         from veomni_lite.rl.rewards import load_rewards  # a user's file runs here because the config names it
 
@@ -207,6 +231,32 @@ class RLConfig:
                 f"train.global_batch_size ({batch}) must hold whole groups of rl.num_generations "
                 f"({self.num_generations}) responses"
             )
+
+    def validate_multi_turn(self, config: Any) -> None:
+        """The multi-turn keys checked, the tools and environment loaded (ConfigError naming the key)."""
+        if self.max_turns < 1:
+            raise ConfigError(f"rl.max_turns: must be >= 1, got {self.max_turns}")
+        if not self.tool_timeout_s > 0:
+            raise ConfigError(f"rl.tool_timeout_s: must be > 0, got {self.tool_timeout_s}")
+        if self.max_episode_tokens < 0 or self.max_episode_tokens > config.data.max_seq_len:
+            raise ConfigError(
+                f"rl.max_episode_tokens: must be in [0, data.max_seq_len = {config.data.max_seq_len}] (0: that), got "
+                f"{self.max_episode_tokens}"
+            )
+        if self.async_steps:
+            raise ConfigError("rl.async_steps: 1 generates single-turn rollouts; episodes (rl.tools, "
+                              "rl.environment) need rl.async_steps: 0")  # fmt: skip
+        for key, value in (
+            ("rl.advantage: gae", self.advantage == "gae"),
+            ("rl.dynamic_sampling", self.dynamic_sampling),
+        ):
+            if value:  # not built for episodes yet: the critic's GAE and the group filter assume single-turn samples
+                raise ConfigError(f"{key}: not available with episodes (rl.tools, rl.environment) yet")
+        from veomni_lite.rl.environments import load_environment
+        from veomni_lite.rl.tools import load_tools
+
+        load_tools(self.tools)
+        load_environment({"class": self.environment, "kwargs": self.environment_kwargs} if self.environment else "")
 
 
 @dataclass(frozen=True)

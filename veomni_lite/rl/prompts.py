@@ -87,8 +87,9 @@ def encode_row(
     used = {answer_column, plain.get("images", "images")}
     other = {k: v for k, v in row.items() if k not in used}
     prompt = Prompt(ids, text, _answer(row, conversation, answer_column), other, where, model_inputs)
-    if keep_images and decoded:
-        prompt.messages, prompt.images = encoder.prompt_messages(conversation), [_png(image) for image in decoded]
+    if keep_images:  # (and an episode's turns render after its messages: `veomni_lite.rl.episodes`)
+        prompt.messages = encoder.prompt_messages(conversation)
+        prompt.images = [_png(image) for image in decoded]
     return prompt
 
 

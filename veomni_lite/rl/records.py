@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from veomni_lite.metrics.accumulator import MetricSpec
+from veomni_lite.rl.episodes import episode_metrics
 from veomni_lite.rl.policy_loss import engine_mismatch
 from veomni_lite.rl.rollouts import RolloutSample
 
@@ -44,6 +45,12 @@ def _spread_specs(prefix: str) -> list[MetricSpec]:
         MetricSpec(f"{prefix}/min", "min"),
         MetricSpec(f"{prefix}/max", "max"),
     ]
+
+
+def _model_tokens(sample: RolloutSample, *values: list[float]) -> tuple[list[float], ...]:
+    """`values` (per response token) at the model's tokens alone (an episode's environment tokens dropped)."""
+    mask = sample.response_mask
+    return tuple(v if mask is None else [x for x, m in zip(v, mask) if m] for v in values)
 
 
 def _cell(text: str) -> str:
@@ -89,6 +96,17 @@ class RolloutRecords:
             MetricSpec("time/generate_s", "mean", fmt=".2f"),
             MetricSpec("time/train_s", "mean", fmt=".2f"),
         ]
+        rl = self.trainer.rl
+        if rl.multi_turn:  # episodes (`veomni_lite.rl.episodes.episode_metrics`)
+            from veomni_lite.rl.tools import load_tools
+
+            specs += [MetricSpec("rl/turns/mean", "mean", fmt=".2f"), MetricSpec("rl/turns/max", "max", fmt=".0f")]
+            means = ("tool_calls/mean", "tool_errors", "episode_truncated")
+            specs += [MetricSpec(f"rl/{name}", "mean") for name in means]
+            specs += [MetricSpec(f"rl/episode/{k}_tokens", "mean", fmt=".1f") for k in ("model", "env")]
+            specs += [MetricSpec(f"rl/tool_calls/{tool.name}", "mean") for tool in load_tools(rl.tools)]
+            if rl.environment:
+                specs.append(MetricSpec("rl/rewards/environment", "mean"))
         return specs
 
     def rollouts(self, samples: list[RolloutSample]) -> None:
@@ -109,6 +127,7 @@ class RolloutRecords:
         lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
         record["rl/response_length/mean"] = (lengths.sum(), float(lengths.numel()))
         record["rl/response_length/min"], record["rl/response_length/max"] = lengths.min(), lengths.max()
+        record.update(episode_metrics(samples))
         truncated = torch.tensor([float(s.truncated) for s in samples], dtype=torch.float64)
         record["rl/truncated_ratio"] = (truncated.sum(), float(truncated.numel()))
         if t.given is None:  # optimizer steps since the weights that sampled each (given rollouts: unknown)
@@ -118,7 +137,9 @@ class RolloutRecords:
 
     def engine_mismatch(self, samples: list[RolloutSample]) -> None:
         """`rl/importance_ratio` exp(old - engine) and `rl/logprob_diff` |old - engine| over the response tokens."""
-        pairs = [(s.old_logprobs, s.engine_logprobs) for s in samples if s.engine_logprobs and s.old_logprobs]
+        pairs = [
+            _model_tokens(s, s.old_logprobs, s.engine_logprobs) for s in samples if s.engine_logprobs and s.old_logprobs
+        ]
         if not pairs:
             return
         old = torch.tensor([x for o, _ in pairs for x in o], dtype=torch.float64)
@@ -145,7 +166,8 @@ class RolloutRecords:
         t = self.trainer
         rows = [
             {"step": t.step, "prompt": s.prompt_text, "response": s.response_text, "reward": s.reward,
-             "advantage": s.advantage, "truncated": s.truncated}
+             "advantage": s.advantage, "truncated": s.truncated,
+             **({"turns": s.episode["turns"]} if s.episode else {})}
             for s in t.rollouts.last[: t.rl.rollouts_sample]
         ]  # fmt: skip
         with (t.output_dir / ROLLOUTS_FILE).open("a", encoding="utf-8") as handle:

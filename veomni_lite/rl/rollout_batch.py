@@ -127,6 +127,10 @@ class RolloutBatches:
         self.sync_engine()
         count = 1 if settings.greedy else t.rl.num_generations
         indices = [i for i in range(len(prompts)) if i % t.parallel.world_size == t.rank]
+        if t.agent is not None:  # multi-turn: episodes with tools or an environment
+            from veomni_lite.rl.episodes import generate_episodes
+
+            return generate_episodes(self, k, prompts, indices, count, settings, sample_seed)
         requests = [self.request(k, i, prompts[i], count) for i in indices]
         results = t.engine.generate(requests, settings)  # every rank: the vLLM engine's call is collective
         return self._samples_of(k, prompts, indices, results, t.step)

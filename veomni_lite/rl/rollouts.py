@@ -11,7 +11,10 @@ same shifted frame (the value of response token i sits where it is predicted), p
 `rl.rollouts_path`, one JSON object per line: `group` (consecutive rows of the same group, `num_generations` of them),
 the prompt (`prompt_ids`, or `prompt` as messages or text, rendered like the prompts of the data files), the response
 (`response_ids`, or `response` text, followed by the end-of-turn token unless `truncated`), `reward`, and optionally
-`logprobs` (the engine's, one per response token), `truncated` and `images`.
+`logprobs` (the engine's, one per response token), `truncated` and `images`. An episode (`veomni_lite.rl.episodes`)
+gives `turns: [{role, ids | text}, ...]` instead of the response: its turns in order, `ids` taken as given and `text`
+tokenized as given (no chat markup added: write it, or give ids); `assistant` turns train, `tool`, `environment` and
+`user` turns are in the sequence but in no loss (`response_mask`).
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ class RolloutSample:
     old_values: list[float] | None = None  # the critic's (`rl.advantage: gae`, `veomni_lite.rl.critic`)
     returns: list[float] | None = None
     token_advantages: list[float] | None = None  # GAE's per token; else `advantage` at every token
+    response_mask: list[int] | None = None  # multi-turn: 1 at the model's tokens, 0 at the environment's (None: all 1)
+    episode: dict[str, Any] = field(default_factory=dict)  # multi-turn: turns and counts (`veomni_lite.rl.episodes`)
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
@@ -78,6 +83,8 @@ class RolloutSample:
         ids = torch.tensor(self.prompt_ids + self.response_ids, dtype=torch.long)
         labels = ids.clone()
         labels[:prompt] = IGNORE_INDEX
+        if self.response_mask is not None:  # an episode's environment tokens: attended to, never trained
+            labels[prompt:][torch.tensor(self.response_mask, dtype=torch.long) == 0] = IGNORE_INDEX
         if mask_truncated and self.truncated:
             labels[:] = IGNORE_INDEX
         out = {"input_ids": ids, POLICY_LABELS: labels, **self.model_inputs}
@@ -139,6 +146,27 @@ def _ids(value: Any, where: str, key: str, vocab_size: int) -> list[int]:
     return value
 
 
+TURN_ROLES = {"assistant": 1, "tool": 0, "environment": 0, "user": 0}
+
+
+def _turns(turns: Any, where: str, encode: Callable[[str], list[int]], vocab_size: int) -> tuple[list[int], list[int]]:
+    """A given episode's response ids and `response_mask` (see the module docstring); a DataError naming the turn."""
+    if not isinstance(turns, list) or not turns:
+        raise DataError(f"{where}: 'turns' must be a non-empty list of {{role, ids | text}}")
+    ids: list[int] = []
+    mask: list[int] = []
+    for index, turn in enumerate(turns):
+        at = f"turns[{index}]"
+        if not isinstance(turn, Mapping) or turn.get("role") not in TURN_ROLES or ("ids" in turn) == ("text" in turn):
+            raise DataError(f"{where}: {at} must be {{role: one of {sorted(TURN_ROLES)}, ids or text}}, got {turn!r}")
+        part = _ids(turn["ids"], where, f"{at}.ids", vocab_size) if "ids" in turn else encode(str(turn["text"]))
+        ids += part
+        mask += [TURN_ROLES[turn["role"]]] * len(part)
+    if not any(mask):
+        raise DataError(f"{where}: 'turns' has no assistant tokens to train")
+    return ids, mask
+
+
 def read_rollouts(
     path: str | Path,
     num_generations: int,
@@ -167,8 +195,8 @@ def read_rollouts(
             missing = [k for k in ("group", "reward") if k not in row]
             if "prompt_ids" not in row and "prompt" not in row:
                 missing.append("prompt_ids or prompt")
-            if "response_ids" not in row and "response" not in row:
-                missing.append("response_ids or response")
+            if "response_ids" not in row and "response" not in row and "turns" not in row:
+                missing.append("response_ids, response or turns")
             if missing:
                 raise DataError(f"{where}: missing {missing} (the row has {sorted(row)})")
             if not groups or groups[-1] != row["group"]:
@@ -183,7 +211,10 @@ def read_rollouts(
                 prompt_ids, text, inputs = _ids(row["prompt_ids"], where, "prompt_ids", vocab_size), "", {}
             else:
                 prompt_ids, text, inputs = encode_prompt(row, where)
-            if "response_ids" in row:
+            mask = None
+            if "turns" in row:
+                response, mask = _turns(row["turns"], where, encode_response, vocab_size)
+            elif "response_ids" in row:
                 response = _ids(row["response_ids"], where, "response_ids", vocab_size)
             else:
                 response = encode_response(str(row["response"])) + ([] if truncated else [end_of_turn])
@@ -203,6 +234,7 @@ def read_rollouts(
                     group=len(groups) - 1, prompt_ids=prompt_ids, response_ids=response, reward=float(reward),
                     truncated=truncated, engine_logprobs=[float(x) for x in logprobs] if logprobs else None,
                     model_inputs=inputs, prompt_text=text, response_text=str(row.get("response", "")), where=where,
+                    response_mask=mask,
                 )
             )  # fmt: skip
     if len(samples) % num_generations:

@@ -47,6 +47,7 @@ from veomni_lite.models.pretrained import (
 from veomni_lite.post_training import ReferenceWeights
 from veomni_lite.rl.config import POLICY, RLConfig
 from veomni_lite.rl.critic import VALUE, VALUE_LABELS, Critic
+from veomni_lite.rl.episodes import make_agent
 from veomni_lite.rl.loader import RolloutLoader
 from veomni_lite.rl.logprob_pass import LogprobPasses
 from veomni_lite.rl.policy_loss import POLICY_LABELS, PolicyLoss
@@ -80,6 +81,7 @@ class RLTrainer(SFTTrainer):
         self.policy = PolicyLoss.of(self.rl)
         self.reference: ReferenceWeights | None = None
         self.engine: RolloutEngine | None = None
+        self.agent: Any = None  # multi-turn: the episodes' `Agent`
         self.rollouts = RolloutBatches(self)
         self.passes = LogprobPasses(self)
         self.records = RolloutRecords(self)
@@ -130,6 +132,9 @@ class RLTrainer(SFTTrainer):
                 "data.format: text has no chat messages, which rl.engine: vllm sends with a VL prompt's images; use a "
                 "chat format (messages, sharegpt, ...) or rl.engine: transformers"
             )
+        renders = renders or rl.multi_turn  # episodes render their turns after the prompt's messages
+        if rl.multi_turn and data.format == "text":
+            raise DataError("data.format: text has no chat messages to render episode turns after; use a chat format")
         options = (self.encoder, self.images, data.format, data.columns, data.media_dir, prompt_len, renders)
         if rl.rollouts_path:
             self.given = read_rollouts(
@@ -206,6 +211,7 @@ class RLTrainer(SFTTrainer):
             self.reference = ReferenceWeights(self.model)
         if self.given is None:
             self.engine = self._build_engine()
+            self.agent = make_agent(self) if self.rl.multi_turn else None
 
     def _build_engine(self) -> RolloutEngine:
         """`rl.engine`: the embedded engine on each rank, or a vLLM server reached by rank 0 (collective)."""

@@ -1,0 +1,130 @@
+"""The agent demo's files: multiplications beyond a tiny model, a calculator tool, tool-using SFT transcripts.
+
+`write_demo(out)` writes `calculator.py` (the tool: `calculate(expression)`), `models/qwen2_agent` (a randomly
+initialized tiny Qwen2 with a byte-level BPE tokenizer whose ChatML template takes `tools=` and renders a tool's result
+as a user turn `<tool_response>...</tool_response>`, Qwen2.5's way), `sft_train.jsonl` (question, the tool call, its
+result, the answer: the tool result written as the user turn the template renders) and `rl_train.jsonl` /
+`rl_eval.jsonl` (questions with their answers).
+
+Usage: python examples/agent_calc.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+from examples.sft_demo import write_jsonl
+
+SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
+           "</tool_response>")  # fmt: skip
+TOOLS_HEADER = 'You can call tools. Write <tool_call>{"name": ..., "arguments": {...}}</tool_call>. Tools:'
+TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    + TOOLS_HEADER
+    + "{% for tool in tools %}{{ '\\n' + tool['function']['name'] }}"
+    "({{ tool['function']['parameters']['properties'] | list | join(', ') }}){% endfor %}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}{% if message['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n"
+    "{{ message['content'] }}\n</tool_response><|im_end|>\n{% else %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TOOL_FILE = '''"""The agent demo's calculator tool."""
+
+import ast
+import operator
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+
+
+def _eval(node):
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        return _OPS[type(node.op)](_eval(node.left), _eval(node.right))
+    raise ValueError("only integers with + - * are allowed")
+
+
+def calculate(expression: str) -> str:
+    """Evaluate an arithmetic expression of integers with +, - and *.
+
+    Args:
+        expression: The expression, e.g. "347 * 28".
+    """
+    return str(_eval(ast.parse(expression, mode="eval").body))
+'''
+
+
+def tools_system() -> str:
+    """The system turn the template renders for the calculator (the SFT rows carry it as their system message)."""
+    return TOOLS_HEADER + "\ncalculate(expression)"
+
+
+def question(rng: random.Random) -> tuple[str, str, str]:
+    a, b = rng.randint(100, 999), rng.randint(11, 99)
+    return f"What is {a} * {b}?", f"{a} * {b}", str(a * b)
+
+
+def call_text(expression: str) -> str:
+    return '<tool_call>{"name": "calculate", "arguments": {"expression": "' + expression + '"}}</tool_call>'
+
+
+def transcript(rng: random.Random) -> dict[str, Any]:
+    """One SFT row: question, tool call, its result (as the template renders a tool turn), answer."""
+    text, expression, answer = question(rng)
+    return {
+        "messages": [
+            {"role": "system", "content": tools_system()},
+            {"role": "user", "content": text},
+            {"role": "assistant", "content": call_text(expression)},
+            {"role": "user", "content": f"<tool_response>\n{answer}\n</tool_response>"},
+            {"role": "assistant", "content": answer},
+        ]
+    }
+
+
+def write_model(directory: Path, texts: list[str]) -> None:
+    """The tiny Qwen2 and its tokenizer (see the module docstring)."""
+    import torch
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+
+    from examples.pydoc_text import train_bpe
+
+    core = train_bpe(texts, 400, SPECIAL)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=TEMPLATE
+    )
+    tokenizer.save_pretrained(str(directory))
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(directory), safe_serialization=True)
+
+
+def write_demo(out: str | Path, sft_rows: int = 256, rl_rows: int = 256, eval_rows: int = 32) -> Path:
+    """Every file of the demo under `out` (see the module docstring); returns `out`."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "calculator.py").write_text(TOOL_FILE)
+    rng = random.Random(0)
+    sft = [transcript(rng) for _ in range(sft_rows)]
+    write_jsonl(out / "sft_train.jsonl", sft)
+    for name, count in (("rl_train", rl_rows), ("rl_eval", eval_rows)):
+        rows = []
+        for _ in range(count):
+            text, _, answer = question(rng)
+            rows.append({"messages": [{"role": "user", "content": text}], "answer": answer})
+        write_jsonl(out / f"{name}.jsonl", rows)
+    texts = [json.dumps(row) for row in sft] + [TEMPLATE, TOOL_FILE, tools_system()]
+    write_model(out / "models/qwen2_agent", texts)
+    return out
+
+
+if __name__ == "__main__":
+    print(write_demo(sys.argv[1] if len(sys.argv) > 1 else "outputs/agent_calc_data"))
