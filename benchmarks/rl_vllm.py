@@ -202,9 +202,9 @@ def measure_lora(name: str, work_dir: Path, quick: bool, rank: int = 16) -> dict
             if version:
                 _post(server.url + "/v1/unload_lora_adapter", {"lora_name": f"v{version - 1}"})
             _post(server.url + "/v1/load_lora_adapter", {"lora_name": f"v{version}", "lora_path": str(directory)})
-            engine._call(engine.endpoints[0], "POST", "/reset_prefix_cache", None, "reset the prefix cache")
+            engine.client.call(engine.endpoints[0], "POST", "/reset_prefix_cache", None, "reset the prefix cache")
             engine.endpoints[0].model_name = f"v{version}"  # requests name the adapter
-            served = engine._prompt_logprobs(engine.endpoints[0], engine.probe_ids)
+            served = engine.client.prompt_logprobs(engine.endpoints[0], engine.probe_ids)
             expected = _logprobs(merged, engine.probe_ids)
             adapter_s.append(save_s[version] + time.perf_counter() - start)
             probe.append(sum(abs(a - b) for a, b in zip(served, expected)) / len(expected))

@@ -163,3 +163,41 @@ def test_no_merge_conflict_markers_in_tracked_text():
             text = path.read_text(errors="replace")
             found += [name for line in text.splitlines() if line.startswith(("<<<<<<< ", ">>>>>>> "))]
     assert not found, sorted(set(found))
+
+
+MAX_CLASS_LINES = 300
+SPLIT_ROOMS = ("rl", "preference", "engines")  # the post-training rooms, split a responsibility a module
+
+
+def long_classes(source: str, limit: int = MAX_CLASS_LINES) -> list[tuple[str, int]]:
+    """(name, lines) of every class in `source`, nested ones included, spanning more than `limit` lines."""
+    spans = [
+        (node.name, node.end_lineno - node.lineno + 1)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ClassDef) and node.end_lineno is not None
+    ]
+    return [(name, lines) for name, lines in spans if lines > limit]
+
+
+def test_no_post_training_class_spans_more_than_300_lines():
+    """A class over ~300 lines holds several responsibilities (issue 49: the vLLM engine was split for it)."""
+    found = {
+        f"{path.relative_to(PACKAGE.parent)}:{name}": lines
+        for room in SPLIT_ROOMS
+        for path in sorted((PACKAGE / room).rglob("*.py"))
+        for name, lines in long_classes(path.read_text())
+    }
+    assert not found, found
+
+
+def test_long_classes_sees_a_long_class():
+    """Negative control: a synthetic 301-line class is found, a 300-line one and a long function are not."""
+    body = "".join(f"    x{i} = {i}\n" for i in range(300))
+    assert long_classes("class Long:\n" + body) == [("Long", 301)]
+    assert long_classes("class Fits:\n" + body[: -len("    x299 = 299\n")]) == []
+    assert long_classes("def f():\n" + body) == []
+
+
+def test_the_config_module_stays_under_800_lines():
+    lines = len((PACKAGE / "config.py").read_text().splitlines())
+    assert lines <= 800, f"veomni_lite/config.py has {lines} lines (at most 800)"

@@ -117,7 +117,7 @@ def _shared_memory(pids: list[int]) -> set[str]:
 
 def _ended(pgid: int, within_s: float) -> bool:
     """Whether no process of group `pgid` is left (zombies aside) within `within_s` seconds."""
-    from veomni_lite.engines.vllm_boot import members
+    from veomni_lite.engines.vllm.boot import members
 
     deadline = time.monotonic() + within_s
     while members(pgid) and time.monotonic() < deadline:
@@ -131,7 +131,7 @@ def train(rank: int, world: int, path: str, extra: list[str], hook: str = "") ->
     process alone after step 2, then checks, before the run closes anything, that its whole process group ends and
     leaves no shared memory behind)."""
     from veomni_lite.engines.vllm import EngineError, VLLMEngine
-    from veomni_lite.engines.vllm_boot import members
+    from veomni_lite.engines.vllm.boot import members
     from veomni_lite.rl.trainer import RLTrainer
 
     if hook == "skip_sync":
@@ -160,7 +160,7 @@ def train(rank: int, world: int, path: str, extra: list[str], hook: str = "") ->
         trainer.train()
         return None
     except EngineError as exc:
-        if killed:  # before close(): the group ends by itself (vllm_boot's watchdog)
+        if killed:  # before close(): the group ends by itself (boot.py's watchdog)
             assert len(killed["group"]) >= 3, killed  # the server, its engine core, the watchdog: a group to end
             assert _ended(killed["pgid"], 30), f"the killed server's group lives on: {members(killed['pgid'])}"
             assert killed["shm"] and not [f for f in killed["shm"] if Path(f).exists()], killed["shm"]
@@ -557,7 +557,7 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Any:
 def _started(server_class: Any, tmp_path: Path, name: str) -> Any:
     import sys
 
-    from veomni_lite.engines.vllm_boot import members
+    from veomni_lite.engines.vllm.boot import members
 
     server = server_class(sys.executable, str(tmp_path), tmp_path / f"{name}.log")
     server.wait_ready(120, time.monotonic())
@@ -572,11 +572,11 @@ def test_a_launched_servers_process_group_ends_however_the_server_ends(fake_vllm
     """Without vLLM (a stand-in server with an "engine core" child): the server killed alone, the server given
     SIGTERM, the server's trainer killed, and `stop()` of a running server: each time no process of its group is left
     (by itself, before any stop() in the first three). Control: the same stand-in started in a session of its own but
-    without vllm_boot's watchdog leaves its engine core behind when killed."""
+    without boot.py's watchdog leaves its engine core behind when killed."""
     import subprocess
     import sys
 
-    from veomni_lite.engines.vllm_boot import end_group, members
+    from veomni_lite.engines.vllm.boot import end_group, members
 
     killed = _started(fake_vllm, tmp_path, "killed")
     os.kill(killed.pid, signal.SIGKILL)
@@ -630,7 +630,7 @@ def test_end_group_kills_what_ignores_sigterm(tmp_path):
     import subprocess
     import sys
 
-    from veomni_lite.engines.vllm_boot import end_group, members
+    from veomni_lite.engines.vllm.boot import end_group, members
 
     stubborn = (
         "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint(1, flush=True)\ntime.sleep(600)"
@@ -649,7 +649,7 @@ def test_a_dead_launched_server_is_named_dead_not_running(fake_vllm, tmp_path):
 
     from veomni_lite.engines.base import RolloutRequest, SamplingSettings
     from veomni_lite.engines.vllm import EngineError, VLLMEngine, VLLMSettings
-    from veomni_lite.engines.vllm_boot import members
+    from veomni_lite.engines.vllm.boot import members
 
     settings = VLLMSettings.parse({"launch": 1, "python": sys.executable, "sync_dir": str(tmp_path)})
     engine = VLLMEngine(settings, str(tmp_path), None, _fake_logprobs, [1, 2], tmp_path / "vllm_server.log")
@@ -1099,7 +1099,7 @@ def test_two_launched_servers_give_one_servers_rollouts_and_the_key_guards_only_
 
     from veomni_lite.engines.base import RolloutRequest, SamplingSettings
     from veomni_lite.engines.vllm import VLLMEngine, VLLMSettings
-    from veomni_lite.engines.vllm_boot import members
+    from veomni_lite.engines.vllm.boot import members
 
     for server in _SERVED:
         server.stop()

@@ -1,5 +1,5 @@
 """The first process of a launched vLLM server, and how a server's process group ends. Standard library only: vLLM's
-interpreter runs this file (`python -I vllm_boot.py TRAINER_PID MODULE ARGS...`, from `VLLMServer`) without
+interpreter runs this file (`python -I boot.py TRAINER_PID MODULE ARGS...`, from `VLLMServer`) without
 veomni_lite on its path.
 
 `VLLMServer` starts this file in a session of its own, so the server and every process it starts (its engine core,

@@ -1,0 +1,245 @@
+"""`VLLMEngine`, the `RolloutEngine` of `rl.engine: vllm`: it composes the servers (`server`, or the user's), rank 0's
+HTTP client (`client`) and the weight sync (`sync`) into the collective structure the trainer calls.
+
+Only rank 0 talks to the servers; `generate` and `sync_weights` are collective over the trainer's control group (every
+rank calls them, with its own requests): every rank's requests are gathered on rank 0, sent as one wave of concurrent
+HTTP requests spread over the servers (`spread`: contiguous shares of the samples, so a prompt's samples mostly share a
+server and its prefix cache), and the rollouts broadcast back. Why rank 0 alone: a launched server listens on loopback
+of rank 0's node, which other nodes cannot reach, and one wave holding the whole rollout batch fills vLLM's batches
+better than world-size smaller ones. A failure on rank 0 (no answer within `request_timeout_s`, an HTTP error, a
+launched server gone) is the same `EngineError` on every rank, naming the engine, the server's URL and the request
+(`agree`). While rank 0 waits on the servers, every rank joins a small all-reduce each second, so no collective waits
+on rank 0 for long (`parallel.collective_timeout_s` need not cover a server's start or a batch's generation).
+
+One-step-async rollouts (`rl.async_steps: 1`): `start_generate` starts a rollout batch's generation in a thread of rank
+0 that makes no collective, `finish_generate` collects it; a weight sync waits for a generation in flight first.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, wait
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from veomni_lite.distributed.collectives import agree, all_gather_objects, all_reduce, group_size
+from veomni_lite.engines.base import Rollout, RolloutEngine, RolloutRequest, SamplingSettings
+from veomni_lite.engines.vllm.check import SyncCheck
+from veomni_lite.engines.vllm.client import Client, Endpoint, Plain, each, plain
+from veomni_lite.engines.vllm.server import VLLMServer
+from veomni_lite.engines.vllm.settings import NAME, EngineError, VLLMSettings
+from veomni_lite.engines.vllm.sync import judge, reload, write_weights
+
+
+class VLLMEngine(RolloutEngine):
+    """Rollouts from vLLM servers (see the module docstring). Collective over `group`: every rank calls the
+    constructor, `sync_weights`, `generate` and `finish_generate` alike; only group rank 0 talks to the servers.
+
+    `reference(ids)`: the trainer's log-probabilities of ids[1:] (each given the ids before it, temperature 1) under
+    its current weights, a collective every rank calls; `probe_ids`: the probe's tokens (a few dozen, text only);
+    `log_path`: the first launched server's log (the k-th's adds `_k` to its stem); `renders_prompts`: the model takes
+    images: a launched server renders prompts itself (`RolloutRequest.chat`), and a sync also resets the servers'
+    encoder caches."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        settings: VLLMSettings,
+        model_dir: str,
+        group: dist.ProcessGroup | None,
+        reference: Callable[[list[int]], list[float]],
+        probe_ids: Sequence[int],
+        log_path: str | Path = "vllm_server.log",
+        config_path: str | Path | None = None,
+        renders_prompts: bool = False,
+    ) -> None:
+        self.settings = settings
+        self.renders_prompts = renders_prompts
+        self.group = group
+        self.reference = reference
+        self.probe_ids = list(probe_ids)
+        if len(self.probe_ids) < 2:
+            raise ValueError(f"VLLMEngine: the probe needs at least 2 tokens, got {len(self.probe_ids)}")
+        self.leader = not (dist.is_available() and dist.is_initialized()) or dist.get_rank(group) == 0
+        self.config_path = Path(config_path) if config_path else Path(model_dir) / "config.json"
+        self.endpoints: list[Endpoint] = []
+        self.sync_path = Path(settings.sync_dir) / f"run-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.last_probe_diff = float("nan")
+        """The last sync's largest mean |engine - trainer| over the servers."""
+        self.client = Client(settings)  # rank 0's, with the API key below
+        self._started = time.monotonic()
+        self._closed = False
+        self._pending: Future[Any] | None = None  # a started generation (rank 0), see start_generate
+        problem = None
+        if self.leader:
+            try:
+                key = settings.api_key()
+                self.client = Client(settings, key)
+                for url in settings.server_urls:
+                    self.endpoints.append(Endpoint(url, None, SyncCheck(settings.probe_tolerance)))
+                log_path = Path(log_path)
+                for k in range(settings.launch):
+                    log = log_path if k == 0 else log_path.with_name(f"{log_path.stem}_{k}{log_path.suffix}")
+                    server = VLLMServer(
+                        settings.python, model_dir, log, settings.server_args, renders_prompts=renders_prompts,
+                        api_key=key,
+                    )  # fmt: skip
+                    self.endpoints.append(Endpoint(server.url, server, SyncCheck(settings.probe_tolerance)))
+            except (EngineError, OSError) as exc:
+                problem = exc
+                self._stop_servers()
+        agree(problem, EngineError, group, where=f"{NAME}: start: ")
+
+    @property
+    def servers(self) -> list[VLLMServer]:
+        """The servers this engine launched (rank 0; [] elsewhere or with `url`/`urls`)."""
+        return [endpoint.server for endpoint in self.endpoints if endpoint.server is not None]
+
+    def _ready(self) -> None:
+        """Rank 0: every server is up (a launched one answered /health) and its model name is known."""
+        self.client.ready(self.endpoints, self._started)
+
+    # ------------------------------------------------------------------ weights
+
+    def sync_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Collective (the `sync` module): rank 0 writes once, then every server reloads and resets its prefix cache;
+        then each server's sync check (`SyncCheck`)."""
+        where = f"{NAME}, weight sync of version {version}: "
+
+        def sync() -> list[list[float]]:
+            if self._pending is not None:  # a generation in flight finishes on the weights it started with
+                wait([self._pending])
+            self._ready()
+            start = time.perf_counter()
+            self._write(state_dict)
+            written = time.perf_counter()
+            probes = each(
+                self.endpoints,
+                lambda e: reload(self.client, e, self.sync_path, version, self.probe_ids, self.renders_prompts),
+            )
+            self.sync_s = (written - start, time.perf_counter() - written)
+            return probes
+
+        engine_logprobs = self._on_leader(sync, where)
+        trainer_logprobs = self.reference(self.probe_ids)
+        problem = None
+        if self.leader:
+            problem, self.last_probe_diff = judge(
+                self.endpoints, version, engine_logprobs, trainer_logprobs, self.sync_s
+            )
+        agree(problem, EngineError, self.group, where=where)
+        self._version = version
+
+    def _on_leader(self, fn: Callable[[], Any], where: str) -> Any:
+        """Collective: `fn()` run on rank 0 (its value there, None elsewhere) in a thread, while every rank joins a MAX
+        all-reduce of "rank 0 is done" each second, so no collective waits long for rank 0 whatever the server takes
+        (`parallel.collective_timeout_s` need not cover `start_timeout_s` or a batch's generation). An exception of
+        `fn` is an EngineError on every rank (`where` + the cause)."""
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # noqa: BLE001 - reported on every rank below
+                box["error"] = exc
+
+        if group_size(self.group) == 1:
+            run()
+        else:
+            thread = None
+            if self.leader:
+                thread = threading.Thread(target=run, name="vllm-engine", daemon=True)
+                thread.start()
+            while True:
+                if thread is not None:
+                    thread.join(timeout=1.0)
+                done = int(thread is not None and not thread.is_alive())
+                if all_reduce([done], op="max", group=self.group)[0]:
+                    break
+        error = box.get("error")
+        if error is not None and not isinstance(error, EngineError):
+            error = EngineError(f"{NAME}: {error!r}")
+        agree(error, EngineError, self.group, where=where)
+        return box.get("value")
+
+    def _write(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Rank 0: `model.safetensors` (+ config.json) in `sync_path`, the file replaced whole (`sync.write_weights`;
+        tests replace this method to skip a sync's write)."""
+        write_weights(state_dict, self.sync_path, self.config_path)
+
+    # ------------------------------------------------------------------ rollouts
+
+    def generate(self, requests: Sequence[RolloutRequest], settings: SamplingSettings) -> list[list[Rollout]]:
+        """Collective: every rank's requests answered in one wave on rank 0 (see the module docstring)."""
+        problem: Exception | None = None
+        for index, request in enumerate(requests):
+            if not request.prompt_ids:
+                problem = ValueError(f"request {index} has an empty prompt")
+            elif request.model_inputs and not request.chat:
+                problem = ValueError(f"request {index} has images but no chat fields for the server to render")
+        agree(problem, EngineError, self.group, where=f"{NAME}: generate: ")
+        everyone = all_gather_objects([plain(r) for r in requests], self.group)
+        return self._collect(self._start(everyone, settings))
+
+    # One-step-async rollouts (`rl.async_steps: 1`): the trainer starts a rollout batch's generation, trains, and
+    # collects it later; the HTTP work runs in a thread of rank 0 that makes no collective.
+    def start_generate(self, everyone: Sequence[Sequence[RolloutRequest]], settings: SamplingSettings) -> None:
+        """Not collective: rank 0 starts generating every rank's requests (`everyone[rank]`) in the background; other
+        ranks do nothing. `finish_generate` collects them; a weight sync waits for them first."""
+        self._pending = self._start([[plain(r) for r in requests] for requests in everyone], settings)
+
+    def finish_generate(self) -> list[list[Rollout]]:
+        """Collective: this rank's rollouts of the generation `start_generate` began (waiting for it)."""
+        pending, self._pending = self._pending, None
+        return self._collect(pending)
+
+    def _start(self, everyone: Sequence[Sequence[Plain]], settings: SamplingSettings) -> Any:
+        """Rank 0: a Future of every rank's rollouts, computed in a daemon thread (None on other ranks)."""
+        if not self.leader:
+            return None
+        future: Future[Any] = Future()
+
+        def run() -> None:
+            try:
+                self._ready()
+                future.set_result(self.client.wave(self.endpoints, everyone, settings))
+            except BaseException as exc:  # noqa: BLE001 - collected by _collect
+                future.set_exception(exc)
+
+        threading.Thread(target=run, name="vllm-generate", daemon=True).start()
+        return future
+
+    def _collect(self, future: Any) -> list[list[Rollout]]:
+        """Collective: wait for rank 0's `future`, agree on its failure, broadcast; this rank's share."""
+        answers = [self._on_leader(lambda: future.result(), f"{NAME}: generate: ")]
+        if group_size(self.group) > 1:
+            dist.broadcast_object_list(answers, src=dist.get_global_rank(self.group, 0), group=self.group)
+        rank = dist.get_rank(self.group) if group_size(self.group) > 1 else 0
+        return [[Rollout(*rollout) for rollout in request] for request in answers[0][rank]]
+
+    # ------------------------------------------------------------------ end
+
+    def close(self) -> None:
+        """Stop the launched servers, each with its whole process group (rank 0), and remove this run's weights
+        directory (idempotent, not collective)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_servers()
+        if self.leader:
+            shutil.rmtree(self.sync_path, ignore_errors=True)
+
+    def _stop_servers(self) -> None:
+        for server in self.servers:  # all asked at once, then each waited for
+            server.terminate()
+        for server in self.servers:
+            server.stop()
