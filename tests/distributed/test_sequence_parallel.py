@@ -134,3 +134,12 @@ def test_vlm_training_with_sp_equals_no_sp(tmp_path, world_size, sp_size):
         for step in expected:
             assert got[step] == pytest.approx(expected[step], rel=1e-4), f"{key} step {step}"
     assert result["loss_collectives"] == steps, "the loss path issues exactly one collective per step under SP"
+
+
+def test_only_per_position_keys_are_sliced_not_a_vl_batchs_patches():
+    """`pixel_values` (image patches) and `image_grid_thw` are not per-position: never padded or sliced under SP, while
+    the heads' per-position values (the critic's old values and returns among them) are."""
+    from veomni_lite.distributed.sequence_parallel import is_sequence_key
+
+    assert not any(is_sequence_key(key) for key in ("pixel_values", "image_grid_thw"))
+    assert all(is_sequence_key(key) for key in ("value_old_values", "value_returns", "policy_advantages", "labels"))

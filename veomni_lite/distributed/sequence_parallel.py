@@ -38,7 +38,7 @@ _DERIVED_SUFFIXES = (
     "_logprobs",
     "_margins",
     "_desirable",
-    "_values",
+    "_old_values",  # not "_values": a VL batch's `pixel_values` are patches, never sliced by position
     "_returns",
 )
 
