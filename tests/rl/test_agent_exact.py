@@ -17,7 +17,9 @@ LAYOUTS = [
     Layout(1, 2, 4),
     Layout(1, 2, 8, packed=True, max_tokens=48),
 ]
-CASES = [c for c in cases() if c.loss.kl_coef]  # every mode x {ppo_clip + token IS, gspo + sequence IS}, KL on
+# The two ways a mode counts model tokens (over the step's tokens, or each episode's mean) x {ppo_clip + token IS, gspo
+# + sequence IS}, KL on; every mode at every layout is tests/rl/test_policy_exact.py's, on the same fixtures.
+CASES = [c for c in cases() if c.loss.kl_coef and c.mode in ("token-mean", "seq-mean-token-mean")]
 
 
 @pytest.fixture(scope="module")
