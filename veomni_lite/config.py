@@ -20,7 +20,7 @@ import copy
 import difflib
 import json
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Literal
@@ -57,6 +57,24 @@ def unknown_key(at: str, key: str, known: Iterable[str], takes: str) -> ConfigEr
     guess = closest(key, known)
     hint = f" (did you mean `{guess}`?)" if guess else ""
     return ConfigError(f"{at}.{key}: unknown key{hint}; {takes}")
+
+
+def config_entry(at: str, spec: Any, main: str, known: Sequence[str], what: str) -> Mapping[str, Any]:
+    """A list entry of your own code (a tool, an environment) given as 'path/file.py:name' or a mapping of `known`
+    keys, as a mapping whose `main` key (known[0]) is a non-empty string; else a ConfigError naming `at` (an unknown
+    key with did-you-mean, "`what` takes ...")."""
+    placeholder = "Class" if main == "class" else "function"
+    if isinstance(spec, str):
+        spec = {main: spec}
+    if not isinstance(spec, Mapping):
+        raise ConfigError(f"{at}: expected 'path/file.py:{placeholder}' or {{{', '.join(known)}}}, got {spec!r}")
+    for name in spec:
+        if name not in known:
+            raise unknown_key(at, str(name), known, f"{what} takes {', '.join(known)}")
+    target = spec.get(main)
+    if not isinstance(target, str) or not target:
+        raise ConfigError(f"{at}.{main}: required, 'path/file.py:{placeholder}' (got {target!r})")
+    return spec
 
 
 def did_you_mean(dotted: str, sections: Mapping[str, type] | None = None) -> str:

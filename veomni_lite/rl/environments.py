@@ -20,7 +20,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from veomni_lite.config import ConfigError, unknown_key
+from veomni_lite.config import ConfigError, config_entry
 from veomni_lite.data.checks import DataError
 
 __all__ = ["EnvironmentSpec", "EpisodeError", "load_environment"]
@@ -72,24 +72,16 @@ class EnvironmentSpec:
 
 def load_environment(spec: Any, base_dir: str | Path = ".", key: str = "rl.environment") -> EnvironmentSpec | None:
     """The `EnvironmentSpec` of `rl.environment` ("" or None: no environment); a ConfigError naming `key`."""
-    from veomni_lite.rl.rewards import _user_function
+    from veomni_lite.rl.rewards import user_object
 
     if not spec:
         return None
-    if isinstance(spec, str):
-        spec = {"class": spec}
-    if not isinstance(spec, Mapping):
-        raise ConfigError(f"{key}: expected 'path/file.py:Class' or {{class, kwargs}}, got {spec!r}")
-    for name in spec:
-        if name not in _KEYS:
-            raise unknown_key(key, str(name), _KEYS, f"an environment takes {', '.join(_KEYS)}")
-    target, kwargs = spec.get("class"), spec.get("kwargs", {}) or {}
-    if not isinstance(target, str) or not target:
-        raise ConfigError(f"{key}.class: required, 'path/file.py:Class' (got {target!r})")
+    spec = config_entry(key, spec, "class", _KEYS, "an environment")
+    target, kwargs = spec["class"], spec.get("kwargs", {}) or {}
     if not isinstance(kwargs, Mapping):
         raise ConfigError(f"{key}.kwargs: expected a mapping, got {kwargs!r}")
     modules: dict[Path, ModuleType] = {}
-    cls, where = _user_function(f"{key}.class", target, Path(base_dir), modules)
+    cls, where = user_object(f"{key}.class", target, Path(base_dir), modules)
     if (
         not isinstance(cls, type)
         or not callable(getattr(cls, "reset", None))

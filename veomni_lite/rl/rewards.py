@@ -408,7 +408,7 @@ def load_rewards(
             check = _ANSWER_CHECKS.get(target)
             loaded.append(RewardFunction(name, float(weight), f"built-in {target}", fn, True, check))
         else:
-            fn, where = _user_function(at, target, Path(base_dir), modules)
+            fn, where = user_object(at, target, Path(base_dir), modules)
             loaded.append(RewardFunction(name, float(weight), where, fn))
     return loaded
 
@@ -462,9 +462,11 @@ def _built_in(
     return _math
 
 
-def _user_function(
+def user_object(
     at: str, target: str, base_dir: Path, modules: dict[Path, ModuleType]
 ) -> tuple[Callable[..., Any], str]:
+    """The object `target` ('path/to/file.py:name', a relative path against `base_dir`) names, and where it was
+    found; each file imported once into `modules` (it runs because the config names it). ConfigError naming `at`."""
     path_text, _, function = target.rpartition(":")
     if not path_text.endswith(".py") or not function.isidentifier():
         raise ConfigError(

@@ -27,7 +27,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from veomni_lite.config import ConfigError, unknown_key
+from veomni_lite.config import ConfigError, config_entry
 
 __all__ = ["Tool", "ToolCall", "load_tools", "parse_tool_calls", "run_tool_calls"]
 
@@ -57,7 +57,7 @@ def load_tools(specs: Sequence[Any], base_dir: str | Path = ".", key: str = "rl.
     """One `Tool` per entry (see the module docstring)."""
     from transformers.utils import get_json_schema
 
-    from veomni_lite.rl.rewards import _user_function
+    from veomni_lite.rl.rewards import user_object
 
     if isinstance(specs, (str, bytes, Mapping)) or not isinstance(specs, Sequence):
         raise ConfigError(f"{key}: expected a list of 'path/file.py:function' entries, got {type(specs).__name__}")
@@ -65,17 +65,8 @@ def load_tools(specs: Sequence[Any], base_dir: str | Path = ".", key: str = "rl.
     tools: list[Tool] = []
     for index, spec in enumerate(specs):
         at = f"{key}[{index}]"
-        if isinstance(spec, str):
-            spec = {"function": spec}
-        if not isinstance(spec, Mapping):
-            raise ConfigError(f"{at}: expected 'path/file.py:function' or {{function, name}}, got {spec!r}")
-        for name in spec:
-            if name not in _KEYS:
-                raise unknown_key(at, str(name), _KEYS, f"a tool entry takes {', '.join(_KEYS)}")
-        target = spec.get("function")
-        if not isinstance(target, str) or not target:
-            raise ConfigError(f"{at}.function: required, 'path/file.py:function' (got {target!r})")
-        fn, where = _user_function(at, target, Path(base_dir), modules)
+        spec = config_entry(at, spec, "function", _KEYS, "a tool entry")
+        fn, where = user_object(at, spec["function"], Path(base_dir), modules)
         try:
             schema = get_json_schema(fn)
         except Exception as exc:  # noqa: BLE001 - transformers' TypeError / DocstringParsingException
