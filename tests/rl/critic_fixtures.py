@@ -23,23 +23,21 @@ from tests.rl.exact_fixtures import (
     SCALE,
     TEMPERATURE,
     TRUNCATED,
-    _collate,
-    all_gather,
     descend,
     step_gradients,
+    step_micro_batches,
     steps,
 )
 from tests.rl.exact_fixtures import build_model as build_policy
 from tests.rl.exact_fixtures import rollout_batch as policy_batch
 from veomni_lite.data.loader import StepLoader
 from veomni_lite.distributed.parallel_state import get_parallel_state
-from veomni_lite.distributed.sequence_parallel import slice_micro_batch
 from veomni_lite.models.heads import LogprobRequest
 from veomni_lite.plain_loop import LossStep
 from veomni_lite.rl.critic import ValueLoss, attach_value_head
 from veomni_lite.rl.policy_loss import POLICY_LABELS, PolicyLoss
 from veomni_lite.split_invariance import Layout
-from veomni_lite.utils.loss_utils import LossModes, mark_sequences, reset_loss_memo
+from veomni_lite.utils.loss_utils import LossModes, reset_loss_memo
 
 MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
 CLIP = 0.2
@@ -135,18 +133,7 @@ def layout_steps(rank: int, world: int, layout: Layout, value_modes: list[str], 
             reset_loss_memo()
             model.zero_grad(set_to_none=True)
             chunk = [batch[i] for i in indices]
-            plan = loader.share(number, list(range(len(chunk))), lambda i, chunk=chunk: len(chunk[i]))
-            counts = all_gather(len(plan)) if world > 1 else [len(plan)]
-            micro_batches = []
-            for j in range(max(counts)):
-                members = plan[j] if j < len(plan) else plan[0]
-                whole = _collate([chunk[i].tensors(mask_truncated=True) for i in members], layout.packed)
-                whole = mark_sequences(whole, step_modes)
-                if j >= len(plan):
-                    from veomni_lite.data.packing import padding_micro_batch
-
-                    whole = padding_micro_batch(whole)
-                micro_batches.append(slice_micro_batch(whole, state.sp_rank, layout.sp))
+            micro_batches = step_micro_batches(loader, number, chunk, step_modes, layout, state.sp_rank, world)
             with counting_world_all_reduces() as world_calls:
                 for run in [[mb] for mb in micro_batches] if alone else [micro_batches]:
                     step = LossStep(run, step_modes, marked=True)

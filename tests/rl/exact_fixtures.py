@@ -226,18 +226,7 @@ def layout_steps(
             reset_loss_memo()
             model.zero_grad(set_to_none=True)
             chunk = [batch[i] for i in indices]
-            plan = loader.share(number, list(range(len(chunk))), lambda i, chunk=chunk: len(chunk[i]))
-            counts = all_gather(len(plan)) if world > 1 else [len(plan)]
-            micro_batches = []
-            for j in range(max(counts)):
-                members = plan[j] if j < len(plan) else plan[0]
-                whole = _collate([chunk[i].tensors(mask_truncated=True) for i in members], layout.packed)
-                whole = mark_sequences(whole, case.modes)
-                if j >= len(plan):
-                    from veomni_lite.data.packing import padding_micro_batch
-
-                    whole = padding_micro_batch(whole)
-                micro_batches.append(slice_micro_batch(whole, state.sp_rank, layout.sp))
+            micro_batches = step_micro_batches(loader, number, chunk, case.modes, layout, state.sp_rank, world)
             with counting_world_all_reduces() as world_calls:
                 runs = [[mb] for mb in micro_batches] if alone else [micro_batches]
                 for run in runs:
@@ -256,6 +245,27 @@ def layout_steps(
             descend(model, step_grads, LR)
         out[str(case)] = {"grads": grads, "calls": calls}
     return out
+
+
+def step_micro_batches(
+    loader: StepLoader, number: int, chunk: list[RolloutSample], modes: LossModes, layout: Layout, sp_rank: int,
+    world: int,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """This rank's micro-batches of step `number` (the samples `chunk`), planned as the trainer plans them, marked for
+    `modes`, padded to the count every rank agrees on (padding micro-batches) and SP-sliced."""
+    from veomni_lite.data.packing import padding_micro_batch
+
+    plan = loader.share(number, list(range(len(chunk))), lambda i: len(chunk[i]))
+    counts = all_gather(len(plan)) if world > 1 else [len(plan)]
+    micro_batches = []
+    for j in range(max(counts)):
+        members = plan[j] if j < len(plan) else plan[0]
+        whole = _collate([chunk[i].tensors(mask_truncated=True) for i in members], layout.packed)
+        whole = mark_sequences(whole, modes)
+        if j >= len(plan):
+            whole = padding_micro_batch(whole)
+        micro_batches.append(slice_micro_batch(whole, sp_rank, layout.sp))
+    return micro_batches
 
 
 def step_gradients(model: torch.nn.Module, world: int = 1) -> list[torch.Tensor]:
