@@ -26,7 +26,7 @@ instead of saving it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -83,11 +83,14 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 class ReferenceWeights:
     """See the module docstring."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, skip: Iterable[nn.Parameter] = ()) -> None:
+        """`skip`: parameters that are not the policy's (PPO's critic), kept as they are."""
         self.model = model
+        skipped = {id(p) for p in skip}
         self.adapters = [module for module in model.modules() if isinstance(module, LoraLinear)]
         reshard(model)  # the shards, whatever forward ran before
-        self.params = [] if self.adapters else [p for p in model.parameters() if p.requires_grad]
+        trained = [p for p in model.parameters() if p.requires_grad and id(p) not in skipped]
+        self.params = [] if self.adapters else trained
         check_sharded(model, self.params, "the reference")
         with torch.no_grad():
             self.values = [_local(p).detach().clone() for p in self.params]

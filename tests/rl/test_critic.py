@@ -1,6 +1,7 @@
 """The critic's pieces against float64 references written from the definitions: GAE per response (lambda and gamma,
 a masked truncated response left out of the whitening), the clipped value loss, the explained variance; its config
-errors; and a PPO run on given rollouts: the critic's metrics, and a warm-up that leaves the policy's weights alone."""
+errors; and PPO runs on given rollouts: the critic's metrics, a warm-up that leaves the policy's weights alone, a
+separate value model (built from its directory, trained, resumed, under LoRA, and at DP=2 and SP=2 packed)."""
 
 from __future__ import annotations
 
@@ -98,12 +99,21 @@ def test_critic_config_errors_are_named(demo, tmp_path):
     base = rl_args(demo, rollouts, tmp_path / "out")
     with pytest.raises(ConfigError, match="the critic is for gae"):
         config([*base, "--rl.critic", '{"value_head": true}'])
-    with pytest.raises(ConfigError, match="not supported yet"):
-        config([*base, "--rl.advantage", "gae", "--rl.critic", '{"pretrained_dir": "x"}'])
+    gae = ["--rl.advantage", "gae", "--rl.critic"]
+    with pytest.raises(ConfigError, match="rl.critic.pretrained_dir: x holds no config.json"):
+        config([*base, *gae, '{"pretrained_dir": "x"}'])
+    with pytest.raises(ConfigError, match="exactly one"):
+        config([*base, *gae, json.dumps({"value_head": True, "pretrained_dir": str(demo / "models/qwen2_help")})])
     with pytest.raises(ConfigError, match="unknown key"):
-        config([*base, "--rl.advantage", "gae", "--rl.critic", '{"value_head": true, "clip": 1}'])
+        config([*base, *gae, '{"value_head": true, "clip": 1}'])
     with pytest.raises(ConfigError, match="set value_head: true"):
         config([*base, "--rl.advantage", "gae"])
+    other = tmp_path / "other_vocab"
+    other.mkdir()
+    settings = json.loads((demo / "models/qwen2_help/config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**settings, "vocab_size": 4096}))
+    with pytest.raises(ConfigError, match="vocab_size 4096, the policy 2048"):
+        RLTrainer(config([*base, *gae, json.dumps({"pretrained_dir": str(other)})]))
 
 
 def test_ppo_on_given_rollouts_warms_the_critic_up_then_trains_both(demo, tmp_path):
@@ -133,17 +143,99 @@ def test_ppo_on_given_rollouts_warms_the_critic_up_then_trains_both(demo, tmp_pa
     assert first["rl/advantage/mean"] == pytest.approx(0.0, abs=1e-9)
 
 
+@pytest.fixture(scope="module")
+def critic_dir(demo: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A separate value model: a Qwen2 of the policy's vocabulary, narrower (hidden 32) and seeded apart."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings = json.loads((demo / "models/qwen2_help/config.json").read_text())
+    settings |= {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "layer_types": ["full_attention"]}
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**settings))
+    out = tmp_path_factory.mktemp("critic") / "qwen2_critic"
+    model.save_pretrained(out)
+    return out
+
+
+def test_a_separate_value_model_warms_up_then_trains_beside_the_policy(demo, critic_dir, tmp_path):
+    """`rl.critic.pretrained_dir`: the values are the directory's model's (its trunk under the value head, on the
+    policy's inputs), which starts from the directory, is left out of the reference, trains alone during the warm-up
+    (the policy at lr 0, its schedule delayed), then beside the policy, and resumes from the checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    rollouts = write_rollouts(tmp_path / "r.jsonl", groups=4)
+    critic = json.dumps({"pretrained_dir": str(critic_dir), "lr": 0.01, "weight_decay": 0.0, "warmup_steps": 1})
+    args = rl_args(demo, rollouts, tmp_path / "out", "--rl.advantage", "gae", "--rl.critic", critic,
+                   "--train.max_steps", "3", "--optim.weight_decay", "0.1")  # fmt: skip
+    trainer = RLTrainer(config(args))
+    model = trainer.model
+    stored = AutoModelForCausalLM.from_pretrained(str(critic_dir)).model.state_dict()
+    trunk = model.critic_model.hf_model.model.state_dict()
+    assert stored.keys() == trunk.keys() and all(torch.equal(trunk[k], v) for k, v in stored.items())
+    mine = {id(p) for p in trainer.critic.parameters(model)}
+    assert mine and not mine & {id(p) for p in trainer.reference.params}  # the reference is the policy's
+    groups = trainer.optimizer.param_groups
+    assert [(g["lr"], g["weight_decay"]) for g in groups if g.get("critic")] == [(0.01, 0.0), (0.01, 0.0)]
+    assert [g["lr"] for g in groups if not g.get("critic")] == [0.0, 0.0]  # the policy waits for the warm-up
+    policy = {n: p.detach().clone() for n, p in model.named_parameters() if id(p) not in mine}
+    critics = {n: p.detach().clone() for n, p in model.named_parameters() if id(p) in mine}
+    train_built(trainer, stop_after=1)
+    trained = dict(model.named_parameters())
+    assert all(torch.equal(trained[n].detach(), p) for n, p in policy.items())
+    # the head starts at 0, so the first step moves it alone (the trunk's gradient goes through its weight)
+    assert {n for n, p in critics.items() if not torch.equal(trained[n].detach(), p)} == {
+        "value_head.linear.weight",
+        "value_head.linear.bias",
+    }
+    assert [g["lr"] for g in groups if not g.get("critic")] == [1e-3, 1e-3]  # then the policy's schedule runs
+    ids = torch.tensor([[5, 9, 13, 200, 7]])
+    positions = torch.arange(5)[None]
+    with torch.no_grad():
+        model(input_ids=ids, position_ids=positions)
+        hidden = model.critic_model.hf_model.model(input_ids=ids, position_ids=positions).last_hidden_state
+        assert hidden.shape[-1] == 32  # the critic's width, not the policy's 64
+        assert torch.equal(trainer.critic.take(), model.value_head(hidden))
+    trainer = RLTrainer(config([*args, "--checkpoint.resume", "true"]))
+    train_built(trainer)
+    moved = [n for n, p in trainer.model.named_parameters() if n in policy and not torch.equal(p.detach(), policy[n])]
+    assert moved  # after the warm-up the policy trains
+    trained = dict(trainer.model.named_parameters())
+    assert all(not torch.equal(trained[n].detach(), p) for n, p in critics.items())  # and the whole critic
+    assert sorted(by_step(tmp_path / "out", "train/value_loss")) == [1, 2, 3]
+    assert by_step(tmp_path / "out", "train/policy_loss")[1] == 0.0
+
+
+def test_under_lora_the_critic_trains_whole(demo, critic_dir, tmp_path):
+    """`model.lora` freezes the policy's base: its adapters and the whole critic (value head, value model) train."""
+    rollouts = write_rollouts(tmp_path / "r.jsonl", groups=4)
+    critic = json.dumps({"pretrained_dir": str(critic_dir)})
+    args = rl_args(demo, rollouts, tmp_path / "out", "--rl.advantage", "gae", "--rl.critic", critic,
+                   "--train.max_steps", "1", "--model.lora", "{rank: 4, alpha: 8}")  # fmt: skip
+    trainer = RLTrainer(config(args))
+    mine = {id(p) for p in trainer.critic.parameters(trainer.model)}
+    trained = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert all(p.requires_grad for p in trainer.critic.parameters(trainer.model))
+    assert {n for n, p in trainer.model.named_parameters() if id(p) not in mine and p.requires_grad} == {
+        n for n in trained if "lora_" in n
+    }
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    train_built(trainer)
+    after = dict(trainer.model.named_parameters())
+    assert not torch.equal(after["value_head.linear.weight"].detach(), before["value_head.linear.weight"])
+    assert any("lora_B" in n and not torch.equal(after[n].detach(), v) for n, v in before.items())
+
+
 def _ranked(rank: int, world: int, args: list[str]) -> None:
     train_built(RLTrainer(config(args, world)))
 
 
 @pytest.mark.slow
-def test_ppo_logs_the_same_steps_at_one_process_dp2_and_sp2_packed(demo, tmp_path):
-    """DP=2 builds the value head on meta and fills the policy shard by shard (`Critic.materialize`); SP=2 packed
-    gathers each shard's old values. Both heads' losses, the grad norm and the critic's batch metrics equal one
-    process's."""
+def test_ppo_logs_the_same_steps_at_one_process_dp2_and_sp2_packed(demo, critic_dir, tmp_path):
+    """With a separate value model: DP=2 builds the policy and the critic on meta and fills both shard by shard from
+    their directories (`Critic.materialize`); SP=2 packed runs both under Ulysses and gathers each shard's old
+    values. Both heads' losses, the grad norm and the critic's batch metrics equal one process's."""
     rollouts = write_rollouts(tmp_path / "r.jsonl", groups=4)
-    critic = '{"value_head": true, "lr": 0.01, "warmup_steps": 1}'
+    critic = json.dumps({"pretrained_dir": str(critic_dir), "lr": 0.01, "warmup_steps": 1})
     extra = ("--rl.advantage", "gae", "--rl.critic", critic, "--train.max_steps", "4")
     train_built(RLTrainer(config(rl_args(demo, rollouts, tmp_path / "one", *extra))))
     layouts = {

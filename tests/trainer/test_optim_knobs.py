@@ -94,6 +94,20 @@ def test_warmup_ratio_and_decay_ratio_count_steps_of_the_run():
     assert got == pytest.approx([0.5, 1.0] + [1.0] * 13 + [1 - 0.9 * k / 5 for k in range(5)])
 
 
+def test_a_delayed_group_waits_at_lr_0_then_runs_the_schedule_of_the_shorter_run():
+    """`build_scheduler(delays=...)` (PPO's critic warm-up): group 1 trains at 0 for 3 steps, then runs the cosine of
+    a 7-step run from its warmup; group 0 runs the 10-step one. Control: no delays is the plain schedule."""
+    config = load_config(None, ["--optim.warmup_steps", "2", "--optim.schedule", "cosine"])
+    params = [torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))]
+    optimizer = torch.optim.SGD([{"params": [params[0]]}, {"params": [params[1]]}], lr=1.0)
+    scheduler = build_scheduler(optimizer, config.optim, 10, delays=[0, 3])
+    whole, shorter = lr_lambda("cosine", 2, 10, 0.1), lr_lambda("cosine", 2, 7, 0.1)
+    assert [scheduler.lr_lambdas[0](i) for i in range(10)] == [whole(i) for i in range(10)]
+    assert [scheduler.lr_lambdas[1](i) for i in range(10)] == [0.0] * 3 + [shorter(i) for i in range(7)]
+    assert optimizer.param_groups[1]["lr"] == 0.0  # the first step already waits
+    assert _factors(config.optim, 10) == [whole(i) for i in range(10)]
+
+
 # ---------------------------------------------------------------- config
 
 

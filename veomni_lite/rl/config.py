@@ -44,8 +44,8 @@ class RLConfig:
     (`veomni_lite.rl.advantages.batch_advantages`; the KL stays in the loss, `rl.kl_coef`, as verl's use_kl_loss); gae:
     PPO with a critic (`rl.critic`, `rl.gamma`, `rl.lam`; see `veomni_lite.rl.critic`)."""
     critic: dict[str, Any] = field(default_factory=dict)
-    """`rl.advantage: gae`: `{value_head: true, lr, warmup_steps, value_clip}` (`veomni_lite.rl.critic.CriticSettings`;
-    verl's critic lr, critic_warmup 0, cliprange_value 0.5)."""
+    """`rl.advantage: gae`: `{value_head: true | pretrained_dir: DIR, lr, weight_decay, warmup_steps, value_clip}`
+    (`veomni_lite.rl.critic.CriticSettings`; verl's critic model path, lr, critic_warmup 0, cliprange_value 0.5)."""
     gamma: float = 1.0
     """GAE's discount (verl's 1.0; OpenRLHF's 1.0)."""
     lam: float = 1.0

@@ -1,12 +1,20 @@
 """PPO's critic (`rl.advantage: gae` with `rl.critic`), composed by `RLTrainer` as one part (`Critic`).
 
-The critic is a value head on the policy's trunk (`rl.critic.value_head: true`): `nn.Linear(hidden, 1)` on the
-decoder's last hidden state at every position, a submodule of the policy (`value_head`), so FSDP2 shards it with the
-root, the checkpoint holds it, and the export (the transformers model alone) leaves it out. It trains with the policy in
-the same optimizer step as its own loss head `value` (`value_labels`: the response tokens, as `policy_labels`), with its
-own loss mode (`loss.modes.value`, else `loss.mode`) and token count: `mean_global_loss` makes both heads exact over
-GA x DP x SP x packing with the step's one all-reduce. Its parameters are their own AdamW group, at `rl.critic.lr`.
-A separate value model (`rl.critic.pretrained_dir`) is not built yet: a config error says so.
+The critic is a value head `nn.Linear(hidden, 1)` (zero-initialised) on a decoder's last hidden state at every
+position, on one of two trunks:
+- `rl.critic.value_head: true`: the policy's own trunk (one forward serves both);
+- `rl.critic.pretrained_dir: DIR`: a separate value model, the decoder of DIR's causal LM (its LM head dropped; verl's
+  and OpenRLHF's critic, initialised from a model directory), run on the same inputs inside the policy's forward. It is
+  a submodule of the policy (`critic_model`), so FSDP2 shards its layers one by one like the policy's (its own
+  shards), it gets the run's attention and Ulysses SP, is filled shard by shard from DIR, checkpointed and resumed
+  with the policy, left out of the reference and of the export. Its tokenizer must be the policy's (same vocabulary);
+  text models only.
+Either way the critic is part of the policy module (`value_head`, `critic_model`), the checkpoint holds it and the
+export (the transformers model alone) leaves it out. It trains with the policy in the same optimizer step as its own
+loss head `value` (`value_labels`: the response tokens, as `policy_labels`), with its own loss mode
+(`loss.modes.value`, else `loss.mode`) and token count: `mean_global_loss` makes both heads exact over GA x DP x SP x
+packing with the step's one all-reduce. Its parameters are their own AdamW groups, at `rl.critic.lr` and
+`rl.critic.weight_decay`. Under `model.lora` the critic trains whole (the policy through its adapters).
 
 Per rollout batch, on the host, alike on every rank (every rank holds every sample after the passes' gather):
 - old values V_t: a no-grad forward on the micro-batches of the old / reference log-probabilities
@@ -25,8 +33,10 @@ the policy loss is multiplied by 0 and every other parameter group steps with lr
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -59,13 +69,15 @@ __all__ = [
 
 @dataclass(frozen=True)
 class CriticSettings:
-    """`rl.critic`: `value_head` (a linear head on the policy's trunk) or `pretrained_dir` (a separate value model:
-    not yet), `lr` (the critic's AdamW rate; absent: `optim.lr`), `warmup_steps` (verl's critic_warmup, 0) and
-    `value_clip` (verl's cliprange_value 0.5; 0: unclipped)."""
+    """`rl.critic`: `value_head: true` (a value head on the policy's trunk) or `pretrained_dir` (a separate value
+    model: a causal LM directory), `lr` and `weight_decay` (the critic's AdamW; absent: `optim.lr`,
+    `optim.weight_decay`), `warmup_steps` (verl's critic_warmup, 0) and `value_clip` (verl's cliprange_value 0.5;
+    0: unclipped)."""
 
     value_head: bool = False
     pretrained_dir: str = ""
     lr: float | None = None
+    weight_decay: float | None = None
     warmup_steps: int = 0
     value_clip: float = 0.5
 
@@ -77,14 +89,17 @@ class CriticSettings:
         if unknown:
             raise ConfigError(f"rl.critic: unknown key(s) {unknown}; known: {sorted(known)}")
         settings = cls(**raw)
-        if settings.pretrained_dir:
+        if settings.value_head == bool(settings.pretrained_dir):
             raise ConfigError(
-                "rl.critic.pretrained_dir: a separate value model is not supported yet; use rl.critic.value_head: true"
+                "rl.critic: set value_head: true (a linear value head on the policy's trunk) or pretrained_dir "
+                "(a separate value model), exactly one"
             )
-        if not settings.value_head:
-            raise ConfigError("rl.critic: set value_head: true (a linear value head on the policy's trunk)")
+        if settings.pretrained_dir and not (Path(settings.pretrained_dir) / "config.json").is_file():
+            raise ConfigError(f"rl.critic.pretrained_dir: {settings.pretrained_dir} holds no config.json")
         if settings.lr is not None and not settings.lr > 0:
             raise ConfigError(f"rl.critic.lr: must be > 0, got {settings.lr}")
+        if settings.weight_decay is not None and settings.weight_decay < 0:
+            raise ConfigError(f"rl.critic.weight_decay: must be >= 0, got {settings.weight_decay}")
         if settings.warmup_steps < 0 or settings.value_clip < 0:
             raise ConfigError("rl.critic.warmup_steps and rl.critic.value_clip: must be >= 0")
         return settings
@@ -159,21 +174,54 @@ class ValueHead(nn.Module):
         return self.linear(hidden).squeeze(-1)
 
 
-def attach_value_head(model: nn.Module, captured: dict[str, torch.Tensor]) -> None:
-    """Add `model.value_head` and a forward hook on the trunk (`model.hf_model.model`) that writes the values [B, S]
-    of each forward into `captured["values"]` (inside the model's forward, where FSDP2 has gathered the head)."""
+def attach_value_head(model: nn.Module, captured: dict[str, Any], critic_model: nn.Module | None = None) -> None:
+    """Add `model.value_head` (and `model.critic_model`, a separate value model, when given) and a forward hook on
+    the policy's trunk (`model.hf_model.model`) that writes the values [B, S] of each forward into
+    `captured["values"]`: the head on the trunk's last hidden states, or on the value model's trunk run on the same
+    inputs (inside the policy's forward, where FSDP2 has gathered the root). `captured["paused"]`: no values."""
     trunk = getattr(getattr(model, "hf_model", None), "model", None)
     if trunk is None:
-        raise ConfigError(f"rl.critic.value_head: {type(model).__name__} has no decoder trunk (hf_model.model)")
-    config = model.config
+        raise ConfigError(f"rl.critic: {type(model).__name__} has no decoder trunk (hf_model.model)")
+    config = (critic_model if critic_model is not None else model).config
     hidden = getattr(config, "text_config", config).hidden_size
     first = next(model.parameters())
+    if critic_model is not None:
+        model.critic_model = critic_model
     model.value_head = ValueHead(hidden, first.dtype, first.device)  # on meta where the model is
 
-    def capture(_module: nn.Module, _inputs: Any, output: Any) -> None:
+    def capture(_module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if captured.get("paused"):
+            return
+        if critic_model is not None:
+            output = model.critic_model.hf_model.model(*args, **kwargs)
         captured["values"] = model.value_head(output.last_hidden_state)
 
-    trunk.register_forward_hook(capture)
+    trunk.register_forward_hook(capture, with_kwargs=True)
+
+
+def value_model(directory: str, policy: nn.Module) -> nn.Module:
+    """The separate value model of `directory` in the policy's dtype, built as the policy is (whole, or on the meta
+    device where the policy is, to be filled shard by shard: `Critic.materialize`), its LM head dropped. A
+    ConfigError where it cannot serve as the policy's critic (a VL policy, another vocabulary, no decoder trunk)."""
+    from veomni_lite.models.pretrained import load_config, load_model
+    from veomni_lite.models.sharded_load import build_on_meta
+
+    policy_config = policy.config
+    if hasattr(policy_config, "vision_config"):
+        raise ConfigError("rl.critic.pretrained_dir: a separate value model is for text policies; use value_head: true")
+    vocab = load_config(directory).vocab_size
+    if vocab != policy_config.vocab_size:
+        raise ConfigError(
+            f"rl.critic.pretrained_dir: {directory} has vocab_size {vocab}, the policy {policy_config.vocab_size}: "
+            "the critic reads the policy's token ids, so it needs the policy's tokenizer"
+        )
+    first = next(policy.parameters())
+    model = build_on_meta(directory, first.dtype) if first.is_meta else load_model(directory, first.dtype)
+    if getattr(getattr(model, "hf_model", None), "model", None) is None:
+        raise ConfigError(f"rl.critic.pretrained_dir: {type(model).__name__} of {directory} has no decoder trunk")
+    model.hf_model.lm_head = nn.Identity()  # unused: the value head reads the trunk
+    model.requires_grad_(True)
+    return model
 
 
 class Critic:
@@ -191,23 +239,51 @@ class Critic:
         return cls(trainer, CriticSettings.parse(rl.critic)) if rl.advantage == "gae" else None
 
     def attach(self, model: nn.Module) -> nn.Module:
-        """The policy with its value head (called on the built model, before FSDP2)."""
-        if self.trainer.lora is not None:
-            raise ConfigError("rl.critic.value_head: not with model.lora yet (the head would be frozen with the base)")
-        attach_value_head(model, self.captured)
+        """The policy with its critic (called on the built model, before `model.lora` and FSDP2)."""
+        directory = self.settings.pretrained_dir
+        attach_value_head(model, self.captured, value_model(directory, model) if directory else None)
         return model
+
+    def parameters(self, model: nn.Module) -> list[nn.Parameter]:
+        """The critic's parameters in `model` (the value head's, and the value model's)."""
+        parts = [model.value_head] + ([model.critic_model] if self.settings.pretrained_dir else [])
+        return [param for part in parts for param in part.parameters()]
+
+    def train_whole(self, model: nn.Module) -> None:
+        """Under `model.lora`, which froze the whole wrapper: the critic trains whole."""
+        for param in self.parameters(model):
+            param.requires_grad_(True)
 
     @torch.no_grad()
     def materialize(self, model: nn.Module, fill: Any) -> None:
-        """A sharded build filled from the directory: `fill(model)` (the trainer's `materialize`) without the value
-        head, which the directory does not hold, then the head's shards zeroed (its initial values)."""
-        head = model._modules.pop("value_head")
+        """A sharded build filled from the directories: `fill(model)` (the trainer's `materialize`) without the
+        critic, which the policy's directory does not hold, then the value model's shards from its own directory and
+        the head's zeroed (its initial values). Collective."""
+        from veomni_lite.models.sharded_load import load_into_shards, loadable
+
+        parts = {name: model._modules.pop(name) for name in ("value_head", "critic_model") if name in model._modules}
         try:
             fill(model)
         finally:
-            model._modules["value_head"] = head
-        for param in head.parameters():
+            model._modules.update(parts)
+        if "critic_model" in parts:
+            if not loadable(parts["critic_model"], self.settings.pretrained_dir):
+                raise ConfigError(
+                    f"rl.critic.pretrained_dir: {self.settings.pretrained_dir} is not read shard by shard; set "
+                    "model.load_sharded: false"
+                )
+            load_into_shards(parts["critic_model"], self.settings.pretrained_dir)
+        for param in parts["value_head"].parameters():
             param.zero_()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Forwards inside the block compute no values (the reference's log-probabilities)."""
+        self.captured["paused"] = True
+        try:
+            yield
+        finally:
+            self.captured.pop("paused")
 
     def take(self) -> torch.Tensor:
         """The values of the model's last forward."""
@@ -218,28 +294,32 @@ class Critic:
         return self.trainer.step < self.settings.warmup_steps
 
     def optimizer(self, model: nn.Module, optim: Any) -> torch.optim.Optimizer:
-        """The trainer's AdamW (`build_optimizer`) with the value head's parameters in their own groups (`critic`:
-        True) at `rl.critic.lr` (else `optim.lr`), decayed like the rest (its weight; not its bias)."""
+        """The trainer's AdamW (`build_optimizer`) with the critic's parameters in their own groups (`critic`: True)
+        at `rl.critic.lr` (else `optim.lr`), decayed at `rl.critic.weight_decay` (else `optim.weight_decay`) on the
+        parameters the policy's are (`optim.weight_decay_on`)."""
         from veomni_lite.trainer.base import build_optimizer, parameter_groups
 
-        groups = parameter_groups(model, optim.weight_decay, optim.weight_decay_on)
-        head = {id(p) for p in model.value_head.parameters()}
-        lr = optim.lr
+        decay = optim.weight_decay if self.settings.weight_decay is None else self.settings.weight_decay
+        mine = {id(p) for p in self.parameters(model)}
         out = []
-        for group in groups:
-            rest = [p for p in group["params"] if id(p) not in head]
-            mine = [p for p in group["params"] if id(p) in head]
-            out.append({**group, "params": rest})
-            if mine:
-                out.append({**group, "params": mine, "lr": self.settings.lr or lr, "critic": True})
+        decayed, kept = parameter_groups(model, optim.weight_decay, optim.weight_decay_on)
+        for group, critic_decay in ((decayed, decay), (kept, 0.0)):
+            out.append({**group, "params": [p for p in group["params"] if id(p) not in mine]})
+            critic = [p for p in group["params"] if id(p) in mine]
+            if critic:
+                lr = self.settings.lr or optim.lr
+                out.append({**group, "params": critic, "lr": lr, "weight_decay": critic_decay, "critic": True})
         return build_optimizer(model, optim, out)
 
-    def freeze_policy(self, optimizer: torch.optim.Optimizer) -> None:
-        """During warm-up: every group but the critic's steps with lr 0 this step (the scheduler's next step sets the
-        scheduled rates again, from its base rates)."""
-        for group in optimizer.param_groups:
-            if not group.get("critic"):
-                group["lr"] = 0.0
+    def scheduler(self, optimizer: torch.optim.Optimizer, optim: Any, max_steps: int) -> Any:
+        """`optim.schedule` for every group, the policy's delayed by the warm-up: its groups train at lr 0 for
+        `rl.critic.warmup_steps` steps, then run the schedule of the remaining steps (verl's actor does not step
+        during critic_warmup); the critic's run the whole schedule."""
+        from veomni_lite.trainer.base import build_scheduler
+
+        warmup = self.settings.warmup_steps
+        delays = [0 if group.get("critic") else warmup for group in optimizer.param_groups]
+        return build_scheduler(optimizer, optim, max_steps, delays)
 
     def add_value_loss(self, outputs: dict[str, Any], batch: Mapping[str, Any], policy_key: str) -> dict[str, Any]:
         """The policy's `outputs` with the value loss and its metrics added (`policy_key`'s loss times 0 in

@@ -93,7 +93,10 @@ class LogprobPasses:
                 if key == OLD_VALUES:
                     values = t.critic.old_values(sliced)
                 else:
-                    with reference.active() if reference is not None else contextlib.nullcontext():
+                    with (
+                        reference.active() if reference is not None else contextlib.nullcontext(),
+                        self._no_values(key),
+                    ):
                         values = t.logprobs(sliced)
                 if not real:
                     continue
@@ -112,6 +115,11 @@ class LogprobPasses:
                 continue
             for index, sample in enumerate(samples):
                 setattr(sample, attribute, merged[index])
+
+    def _no_values(self, key: str) -> contextlib.AbstractContextManager[None]:
+        """The reference's pass computes no critic values."""
+        critic = self.trainer.critic
+        return critic.paused() if key == REF_LOGPROBS and critic is not None else contextlib.nullcontext()
 
     def whole_sequence(self, values: torch.Tensor, length: int) -> torch.Tensor:
         """An SP shard's [B, S/sp] values gathered into the whole micro-batch's [B, length]."""

@@ -200,7 +200,18 @@ class RLTrainer(SFTTrainer):
     def make_optimizer(self) -> torch.optim.Optimizer:
         if self.critic is None:
             return super().make_optimizer()
-        return self.critic.optimizer(self.model, self.config.optim)  # the value head's groups at rl.critic.lr
+        return self.critic.optimizer(self.model, self.config.optim)  # the critic's groups at rl.critic.lr
+
+    def make_scheduler(self) -> Any:
+        if self.critic is None:
+            return super().make_scheduler()
+        return self.critic.scheduler(self.optimizer, self.config.optim, self.max_steps)  # the policy after warm-up
+
+    def _build_with_adapters(self) -> Any:
+        model = super()._build_with_adapters()
+        if self.critic is not None and self.lora is not None:
+            self.critic.train_whole(model)
+        return model
 
     def _check_loss_weights(self, model: Any) -> None:
         """The policy loss applies `policy_loss_weights` itself (`PolicyLoss`)."""
@@ -208,7 +219,8 @@ class RLTrainer(SFTTrainer):
     def on_model_built(self) -> None:
         """The reference (the initial weights, where `rl.kl_coef` > 0) and the rollout engine's model."""
         if self.rl.kl_coef:
-            self.reference = ReferenceWeights(self.model)
+            skip = self.critic.parameters(self.model) if self.critic is not None else ()
+            self.reference = ReferenceWeights(self.model, skip)
         if self.given is None:
             self.engine = self._build_engine()
             self.agent = make_agent(self) if self.rl.multi_turn else None
@@ -289,8 +301,6 @@ class RLTrainer(SFTTrainer):
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
         """The loop's step, with this step's rollout metrics and times recorded (`RolloutRecords.flush`)."""
         start = time.perf_counter()
-        if self.critic is not None and self.critic.warming_up():
-            self.critic.freeze_policy(self.optimizer)
         super().train_step(micro_batches)
         self.metrics.train.record("time/train_s", time.perf_counter() - start)
         self.records.flush()

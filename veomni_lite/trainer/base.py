@@ -77,7 +77,7 @@ from veomni_lite.models.sharded_load import (
 from veomni_lite.plain_loop import LossStep
 from veomni_lite.trainer.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
 from veomni_lite.trainer.lr_schedule import lr_lambda, ratio_steps
-from veomni_lite.trainer.model import TrainableModel, check_model_contract
+from veomni_lite.trainer.model import TrainableModel, check_model_contract, nested_models
 from veomni_lite.utils.loss_utils import LossKeyMismatchError, mark_sequences, mean_global_loss, reset_loss_memo
 
 logger = logging.getLogger(__name__)
@@ -146,11 +146,25 @@ def warmup_steps(optim: OptimConfig, max_steps: int) -> int:
     return optim.warmup_steps or ratio_steps(optim.warmup_ratio, max_steps)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, max_steps: int) -> LambdaLR:
-    """`optim.schedule` over a run of `max_steps` steps (see `veomni_lite.trainer.lr_schedule`)."""
-    decay = ratio_steps(optim.decay_ratio, max_steps)
-    schedule = lr_lambda(optim.schedule, warmup_steps(optim, max_steps), max_steps, optim.min_lr_ratio, decay)
-    return LambdaLR(optimizer, schedule)
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, optim: OptimConfig, max_steps: int, delays: Sequence[int] | None = None
+) -> LambdaLR:
+    """`optim.schedule` over a run of `max_steps` steps (see `veomni_lite.trainer.lr_schedule`). `delays`: per
+    optimizer group, a number of first steps at lr 0 (PPO's critic warm-up for the policy's groups), after which the
+    group runs the schedule of a run that many steps shorter."""
+
+    def schedule(steps: int) -> Any:
+        decay = ratio_steps(optim.decay_ratio, steps)
+        return lr_lambda(optim.schedule, warmup_steps(optim, steps), steps, optim.min_lr_ratio, decay)
+
+    if not delays or not any(delays):
+        return LambdaLR(optimizer, schedule(max_steps))
+
+    def delayed(delay: int) -> Any:
+        shorter = schedule(max(1, max_steps - delay))
+        return lambda step: 0.0 if step < delay else shorter(step - delay)
+
+    return LambdaLR(optimizer, [delayed(delay) for delay in delays])
 
 
 class BaseTrainer(ABC):
@@ -160,7 +174,7 @@ class BaseTrainer(ABC):
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        train, optim = config.train, config.optim
+        train = config.train
         self.output_dir = Path(train.output_dir)
         self.device = init_distributed(config.parallel.collective_timeout_s)
         self.parallel: ParallelState = init_parallel_state(
@@ -186,17 +200,21 @@ class BaseTrainer(ABC):
         model = check_model_contract(model if on_meta else model.to(self.device))
         self.loss_keys: tuple[str, ...] = self.trained_loss_keys(model)
         self._check_loss_weights(model)
-        self._set_attention(model)
+        models = nested_models(model)
+        for each in models:
+            self._set_attention(each)
         model.fused_lm_head = config.model.fused_lm_head  # read by the transformers models' loss heads
         self._check_packing(model)
         # Called per micro-batch for the FLOPs metric: the parameter count is walked once per sequence length.
         self.flops_per_token = functools.lru_cache(maxsize=None)(model.flops_per_token)
         if self.parallel.sp_enabled:
-            model.enable_sequence_parallel(self.parallel.sp_group)
+            for each in models:
+                each.enable_sequence_parallel(self.parallel.sp_group)
+        layers = [layer for each in models for layer in each.layers]
         if config.parallel.activation_checkpointing:
-            checkpoint_activations(list(model.layers))
+            checkpoint_activations(layers)
         bf16 = resolve_mixed_precision(config.parallel.mixed_precision, self.device)
-        self.model = apply_fsdp(model, self.parallel, list(model.layers), bf16=bf16)
+        self.model = apply_fsdp(model, self.parallel, layers, bf16=bf16)
         if on_meta:
             self.model.to_empty(device=self.device)
             if scatter:
@@ -216,7 +234,7 @@ class BaseTrainer(ABC):
         self.trainable = [param for param in self.model.parameters() if param.requires_grad]
         self.optimizer = self.make_optimizer()
         check_sharded(self.model, (param for group in self.optimizer.param_groups for param in group["params"]))
-        self.scheduler = build_scheduler(self.optimizer, optim, self.max_steps)
+        self.scheduler = self.make_scheduler()
         self._log_run_length()
         self.checkpoints = CheckpointManager(
             self.output_dir / "checkpoints",
@@ -376,6 +394,10 @@ class BaseTrainer(ABC):
     def make_optimizer(self) -> torch.optim.Optimizer:
         """The optimizer of the sharded model: AdamW over `parameter_groups` (`build_optimizer`)."""
         return build_optimizer(self.model, self.config.optim)
+
+    def make_scheduler(self) -> LambdaLR:
+        """The optimizer's schedule: `optim.schedule` over the run (`build_scheduler`)."""
+        return build_scheduler(self.optimizer, self.config.optim, self.max_steps)
 
     def on_model_built(self) -> None:  # noqa: B027 - a hook with nothing to do by default
         """Called once the model is sharded and filled, before the loader, the optimizer and any resume (e.g. to keep

@@ -51,6 +51,13 @@ class TrainableModel(nn.Module):
 _REQUIRED_METHODS = ("flops_per_token", "enable_sequence_parallel")
 
 
+def nested_models(model: nn.Module) -> list[TrainableModel]:
+    """`model` and every `TrainableModel` inside it (e.g. PPO's separate value model, `rl.critic.pretrained_dir`),
+    outermost first: the trainer gives each the run's attention and Ulysses SP, and shards (and checkpoints the
+    activations of) each one's `layers`."""
+    return [module for module in model.modules() if isinstance(module, TrainableModel)]
+
+
 def check_model_contract(model: nn.Module) -> TrainableModel:
     """Return `model` if it keeps the contract; else raise TypeError naming what it lacks (before any collective)."""
     if not isinstance(model, TrainableModel):
