@@ -65,6 +65,41 @@ def test_episodes_train_and_log_their_metrics(agent_demo: Path, tmp_path: Path):
     assert rows and all("turns" in row and row["turns"][0]["role"] == "assistant" for row in rows)
 
 
+TALKER = """
+class Talker:
+    def reset(self, row):
+        self.turn = 0
+        return ""
+
+    def step(self, text):
+        self.turn += 1
+        return "go on", 0.0, self.turn == 2
+
+
+def varied(prompts, completions, answers, **columns):
+    return [float(len(c) % 2) for c in completions]
+"""
+
+
+def test_dynamic_sampling_filters_episodes(agent_demo: Path, tmp_path: Path):
+    """DAPO's dynamic sampling on generated episodes (an environment's), with PPO's critic: the flat groups are
+    dropped, every kept group's rewards differ, and both heads train."""
+    env = tmp_path / "talker.py"
+    env.write_text(TALKER)
+    args = agent_args(agent_demo, tmp_path / "run", "--rl.tools", "[]", "--rl.environment", f"{env}:Talker",
+                      "--rl.rewards", f"[{{name: varied, function: '{env}:varied'}}]", "--rl.advantage", "gae",
+                      "--rl.critic", "{value_head: true}", "--rl.dynamic_sampling", "{max_generation_rounds: 20}",
+                      "--train.max_steps", "1")  # fmt: skip
+    trainer = run(args)
+    samples = trainer.rollouts.last
+    assert len(samples) == 4 and all(s.response_mask is not None and s.episode for s in samples)
+    for group in (samples[:2], samples[2:]):
+        assert group[0].reward != group[1].reward
+    events = read_events(trainer.output_dir)
+    assert {"critic/value_loss", "train/value_loss"} <= {k for e in events for k in e}
+    assert [e["rl/dynamic_sampling/dropped_groups"] for e in events if "rl/dynamic_sampling/dropped_groups" in e] > [0]
+
+
 ENV = """
 class Env:
     def reset(self, row):

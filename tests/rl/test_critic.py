@@ -60,6 +60,57 @@ def test_gae_equals_the_definition_and_whitens_over_the_trained_responses(gamma,
         )
 
 
+def test_an_episodes_gae_skips_the_environments_tokens():
+    """An episode (model tokens, then a tool's result, then model tokens): GAE over its model tokens alone, from the
+    definition on that subsequence, the reward at its last model token, whitened over every sample's model tokens;
+    its environment tokens get 0 and are in no statistic. Negative control: GAE over every token differs."""
+    batch = samples()
+    episode = batch[2]  # 7 tokens
+    episode.truncated, episode.response_mask = False, [1, 1, 0, 0, 0, 1, 1]
+    apply_gae(batch, 1.0, 0.95, mask_truncated=True)
+    at = [i for i, m in enumerate(episode.response_mask) if m]
+    own = hand_gae([0.0] * (len(at) - 1) + [episode.reward], [episode.old_values[i] for i in at], 1.0, 0.95)
+    raw = {id(s): hand_gae([0.0] * (len(s.old_values) - 1) + [s.reward], s.old_values, 1.0, 0.95) for s in batch}
+    raw[id(episode)] = own
+    trained = torch.tensor([a for s in batch for a in raw[id(s)]], dtype=torch.float64)
+    mean, std = trained.mean(), trained.var(correction=1).add(1e-8).sqrt()
+    expected = [0.0] * 7
+    for i, a in zip(at, own):
+        expected[i] = float((a - mean) / std)
+    assert episode.token_advantages == pytest.approx(expected, abs=1e-12)
+    assert [episode.returns[i] for i in (2, 3, 4)] == [0.0, 0.0, 0.0]
+    assert [episode.returns[i] for i in at] == pytest.approx([a + episode.old_values[i] for a, i in zip(own, at)])
+    everything = hand_gae([0.0] * 6 + [episode.reward], episode.old_values, 1.0, 0.95)
+    assert max(abs(everything[i] - a) for i, a in zip(at, own)) > 1e-3
+
+
+def test_given_episodes_train_the_critic_on_the_models_tokens(demo, tmp_path):
+    """PPO on given episodes (`turns`): the old values and GAE's advantages and returns at the environment's tokens
+    are out of every statistic (0), the model's tokens get GAE over themselves, and the value head trains."""
+    rows = []
+    for group in range(4):
+        for j in range(2):
+            turns = [{"role": "assistant", "ids": [11 + group, 12 + j, 13]}, {"role": "tool", "ids": [40, 41, 42 + j]},
+                     {"role": "assistant", "ids": [14 + j]}]  # fmt: skip
+            rows.append({"group": f"g{group}", "prompt_ids": [5, 6, 7 + group], "turns": turns, "reward": float(j)})
+    path = tmp_path / "episodes.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = rl_args(demo, path, tmp_path / "out", "--rl.advantage", "gae", "--rl.critic", '{"value_head": true}',
+                   "--rl.prompts_per_step", "4", "--rl.num_generations", "2", "--rl.epochs", "1",
+                   "--train.global_batch_size", "8", "--train.max_steps", "2", "--rl.kl_coef", "0")  # fmt: skip
+    trainer = RLTrainer(config(args))
+    head = trainer.model.value_head.linear.weight.detach().clone()
+    train_built(trainer)
+    batch = trainer.rollouts.last
+    assert all(s.response_mask == [1, 1, 1, 0, 0, 0, 1] for s in batch)
+    for sample in batch:
+        at = [0, 1, 2, 6]
+        own = hand_gae([0.0, 0.0, 0.0, sample.reward], [sample.old_values[i] for i in at], 1.0, 1.0)
+        assert [sample.returns[i] for i in at] == pytest.approx([a + sample.old_values[i] for a, i in zip(own, at)])
+        assert [sample.token_advantages[i] for i in (3, 4, 5)] == [0.0] * 3 == [sample.returns[i] for i in (3, 4, 5)]
+    assert not torch.equal(trainer.model.value_head.linear.weight.detach(), head)
+
+
 def test_value_loss_is_the_clipped_squared_error_over_the_valid_tokens():
     g = torch.Generator().manual_seed(1)
     values = torch.randn(2, 6, generator=g, dtype=torch.float64, requires_grad=True)

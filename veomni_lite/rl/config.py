@@ -246,12 +246,6 @@ class RLConfig:
         if self.async_steps:
             raise ConfigError("rl.async_steps: 1 generates single-turn rollouts; episodes (rl.tools, "
                               "rl.environment) need rl.async_steps: 0")  # fmt: skip
-        for key, value in (
-            ("rl.advantage: gae", self.advantage == "gae"),
-            ("rl.dynamic_sampling", self.dynamic_sampling),
-        ):
-            if value:  # not built for episodes yet: the critic's GAE and the group filter assume single-turn samples
-                raise ConfigError(f"{key}: not available with episodes (rl.tools, rl.environment) yet")
         from veomni_lite.rl.environments import load_environment
         from veomni_lite.rl.tools import load_tools
 

@@ -339,7 +339,9 @@ class Critic:
         pending = self.trainer.records.pending
         kept = [s for s in samples if not (rl.mask_truncated and s.truncated)]
         if kept:  # `rl/advantage/*` of the trained tokens (whole batch, alike on every rank: the mean stays exact)
-            advantages = torch.tensor([a for s in kept for a in s.token_advantages], dtype=torch.float64)
+            advantages = torch.cat(
+                [torch.tensor(s.token_advantages, dtype=torch.float64)[model_tokens(s)] for s in kept]
+            )
             count = float(advantages.numel())
             pending["rl/advantage/mean"] = (advantages.sum(), count)
             pending["rl/advantage/_sq"] = ((advantages * advantages).sum(), count)
@@ -368,28 +370,40 @@ class Critic:
         ]
 
 
+def model_tokens(sample: Any) -> torch.Tensor:
+    """The indices of a sample's response tokens that the model sampled (an episode's `response_mask`; else all)."""
+    mask = sample.response_mask
+    if mask is None:
+        return torch.arange(len(sample.response_ids))
+    return torch.tensor(mask, dtype=torch.bool).nonzero().flatten()
+
+
 def apply_gae(samples: Sequence[Any], gamma: float, lam: float, mask_truncated: bool) -> dict[str, Any]:
-    """See `Critic.advantages`: samples with `reward`, `response_ids`, `old_values`, `truncated`; sets
-    `token_advantages` and `returns`. A sample left out of the loss (`mask_truncated` and truncated) gets its GAE but
-    is not in the whitening statistics nor the metrics."""
-    raw, kept = [], []
+    """See `Critic.advantages`: samples with `reward`, `response_ids`, `old_values`, `truncated` (and an episode's
+    `response_mask`); sets `token_advantages` and `returns`. An episode's GAE runs over its model tokens alone, the
+    environment's skipped (they are no actions: verl's multi-turn GAE), its reward at its last model token; the
+    environment's tokens get advantage and return 0 (they are in no loss). A sample left out of the loss
+    (`mask_truncated` and truncated) gets its GAE but is not in the whitening statistics nor the metrics."""
+    raw, values, returns, kept = [], [], [], []
     for sample in samples:
-        values = torch.tensor(sample.old_values, dtype=torch.float64)
-        rewards = torch.zeros_like(values)
+        at = model_tokens(sample)
+        old = torch.tensor(sample.old_values, dtype=torch.float64)[at]
+        rewards = torch.zeros_like(old)
         if rewards.numel():
             rewards[-1] = sample.reward
-        advantages, returns = gae(rewards, values, gamma, lam)
+        advantages, sample_returns = gae(rewards, old, gamma, lam)
+        full = torch.zeros(len(sample.response_ids), dtype=torch.float64)
+        sample.returns = full.index_put((at,), sample_returns).tolist()
         raw.append(advantages)
-        sample.returns = returns.tolist()
+        values.append(old)
+        returns.append(sample_returns)
         kept.append(not (mask_truncated and sample.truncated))
     trained = [a for a, keep in zip(raw, kept) if keep]
     flat = torch.cat(trained) if trained else torch.zeros(0, dtype=torch.float64)
     for sample, advantages in zip(samples, raw):
-        sample.token_advantages = whiten(advantages, flat).tolist()
-    return critic_metrics(
-        [torch.tensor(s.old_values, dtype=torch.float64) for s, k in zip(samples, kept) if k],
-        [torch.tensor(s.returns, dtype=torch.float64) for s, k in zip(samples, kept) if k],
-    )
+        full = torch.zeros(len(sample.response_ids), dtype=torch.float64)
+        sample.token_advantages = full.index_put((model_tokens(sample),), whiten(advantages, flat)).tolist()
+    return critic_metrics([v for v, keep in zip(values, kept) if keep], [r for r, keep in zip(returns, kept) if keep])
 
 
 def critic_metrics(values: Sequence[torch.Tensor], returns: Sequence[torch.Tensor]) -> dict[str, Any]:
