@@ -211,10 +211,11 @@ def critic_dir(demo: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_separate_value_model_warms_up_then_trains_beside_the_policy(demo, critic_dir, tmp_path):
     """`rl.critic.pretrained_dir`: the values are the directory's model's (its trunk under the value head, on the
     policy's inputs), which starts from the directory, is left out of the reference, trains alone during the warm-up
-    (the policy at lr 0, its schedule delayed), then beside the policy, and resumes from the checkpoint."""
+    (the policy at lr 0, its schedule delayed), then beside the policy, and resumes from the checkpoint inside a
+    rollout batch that holds episodes."""
     from transformers import AutoModelForCausalLM
 
-    rollouts = write_rollouts(tmp_path / "r.jsonl", groups=4)
+    rollouts = write_rollouts(tmp_path / "r.jsonl", groups=4, episodes=True)
     critic = json.dumps({"pretrained_dir": str(critic_dir), "lr": 0.01, "weight_decay": 0.0, "warmup_steps": 1})
     args = rl_args(demo, rollouts, tmp_path / "out", "--rl.advantage", "gae", "--rl.critic", critic,
                    "--train.max_steps", "3", "--optim.weight_decay", "0.1")  # fmt: skip
@@ -282,10 +283,11 @@ def _ranked(rank: int, world: int, args: list[str]) -> None:
 
 @pytest.mark.slow
 def test_ppo_logs_the_same_steps_at_one_process_dp2_and_sp2_packed(demo, critic_dir, tmp_path):
-    """With a separate value model: DP=2 builds the policy and the critic on meta and fills both shard by shard from
-    their directories (`Critic.materialize`); SP=2 packed runs both under Ulysses and gathers each shard's old
-    values. Both heads' losses, the grad norm and the critic's batch metrics equal one process's."""
-    rollouts = write_rollouts(tmp_path / "r.jsonl", groups=4)
+    """With a separate value model, on rollouts holding episodes: DP=2 builds the policy and the critic on meta and
+    fills both shard by shard from their directories (`Critic.materialize`); SP=2 packed runs both under Ulysses and
+    gathers each shard's old values. Both heads' losses, the grad norm and the critic's batch metrics equal one
+    process's."""
+    rollouts = write_rollouts(tmp_path / "r.jsonl", groups=4, episodes=True)
     critic = json.dumps({"pretrained_dir": str(critic_dir), "lr": 0.01, "warmup_steps": 1})
     extra = ("--rl.advantage", "gae", "--rl.critic", critic, "--train.max_steps", "4")
     train_built(RLTrainer(config(rl_args(demo, rollouts, tmp_path / "one", *extra))))

@@ -22,20 +22,28 @@ from veomni_lite.rl.trainer import RLTrainer
 RTOL = 1e-5
 
 
-def write_rollouts(path: Path, groups: int = 8, group_size: int = 4, vocab: int = 2000, seed: int = 0) -> Path:
+def write_rollouts(
+    path: Path, groups: int = 8, group_size: int = 4, vocab: int = 2000, seed: int = 0, episodes: bool = False
+) -> Path:
     """Rollouts of random tokens (prompts of 3-8, responses of 1-9), rewards in [0, 1), engine log-probabilities,
-    one truncated response."""
+    one truncated response. `episodes`: each group's second response is an episode instead (`turns`: the model's
+    tokens, a tool's 2-4, the model's 1-3)."""
     rng = random.Random(seed)
     rows = []
     for group in range(groups):
         prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(3, 8))]
         for j in range(group_size):
             response = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 9))]
-            rows.append(
-                {"group": f"g{group}", "prompt_ids": prompt, "response_ids": response,
-                 "reward": round(rng.random(), 3), "logprobs": [-7.6 + 0.3 * rng.random() for _ in response],
-                 "truncated": (group, j) == (1, 3)}
-            )  # fmt: skip
+            row = {"group": f"g{group}", "prompt_ids": prompt, "response_ids": response,
+                   "reward": round(rng.random(), 3), "logprobs": [-7.6 + 0.3 * rng.random() for _ in response],
+                   "truncated": (group, j) == (1, 3)}  # fmt: skip
+            if episodes and j == 1:
+                tool = [rng.randrange(3, vocab) for _ in range(rng.randint(2, 4))]
+                answer = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 3))]
+                row["turns"] = [{"role": "assistant", "ids": row.pop("response_ids")}, {"role": "tool", "ids": tool},
+                                {"role": "assistant", "ids": answer}]  # fmt: skip
+                row["logprobs"] += [0.0] * len(tool) + [-7.6 + 0.3 * rng.random() for _ in answer]
+            rows.append(row)
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
 
@@ -97,7 +105,9 @@ def test_given_rollouts_train_alike_at_one_process_dp2_and_sp2_packed(demo, roll
 
 
 @pytest.mark.slow
-def test_an_interrupt_inside_a_rollout_batch_resumes_to_the_uninterrupted_run(demo, rollouts, tmp_path):
+def test_an_interrupt_inside_a_rollout_batch_resumes_to_the_uninterrupted_run(demo, tmp_path):
+    """Rollouts holding episodes: stopped at step 3 of a batch of 4, resumed on another world size."""
+    rollouts = write_rollouts(tmp_path / "episodes.jsonl", episodes=True)
     train(rl_args(demo, rollouts, tmp_path / "whole"))
     expected = by_step(tmp_path / "whole", "train/policy_loss")
     train(rl_args(demo, rollouts, tmp_path / "cut"), stop_after=3)  # step 3 of a batch of 4 steps
