@@ -13,7 +13,17 @@ from tests.dist_helpers import run_distributed
 from tests.pref.test_train_preference import RTOL, RTOLS, _ranked, assert_same, by_step, pref_args, train
 
 KEYS = {
-    "kto": ("train/pref_loss", "train/grad_norm", "train/kl", "rewards/chosen", "rewards/rejected", "logps/chosen"),
+    "kto": (
+        "train/pref_loss",
+        "train/grad_norm",
+        "train/kl",
+        "rewards/chosen",
+        "rewards/rejected",
+        "logps/chosen",
+        "rewards/margins",
+        "logits/chosen",
+        "logits/rejected",
+    ),  # fmt: skip
     "orpo": (
         "train/pref_loss",
         "train/grad_norm",

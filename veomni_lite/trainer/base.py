@@ -391,6 +391,11 @@ class BaseTrainer(ABC):
         """The trainer's own train metrics besides the loop's (see `MetricLogger`'s `extra_specs`)."""
         return []
 
+    @property
+    def metric_differences(self) -> dict[str, tuple[str, str]]:
+        """Train metrics logged as the difference of two of `metric_specs`' means (`MetricLogger`'s `differences`)."""
+        return {}
+
     @abstractmethod
     def build_model(self) -> TrainableModel:
         """The model to train, on the CPU; it keeps the `TrainableModel` contract. In a sharded build the ranks but
@@ -442,6 +447,7 @@ class BaseTrainer(ABC):
             run_config=self.config.to_dict(),
             extra_specs=self.metric_specs(),
             plots=self.plots,
+            differences=self.metric_differences,
         )
 
     # ------------------------------------------------------------------ data
