@@ -259,20 +259,22 @@ class PreferenceTrainer(SFTTrainer):
         batches = self.config.train.eval_batches
         totals: dict[str, torch.Tensor] = {}
         sums = torch.zeros(2 * len(self.metric_names), dtype=torch.float64)
-        for _ in range(batches):
-            micro_batches = [self.shard(mb) for mb in loader.next_step()]
-            if self.pref.kto:
-                self.kto_pass(micro_batches)
-            step = LossStep(micro_batches, self.loss_modes, marked=True)
-            for micro_batch, tokens in step:
-                outputs = self.forward(micro_batch)
-                for key, value in step.scaled({f"{PREF}_loss": outputs[f"{PREF}_loss"]}, tokens).items():
-                    totals[key] = totals.get(key, 0) + value.detach() / batches
-                for index, name in enumerate(self.metric_names):
-                    total, count = outputs["metrics"][name]
-                    sums[2 * index] += float(total)
-                    sums[2 * index + 1] += float(count)
-        loader.close()
+        try:
+            for number in range(batches):
+                micro_batches = self.eval_micro_batches(loader, number)  # agreed across ranks before any forward
+                if self.pref.kto:
+                    self.kto_pass(micro_batches)
+                step = LossStep(micro_batches, self.loss_modes, marked=True)
+                for micro_batch, tokens in step:
+                    outputs = self.forward(micro_batch)
+                    for key, value in step.scaled({f"{PREF}_loss": outputs[f"{PREF}_loss"]}, tokens).items():
+                        totals[key] = totals.get(key, 0) + value.detach() / batches
+                    for index, name in enumerate(self.metric_names):
+                        total, count = outputs["metrics"][name]
+                        sums[2 * index] += float(total)
+                        sums[2 * index + 1] += float(count)
+        finally:
+            loader.close()
         reduced = all_reduce(sums.tolist(), op="sum", group=self.control_group)
         extra = {
             f"eval/{name}": reduced[2 * i] / max(reduced[2 * i + 1], 1.0) for i, name in enumerate(self.metric_names)
