@@ -147,7 +147,7 @@ def _eval_collate_error_on_rank_one(rank: int, world_size: int, config, agreed: 
         trainer.metrics.abort(trainer.step)
     seconds = time.monotonic() - start
     if not agreed and rank == 1:
-        time.sleep(config.parallel.collective_timeout_s + 1.5)
+        time.sleep(config.parallel.collective_timeout_s + 0.5)
     return {"outcome": outcome, "step": trainer.step, "seconds": seconds}
 
 
