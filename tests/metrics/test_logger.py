@@ -294,3 +294,29 @@ def test_logging_on_the_worker_while_the_next_step_records(tmp_path):
     logger.wait_bookkeeping()
     assert [(p["step"], p["value"]) for p in logger.series["train/loss"]] == [(2, 1.5), (4, 3.5), (6, 5.5)]
     logger.close()
+
+
+def test_a_difference_of_two_means_is_logged_only_when_both_have_a_count(tmp_path):
+    """`differences` (KTO's `rewards/margins`): a - b of the window's two means, each over its own count; a window
+    where one of them has no count logs no difference (never a - 0)."""
+    from veomni_lite.config import LoggingConfig
+    from veomni_lite.metrics import MetricLogger, MetricSpec
+
+    specs = [MetricSpec("r/a", "mean"), MetricSpec("r/b", "mean")]
+    settings = LoggingConfig(log_interval=1, progress_bar=False, async_step_end=False)
+    kwargs = {"loss_names": ["foundation_loss"], "output_dir": tmp_path, "max_steps": 2, "device": torch.device("cpu"),
+              "flops_per_token": lambda n: 6.0 * n, "extra_specs": specs}  # fmt: skip
+    with pytest.raises(ValueError, match="'r/d' = \\('r/a', 'r/x'\\) needs two declared metrics"):
+        MetricLogger(settings, ParallelState(), differences={"r/d": ("r/a", "r/x")}, **kwargs)
+    logger = MetricLogger(settings, ParallelState(), differences={"r/d": ("r/a", "r/b")}, **kwargs)
+    batch = {"input_ids": torch.ones(1, 3, dtype=torch.long)}
+    for step, metrics in ((1, {"r/a": (6.0, 3.0), "r/b": (1.0, 4.0)}), (2, {"r/a": (1.0, 1.0), "r/b": (0.0, 0.0)})):
+        for _ in range(2):  # two micro-batches: the means pool their totals and counts
+            outputs = {"foundation_loss": torch.tensor(1.0), "metrics": metrics}
+            logger.record_micro_batch(outputs, {"foundation_tokens": torch.tensor(3)}, batch)
+        logger.record_step(torch.tensor(0.5), lr=1e-4, skipped=False, step_time=0.1, bookkeeping_wait=0.0)
+        logger.end_step(step, 0)
+    logger.close()
+    rows = jsonl(tmp_path)
+    assert (rows[0]["r/a"], rows[0]["r/b"], rows[0]["r/d"]) == (2.0, 0.25, 1.75)
+    assert rows[1]["r/a"] == 1.0 and "r/b" not in rows[1] and "r/d" not in rows[1]

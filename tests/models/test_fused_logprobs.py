@@ -130,3 +130,29 @@ def test_qwen2_vl_logprobs_are_fused_by_default_and_equal_the_plain_ones(monkeyp
     assert _rel(fused[0], plain[0]) < TOL
     for got, want in zip(fused[2], plain[2]):
         assert _rel(got, want) < TOL
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_mean_logits_fused_equal_the_plain_heads_and_leave_the_logprobs_and_gradients_alone(bias):
+    """`LogprobRequest(mean_logits=True)` (KTO's `logits/*`): the fused head's hidden . mean(W) + mean(b) equals the
+    mean over the vocabulary of the whole logits, detached, and the log-probabilities and their gradients are those
+    of a request without it."""
+    labels = _labels()
+    hidden, weight, b = _head(bias=bias)
+    head = torch.nn.Linear(HIDDEN, VOCAB, bias=bias, dtype=torch.float64)
+    with torch.no_grad():
+        head.weight.copy_(weight)
+        if bias:
+            head.bias.copy_(b)
+    outputs = {}
+    for fused in (True, False):
+        for mean in (True, False):
+            out = heads.lm_head_logprobs(head, hidden, LogprobRequest(labels, mean_logits=mean), fused)
+            assert ("mean_logits" in out) == mean
+            grad = torch.autograd.grad(_objective(out["logprobs"], None), [hidden])[0]
+            outputs[fused, mean] = (out["logprobs"].detach(), grad, out.get("mean_logits"))
+    plain = head(hidden).detach().mean(-1)
+    for fused in (True, False):
+        logp, grad, mean_logits = outputs[fused, True]
+        assert not mean_logits.requires_grad and _rel(mean_logits, plain) < TOL
+        assert torch.equal(logp, outputs[fused, False][0]) and torch.equal(grad, outputs[fused, False][1])

@@ -30,6 +30,8 @@ from veomni_lite.data.loader import StepLoader
 from veomni_lite.data.packing import padding_micro_batch
 from veomni_lite.distributed.parallel_state import get_parallel_state
 from veomni_lite.distributed.sequence_parallel import slice_micro_batch
+from veomni_lite.metrics.accumulator import MetricAccumulator, MetricSpec
+from veomni_lite.metrics.logger import difference_metrics
 from veomni_lite.models.heads import LogprobRequest
 from veomni_lite.models.hf_causal_lm import hf_config_from_dict
 from veomni_lite.models.hf_reward_model import HFRewardModel
@@ -41,6 +43,8 @@ from veomni_lite.preference.losses import (
     PreferenceLoss,
     kto_kl_totals,
     kto_reference_point,
+    metric_differences,
+    metric_names,
 )
 from veomni_lite.preference.pairs import collate_pairs
 from veomni_lite.split_invariance import Layout
@@ -110,6 +114,14 @@ def _side_logps(model: torch.nn.Module, prompt: list[int], response: list[int]) 
     first = len(prompt) - 1
     logp = torch.log_softmax(logits[first : first + len(response)], -1)
     return logp.gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+
+
+def _side_mean_logits(model: torch.nn.Module, prompt: list[int], response: list[int]) -> torch.Tensor:
+    """The mean over the vocabulary of the logits at each of `response`'s target positions (TRL's `mean_logits`)."""
+    ids = torch.tensor([prompt + response])
+    logits = model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None])["logits"][0]
+    first = len(prompt) - 1
+    return logits[first : first + len(response)].mean(-1)
 
 
 def _score(model: torch.nn.Module, prompt: list[int], response: list[int]) -> torch.Tensor:
@@ -199,8 +211,10 @@ def pair_length(pair: dict[str, Any], packed: bool) -> int:
 
 def layout_steps(rank: int, world: int, layout: Layout, all_cases: list[PreferenceLoss],
                  shard_local: bool = False, z0_scope: str = "step") -> dict[str, Any]:  # fmt: skip
-    """This rank's run of every case: each step's gradient averaged over the ranks (as FSDP) and the loss
-    all-reduces over the world each step made (kto: and its KL pass's, `kl_calls`). Negative control `shard_local`:
+    """This rank's run of every case: each step's gradient averaged over the ranks (as FSDP), the loss
+    all-reduces over the world each step made (kto: and its KL pass's, `kl_calls`), each step's metrics as the
+    trainer logs them (`MetricAccumulator` over the world, then `difference_metrics`) and, kto, the micro-batches of
+    this rank with rows of one label only (`one_sided`). Negative control `shard_local`:
     each SP shard applies the loss to its own partial sums; kto's `z0_scope` "rank": each rank's z0 from its own
     rows, "micro": each micro-batch's from its own."""
     from veomni_lite.distributed.parallel_state import init_parallel_state
@@ -216,7 +230,8 @@ def layout_steps(rank: int, world: int, layout: Layout, all_cases: list[Preferen
         model = build_model(case)
         if layout.sp > 1:
             model.enable_sequence_parallel(state.sp_group)
-        grads, calls, metrics, kl_calls, plans = [], [], [], [], []
+        grads, calls, metrics, kl_calls, plans, one_sided = [], [], [], [], [], []
+        specs = [MetricSpec(metric, "mean") for metric in metric_names(case.loss)]
         for number, indices in enumerate(steps()):
             reset_loss_memo()
             model.zero_grad(set_to_none=True)
@@ -247,7 +262,7 @@ def layout_steps(rank: int, world: int, layout: Layout, all_cases: list[Preferen
                         for micro_batch in micro_batches:
                             micro_batch[KL] = z0
                 kl_calls.append(len(kl_world_calls))
-            totals: dict[str, list[float]] = {}
+            accumulator, sided = MetricAccumulator(specs, sp_rank=state.sp_rank), 0
             with counting_world_all_reduces() as world_calls:
                 step = LossStep(micro_batches, PREF_MODE, marked=True)
                 for micro_batch, tokens in step:
@@ -255,23 +270,28 @@ def layout_steps(rank: int, world: int, layout: Layout, all_cases: list[Preferen
                     if reward_model:
                         output = model(**inputs)["scores"]
                     else:  # the trainer's path: the LM head fused with the log-probabilities
-                        output = model(**inputs, logprobs=LogprobRequest(micro_batch[PREF_LABELS]))["logprobs"]
-                    outputs = case(output, micro_batch, sp_group)
+                        request = LogprobRequest(micro_batch[PREF_LABELS], mean_logits=kto)
+                        output = model(**inputs, logprobs=request)
+                    mean_logits = output.get("mean_logits") if isinstance(output, dict) else None
+                    output = output["logprobs"] if isinstance(output, dict) else output
+                    outputs = case(output, micro_batch, sp_group, mean_logits)
                     step.loss({"pref_loss": outputs["pref_loss"]}, tokens).backward()
-                    for key, (total, count) in outputs["metrics"].items():
-                        seen = totals.setdefault(key, [0.0, 0.0])
-                        seen[0], seen[1] = seen[0] + float(total), seen[1] + float(count)
+                    if not bool(micro_batch.get("padding_flag", False)):  # as `MetricLogger.record_micro_batch`
+                        for key, (total, count) in outputs["metrics"].items():
+                            accumulator.record_total(key, total, count)
+                    if kto:
+                        counts = [float(outputs["metrics"][f"logps/{k}"][1]) for k in ("chosen", "rejected")]
+                        sided += int(min(counts) == 0)
                 step.verify()
             step_grads = step_gradients(model, world)
-            for seen in totals.values() if world > 1 else ():
-                reduced = torch.tensor(seen, dtype=torch.float64)
-                dist.all_reduce(reduced)
-                seen[:] = reduced.tolist()
             grads.append(step_grads)
             calls.append(len(world_calls))
-            metrics.append({key: total / count for key, (total, count) in totals.items()})
+            reduced = accumulator.reduce()  # the logger's reduction, then its derived differences
+            metrics.append(reduced | difference_metrics(reduced, metric_differences(case.loss)))
+            one_sided.append(sided)
             descend(model, step_grads, LR)
-        out[name(case)] = {"grads": grads, "calls": calls, "metrics": metrics, "kl_calls": kl_calls, "plans": plans}
+        out[name(case)] = {"grads": grads, "calls": calls, "metrics": metrics, "kl_calls": kl_calls, "plans": plans,
+                           "one_sided": one_sided}  # fmt: skip
     return out
 
 
@@ -291,6 +311,9 @@ def hand_metrics(case: PreferenceLoss) -> dict[str, float]:
                 case.beta * (lp - float(r["ref"][0].sum())) for lp, r in zip(logps, mine)
             ) / len(mine)
             out[f"logps/{key}"] = sum(logps) / len(mine)
+            logits = [_side_mean_logits(model, r["prompt"], r["chosen"]) for r in mine]  # token-weighted, as TRL
+            out[f"logits/{key}"] = float(sum(x.sum() for x in logits)) / sum(len(x) for x in logits)
+        out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
         return out
     for pair in (data[i] for i in steps()[0]):
         if case.loss == "bradley_terry":

@@ -74,3 +74,25 @@ def test_orpo_and_kto_each_sp_shard_on_its_partial_sums_is_not_exact(expected):
     result = _run(Layout(1, 2, 2), shard_local=True)[0]
     errors = {name(c): relative_error(result[name(c)]["grads"][0], expected[name(c)][0]) for c in orpo_kto_cases()}
     assert all(error > 1e-3 for error in errors.values()), errors
+
+
+def test_kto_logged_metrics_are_trls_exact_on_one_process_and_dp2():
+    """Issue 51: KTO logs TRL's KTOTrainer names (`rewards/margins`, `logits/chosen`, `logits/rejected` beside `kl`,
+    `rewards/*`, `logps/*`), each exact over the world: the accumulator's reduction (then the derived margin) equals a
+    float64 one-row-at-a-time reference of step 1's rows (3 desirable, 1 not), on one process (micro-batches of 2
+    rows, one of them desirable only) and at DP=2 (rank 1's rows all desirable), and DP=2 equals one process."""
+    kto = orpo_kto_cases()[1]
+    hand = hand_metrics(kto)
+    assert set(hand) == {"kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
+                         "logps/rejected", "logits/chosen", "logits/rejected"}  # fmt: skip
+    one = layout_steps(0, 1, Layout(1, 1, 2), [kto])["kto"]
+    dp2 = run_distributed(layout_steps, 2, Layout(2, 1, 2), [kto], timeout_s=300)
+    assert one["one_sided"][0] == 1, "one micro-batch of step 1 holds desirable rows only"
+    assert [r["kto"]["one_sided"][0] for r in dp2] == [0, 1], "rank 1 holds desirable rows only"
+    for got in (one["metrics"][0], dp2[0]["kto"]["metrics"][0], dp2[1]["kto"]["metrics"][0]):
+        assert got.keys() == hand.keys()
+        for key, value in hand.items():
+            assert got[key] == pytest.approx(value, rel=1e-10, abs=1e-12), key
+    for key, value in one["metrics"][0].items():
+        assert dp2[0]["kto"]["metrics"][0][key] == pytest.approx(value, rel=1e-12, abs=1e-12), key
+    assert abs(hand["logits/chosen"] - hand["logits/rejected"]) > 1e-6, "the two sides' means differ"

@@ -5,6 +5,7 @@ the uninterrupted run; a bad pair in one rank's share of the rows is the same na
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -216,15 +217,36 @@ def test_under_lora_the_reference_is_the_base_with_the_adapters_off(demo, pairs,
     assert_same(by_step(tmp_path / "dp2", "train/pref_loss"), losses, "lora dp2")
 
 
+def trainer_timeout(args: list[str]) -> float:
+    return float(args[args.index("--parallel.collective_timeout_s") + 1])
+
+
 def _reference_counting_forwards(rank: int, world: int, args: list[str], fail: str = "") -> dict[str, Any]:
     """Build (the reference is computed in `on_model_built`): the values every rank maps and the forwards this rank
     ran. A fault on rank 1 only, `fail`: "write", its Arrow write of the reference fails after its first batch;
-    "mkdir", it cannot make the reference's directory."""
+    "mkdir", it cannot make the reference's directory; "collate", its second micro-batch does not collate;
+    "collate-late" (the negative control), a collate failing after the agreement, between two forwards, rank 1 then
+    lingering past the collective timeout."""
     from veomni_lite.data import sft_cache
 
-    forwards = []
-    original = PreferenceTrainer.model_output
+    forwards, collates, checked = [], [], []
+    original, collate, check = PreferenceTrainer.model_output, PreferenceTrainer.collate, PrecomputedReference.check
     PreferenceTrainer.model_output = lambda self, batch: forwards.append(1) or original(self, batch)
+    if fail.startswith("collate") and rank == 1:
+
+        def failing_collate(self: PreferenceTrainer, samples: Any) -> Any:
+            collates.append(1)
+            late = fail == "collate-late"
+            if (late and checked and len(collates) == checked[0] + 2) or (not late and len(collates) == 2):
+                raise ValueError(f"pair {len(collates)}: ragged 'input_ids'")
+            return collate(self, samples)
+
+        def counted_check(self: PrecomputedReference, pairs: Any, micro_batches: Any) -> Any:
+            problem = check(self, pairs, micro_batches)
+            checked.append(len(collates))
+            return problem
+
+        PreferenceTrainer.collate, PrecomputedReference.check = failing_collate, counted_check
     if fail == "mkdir" and rank == 1:
         mkdir = Path.mkdir
 
@@ -244,12 +266,17 @@ def _reference_counting_forwards(rank: int, world: int, args: list[str], fail: s
             raise OSError(28, "No space left on device")
 
         sft_cache.write_batches = failing
+    start = time.monotonic()
     try:
         trainer = PreferenceTrainer(config(args, world))
-    except DataError as exc:
-        return {"error": str(exc), "forwards": len(forwards)}
+    except (DataError, ValueError, RuntimeError) as exc:
+        seconds = time.monotonic() - start
+        if fail == "collate-late" and rank == 1:
+            time.sleep(trainer_timeout(args) + 0.5)
+        return {"error": f"{type(exc).__name__}: {exc}", "forwards": len(forwards), "seconds": seconds}
     finally:
         PreferenceTrainer.model_output = original  # called in the test process too
+        PreferenceTrainer.collate, PrecomputedReference.check = collate, check
     trainer.loader.close()
     return {"values": references(trainer), "forwards": len(forwards)}
 
@@ -293,3 +320,30 @@ def test_a_token_budget_reference_pass_runs_the_agreed_forwards_and_equals_one_p
         assert [r["forwards"] for _, r in results] == [forwards, forwards], results
         assert results[0][1]["error"] == results[1][1]["error"], results
         assert f"data.cache_dir: {cause}" in results[0][1]["error"], results
+
+
+@pytest.mark.slow
+def test_a_collate_error_on_one_rank_in_the_reference_pass_is_agreed_before_any_forward(demo, tmp_path):
+    """Issue 48: the reference pass collates (and slices) every micro-batch of its plan before the first forward and
+    agrees the error with the plan, in its one all-reduce: rank 1's second micro-batch failing to collate is the same
+    DataError on both ranks, naming rank 1, after no forward, well within the 4 s collective timeout. The negative
+    control: a collate failing after the agreement leaves rank 0 in a forward until the (2 s) timeout, not told why."""
+    odd = write_jsonl(tmp_path / "odd.jsonl", help_pairs(13))
+
+    def args(out: str, timeout: str) -> list[str]:
+        return pref_args(demo, odd, tmp_path / out, "--pref.precompute_reference", "true", "--train.micro_batch_size",
+                         "3", "--train.global_batch_size", "6", "--parallel.collective_timeout_s", timeout)  # fmt: skip
+
+    outcomes = run_ranks(_reference_counting_forwards, 2, args("agreed", "4"), "collate", timeout_s=300, pg_timeout_s=4)
+    results = [outcomes[rank] for rank in (0, 1)]
+    assert [status for status, _ in results] == ["ok", "ok"], results
+    errors = [r["error"] for _, r in results]
+    assert errors[0] == errors[1] == "DataError: pref.precompute_reference: rank 1: ValueError: pair 2: ragged " \
+        "'input_ids'", errors  # fmt: skip
+    assert [r["forwards"] for _, r in results] == [0, 0] and max(r["seconds"] for _, r in results) < 4.0, results
+    late = run_ranks(_reference_counting_forwards, 2, args("late", "2"), "collate-late", timeout_s=300, pg_timeout_s=2)
+    (status0, rank0), (_, rank1) = late[0], late[1]
+    assert status0 == "ok" and rank1["error"].startswith("ValueError: pair "), late
+    assert "ragged" not in rank0["error"], rank0
+    assert "timed out" in rank0["error"].lower() or "timeout" in rank0["error"], rank0
+    assert rank0["seconds"] >= 2.0, rank0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -223,10 +224,47 @@ def test_uneven_token_budget_plans_compute_old_and_reference_logprobs_like_one_p
                 assert got[step] == pytest.approx(value, rel=RTOL, abs=1e-7), (name, key, step, got, expected)
 
 
+def _collate_error_on_rank_one(rank: int, world: int, args: list[str]) -> dict[str, Any]:
+    """Train; rank 1's second collate (its second micro-batch of the old / reference log-probability pass) fails."""
+    trainer = RLTrainer(config(args, world))
+    collate, calls = trainer.collate, []
+
+    def failing_collate(samples: Any) -> Any:
+        calls.append(1)
+        if rank == 1 and len(calls) == 2:
+            raise ValueError("response 5: 'input_ids' and 'labels' differ in length")
+        return collate(samples)
+
+    forwards, logprobs = [], trainer.logprobs
+    trainer.collate, trainer.logprobs = failing_collate, lambda batch: forwards.append(1) or logprobs(batch)
+    start = time.monotonic()
+    try:
+        train_built(trainer)
+        outcome = "trained"
+    except Exception as exc:  # noqa: BLE001 - the test asserts which error each rank raised
+        outcome = f"{type(exc).__name__}: {exc}"
+    return {"outcome": outcome, "forwards": len(forwards), "seconds": time.monotonic() - start}
+
+
+@pytest.mark.slow
+def test_a_collate_error_on_one_rank_in_the_logprob_pass_is_agreed_before_any_forward(demo, rollouts, tmp_path):
+    """Issue 48: the old / reference pass collates and slices every micro-batch before its first forward and agrees
+    the error with the forward count, in its one all-reduce: the same DataError on both ranks naming rank 1, no
+    forward run, well within the 4 s collective timeout (the negative control below shows this harness's hang)."""
+    args = rl_args(demo, rollouts, tmp_path, "--train.max_steps", "1", "--parallel.collective_timeout_s", "4")
+    outcomes = run_ranks(_collate_error_on_rank_one, 2, args, timeout_s=300, pg_timeout_s=4)
+    results = [outcomes[rank] for rank in (0, 1)]
+    assert [status for status, _ in results] == ["ok", "ok"], results
+    expected = "DataError: RL log-probability pass: rank 1: ValueError: response 5: 'input_ids' and 'labels' differ"
+    assert results[1][1]["outcome"].startswith(expected), results
+    assert results[0][1]["outcome"] == results[1][1]["outcome"], results
+    assert [r["forwards"] for _, r in results] == [0, 0] and max(r["seconds"] for _, r in results) < 4.0, results
+
+
 def _run_unpadded(rank: int, world: int, args: list[str]) -> None:
     import veomni_lite.rl.logprob_pass as logprob_pass
 
-    logprob_pass.agreed_count = lambda count, group=None: count  # each rank its own plan's count: the old pass
+    logprob_pass.agree = lambda problem, error, group=None, flags=(), where="": list(flags)  # each rank its own count
     train(args, world)
 
 

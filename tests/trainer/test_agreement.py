@@ -113,6 +113,78 @@ def test_a_loader_error_on_one_rank_is_the_same_data_error_on_every_rank_within_
     assert results[0]["step"] == results[1]["step"] == 1
 
 
+# ---------------------------------------------------------------- an eval collate error on one rank
+
+
+def _eval_collate_error_on_rank_one(rank: int, world_size: int, config, agreed: bool = True) -> dict:
+    """Rank 1's collate fails on the eval set only (a row only its share holds). `agreed=False`: the negative control,
+    evaluation reading its micro-batches as before, without the agreement; rank 1 then lingers past the collective
+    timeout before exiting (as a process busy elsewhere, or one whose exit its launcher has not seen yet)."""
+    from veomni_lite.trainer.base import BaseTrainer
+
+    trainer = TextTrainer(config)
+    collate, evaluating = trainer.collate, []
+
+    def failing_collate(samples):
+        if rank == 1 and evaluating:
+            raise ValueError("eval row 3: 'input_ids' is not a list of token ids")
+        return collate(samples)
+
+    def evaluate():
+        evaluating.append(1)
+        return BaseTrainer.evaluate(trainer)
+
+    trainer.collate, trainer.evaluate = failing_collate, evaluate
+    if not agreed:
+        trainer.eval_micro_batches = lambda loader, number: [trainer.shard(mb) for mb in loader.next_step()]
+    start = time.monotonic()
+    try:
+        trainer.train()
+        outcome = "trained"
+    except BaseException as exc:  # noqa: BLE001 - the test asserts which error each rank raised
+        outcome = f"{type(exc).__name__}: {exc}"
+    finally:
+        trainer.metrics.abort(trainer.step)
+    seconds = time.monotonic() - start
+    if not agreed and rank == 1:
+        time.sleep(config.parallel.collective_timeout_s + 0.5)
+    return {"outcome": outcome, "step": trainer.step, "seconds": seconds}
+
+
+def _eval_config(tmp_path: Path, timeout_s: float = 4.0):
+    from veomni_lite.config import replace
+
+    config = tiny_config("text", tmp_path, {"eval_samples": 16}, max_steps=2, eval_interval=1, eval_batches=1)
+    return replace(config, parallel={"collective_timeout_s": timeout_s})
+
+
+@pytest.mark.slow
+def test_an_eval_collate_error_on_one_rank_is_the_same_data_error_on_every_rank_before_any_forward(tmp_path):
+    """Issue 48: evaluation agrees its micro-batches (one all-reduce per eval batch) before the first forward. With a
+    4 s collective timeout a rank left in a forward would fail with a timeout instead of the agreed error."""
+    outcomes = run_ranks(_eval_collate_error_on_rank_one, 2, _eval_config(tmp_path), timeout_s=120, pg_timeout_s=4)
+    results = {rank: value for rank, (status, value) in outcomes.items()}
+    assert all(status == "ok" for status, _ in outcomes.values()), results
+    expected = "DataError: evaluation at step 1, eval batch 1: rank 1: ValueError: eval row 3: 'input_ids' is not"
+    assert results[1]["outcome"].startswith(expected), results[1]
+    assert results[0]["outcome"] == results[1]["outcome"], "the same error, naming the rank and the cause"
+    assert results[0]["step"] == results[1]["step"] == 1
+    assert max(r["seconds"] for r in results.values()) < 4.0, "promptly: before any collective timeout"
+
+
+@pytest.mark.slow
+def test_without_the_eval_agreement_the_other_rank_waits_in_a_forward_until_the_timeout(tmp_path):
+    """The negative control: rank 1 raises its own ValueError, rank 0 waits in the eval forward's collectives until
+    the collective timeout (2 s), never told why: what the test above would see if the agreement regressed."""
+    config = _eval_config(tmp_path, timeout_s=2.0)
+    outcomes = run_ranks(_eval_collate_error_on_rank_one, 2, config, False, timeout_s=120, pg_timeout_s=2)
+    results = {rank: value for rank, (status, value) in outcomes.items()}
+    assert results[1]["outcome"].startswith("ValueError: eval row 3"), results
+    assert "eval row 3" not in results[0]["outcome"] and "DataError" not in results[0]["outcome"], results
+    assert "timed out" in results[0]["outcome"].lower() or "timeout" in results[0]["outcome"].lower(), results
+    assert results[0]["seconds"] >= 2.0, results
+
+
 # ---------------------------------------------------------------- a stop signal on one rank, just after the agreement
 
 

@@ -6,6 +6,7 @@ trainer adds the rank and step.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,9 +14,21 @@ import torch
 
 from veomni_lite.loss_keys import IGNORE_INDEX, is_labels_key, labels_key, name_of_loss
 
+logger = logging.getLogger(__name__)
+
 
 class DataError(ValueError):
     """A micro-batch that violates the data contract."""
+
+
+def data_problem(exc: Exception, where: str = "") -> Exception | str:
+    """What a rank gives `collectives.agree` for an exception met preparing data (reading, collating, sharding) that
+    only this rank may meet: a DataError as it is; any other as "Type: message", its traceback logged here first
+    (`where` leads the log line), since the error every rank raises carries only the message."""
+    if isinstance(exc, DataError):
+        return exc
+    logger.error("%spreparing micro-batches failed", where, exc_info=exc)
+    return f"{type(exc).__name__}: {exc}"
 
 
 def validate_micro_batch(

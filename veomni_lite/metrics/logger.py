@@ -74,6 +74,12 @@ def train_metric_specs(loss_names: list[str]) -> list[MetricSpec]:
     ]
 
 
+def difference_metrics(reduced: Mapping[str, float], differences: Mapping[str, tuple[str, str]]) -> dict[str, float]:
+    """{name: reduced[a] - reduced[b]} of `differences` ({name: (a, b)}) whose two metrics both have a value in the
+    reduced window (each a mean over its own count, e.g. KTO's `rewards/margins`); a name missing either is omitted."""
+    return {name: reduced[a] - reduced[b] for name, (a, b) in differences.items() if a in reduced and b in reduced}
+
+
 def new_metrics_group() -> dist.ProcessGroup | None:
     """A gloo group over all ranks for metric reductions (None without a process group); collective, like every
     group creation, with the parallel state's timeout."""
@@ -100,7 +106,8 @@ class MetricLogger:
     own train metrics (a name with a `/`, e.g. `rl/reward`, is logged as it is, others under `train/`); a model
     output's `"metrics"` entry, `{name: (total, count)}` of a `mean` metric or `{name: value}`, is recorded per
     micro-batch, and a `mean` metric `X/_sq` (the mean of the squares) turns into `X/std` at log time (population std,
-    from exact sums).
+    from exact sums). `differences`: `{name: (a, b)}`, metrics logged as a - b of two declared `mean` metrics, each
+    exact over its own count in the window, when both have one (`difference_metrics`; KTO's `rewards/margins`).
     `plots`: more figures beside loss_curve.png (which draws `train/loss`, each loss key when there are several, and
     `eval/loss`), `{file name: series keys}` (one axes, named by the file name's first word: reward_curve.png,
     "reward") or `{file name: [(y label, series keys), ...]}` (stacked axes, `sinks.Panel`); an entry named
@@ -122,6 +129,7 @@ class MetricLogger:
         run_config: Mapping[str, Any] | None = None,
         extra_specs: Sequence[MetricSpec] = (),
         plots: Mapping[str, Sequence[str] | Sequence[sinks.Panel]] | None = None,
+        differences: Mapping[str, tuple[str, str]] | None = None,
     ) -> None:
         if settings.log_interval < 1:
             raise ValueError(f"MetricLogger: log_interval must be >= 1; got {settings.log_interval}")
@@ -144,6 +152,11 @@ class MetricLogger:
         formats = {f"train/{s.name}": s.fmt for s in specs} | {f"eval/{s.name}": s.fmt for s in eval_specs}
         formats |= {f"train/{key}": fmt for key, fmt in _FORMATS.items()}
         self.plots = dict(plots or {})
+        self.differences = dict(differences or {})
+        declared = {s.name for s in specs}
+        for name, pair in self.differences.items():
+            if name in declared or not set(pair) <= declared:
+                raise ValueError(f"MetricLogger: difference {name!r} = {pair} needs two declared metrics, a new name")
         self.sinks = self._sinks(settings, Path(output_dir), formats, run_config) if self.is_main else []
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="step-end") if settings.async_step_end else None
         self._pending: list[Future[None]] = []
@@ -261,6 +274,7 @@ class MetricLogger:
             mean = reduced.get(base, reduced.get(f"{base}/mean"))
             if mean is not None:
                 derived[f"{base}/std"] = max(square - mean * mean, 0.0) ** 0.5
+        derived |= difference_metrics(reduced, self.differences)
         losses = [reduced[name] for name in self.loss_names if name in reduced]
         if losses:
             derived["loss"] = sum(losses)

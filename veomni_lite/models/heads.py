@@ -85,26 +85,42 @@ def token_logprobs(
 class LogprobRequest:
     """What a model's forward computes instead of a loss when given `logprobs=LogprobRequest(...)`: the
     log-probability of each of `labels` (shifted like any labels key; IGNORE_INDEX: 0) under softmax(logits /
-    `temperature`) and, with `entropy`, that distribution's entropy at every position (see `lm_head_logprobs`)."""
+    `temperature`) and, with `entropy`, that distribution's entropy at every position; with `mean_logits`, the mean
+    over the vocabulary of the logits (before `temperature`) at every position, detached (a metric: TRL's
+    `logits/*`). See `lm_head_logprobs`."""
 
     labels: Tensor
     temperature: float = 1.0
     entropy: bool = False
+    mean_logits: bool = False
 
 
 def lm_head_logprobs(head: nn.Module, hidden: Tensor, request: LogprobRequest, fused: bool = True) -> dict[str, Tensor]:
-    """{"logprobs": [B, S], "entropy": [B, S] (with `request.entropy`)} of `request` (float32 at least, differentiable):
-    `token_logprobs(head(hidden), ...)`; for a plain `nn.Linear` head and `fused`, computed chunk by chunk from its
-    parameters (`linear_token_logprobs`), so the [tokens, vocab] logits are never whole in memory. Call it inside the
-    model's forward (FSDP2 has all-gathered the head there)."""
+    """{"logprobs": [B, S], "entropy": [B, S] (with `request.entropy`), "mean_logits": [B, S] (with
+    `request.mean_logits`, detached)} of `request` (float32 at least, differentiable): `token_logprobs(head(hidden),
+    ...)`; for a plain `nn.Linear` head and `fused`, computed chunk by chunk from its parameters
+    (`linear_token_logprobs`), so the [tokens, vocab] logits are never whole in memory (their mean over the vocabulary
+    is linear in `hidden`: hidden . mean(W) + mean(b), one extra [H] vector). Call it inside the model's forward
+    (FSDP2 has all-gathered the head there)."""
     labels = request.labels.to(hidden.device)
+    mean_logits = None
     if fused and type(head) is nn.Linear:  # a wrapped head (an adapter, say) computes its own logits
         logp, entropy = linear_token_logprobs(
             hidden, head.weight, labels, head.bias, request.temperature, request.entropy
         )
+        if request.mean_logits:
+            with torch.no_grad():
+                dtype = torch.promote_types(head.weight.dtype, torch.float32)
+                mean_logits = hidden.to(dtype) @ head.weight.to(dtype).mean(0)
+                mean_logits = mean_logits if head.bias is None else mean_logits + head.bias.to(dtype).mean()
     else:
-        logp, entropy = token_logprobs(head(hidden), labels, request.temperature, request.entropy)
-    return {"logprobs": logp} if entropy is None else {"logprobs": logp, "entropy": entropy}
+        logits = head(hidden)
+        logp, entropy = token_logprobs(logits, labels, request.temperature, request.entropy)
+        if request.mean_logits:
+            mean_logits = logits.detach().to(torch.promote_types(logits.dtype, torch.float32)).mean(-1)
+    out = {"logprobs": logp}
+    out |= {} if entropy is None else {"entropy": entropy}
+    return out | ({} if mean_logits is None else {"mean_logits": mean_logits})
 
 
 def decoder_flops_per_token(

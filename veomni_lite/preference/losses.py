@@ -41,7 +41,9 @@ Metrics (TRL's names, pair-weighted): `rewards/chosen` b (pi_c - ref_c) (simpo: 
 model: `rewards/chosen` r_c, `rewards/rejected`, `rewards/margins`, `rewards/accuracy`, `rewards/mean` (r_c + r_r) / 2;
 orpo adds `nll_loss`, `log_odds_ratio` (log sig of the log odds ratio), `log_odds_chosen` (the log odds ratio), its
 rewards lambda l; kto: `kl` (z0), `rewards/chosen` b d and `logps/chosen` pi over the desirable rows, `rewards/rejected`
-and `logps/rejected` over the undesirable ones (each its own count, as TRL's KTOTrainer).
+and `logps/rejected` over the undesirable ones (each its own count, as TRL's KTOTrainer), `logits/chosen` and
+`logits/rejected` the mean logit (over the vocabulary) per completion token of the desirable / undesirable rows, and
+`rewards/margins` = `rewards/chosen` - `rewards/rejected`, derived when the window is reduced (`metric_differences`).
 """
 
 from __future__ import annotations
@@ -65,7 +67,10 @@ MARGINS = f"{PREF}_margins"
 DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
                "logps/rejected")  # fmt: skip
 ORPO_METRICS = (*DPO_METRICS, "nll_loss", "log_odds_ratio", "log_odds_chosen")
-KTO_METRICS = ("kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected")
+KTO_METRICS = ("kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "logits/chosen",
+               "logits/rejected")  # fmt: skip
+# A logged metric that is the difference of two recorded means, each over its own count (derived at log time)
+KTO_DIFFERENCES = {"rewards/margins": ("rewards/chosen", "rewards/rejected")}
 KTO_LABELS = f"{PREF}_desirable"
 KL = f"{PREF}_kl"
 RM_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracy", "rewards/mean")
@@ -74,6 +79,7 @@ __all__ = [
     "DPO_METRICS",
     "KL",
     "KTO_LABELS",
+    "KTO_DIFFERENCES",
     "KTO_METRICS",
     "ORPO_METRICS",
     "MARGINS",
@@ -88,6 +94,7 @@ __all__ = [
     "kto_kl_totals",
     "kto_reference_point",
     "log1mexp",
+    "metric_differences",
     "metric_names",
 ]
 
@@ -100,6 +107,12 @@ def log1mexp(x: torch.Tensor) -> torch.Tensor:
 def metric_names(loss: str) -> tuple[str, ...]:
     """The metrics `pref.loss` logs (TRL's names)."""
     return {"bradley_terry": RM_METRICS, "orpo": ORPO_METRICS, "kto": KTO_METRICS}.get(loss, DPO_METRICS)
+
+
+def metric_differences(loss: str) -> dict[str, tuple[str, str]]:
+    """The metrics `pref.loss` logs as the difference of two of its recorded means ({name: (a, b)}: a - b, logged
+    when both have a count in the window); kto's `rewards/margins`, as TRL's KTOTrainer."""
+    return dict(KTO_DIFFERENCES) if loss == "kto" else {}
 
 
 def kto_kl_totals(logprobs: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
@@ -202,13 +215,19 @@ class PreferenceLoss:
         return losses, values
 
     def __call__(
-        self, output: torch.Tensor, batch: Mapping[str, Any], sp_group: dist.ProcessGroup | None = None
+        self,
+        output: torch.Tensor,
+        batch: Mapping[str, Any],
+        sp_group: dist.ProcessGroup | None = None,
+        mean_logits: torch.Tensor | None = None,
     ) -> dict[str, Any]:
         """{"pref_loss": this shard's placed pair losses over its valid `pref_labels` entries (an exact 0 without
         any), "metrics": {name: (total, pairs)} of the pairs anchored on this shard}. `output` [B, S]: the model's
         log-probability of each `pref_labels` target (DPO family; `LogprobRequest`, 0 where ignored) or its
-        per-position scores (bradley_terry). Collective over `sp_group` (every shard calls
-        it alike)."""
+        per-position scores (bradley_terry). kto with `mean_logits` [B, S] (the policy's mean logit over the
+        vocabulary at each position, `LogprobRequest.mean_logits`): also `logits/chosen` and `logits/rejected`,
+        {(sum over this shard's completion targets of desirable / undesirable rows, their count)}, TRL's
+        KTOTrainer's token-weighted means. Collective over `sp_group` (every shard calls it alike)."""
         device = output.device
         labels = batch[PREF_LABELS].to(device)
         valid = labels != IGNORE_INDEX
@@ -241,4 +260,11 @@ class PreferenceLoss:
                 else:
                     weight = torch.where(anchors, weight[pair], 0.0)
                     metrics[name] = ((weight * value.detach()[pair]).sum(), weight.sum())
+            if self.loss == "kto" and mean_logits is not None:  # per completion token (sequence 2p), by row label
+                completion = valid & (ids % 2 == 0)
+                desirable = totals[3, 0 : 2 * pairs : 2][pair] > 0.5
+                logits = torch.where(completion, mean_logits.detach().to(device, torch.float64), 0.0)
+                for name, side in (("logits/chosen", desirable), ("logits/rejected", ~desirable)):
+                    mask = completion & side
+                    metrics[name] = (torch.where(mask, logits, 0.0).sum(), mask.sum().double())
         return {f"{PREF}_loss": loss.to(torch.promote_types(output.dtype, torch.float32)), "metrics": metrics}

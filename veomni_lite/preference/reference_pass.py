@@ -3,8 +3,9 @@ once with the initial weights, before training, into an Arrow cache beside the p
 
 `PrecomputedReference(trainer).compute(pairs, name)` reads `<pair cache>/reference/<fingerprint>/` (keyed by the
 weights files, the master dtype and this code; nothing loaded runs code) or computes it: each rank its share of the
-pairs, planned as training plans them, every rank running the same count of forwards (FSDP's collectives), published
-atomically by rank 0 (`sft_cache.build`); then maps it beside the pairs (`PairDataset.attach_reference`).
+pairs, planned as training plans them, every rank running the same count of forwards (FSDP's collectives; agreed in
+one all-reduce with any error planning or collating them, before the first forward), published atomically by rank 0
+(`sft_cache.build`); then maps it beside the pairs (`PairDataset.attach_reference`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 
 from veomni_lite.data import sft_cache
-from veomni_lite.data.checks import DataError
+from veomni_lite.data.checks import DataError, data_problem
 from veomni_lite.data.packing import plan_micro_batches
 from veomni_lite.distributed.collectives import agree, all_gather_objects
 from veomni_lite.loss_keys import IGNORE_INDEX, SEQUENCE_IDS
@@ -82,6 +83,20 @@ class PrecomputedReference:
             plan.append([[first + j for j in micro_batch] for micro_batch in cut])
         return plan
 
+    def check(self, pairs: PairDataset, micro_batches: list[list[int]]) -> Exception | str | None:
+        """This rank's problem preparing the pass's micro-batches (pair indices each), or None: each collated and
+        SP-sliced once before any forward and dropped (the pass may cover a whole split, too much to hold), so that
+        an error only this rank meets (a pair that does not collate) is agreed with the plan, in its one
+        all-reduce, instead of leaving the other ranks waiting in a forward's collectives. Costs a second collate
+        of every micro-batch (host work, small beside its forward)."""
+        t = self.trainer
+        try:
+            for members in micro_batches:
+                t.shard(t.collate([pairs[i] for i in members]))
+        except Exception as exc:  # noqa: BLE001 - agreed by the caller, then raised on every rank
+            return data_problem(exc, f"rank {t.rank}: pref.precompute_reference: ")
+        return None
+
     @torch.no_grad()
     def write(self, pairs: PairDataset, start: int, stop: int, path: Path) -> dict[str, int]:
         """The reference log-probabilities of pairs [start, stop) (this rank's share of `sft_cache.build`) into the
@@ -89,7 +104,8 @@ class PrecomputedReference:
         (consecutive ranks: rank = dp_rank x sp_size + sp_rank) run the forwards of their dp share of the pairs
         together, micro-batch by micro-batch (planned as training plans them, `plan`), and every rank runs
         the same number of forwards, the most any rank planned (FSDP's collectives; agreed in one all-reduce that also
-        agrees a planning error): a shorter plan is padded with forwards of one pair whose values are dropped, and a
+        agrees a planning or collate error, `check`): a shorter plan is padded with forwards of one pair whose values
+        are dropped, and a
         rank whose file write fails runs its remaining forwards before `sft_cache.build` agrees the error. Each rank
         keeps the pairs of its own share."""
         t = self.trainer
@@ -106,6 +122,8 @@ class PrecomputedReference:
         except DataError as exc:
             problem = exc
         plan = [(w, members) for w, window in enumerate(windows) for members in window]
+        padding = [low if low < high else 0]  # the one pair of a padding forward, dropped
+        problem = problem or self.check(pairs, [members for _, members in plan] + [padding])
         (rounds,) = agree(problem, DataError, t.control_group, [len(plan)], "pref.precompute_reference: ")
         written = {"samples": 0}
         schema = pa.schema([("ref_chosen", pa.large_list(pa.float64())), ("ref_rejected", pa.large_list(pa.float64()))])
@@ -114,7 +132,7 @@ class PrecomputedReference:
             pending: dict[int, tuple[list[float], list[float]]] = {}  # this window's pairs of this rank's share
             for round_ in range(rounds):
                 real = round_ < len(plan)
-                members = plan[round_][1] if real else [low if low < high else 0]  # padding: one pair, dropped
+                members = plan[round_][1] if real else padding
                 whole = t.collate([pairs[i] for i in members])
                 batch = t.preforward(t.shard(whole))
                 logp = t.model_output(batch).double().cpu()

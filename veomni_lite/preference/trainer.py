@@ -53,6 +53,7 @@ from veomni_lite.preference.losses import (
     PreferenceLoss,
     kto_kl_totals,
     kto_reference_point,
+    metric_differences,
     metric_names,
 )
 from veomni_lite.preference.pairs import PairDataset, PairEncoder, collate_pairs
@@ -193,10 +194,13 @@ class PreferenceTrainer(SFTTrainer):
         if self.reference is not None and REF_LOGPROBS not in batch:
             with torch.no_grad(), self.reference.active():
                 batch[REF_LOGPROBS] = self.model_output(batch).double()
-        if self.pref.kto:
-            batch[KL] = self._z0
         sp_group = self.parallel.sp_group if self.parallel.sp_size > 1 else None
-        return self.head(self.model_output(batch), batch, sp_group)
+        if not self.pref.kto:
+            return self.head(self.model_output(batch), batch, sp_group)
+        batch[KL] = self._z0
+        inputs = {k: v for k, v in batch.items() if not is_labels_key(k)}
+        outputs = self.model(**inputs, logprobs=LogprobRequest(batch[PREF_LABELS], mean_logits=True))
+        return self.head(outputs["logprobs"], batch, sp_group, outputs["mean_logits"])
 
     @torch.no_grad()
     def kto_pass(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
@@ -238,6 +242,11 @@ class PreferenceTrainer(SFTTrainer):
     def metric_specs(self) -> list[MetricSpec]:
         return [MetricSpec(name, "mean") for name in self.metric_names]
 
+    @property
+    def metric_differences(self) -> dict[str, tuple[str, str]]:
+        """Metrics logged as the difference of two recorded means (kto's `rewards/margins`)."""
+        return metric_differences(self.pref.loss)
+
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """`eval/pref_loss` and `eval/<metric>` over `train.eval_batches` global batches of `data.eval_path`'s pairs
@@ -250,24 +259,30 @@ class PreferenceTrainer(SFTTrainer):
         batches = self.config.train.eval_batches
         totals: dict[str, torch.Tensor] = {}
         sums = torch.zeros(2 * len(self.metric_names), dtype=torch.float64)
-        for _ in range(batches):
-            micro_batches = [self.shard(mb) for mb in loader.next_step()]
-            if self.pref.kto:
-                self.kto_pass(micro_batches)
-            step = LossStep(micro_batches, self.loss_modes, marked=True)
-            for micro_batch, tokens in step:
-                outputs = self.forward(micro_batch)
-                for key, value in step.scaled({f"{PREF}_loss": outputs[f"{PREF}_loss"]}, tokens).items():
-                    totals[key] = totals.get(key, 0) + value.detach() / batches
-                for index, name in enumerate(self.metric_names):
-                    total, count = outputs["metrics"][name]
-                    sums[2 * index] += float(total)
-                    sums[2 * index + 1] += float(count)
-        loader.close()
+        try:
+            for number in range(batches):
+                micro_batches = self.eval_micro_batches(loader, number)  # agreed across ranks before any forward
+                if self.pref.kto:
+                    self.kto_pass(micro_batches)
+                step = LossStep(micro_batches, self.loss_modes, marked=True)
+                for micro_batch, tokens in step:
+                    outputs = self.forward(micro_batch)
+                    for key, value in step.scaled({f"{PREF}_loss": outputs[f"{PREF}_loss"]}, tokens).items():
+                        totals[key] = totals.get(key, 0) + value.detach() / batches
+                    for index, name in enumerate(self.metric_names):
+                        total, count = outputs["metrics"][name]
+                        sums[2 * index] += float(total)
+                        sums[2 * index + 1] += float(count)
+        finally:
+            loader.close()
         reduced = all_reduce(sums.tolist(), op="sum", group=self.control_group)
         extra = {
             f"eval/{name}": reduced[2 * i] / max(reduced[2 * i + 1], 1.0) for i, name in enumerate(self.metric_names)
         }
+        counts = {name: reduced[2 * i + 1] for i, name in enumerate(self.metric_names)}
+        for name, (a, b) in self.metric_differences.items():
+            if counts[a] and counts[b]:
+                extra[f"eval/{name}"] = extra[f"eval/{a}"] - extra[f"eval/{b}"]
         self.model.train(was_training)
         return self.metrics.log_eval(self.step, self.epoch, totals, extra)
 

@@ -5,8 +5,9 @@ in order); each step's share of this rank is planned into micro-batches as any s
 `train.micro_batch_size` or the token budget, padded or packed), marked for the loss mode and SP-sliced (`prepare`).
 Before the batch's first update the old log-probabilities (unless on policy: one mini-batch and one epoch, where the
 training forward's own are the old ones) and, with `rl.kl_coef`, the reference's are computed on those very
-micro-batches, every rank running the same count of forwards, then kept per sample (so a checkpoint holds the batch,
-and resumes it on any layout); with the critic (`rl.advantage: gae`) its old values too, and GAE's advantages from them
+micro-batches, every rank running the same count of forwards (agreed in one all-reduce with any error collating
+them, before the first forward), then kept per sample (so a checkpoint holds the batch, and resumes it on any
+layout); with the critic (`rl.advantage: gae`) its old values too, and GAE's advantages from them
 (`veomni_lite.rl.critic`). `probe`: the current weights' log-probabilities of a token sequence, for the vLLM
 engine's sync check.
 """
@@ -19,7 +20,8 @@ from typing import Any
 
 import torch
 
-from veomni_lite.distributed.collectives import agreed_count, all_gather_objects
+from veomni_lite.data.checks import DataError, data_problem
+from veomni_lite.distributed.collectives import agree, all_gather_objects
 from veomni_lite.loss_keys import IGNORE_INDEX, SEQUENCE_IDS
 from veomni_lite.models.heads import LogprobRequest
 from veomni_lite.post_training import ReferenceWeights
@@ -67,9 +69,11 @@ class LogprobPasses:
     def _fill(self, samples: list[RolloutSample], plans: list[list[tuple[list, list[int]]]]) -> None:
         """Old (and reference) log-probabilities of every sample's response tokens, computed on this rank's
         micro-batches and gathered (collective). Each forward is collective (FSDP), and the ranks' token-budget plans
-        may hold different numbers of micro-batches: every rank runs the largest count (`agreed_count`), a shorter
-        plan padded with forwards of its first sample whose values are dropped. The ranks of an SP group share one
-        plan, so they pad alike (and skip the SP gather together)."""
+        may hold different numbers of micro-batches: every rank runs the largest count, a shorter plan padded with
+        forwards of its first sample whose values are dropped. The ranks of an SP group share one plan, so they pad
+        alike (and skip the SP gather together). Every micro-batch (and the padding one) is collated and sliced
+        before the first forward, and ONE MAX all-reduce agrees both the count and any error doing so: an error only
+        this rank meets is a DataError on every rank naming it, before any forward could wait for this rank."""
         t = self.trainer
         was_training = t.model.training
         t.model.eval()
@@ -81,12 +85,19 @@ class LogprobPasses:
             passes.append((OLD_VALUES, None))
         if t.reference is not None:
             passes.append((REF_LOGPROBS, t.reference))
-        for number in range(agreed_count(len(work), t.control_group)):
+        prepared: list[tuple[list[RolloutSample], dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
+        problem: Exception | str | None = None
+        try:
+            for chunk, indices in [*work, (work[0][0], work[0][1][:1])]:  # the last: the padding micro-batch
+                members = [chunk[i] for i in indices]
+                whole = t.collate([s.tensors() for s in members])
+                prepared.append((members, whole, t.mark_and_slice(whole)))
+        except Exception as exc:  # noqa: BLE001 - agreed below, then raised on every rank
+            problem = data_problem(exc, f"rank {t.rank}: RL log-probability pass: ")
+        (count,) = agree(problem, DataError, t.control_group, [len(work)], "RL log-probability pass: ")
+        for number in range(count):
             real = number < len(work)
-            chunk, indices = work[number] if real else (work[0][0], work[0][1][:1])
-            members = [chunk[i] for i in indices]
-            whole = t.collate([s.tensors() for s in members])
-            sliced = t.mark_and_slice(whole)
+            members, whole, sliced = prepared[number if real else -1]
             if t.critic is not None:
                 t.critic.captured.clear()
             for key, reference in passes:

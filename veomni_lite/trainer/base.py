@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
 from veomni_lite.config import Config, ConfigError, OptimConfig
-from veomni_lite.data.checks import DataError, validate_micro_batch
+from veomni_lite.data.checks import DataError, data_problem, validate_micro_batch
 from veomni_lite.data.loader import MicroBatchLoader
 from veomni_lite.data.packing import padding_micro_batch
 from veomni_lite.distributed.collectives import agree, all_gather_objects, destroy_process_groups
@@ -413,6 +413,11 @@ class BaseTrainer(ABC):
         """The trainer's own train metrics besides the loop's (see `MetricLogger`'s `extra_specs`)."""
         return []
 
+    @property
+    def metric_differences(self) -> dict[str, tuple[str, str]]:
+        """Train metrics logged as the difference of two of `metric_specs`' means (`MetricLogger`'s `differences`)."""
+        return {}
+
     @abstractmethod
     def build_model(self) -> TrainableModel:
         """The model to train, on the CPU; it keeps the `TrainableModel` contract. In a sharded build the ranks but
@@ -464,6 +469,7 @@ class BaseTrainer(ABC):
             run_config=self.config.to_dict(),
             extra_specs=self.metric_specs(),
             plots=self.plots,
+            differences=self.metric_differences,
         )
 
     # ------------------------------------------------------------------ data
@@ -687,16 +693,45 @@ class BaseTrainer(ABC):
         self.model.eval()
         loader = self._make_loader(self.eval_dataset, self.config.train.seed + 1)
         totals: dict[str, torch.Tensor] = {}
-        for _ in range(self.config.train.eval_batches):
-            step = LossStep([self.shard(mb) for mb in loader.next_step()], self.loss_modes, marked=True)
-            for micro_batch, tokens in step:
-                outputs = self.model(**self.preforward(micro_batch))
-                scaled = step.scaled({key: outputs[key] for key in self.loss_keys}, tokens)
-                for key, value in scaled.items():
-                    totals[key] = totals.get(key, 0) + value.detach() / self.config.train.eval_batches
+        try:
+            for number in range(self.config.train.eval_batches):
+                step = LossStep(self.eval_micro_batches(loader, number), self.loss_modes, marked=True)
+                for micro_batch, tokens in step:
+                    outputs = self.model(**self.preforward(micro_batch))
+                    scaled = step.scaled({key: outputs[key] for key in self.loss_keys}, tokens)
+                    for key, value in scaled.items():
+                        totals[key] = totals.get(key, 0) + value.detach() / self.config.train.eval_batches
+        finally:
+            loader.close()
         extra = self.extra_eval_metrics()
         self.model.train(was_training)
         return self.metrics.log_eval(self.step, self.epoch, totals, extra)
+
+    def eval_micro_batches(self, loader: Any, number: int) -> list[dict[str, torch.Tensor]]:
+        """Collective: this rank's micro-batches of eval batch `number` (read, collated, sharded and validated) once
+        every rank has its own: ONE MAX all-reduce on the control group (an error flag and the micro-batch count)
+        before the batch's first forward. Any exception reading them (a bad row, a collate error: data met by this
+        rank only) is a DataError on every rank naming each such rank and its cause, so no rank is left waiting in
+        a forward's collectives; ranks with different micro-batch counts too (the eval loader plans
+        `train.micro_batch_size` samples each, the same count on every rank)."""
+        where = f"evaluation at step {self.step}, eval batch {number + 1}: "
+        problem: Exception | str | None = None
+        micro_batches: list[dict[str, torch.Tensor]] = []
+        try:
+            micro_batches = [self.shard(mb) for mb in loader.next_step()]
+            for index, micro_batch in enumerate(micro_batches):
+                validate_micro_batch(
+                    micro_batch, self.vocab_size, self.loss_keys, self.label_limits, where=f"micro-batch {index}"
+                )
+        except Exception as exc:  # noqa: BLE001 - agreed below, then raised on every rank
+            if getattr(exc, "agreed", False):  # every rank raised it already (`agree`)
+                raise
+            problem = data_problem(exc, f"rank {self.rank}: {where}")
+        count = len(micro_batches)
+        most, fewest = agree(problem, DataError, self.control_group, [count, -count], where)
+        if most != -fewest:
+            raise DataError(f"{where}ranks disagree on the number of micro-batches (min {-fewest}, max {most})")
+        return micro_batches
 
     def extra_eval_metrics(self) -> dict[str, float]:
         """Task metrics logged under eval/ next to the eval losses, the same value on every rank (a subclass hook;
