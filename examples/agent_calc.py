@@ -8,7 +8,7 @@ as a user turn `<tool_response>...</tool_response>`, Qwen2.5's way), `sft_train.
 `sft_train.jsonl` mixes two kinds of transcript, drawn at random per row: a fraction `tool_fraction` (default
 `TOOL_FRACTION`, 0.3) calls the tool (question, the tool call, its result written as the user turn the template
 renders, the answer) and the rest answers the product directly. The tiny model cannot multiply, so after SFT it calls
-the tool in about that fraction of its sampled episodes and the direct answers are mostly wrong: the headroom that RL
+the tool in roughly that fraction of its sampled episodes and the direct answers are mostly wrong: the headroom that RL
 with the tool (reward: the exact product) fills by calling it more often.
 
 Usage: python examples/agent_calc.py OUT_DIR
