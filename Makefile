@@ -130,8 +130,8 @@ train-ppo: install
 	$(TORCHRUN) trainers/train_rl.py $(PPO_CONFIG) $(ARGS)
 
 # Multi-turn RL with a tool (docs/agents.md): multiplications beyond the tiny model and a calculator tool
-# (python -m examples.agent_calc), a short SFT on tool-using transcripts (configs/agent_calc_sft.yaml, exported),
-# then GRPO episodes (configs/agent_calc.yaml).
+# (python -m examples.agent_calc), a short SFT on transcripts 30% of which call the tool (configs/agent_calc_sft.yaml,
+# exported), then GRPO episodes (configs/agent_calc.yaml), which raise the tool-call rate and the reward.
 train-agent: install
 	$(PY) -m examples.agent_calc outputs/agent_calc
 	$(TORCHRUN) trainers/train_sft.py configs/agent_calc_sft.yaml

@@ -2,9 +2,14 @@
 
 `write_demo(out)` writes `calculator.py` (the tool: `calculate(expression)`), `models/qwen2_agent` (a randomly
 initialized tiny Qwen2 with a byte-level BPE tokenizer whose ChatML template takes `tools=` and renders a tool's result
-as a user turn `<tool_response>...</tool_response>`, Qwen2.5's way), `sft_train.jsonl` (question, the tool call, its
-result, the answer: the tool result written as the user turn the template renders) and `rl_train.jsonl` /
+as a user turn `<tool_response>...</tool_response>`, Qwen2.5's way), `sft_train.jsonl` and `rl_train.jsonl` /
 `rl_eval.jsonl` (questions with their answers).
+
+`sft_train.jsonl` mixes two kinds of transcript, drawn at random per row: a fraction `tool_fraction` (default
+`TOOL_FRACTION`, 0.3) calls the tool (question, the tool call, its result written as the user turn the template
+renders, the answer) and the rest answers the product directly. The tiny model cannot multiply, so after SFT it calls
+the tool in roughly that fraction of its sampled episodes and the direct answers are mostly wrong: the headroom that RL
+with the tool (reward: the exact product) fills by calling it more often.
 
 Usage: python examples/agent_calc.py OUT_DIR
 """
@@ -72,18 +77,29 @@ def call_text(expression: str) -> str:
     return '<tool_call>{"name": "calculate", "arguments": {"expression": "' + expression + '"}}</tool_call>'
 
 
-def transcript(rng: random.Random) -> dict[str, Any]:
-    """One SFT row: question, tool call, its result (as the template renders a tool turn), answer."""
+TOOL_FRACTION = 0.3  # of the SFT transcripts that call the tool; the rest answer directly (see the docstring)
+
+
+def transcript(rng: random.Random, tool: bool = True) -> dict[str, Any]:
+    """One SFT row: question, tool call, its result (as the template renders a tool turn), answer; or, with `tool`
+    False, the question and the answer directly."""
     text, expression, answer = question(rng)
+    opening = [{"role": "system", "content": tools_system()}, {"role": "user", "content": text}]
+    if not tool:
+        return {"messages": [*opening, {"role": "assistant", "content": answer}]}
     return {
         "messages": [
-            {"role": "system", "content": tools_system()},
-            {"role": "user", "content": text},
+            *opening,
             {"role": "assistant", "content": call_text(expression)},
             {"role": "user", "content": f"<tool_response>\n{answer}\n</tool_response>"},
             {"role": "assistant", "content": answer},
         ]
     }
+
+
+def sft_transcripts(rng: random.Random, rows: int, tool_fraction: float = TOOL_FRACTION) -> list[dict[str, Any]]:
+    """`rows` SFT rows, each calling the tool with probability `tool_fraction` (else answering directly)."""
+    return [transcript(rng, tool=rng.random() < tool_fraction) for _ in range(rows)]
 
 
 def write_model(directory: Path, texts: list[str]) -> None:
@@ -107,13 +123,18 @@ def write_model(directory: Path, texts: list[str]) -> None:
     AutoModelForCausalLM.from_config(config).save_pretrained(str(directory), safe_serialization=True)
 
 
-def write_demo(out: str | Path, sft_rows: int = 256, rl_rows: int = 256, eval_rows: int = 32) -> Path:
-    """Every file of the demo under `out` (see the module docstring); returns `out`."""
+def write_demo(
+    out: str | Path, sft_rows: int = 2048, rl_rows: int = 256, eval_rows: int = 32, tool_fraction: float = TOOL_FRACTION
+) -> Path:
+    """Every file of the demo under `out` (see the module docstring; `tool_fraction` of the SFT rows call the tool, the
+    rest answer directly); returns `out`."""
+    if not 0.0 <= tool_fraction <= 1.0:
+        raise ValueError(f"write_demo: tool_fraction must be in [0, 1]; got {tool_fraction}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "calculator.py").write_text(TOOL_FILE)
     rng = random.Random(0)
-    sft = [transcript(rng) for _ in range(sft_rows)]
+    sft = sft_transcripts(rng, sft_rows, tool_fraction)
     write_jsonl(out / "sft_train.jsonl", sft)
     for name, count in (("rl_train", rl_rows), ("rl_eval", eval_rows)):
         rows = []

@@ -6,7 +6,8 @@
 
 A figure (`FIGURES`) is a make command and what the pages quote from its run: one eval metric at each eval step (and,
 for a LoRA run, the base's value before it, from `before.json`), the command's time, optionally the console's last
-two lines, and the loss curve copied into docs/. Each job runs at the checkout's HEAD, which must have no uncommitted
+two lines and train metrics at their first and last logged step, and the loss curve copied into docs/ (or a figure
+drawn there from its metrics.jsonl, `curves`). Each job runs at the checkout's HEAD, which must have no uncommitted
 change to a tracked file, from a clean output directory, after `make install` (timed apart: the quoted times never
 include the install, and say so). Its values go to docs/figures.json with the commit and the date, and every block
 
@@ -39,6 +40,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = "docs/figures.json"
+Panel = tuple[str, tuple[str, ...]]  # one axes of a drawn figure: its y label and the metrics.jsonl keys on it
 BLOCK = re.compile(r"<!-- figure:([\w-]+)(:log)? -->\n(.*?)<!-- /figure -->", re.S)
 STEP_LINE = re.compile(r"step (\d+)/\1 \|[^\r\n]*")  # a console line of the run's last step
 
@@ -57,6 +59,8 @@ class Figure:
     images: dict[str, str] = field(default_factory=dict)  # a file of the run -> its copy under docs/
     sampled: str = ""  # a train metric also quoted at its first and last logged step (RL: the reward sampled at T)
     quote: str = ""  # a JSON file the job writes in output_dir, {label: value}, quoted whole (DPO: greedy accuracy)
+    tracked: tuple[str, ...] = ()  # more train metrics quoted at their first and last logged step (agent: tool calls)
+    curves: dict[str, tuple[Panel, ...]] = field(default_factory=dict)  # a figure drawn under docs/ from metrics.jsonl
 
 
 UNTRAINED_BASE = "outputs/sft_demo/models/qwen2_vl_digits"
@@ -104,6 +108,23 @@ FIGURES: dict[str, Figure] = {
         clean=("outputs/rl_math", "outputs/rl_math_sft", "outputs/rl_math_sft_hf"),
         images={"reward_curve.png": "docs/rl_math_reward_curve.png"},
         sampled="rl/reward/mean",
+    ),
+    "train-agent": Figure(
+        "make train-agent",
+        "outputs/agent_calc_grpo",
+        "eval/accuracy",
+        "GRPO episodes with a calculator tool on 3-digit x 2-digit products after a short SFT warm start on "
+        "transcripts of which 30% call the tool, which it runs first; step 1 is the warm start's greedy accuracy",
+        clean=("outputs/agent_calc", "outputs/agent_calc_sft", "outputs/agent_calc_sft_hf"),
+        sampled="rl/reward/mean",
+        tracked=("rl/tool_calls/mean",),
+        curves={
+            "docs/agent_calc_curve.png": (
+                ("sampled reward (T=1)", ("rl/reward/mean",)),
+                ("tool calls / episode", ("rl/tool_calls/mean",)),
+                ("greedy eval accuracy", ("eval/accuracy",)),
+            )
+        },
     ),
     "train-dpo": Figure(
         "make train-dpo",
@@ -171,6 +192,9 @@ def render(name: str, result: dict, log: bool = False) -> str:
         sampled = (
             f"; `{figure.sampled}` (sampled at temperature 1) {start:.3f} at step {first}, {end:.3f} at step {last}"
         )
+    for key in figure.tracked:
+        (first, start), (last, end) = sorted(result["tracked"][key].items(), key=lambda kv: int(kv[0]))
+        sampled += f"; `{key}` {start:.3f} at step {first}, {end:.3f} at step {last}"
     if figure.quote:
         sampled += f"; `{figure.quote}`: " + ", ".join(f"{k} {v:.3f}" for k, v in result["quoted"].items())
     files = "`before.json` and `metrics.jsonl` in " if figure.before else "`metrics.jsonl` in "
@@ -259,6 +283,18 @@ def run_logged(command: str, log_file: Path) -> tuple[int, float, str]:
     return code, time.monotonic() - start, "".join(output)
 
 
+def draw_curves(events: list[dict], path: Path, panels: tuple[Panel, ...]) -> None:
+    """`panels` of the run's metrics.jsonl `events` against step, stacked, drawn to `path` as the trainer draws."""
+    from veomni_lite.metrics.sinks import LossCurveSink
+
+    series: dict[str, list[dict]] = {}
+    for event in events:
+        for key, value in event.items():
+            if key not in ("step", "epoch"):
+                series.setdefault(key, []).append({"step": event["step"], "epoch": event.get("epoch"), "value": value})
+    LossCurveSink(path, series, panels=panels).redraw()
+
+
 def run_figure(name: str, commit: str) -> dict:
     """Run one figure's job from a clean output directory; its recorded result."""
     figure = FIGURES[name]
@@ -274,6 +310,8 @@ def run_figure(name: str, commit: str) -> dict:
     last = [m.group(0).rstrip() for m in STEP_LINE.finditer(output)][-2:]  # the last step's train and eval lines
     for source, copy in figure.images.items():
         shutil.copyfile(out / source, REPO / copy)
+    for copy, panels in figure.curves.items():
+        draw_curves(events, REPO / copy, panels)
     result = {
         "command": figure.command,
         "commit": commit,
@@ -291,6 +329,9 @@ def run_figure(name: str, commit: str) -> dict:
     if figure.sampled:
         logged = [(str(e["step"]), e[figure.sampled]) for e in events if figure.sampled in e]
         result["sampled"] = dict([logged[0], logged[-1]])
+    for key in figure.tracked:
+        logged = [(str(e["step"]), e[key]) for e in events if key in e]
+        result.setdefault("tracked", {})[key] = dict([logged[0], logged[-1]])
     return result
 
 

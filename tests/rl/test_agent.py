@@ -323,3 +323,31 @@ def test_given_episodes_train_their_assistant_turns_only(tmp_path: Path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(DataError, match=r"row 0 \(0-based\): turns\[1\] must be \{role: one of"):
         read_rollouts(path, 2, None, encode, 2, 100)
+
+
+def test_the_demos_sft_transcripts_call_the_tool_in_tool_fraction_of_rows_and_answer_the_rest_directly(demo: Path):
+    import json
+    import random
+
+    from examples.agent_calc import call_text, sft_transcripts, write_demo
+
+    def check(row: dict) -> bool:
+        """The row is well formed (its last turn the question's product); whether it calls the tool."""
+        messages = row["messages"]
+        a, b = (int(x) for x in messages[1]["content"].removeprefix("What is ").removesuffix("?").split(" * "))
+        assert messages[-1] == {"role": "assistant", "content": str(a * b)}
+        if len(messages) == 3:
+            return False
+        assert messages[2]["content"] == call_text(f"{a} * {b}")
+        assert messages[3]["content"] == f"<tool_response>\n{a * b}\n</tool_response>" and len(messages) == 5
+        return True
+
+    rows = [json.loads(line) for line in (demo / "sft_train.jsonl").read_text().splitlines()]
+    kinds = [check(row) for row in rows]
+    assert len(rows) == 16 and 0 < sum(kinds) < 16  # both kinds at the default fraction (0.3)
+    drawn = [check(row) for row in sft_transcripts(random.Random(1), 2000, 0.3)]
+    assert 0.27 < sum(drawn) / len(drawn) < 0.33
+    assert all(check(row) for row in sft_transcripts(random.Random(1), 20, 1.0))
+    assert not any(check(row) for row in sft_transcripts(random.Random(1), 20, 0.0))
+    with pytest.raises(ValueError, match="tool_fraction must be in"):
+        write_demo(demo / "unused", tool_fraction=1.5)
