@@ -431,10 +431,10 @@ def _job(job: str, work_dir: Path, model_dir: Path, steps: int) -> dict[str, Any
     name = f"{job}_{world}p"
     from trl import DPOTrainer
 
-    from veomni_lite.preference.trainer import PreferenceTrainer
+    from veomni_lite.preference.reference_pass import PrecomputedReference
 
     passes = {"ours": _Clock(), "trl": _Clock()}  # the precomputed reference's pass over the pairs, at build
-    restore = [passes["ours"].wrap(PreferenceTrainer, "_precompute"),
+    restore = [passes["ours"].wrap(PrecomputedReference, "compute"),
                passes["trl"].wrap(DPOTrainer, "_precompute_ref_logps")]  # fmt: skip
     try:
         start = time.perf_counter()
