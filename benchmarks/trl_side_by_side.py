@@ -58,6 +58,9 @@ SIZES = {"sft": (64, 32), "grpo": (128, 32), "dpo_live": (32, 16), "dpo_precompu
 PROMPTS, GENERATIONS, NEW_TOKENS = 16, 8, 16
 LR, BETA, ADVANTAGE_EPS = 1e-5, 0.1, 1e-4
 TARGET = 0.7  # ours / TRL seconds per step, at most (issue 48)
+# The target we propose instead: at matched settings both sides run the same forwards and backwards (issue 48's 0.7
+# came from SFT against TRL's default gradient checkpointing, which recomputes the forward): no slower than TRL.
+PROPOSED = 1.0
 LOSS_TOLERANCE = 1e-6  # the largest per-step loss difference, ours against TRL's
 # optimizer steps per job and side, and how many of the first are not counted: (full, quick)
 STEPS, WARMUP = {False: 10, True: 3}, {False: 2, True: 1}
@@ -573,8 +576,9 @@ def block(work_dir: Path, quick: bool) -> dict[str, Any]:
             passes = result["reference_pass_s"] if job == "dpo_precomputed" else {}
             build = [result["build_s"]["ours"], result["build_s"]["trl"], passes.get("ours"), passes.get("trl")]
             time_rows.append([*row, *build, len(ratios), result["trl_parallel"]])
-            targets.append({"name": f"{LABELS[job]} step, ours / TRL, {nproc} process(es)", "op": "<=",
-                            "bound": TARGET, "unit": "x", "values": ratios})  # fmt: skip
+            for bound, which in ((TARGET, "issue 48's"), (PROPOSED, "proposed")):
+                targets.append({"name": f"{LABELS[job]} step, ours / TRL, {nproc} process(es), {which} target",
+                                "op": "<=", "bound": bound, "unit": "x", "values": ratios})  # fmt: skip
             losses, norms = result["losses"], result["grad_norms"]
             if job == "grpo":
                 given = result.get("given")
