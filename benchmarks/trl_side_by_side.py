@@ -17,16 +17,16 @@ evaluation. TRL gets our tokens (SFT: `input_ids` with our unshifted `labels`; D
 `rejected_ids` up to the last trained token) in our loader's order and reads them in order (GRPO: its prompts, rendered
 and tokenized by TRL, whose token ids are compared with ours), so each optimizer step trains on the same samples.
 
-Timing: one launch per process count (1: a plain process, no process group, so ours trains the bare model and TRL
-without DDP; 2: torchrun, gloo, ours FSDP2, TRL accelerate's DDP on CPU), OMP_NUM_THREADS=1, both trainers in the same
-processes. TRL's own `train()` drives the rounds: a callback at each of its
-step ends runs one of our steps (the loop body of `BaseTrainer.train`: fetch, agree, `train_step`, end of step), so the
-steps alternate TRL, ours, TRL, ours; each timed region starts after a barrier, and a step takes its slowest rank's
-time. TRL's step is the time from the end of our previous step to its `on_step_end` (its batch fetch, its logging of the
-previous step, forward, backward, optimizer). GRPO: the seconds inside the models' `generate` calls apart from the rest
-of the step (ours: the engine's weight sync, decoding, rewards, the samples' gather, collation, the training step;
-TRL's: its prompts' templating and tokenization, rewards, advantages, the training step). The first steps warm up and
-are not counted; a ratio target's values are the paired ratios of the rounds.
+Timing: one launch per layout (1: a plain process, no process group, so ours trains the bare model and TRL without DDP;
+2: torchrun, gloo, TRL accelerate's DDP on CPU, twice: ours FSDP2, then ours replicated like DDP, HSDP with
+`parallel.dp_replicate: 2`), OMP_NUM_THREADS=1, both trainers in the same processes. TRL's own `train()` drives the
+rounds: a callback at each of its step ends runs one of our steps (the loop body of `BaseTrainer.train`: fetch, agree,
+`train_step`, end of step), so the steps alternate TRL, ours, TRL, ours; each timed region starts after a barrier, and a
+step takes its slowest rank's time. TRL's step is the time from the end of our previous step to its `on_step_end` (its
+batch fetch, its logging of the previous step, forward, backward, optimizer). GRPO: the seconds inside the models'
+`generate` calls apart from the rest of the step (ours: the engine's weight sync, decoding, rewards, the samples'
+gather, collation, the training step; TRL's: its prompts' templating and tokenization, rewards, advantages, the training
+step). The first steps warm up and are not counted; a ratio target's values are the paired ratios of the rounds.
 
 Equal work: SFT and DPO losses and gradient norms step by step (ours `train/loss`, TRL's logged `loss`). GRPO's samples
 differ (two samplers), so TRL's rollout batches (its prompts, completions and rewards) are trained again by our
@@ -64,6 +64,10 @@ PROPOSED = 1.0
 LOSS_TOLERANCE = 1e-6  # the largest per-step loss difference, ours against TRL's
 # optimizer steps per job and side, and how many of the first are not counted: (full, quick)
 STEPS, WARMUP = {False: 10, True: 3}, {False: 2, True: 1}
+# (label, processes, ours replicated): at 2 processes TRL runs accelerate's DDP (every rank the whole model); ours runs
+# FSDP2 (shards: all-gathers in every forward and backward) and, the same scheme as DDP, replicated (HSDP,
+# parallel.dp_replicate = 2)
+LAYOUTS = (("1", 1, False), ("2, ours FSDP2", 2, False), ("2, ours replicated", 2, True))
 
 
 def _pairs(data: Path, steps: int) -> Path:
@@ -78,10 +82,14 @@ def _pairs(data: Path, steps: int) -> Path:
     return path
 
 
-def _our_args(job: str, work_dir: Path, model_dir: Path, name: str, steps: int) -> list[str]:
+def _our_args(job: str, work_dir: Path, model_dir: Path, name: str, steps: int, replicated: bool = False) -> list[str]:
+    """Our trainer's arguments for `job`; `replicated`: every rank holds the whole model (`parallel.dp_replicate` =
+    the world, as TRL's DDP does) instead of FSDP2's shards."""
     data = work_dir / "data"
     batch, micro = SIZES[job]
-    args = [
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    args = ["--parallel.dp_replicate", str(world)] if replicated else []
+    args += [
         "--model.arch", "auto", "--model.pretrained_dir", str(model_dir), "--train.max_steps", "1000",
         "--train.eval_interval", "0", "--train.output_dir", str(work_dir / f"run_{name}"),
         "--checkpoint.save_interval", "0", "--logging.log_interval", "1", "--logging.progress_bar", "false",
@@ -426,12 +434,12 @@ def _trl_logs(trainer: Any) -> list[dict[str, Any]]:
     return [row for row in trainer.state.log_history if "loss" in row and "train_runtime" not in row]
 
 
-def _job(job: str, work_dir: Path, model_dir: Path, steps: int) -> dict[str, Any]:
+def _job(job: str, work_dir: Path, model_dir: Path, steps: int, replicated: bool = False) -> dict[str, Any]:
     """One job's rounds in this launch: per-step seconds (this rank's), losses, build seconds, GRPO's lengths."""
     import torch
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    name = f"{job}_{world}p"
+    name = f"{job}_{world}p" + ("_replicated" if replicated else "")
     from trl import DPOTrainer
 
     from veomni_lite.preference.reference_pass import PrecomputedReference
@@ -441,7 +449,7 @@ def _job(job: str, work_dir: Path, model_dir: Path, steps: int) -> dict[str, Any
                passes["trl"].wrap(DPOTrainer, "_precompute_ref_logps")]  # fmt: skip
     try:
         start = time.perf_counter()
-        ours = _ours(job, _our_args(job, work_dir, model_dir, name, steps))
+        ours = _ours(job, _our_args(job, work_dir, model_dir, name, steps, replicated))
         ours_build = time.perf_counter() - start
         start = time.perf_counter()
         trl = _trl(job, ours, model_dir, work_dir / f"trl_{name}", steps)
@@ -484,7 +492,7 @@ def _job(job: str, work_dir: Path, model_dir: Path, steps: int) -> dict[str, Any
     return result
 
 
-def _worker(work_dir: Path, model_dir: Path, jobs: list[str], steps: int, out: Path) -> None:
+def _worker(work_dir: Path, model_dir: Path, jobs: list[str], steps: int, out: Path, replicated: bool) -> None:
     """Every job of `jobs` in this launch; rank 0 writes {job: result} (times: the max over ranks per step)."""
     import torch.distributed as dist
     from harness import max_over_ranks
@@ -493,7 +501,7 @@ def _worker(work_dir: Path, model_dir: Path, jobs: list[str], steps: int, out: P
 
     results = {}
     for job in jobs:
-        result = _job(job, work_dir, model_dir, steps)
+        result = _job(job, work_dir, model_dir, steps, replicated)
         result["times"] = {key: max_over_ranks(values) for key, values in result["times"].items()}
         results[job] = result
         print(f"[trl_side_by_side] {job}: {json.dumps(result['times'])}", flush=True)
@@ -505,16 +513,18 @@ def _worker(work_dir: Path, model_dir: Path, jobs: list[str], steps: int, out: P
 # ---------------------------------------------------------------------------------------------------- the block
 
 
-def _launch(work_dir: Path, model_dir: Path, nproc: int, jobs: list[str], steps: int) -> dict[str, Any]:
+def _launch(
+    work_dir: Path, model_dir: Path, nproc: int, jobs: list[str], steps: int, replicated: bool = False
+) -> dict[str, Any]:
     """The worker on `nproc` processes: torchrun for 2, a plain process for 1 (no process group: our model unwrapped,
-    TRL's without DDP), one thread each; its results."""
+    TRL's without DDP), one thread each; its results. `replicated`: ours holds the whole model on every rank."""
     import subprocess
 
     from harness import torchrun
 
-    out = work_dir / f"results_{nproc}p.json"
+    out = work_dir / f"results_{nproc}p{'_replicated' if replicated else ''}.json"
     args = ["--worker", "--work-dir", str(work_dir), "--model-dir", str(model_dir), "--jobs", ",".join(jobs),
-            "--steps", str(steps), "--out", str(out)]  # fmt: skip
+            "--steps", str(steps), "--out", str(out), *(["--replicated"] if replicated else [])]  # fmt: skip
     if nproc > 1:
         torchrun(Path(__file__), nproc, args, 1800)
         return json.loads(out.read_text())
@@ -553,8 +563,11 @@ def block(work_dir: Path, quick: bool) -> dict[str, Any]:
     for stale in [*work_dir.glob("run_*"), *work_dir.glob("trl_*")]:
         shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink()
     model_dir, _, _ = write_inputs(work_dir, QUICK_MODEL if quick else MODEL)
-    nprocs, steps, warmup = ((1,) if quick else (1, 2)), STEPS[quick], WARMUP[quick]
-    measured = {nproc: _launch(work_dir, model_dir, nproc, list(JOBS), steps) for nproc in nprocs}
+    layouts = LAYOUTS[:1] if quick else LAYOUTS
+    steps, warmup = STEPS[quick], WARMUP[quick]
+    measured = {
+        label: _launch(work_dir, model_dir, n, list(JOBS), steps, replicated) for label, n, replicated in layouts
+    }
     time_rows, equal_rows, targets = [], [], []
     for nproc, results in measured.items():
         for job in JOBS:
@@ -569,7 +582,7 @@ def block(work_dir: Path, quick: bool) -> dict[str, Any]:
                 rest_ratios = [a / b for a, b in zip(rest["ours"], rest["trl"])]
                 row += [_spread(times["ours_generate"]), _spread(times["trl_generate"]), _spread(rest["ours"]),
                         _spread(rest["trl"]), statistics.median(rest_ratios)]  # fmt: skip
-                targets.append({"name": f"GRPO step without generation, ours / TRL, {nproc} process(es)", "op": "<=",
+                targets.append({"name": f"GRPO step without generation, ours / TRL, processes {nproc}", "op": "<=",
                                 "bound": TARGET, "unit": "x", "values": rest_ratios})  # fmt: skip
             else:
                 row += [None] * 5
@@ -577,7 +590,7 @@ def block(work_dir: Path, quick: bool) -> dict[str, Any]:
             build = [result["build_s"]["ours"], result["build_s"]["trl"], passes.get("ours"), passes.get("trl")]
             time_rows.append([*row, *build, len(ratios), result["trl_parallel"]])
             for bound, which in ((TARGET, "issue 48's"), (PROPOSED, "proposed")):
-                targets.append({"name": f"{LABELS[job]} step, ours / TRL, {nproc} process(es), {which} target",
+                targets.append({"name": f"{LABELS[job]} step, ours / TRL, processes {nproc}, {which} target",
                                 "op": "<=", "bound": bound, "unit": "x", "values": ratios})  # fmt: skip
             losses, norms = result["losses"], result["grad_norms"]
             if job == "grpo":
@@ -601,7 +614,7 @@ def block(work_dir: Path, quick: bool) -> dict[str, Any]:
             loss_diff = _largest_difference(losses["ours"], losses["trl"])
             equal_rows.append([nproc, LABELS[job], loss_diff, _largest_difference(norms["ours"], norms["trl"]),
                                len(losses["trl"]), None, None])  # fmt: skip
-            targets.append({"name": f"{LABELS[job]}: largest per-step loss difference, {nproc} process(es)",
+            targets.append({"name": f"{LABELS[job]}: largest per-step loss difference, processes {nproc}",
                             "op": "<=", "bound": LOSS_TOLERANCE, "unit": "", "values": [loss_diff]})  # fmt: skip
     time_columns = ["processes", "job", "ours ms/step median [IQR]", "TRL ms/step median [IQR]",
                     "ours / TRL (median of paired steps)", "GRPO generate ms, ours", "GRPO generate ms, TRL",
@@ -611,7 +624,7 @@ def block(work_dir: Path, quick: bool) -> dict[str, Any]:
     equal_columns = ["processes", "job", "largest loss difference (relative, absolute under 1)",
                      "largest grad norm difference (same)", "steps compared", "GRPO: mean response length, ours / TRL",
                      "GRPO: mean reward, ours / TRL"]  # fmt: skip
-    mode = "quick mode: 1 process only" if quick else "1 and 2 processes"
+    mode = "quick mode: 1 process only" if quick else "1 process, and 2 with ours FSDP2 and replicated"
     about = prose(__doc__) + (
         f" This run: {mode}, {steps} steps per job of which the first {warmup} warm up; model "
         f"{QUICK_MODEL if quick else MODEL}. "
@@ -639,9 +652,10 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--replicated", action="store_true")
     args = parser.parse_args()
     sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
     if args.worker:
-        _worker(args.work_dir, args.model_dir, args.jobs.split(","), args.steps, args.out)
+        _worker(args.work_dir, args.model_dir, args.jobs.split(","), args.steps, args.out, args.replicated)
     else:
         print(json.dumps(block(args.work_dir, quick=args.quick), indent=1))

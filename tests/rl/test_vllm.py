@@ -757,6 +757,71 @@ def test_vllm_and_embedded_engines_train_the_same_steps_with_the_same_metrics(ma
     assert all(abs(value - 1) < 1e-4 for value in ratio.values())
 
 
+TALKER = """
+class Talker:
+    def reset(self, row):
+        self.turns = 0
+        return ""
+
+    def step(self, text):
+        self.turns += 1
+        return "go on", 0.5 * self.turns, self.turns == 2
+"""
+
+
+def _ending_model(source: Path, out: Path) -> Path:
+    """`source`'s model made to end its turns: the final norm keeps one dimension, where the end-of-turn row of the LM
+    head reads +20 and every other row -20, so about every other position samples `<|im_end|>` (a random model
+    seldom ends a turn, and an episode needs ended turns to go on)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(source))
+    end = AutoTokenizer.from_pretrained(str(source)).convert_tokens_to_ids("<|im_end|>")
+    with torch.no_grad():
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0
+        model.lm_head.weight[:, 0] = -20.0
+        model.lm_head.weight[end, 0] = 20.0
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (source / name).is_file():
+            shutil.copy(source / name, out / name)
+    return out
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@requires_vllm
+def test_episodes_run_on_vllm_token_in_token_out_as_on_the_embedded_engine(math_demo, vllm_server, tmp_path):
+    """Multi-turn episodes (an environment's observations between the model's turns) on the vLLM engine at DP=2:
+    every episode's model turns are the ids the engine sampled (token in, token out: each turn's request is the
+    episode's ids so far), with the engine's log-probabilities matching the trainer's on them, and the environment's
+    tokens in the sequence but in no loss; the embedded engine logs the same metric keys."""
+    model = _ending_model(math_demo / "model", tmp_path / "ending_model")
+    env = tmp_path / "talker.py"
+    env.write_text(TALKER)
+    extra = ["--model.pretrained_dir", str(model), "--rl.environment", f"{env}:Talker", "--rl.max_turns", "3",
+             "--data.max_seq_len", "96", "--train.max_steps", "2", "--train.eval_interval", "0"]  # fmt: skip
+    vllm = {"url": vllm_server.url, "probe_tolerance": 1e-4}
+    runs = {
+        "vllm": write_config(math_demo, tmp_path / "vllm", "vllm", vllm),
+        "transformers": write_config(math_demo, tmp_path / "transformers", "transformers"),
+    }
+    for path in runs.values():
+        assert run_distributed(train, 2, str(path), extra, timeout_s=900) == [None, None]
+    keys = {name: keys_by_step(tmp_path / name) for name in runs}
+    assert keys["vllm"] == keys["transformers"]
+    assert {"rl/turns/mean", "rl/episode/env_tokens", "rl/logprob_diff"} <= keys["vllm"][1]
+    diff = by_step(tmp_path / "vllm", "rl/logprob_diff")
+    assert diff and all(value < 1e-5 for value in diff.values()), diff
+    assert max(by_step(tmp_path / "vllm", "rl/turns/max").values()) >= 2  # episodes went on past their first turn
+    rows = [json.loads(line) for line in (tmp_path / "vllm" / "rollouts.jsonl").read_text().splitlines()]
+    turns = [turn for row in rows for turn in row["turns"]]
+    assert {"assistant", "user"} <= {turn["role"] for turn in turns}, turns[:4]
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 @requires_vllm
