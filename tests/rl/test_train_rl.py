@@ -224,14 +224,26 @@ def test_uneven_token_budget_plans_compute_old_and_reference_logprobs_like_one_p
                 assert got[step] == pytest.approx(value, rel=RTOL, abs=1e-7), (name, key, step, got, expected)
 
 
-def _collate_error_on_rank_one(rank: int, world: int, args: list[str]) -> dict[str, Any]:
-    """Train; rank 1's second collate (its second micro-batch of the old / reference log-probability pass) fails."""
+def _collate_error_on_rank_one(
+    rank: int, world: int, args: list[str], call: int = 2, agreed: bool = True
+) -> dict[str, Any]:
+    """Train; rank 1's `call`-th collate fails (the second: its second micro-batch of the old / reference
+    log-probability pass; on policy without a reference the first is the training micro-batches'). `agreed=False`:
+    the negative control, the training micro-batches' collate error raised as it is (not a DataError the loop
+    agrees)."""
+    if not agreed:
+        import veomni_lite.rl.logprob_pass as logprob_pass
+
+        def as_it_is(exc: Exception, where: str = "") -> Exception:
+            raise exc
+
+        logprob_pass.data_problem = as_it_is
     trainer = RLTrainer(config(args, world))
     collate, calls = trainer.collate, []
 
     def failing_collate(samples: Any) -> Any:
         calls.append(1)
-        if rank == 1 and len(calls) == 2:
+        if rank == 1 and len(calls) == call:
             raise ValueError("response 5: 'input_ids' and 'labels' differ in length")
         return collate(samples)
 
@@ -259,6 +271,19 @@ def test_a_collate_error_on_one_rank_in_the_logprob_pass_is_agreed_before_any_fo
     assert results[1][1]["outcome"].startswith(expected), results
     assert results[0][1]["outcome"] == results[1][1]["outcome"], results
     assert [r["forwards"] for _, r in results] == [0, 0] and max(r["seconds"] for _, r in results) < 4.0, results
+    # on policy without a reference no pass runs: the training micro-batches' collate fails, the loop agrees it
+    on_policy = ["--rl.epochs", "1", "--rl.prompts_per_step", "2", "--rl.kl_coef", "0"]
+    outcomes = run_ranks(_collate_error_on_rank_one, 2, [*args, *on_policy], 1, timeout_s=300, pg_timeout_s=4)
+    results = [outcomes[rank] for rank in (0, 1)]
+    assert [status for status, _ in results] == ["ok", "ok"], results
+    expected = "DataError: step 1: rank 1: RL micro-batches: ValueError: response 5: 'input_ids' and 'labels' differ"
+    assert results[1][1]["outcome"].startswith(expected), results
+    assert results[0][1]["outcome"] == results[1][1]["outcome"], results
+    assert max(r["seconds"] for _, r in results) < 4.0, results
+    outcomes = run_ranks(_collate_error_on_rank_one, 2, [*args, *on_policy], 1, False, timeout_s=300, pg_timeout_s=4)
+    assert outcomes[1][1]["outcome"].startswith("ValueError: response 5"), outcomes  # rank 1 leaves the loop alone
+    lost = outcomes[0][1]["outcome"]  # rank 0, in the loop's agreement, loses its peer: the cause is not there
+    assert lost.startswith("CollectiveError: rank 0: all_reduce") and "response 5" not in lost, outcomes
 
 
 def _run_unpadded(rank: int, world: int, args: list[str]) -> None:

@@ -41,7 +41,7 @@ class LogprobPasses:
     def prepare(self, samples: list[RolloutSample], loader: Any) -> list[list[dict[str, torch.Tensor]]]:
         """Each mini-batch's micro-batches of this rank (marked, sliced); the old (unless `on_policy`) and reference
         log-probabilities computed on them now (before the batch's first update) unless the samples hold them (a
-        resumed batch)."""
+        resumed batch). A collate error is a DataError, which the train loop agrees on every rank."""
         t = self.trainer
         size = t.config.train.global_batch_size
         mask = t.rl.mask_truncated
@@ -59,12 +59,14 @@ class LogprobPasses:
             t.critic.advantages(samples)
         if not t.on_policy:  # on policy the loss records them, from the training forward
             t.records.engine_mismatch([s for s in samples if s.group % t.parallel.world_size == t.rank])
-        out = []
-        for plan in plans:
-            out.append(
+        try:
+            return [
                 [t.mark_and_slice(t.collate([chunk[i].tensors(mask) for i in indices])) for chunk, indices in plan]
-            )
-        return out
+                for plan in plans
+            ]
+        except Exception as exc:  # noqa: BLE001 - a DataError: the loop agrees it on every rank before any forward
+            problem = data_problem(exc, f"rank {t.rank}: RL micro-batches: ")
+            raise problem if isinstance(problem, DataError) else DataError(f"RL micro-batches: {problem}") from exc
 
     def _fill(self, samples: list[RolloutSample], plans: list[list[tuple[list, list[int]]]]) -> None:
         """Old (and reference) log-probabilities of every sample's response tokens, computed on this rank's
