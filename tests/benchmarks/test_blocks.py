@@ -180,23 +180,24 @@ def test_trl_side_by_side_targets(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
 
     launched = []
 
-    def launch(work: Path, model: Path, nproc: int, jobs: list[str], steps: int) -> dict[str, Any]:
-        launched.append((nproc, steps))
+    def launch(work: Path, model: Path, nproc: int, jobs: list[str], steps: int, replicated: bool) -> dict[str, Any]:
+        launched.append((nproc, steps, replicated))
         return {job: result(job, nproc, steps) for job in jobs}
 
     monkeypatch.setattr(preference, "write_inputs", lambda work, model: (tmp_path, tmp_path, tmp_path))
     monkeypatch.setattr(bench, "_launch", launch)
     full = by_name(bench.block(tmp_path, quick=False))
-    assert launched == [(1, bench.STEPS[False]), (2, bench.STEPS[False])]
+    assert launched == [(1, bench.STEPS[False], False), (2, bench.STEPS[False], False), (2, bench.STEPS[False], True)]
     steps = bench.STEPS[False] - bench.WARMUP[False]  # the paired ratios after the warm-up steps
-    assert full["SFT step, ours / TRL, 2 process(es)"]["values"] == [[0.25, 0.75, 0.5][i % 3] for i in range(steps)]
-    assert full["GRPO step without generation, ours / TRL, 1 process(es)"]["values"][:3] == [0.0, 2.0 / 3.0, 1.0 / 3.0]
-    assert full["DPO, live reference: largest per-step loss difference, 1 process(es)"]["values"] == [
-        pytest.approx(1e-7)
-    ]
+    for layout in ("2, ours FSDP2", "2, ours replicated"):
+        for which, bound in (("issue 48's", 0.7), ("proposed", 1.0)):
+            target = full[f"SFT step, ours / TRL, processes {layout}, {which} target"]
+            assert target["values"] == [[0.25, 0.75, 0.5][i % 3] for i in range(steps)] and target["bound"] == bound
+    assert full["GRPO step without generation, ours / TRL, processes 1"]["values"][:3] == [0.0, 2.0 / 3.0, 1.0 / 3.0]
+    assert full["DPO, live reference: largest per-step loss difference, processes 1"]["values"] == [pytest.approx(1e-7)]
     assert full["GRPO on TRL's samples: largest per-step loss difference"]["values"] == [pytest.approx(2.9e-6)]
     assert len([name for name in full if "GRPO on TRL" in name]) == 1  # 1 process only
     launched.clear()
     quick = by_name(bench.block(tmp_path, quick=True))
-    assert launched == [(1, bench.STEPS[True])]
-    assert quick["DPO, precomputed reference step, ours / TRL, 1 process(es)"]["values"] == [0.25, 0.75]
+    assert launched == [(1, bench.STEPS[True], False)]
+    assert quick["DPO, precomputed reference step, ours / TRL, processes 1, proposed target"]["values"] == [0.25, 0.75]
