@@ -5,8 +5,8 @@ position, on one of two trunks:
 - `rl.critic.value_head: true`: the policy's own trunk (one forward serves both);
 - `rl.critic.pretrained_dir: DIR`: a separate value model, the decoder of DIR's causal LM (its LM head dropped; verl's
   and OpenRLHF's critic, initialised from a model directory), run on the same inputs inside the policy's forward. It is
-  a submodule of the policy (`critic_model`), so FSDP2 shards its layers one by one like the policy's (its own
-  shards), it gets the run's attention and Ulysses SP, is filled shard by shard from DIR, checkpointed and resumed
+  a submodule and companion of the policy (`critic_model`), so FSDP2 shards its layers one by one like the policy's (its
+  own shards), it gets the run's attention and Ulysses SP, is filled shard by shard from DIR, checkpointed and resumed
   with the policy, left out of the reference and of the export. Its tokenizer must be the policy's (same vocabulary);
   text models only.
 Either way the critic is part of the policy module (`value_head`, `critic_model`), the checkpoint holds it and the
@@ -187,6 +187,7 @@ def attach_value_head(model: nn.Module, captured: dict[str, Any], critic_model: 
     first = next(model.parameters())
     if critic_model is not None:
         model.critic_model = critic_model
+        model.companions = (critic_model,)  # its own attention, SP and FSDP2 units (`with_companions`)
     model.value_head = ValueHead(hidden, first.dtype, first.device)  # on meta where the model is
 
     def capture(_module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:

@@ -77,7 +77,7 @@ from veomni_lite.models.sharded_load import (
 from veomni_lite.plain_loop import LossStep
 from veomni_lite.trainer.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
 from veomni_lite.trainer.lr_schedule import lr_lambda, ratio_steps
-from veomni_lite.trainer.model import TrainableModel, check_model_contract, nested_models
+from veomni_lite.trainer.model import TrainableModel, check_model_contract, with_companions
 from veomni_lite.utils.loss_utils import LossKeyMismatchError, mark_sequences, mean_global_loss, reset_loss_memo
 
 logger = logging.getLogger(__name__)
@@ -200,7 +200,7 @@ class BaseTrainer(ABC):
         model = check_model_contract(model if on_meta else model.to(self.device))
         self.loss_keys: tuple[str, ...] = self.trained_loss_keys(model)
         self._check_loss_weights(model)
-        models = nested_models(model)
+        models = with_companions(model)
         for each in models:
             self._set_attention(each)
         model.fused_lm_head = config.model.fused_lm_head  # read by the transformers models' loss heads

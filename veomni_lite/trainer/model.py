@@ -31,6 +31,7 @@ class TrainableModel(nn.Module):
     loss_keys: tuple[str, ...]  # an attribute or property of the subclass
     layers: Iterable[nn.Module]  # likewise (an nn.ModuleList attribute is one)
     host_inputs: tuple[str, ...] = ()
+    companions: tuple[TrainableModel, ...] = ()  # see `with_companions`
 
     def flops_per_token(self, seq_len: int) -> float:
         raise NotImplementedError
@@ -51,11 +52,12 @@ class TrainableModel(nn.Module):
 _REQUIRED_METHODS = ("flops_per_token", "enable_sequence_parallel")
 
 
-def nested_models(model: nn.Module) -> list[TrainableModel]:
-    """`model` and every `TrainableModel` inside it (e.g. PPO's separate value model, `rl.critic.pretrained_dir`),
-    outermost first: the trainer gives each the run's attention and Ulysses SP, and shards (and checkpoints the
-    activations of) each one's `layers`."""
-    return [module for module in model.modules() if isinstance(module, TrainableModel)]
+def with_companions(model: nn.Module) -> list[TrainableModel]:
+    """`model` and the models it trains beside it (`companions`, e.g. PPO's separate value model,
+    `rl.critic.pretrained_dir`: its submodules, which it runs in its forward): the trainer gives each the run's
+    attention and Ulysses SP, and shards (and checkpoints the activations of) each one's `layers`. A model's own
+    parts that are models too (a VL model's decoder) are not companions: the model covers them."""
+    return [model, *getattr(model, "companions", ())]
 
 
 def check_model_contract(model: nn.Module) -> TrainableModel:
