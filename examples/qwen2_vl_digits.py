@@ -99,7 +99,12 @@ class DigitsVLTrainer(BaseTrainer):
             real = len(chosen)
             samples, positions, gold = zip(*(data.caption_query(i) for i in chosen or [0]))
             # one row per query (never packed): the query positions index the rows
-            batch = self.shard(collate_qwen2_vl(samples, data.image_token_id, data.merge, data.pad_id))
+            (batch,) = self.agreed_micro_batches(
+                lambda samples=samples: [
+                    self.shard(collate_qwen2_vl(samples, data.image_token_id, data.merge, data.pad_id))
+                ],
+                f"caption accuracy at step {self.step}, batch {index + 1}: ",
+            )
             local_len = batch["input_ids"].shape[1]
             start = state.sp_rank * local_len
             inputs = {key: value for key, value in batch.items() if not is_labels_key(key)}

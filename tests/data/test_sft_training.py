@@ -121,6 +121,45 @@ def test_a_data_fault_on_one_rank_is_an_error_on_every_rank(demo, tmp_path):
     assert messages[0] == messages[1], "the same error, naming the rank and the cause, on every rank"
 
 
+def _accuracy_collate_error_on_rank_one(rank: int, world_size: int, demo: Path, out: Path) -> str:
+    """Rank 1's collate fails in the answer-accuracy pass only (after the eval losses read the same rows fine)."""
+    extra = ["--train.max_steps", "1", "--train.eval_interval", "1", "--train.eval_batches", "1"]
+    args = digits_args(demo, out, *extra, "--parallel.collective_timeout_s", "4")
+    trainer = SFTTrainer(load_config(REPO / "configs/sft_digits.yaml", args, world_size=world_size))
+    collate, accuracy, scoring = trainer.collate, trainer.extra_eval_metrics, []
+
+    def failing_collate(samples: Any) -> Any:
+        if rank == 1 and scoring:
+            raise ValueError("eval row 3: an image the processor cannot read")
+        return collate(samples)
+
+    def extra_eval_metrics() -> dict[str, float]:
+        scoring.append(1)
+        return accuracy()
+
+    trainer.collate, trainer.extra_eval_metrics = failing_collate, extra_eval_metrics
+    try:
+        trainer.train()
+        return "trained"
+    except Exception as exc:  # noqa: BLE001 - the test asserts which error each rank raised
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        trainer.metrics.abort(trainer.step)
+
+
+@pytest.mark.slow
+def test_a_collate_error_in_the_answer_accuracy_pass_on_one_rank_is_the_same_data_error_on_every_rank(demo, tmp_path):
+    """Issue 48: the answer-accuracy pass agrees its micro-batches as the eval losses do (`eval_micro_batches`); with
+    a 4 s collective timeout, rank 0 left in a forward would end in a timeout instead (the harness's negative
+    control: tests/trainer/test_agreement.py)."""
+    outcomes = run_ranks(_accuracy_collate_error_on_rank_one, 2, demo, tmp_path / "o", timeout_s=180, pg_timeout_s=4)
+    messages = {rank: value for rank, (status, value) in outcomes.items()}
+    assert all(status == "ok" for status, _ in outcomes.values()), outcomes
+    expected = "DataError: evaluation at step 1, eval batch 1: rank 1: ValueError: eval row 3: an image the processor"
+    assert messages[1].startswith(expected), messages
+    assert messages[0] == messages[1], messages
+
+
 class _RecordingTrainer(SFTTrainer):
     def build_model(self):
         model = super().build_model()

@@ -287,3 +287,19 @@ def test_trainer_reads_its_tokenizer_back_on_resume(vl_trainer, monkeypatch):
         assert resumed.train_dataset.image_token_id == vl_trainer.train_dataset.image_token_id
     finally:
         resumed.close()
+
+
+def test_a_caption_batch_that_cannot_be_built_is_an_agreed_data_error_before_its_forward(vl_trainer, monkeypatch):
+    """Issue 48: the caption loop builds each batch through `agreed_micro_batches`, so a rank that cannot build one
+    says so on every rank (the agreement itself is tested on 2 gloo ranks in tests/trainer/test_agreement.py)."""
+    from veomni_lite.data.checks import DataError
+
+    def failing(*args, **kwargs):
+        raise ValueError("image 12: no pixels")
+
+    oracle = NextTokenOracle(vl_trainer.eval_dataset.vocab_size, vl_trainer.eval_dataset.word_ids, set())
+    monkeypatch.setattr(vl_trainer, "model", oracle)
+    monkeypatch.setattr(qwen2_vl_digits, "collate_qwen2_vl", failing)
+    with pytest.raises(DataError, match=r"caption accuracy at step 0, batch 1: rank 0: ValueError: image 12: no pix"):
+        vl_trainer.extra_eval_metrics()
+    assert oracle.calls == 0

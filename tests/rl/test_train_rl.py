@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 from pathlib import Path
 from typing import Any
 
@@ -249,13 +248,12 @@ def _collate_error_on_rank_one(
 
     forwards, logprobs = [], trainer.logprobs
     trainer.collate, trainer.logprobs = failing_collate, lambda batch: forwards.append(1) or logprobs(batch)
-    start = time.monotonic()
     try:
         train_built(trainer)
         outcome = "trained"
     except Exception as exc:  # noqa: BLE001 - the test asserts which error each rank raised
         outcome = f"{type(exc).__name__}: {exc}"
-    return {"outcome": outcome, "forwards": len(forwards), "seconds": time.monotonic() - start}
+    return {"outcome": outcome, "forwards": len(forwards)}
 
 
 @pytest.mark.slow
@@ -270,7 +268,7 @@ def test_a_collate_error_on_one_rank_in_the_logprob_pass_is_agreed_before_any_fo
     expected = "DataError: RL log-probability pass: rank 1: ValueError: response 5: 'input_ids' and 'labels' differ"
     assert results[1][1]["outcome"].startswith(expected), results
     assert results[0][1]["outcome"] == results[1][1]["outcome"], results
-    assert [r["forwards"] for _, r in results] == [0, 0] and max(r["seconds"] for _, r in results) < 4.0, results
+    assert [r["forwards"] for _, r in results] == [0, 0], results
     # on policy without a reference no pass runs: the training micro-batches' collate fails, the loop agrees it
     on_policy = ["--rl.epochs", "1", "--rl.prompts_per_step", "2", "--rl.kl_coef", "0"]
     outcomes = run_ranks(_collate_error_on_rank_one, 2, [*args, *on_policy], 1, timeout_s=300, pg_timeout_s=4)
@@ -279,7 +277,6 @@ def test_a_collate_error_on_one_rank_in_the_logprob_pass_is_agreed_before_any_fo
     expected = "DataError: step 1: rank 1: RL micro-batches: ValueError: response 5: 'input_ids' and 'labels' differ"
     assert results[1][1]["outcome"].startswith(expected), results
     assert results[0][1]["outcome"] == results[1][1]["outcome"], results
-    assert max(r["seconds"] for _, r in results) < 4.0, results
     outcomes = run_ranks(_collate_error_on_rank_one, 2, [*args, *on_policy], 1, False, timeout_s=300, pg_timeout_s=4)
     assert outcomes[1][1]["outcome"].startswith("ValueError: response 5"), outcomes  # rank 1 leaves the loop alone
     lost = outcomes[0][1]["outcome"]  # rank 0, in the loop's agreement, loses its peer: the cause is not there

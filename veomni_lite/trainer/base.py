@@ -29,7 +29,7 @@ import os
 import signal
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -708,21 +708,32 @@ class BaseTrainer(ABC):
         return self.metrics.log_eval(self.step, self.epoch, totals, extra)
 
     def eval_micro_batches(self, loader: Any, number: int) -> list[dict[str, torch.Tensor]]:
-        """Collective: this rank's micro-batches of eval batch `number` (read, collated, sharded and validated) once
-        every rank has its own: ONE MAX all-reduce on the control group (an error flag and the micro-batch count)
-        before the batch's first forward. Any exception reading them (a bad row, a collate error: data met by this
-        rank only) is a DataError on every rank naming each such rank and its cause, so no rank is left waiting in
-        a forward's collectives; ranks with different micro-batch counts too (the eval loader plans
-        `train.micro_batch_size` samples each, the same count on every rank)."""
-        where = f"evaluation at step {self.step}, eval batch {number + 1}: "
-        problem: Exception | str | None = None
-        micro_batches: list[dict[str, torch.Tensor]] = []
-        try:
+        """Collective: this rank's micro-batches of eval batch `number` (read, collated, sharded and validated), agreed
+        as `agreed_micro_batches` says (the eval loader plans `train.micro_batch_size` samples each, the same count on
+        every rank)."""
+
+        def read() -> list[dict[str, torch.Tensor]]:
             micro_batches = [self.shard(mb) for mb in loader.next_step()]
             for index, micro_batch in enumerate(micro_batches):
                 validate_micro_batch(
                     micro_batch, self.vocab_size, self.loss_keys, self.label_limits, where=f"micro-batch {index}"
                 )
+            return micro_batches
+
+        return self.agreed_micro_batches(read, f"evaluation at step {self.step}, eval batch {number + 1}: ")
+
+    def agreed_micro_batches(
+        self, read: Callable[[], list[dict[str, torch.Tensor]]], where: str
+    ) -> list[dict[str, torch.Tensor]]:
+        """Collective: `read()`'s micro-batches once every rank has its own, for a pass that runs a forward per
+        micro-batch outside a train step: ONE MAX all-reduce on the control group (an error flag and the count) before
+        the first forward. Any exception in `read` (a bad row, a collate error: data met by this rank only) is a
+        DataError on every rank naming each such rank and its cause, so no rank is left waiting in a forward's
+        collectives; ranks with different micro-batch counts too."""
+        problem: Exception | str | None = None
+        micro_batches: list[dict[str, torch.Tensor]] = []
+        try:
+            micro_batches = read()
         except Exception as exc:  # noqa: BLE001 - agreed below, then raised on every rank
             if getattr(exc, "agreed", False):  # every rank raised it already (`agree`)
                 raise

@@ -247,8 +247,8 @@ class SFTTrainer(BaseTrainer):
         state = self.parallel
         loader = self._make_loader(self.eval_dataset, self.config.train.seed + 1)
         hits = torch.zeros(2, dtype=torch.long, device=self.device)
-        for _ in range(self.config.train.eval_batches):
-            for micro_batch in [self.shard(mb) for mb in loader.next_step()]:
+        for number in range(self.config.train.eval_batches):
+            for micro_batch in self.eval_micro_batches(loader, number):
                 inputs = {key: value for key, value in micro_batch.items() if not is_labels_key(key)}
                 logits = self.model(**self.preforward(inputs))["logits"]
                 labels = micro_batch["labels"].to(self.device)
