@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -154,3 +155,39 @@ def test_sigterm_right_after_a_checkpoint_counts_every_window_once(tmp_path):
     assert steps == sorted(set(steps)), steps
     assert sum(e.get("train/tokens", 0) for e in got) == sum(e.get("train/tokens", 0) for e in expected)
     assert got[-1]["train/tokens_seen"] == expected[-1]["train/tokens_seen"]
+
+
+FAULT_IN_A_FORWARD = '''"""A trainer entry point whose rank 1 raises in its third embedding forward."""
+import os, runpy, sys
+import torch
+if os.environ["RANK"] == "1":
+    calls, original = [], torch.nn.Embedding.forward
+    def forward(self, input):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("out of memory on rank 1: tried to allocate 2.00 GiB")
+        return original(self, input)
+    torch.nn.Embedding.forward = forward
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+'''
+
+
+@pytest.mark.slow
+def test_an_error_inside_a_forward_on_one_rank_ends_the_run_with_its_cause_not_a_hang(tmp_path):
+    """Issue 48: an error no agreement can see first (an out-of-memory inside the model's forward on rank 1, while
+    rank 0 waits in that forward's all-gather) ends the run through the launcher, which stops the other ranks when one
+    exits: the cause is the last line, from rank 1, well within `run`'s limit and the 300 s collective timeout."""
+    script = tmp_path / "fault.py"
+    script.write_text(FAULT_IN_A_FORWARD)
+    args = ["--train.max_steps", "6", "--train.output_dir", str(tmp_path / "o"), "--logging.progress_bar", "false"]
+    command = [sys.executable, "-m", "veomni_lite.torchrun", "--standalone", "--nproc_per_node", "2", str(script)]
+    command += ["trainers/train_text.py", "configs/text_tiny.yaml", *SMALL, *args]
+    done = subprocess.run(command, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=120)  # fmt: skip
+    output = done.stdout.rstrip().splitlines()
+    assert done.returncode == 1, done.stdout[-3000:]
+    assert output[-1] == "RuntimeError: out of memory on rank 1: tried to allocate 2.00 GiB", done.stdout[-3000:]
+    # rank 0 is stopped by the launcher (SIGTERM), or, if gloo sees its peer gone first, fails on the lost peer
+    ranks = r"\(rank 0: (signal SIGTERM|exit code 1), rank 1: exit code 1\)\. The cause, from rank 1:"
+    assert re.search(re.escape(f"{script} failed ") + ranks, done.stdout), done.stdout[-3000:]
