@@ -90,14 +90,18 @@ def _budget_error_on_rank_one(rank: int, world_size: int, config) -> dict:
         return next_step()
 
     trainer.loader.next_step = failing_next_step
+    return {"outcome": _outcome(trainer), "step": trainer.step}
+
+
+def _outcome(trainer: TextTrainer) -> str:
+    """Train; "trained", or the error this rank ended on (its metrics closed without a collective)."""
     try:
         trainer.train()
-        outcome = "trained"
-    except BaseException as exc:  # noqa: BLE001 - the test asserts which error each rank raised
-        outcome = f"{type(exc).__name__}: {exc}"
+        return "trained"
+    except BaseException as exc:  # noqa: BLE001 - the tests assert which error each rank raised
+        return f"{type(exc).__name__}: {exc}"
     finally:
-        trainer.metrics.close()
-    return {"outcome": outcome, "step": trainer.step}
+        trainer.metrics.abort(trainer.step)
 
 
 @pytest.mark.slow
@@ -137,13 +141,7 @@ def _eval_collate_error_on_rank_one(rank: int, world_size: int, config, agreed: 
     trainer.collate, trainer.evaluate = failing_collate, evaluate
     if not agreed:
         trainer.eval_micro_batches = lambda loader, number: [trainer.shard(mb) for mb in loader.next_step()]
-    try:
-        trainer.train()
-        outcome = "trained"
-    except BaseException as exc:  # noqa: BLE001 - the test asserts which error each rank raised
-        outcome = f"{type(exc).__name__}: {exc}"
-    finally:
-        trainer.metrics.abort(trainer.step)
+    outcome = _outcome(trainer)
     if not agreed and rank == 1:
         time.sleep(config.parallel.collective_timeout_s + 0.5)
     return {"outcome": outcome, "step": trainer.step}
