@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.dist_helpers import run_distributed, run_ranks
-from tests.trainer.helpers import read_events
+from tests.trainer.helpers import read_events, train_outcome
 from veomni_lite.config import ConfigError, load_config
 from veomni_lite.data import inspect
 from veomni_lite.data.checks import DataError
@@ -138,13 +138,7 @@ def _accuracy_collate_error_on_rank_one(rank: int, world_size: int, demo: Path, 
         return accuracy()
 
     trainer.collate, trainer.extra_eval_metrics = failing_collate, extra_eval_metrics
-    try:
-        trainer.train()
-        return "trained"
-    except Exception as exc:  # noqa: BLE001 - the test asserts which error each rank raised
-        return f"{type(exc).__name__}: {exc}"
-    finally:
-        trainer.metrics.abort(trainer.step)
+    return train_outcome(trainer)
 
 
 @pytest.mark.slow

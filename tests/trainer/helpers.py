@@ -128,6 +128,17 @@ def train_built(trainer: BaseTrainer, stop_after: int | None = None) -> BaseTrai
     return trainer
 
 
+def train_outcome(trainer: BaseTrainer) -> str:
+    """Train a built trainer: "trained", or the error this rank ended on (its metrics closed without a collective)."""
+    try:
+        trainer.train()
+        return "trained"
+    except BaseException as exc:  # noqa: BLE001 - the fault tests assert which error each rank raised
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        trainer.metrics.abort(trainer.step)
+
+
 def read_events(output_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(output_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -11,7 +11,7 @@ import torch
 
 from examples.text_trainer import TextTrainer
 from tests.dist_helpers import run_ranks
-from tests.trainer.helpers import read_events, tiny_config
+from tests.trainer.helpers import read_events, tiny_config, train_outcome
 from veomni_lite.distributed.collectives import CollectiveError, all_reduce
 from veomni_lite.distributed.parallel_state import destroy_parallel_state, init_parallel_state
 from veomni_lite.metrics import new_metrics_group
@@ -90,18 +90,7 @@ def _budget_error_on_rank_one(rank: int, world_size: int, config) -> dict:
         return next_step()
 
     trainer.loader.next_step = failing_next_step
-    return {"outcome": _outcome(trainer), "step": trainer.step}
-
-
-def _outcome(trainer: TextTrainer) -> str:
-    """Train; "trained", or the error this rank ended on (its metrics closed without a collective)."""
-    try:
-        trainer.train()
-        return "trained"
-    except BaseException as exc:  # noqa: BLE001 - the tests assert which error each rank raised
-        return f"{type(exc).__name__}: {exc}"
-    finally:
-        trainer.metrics.abort(trainer.step)
+    return {"outcome": train_outcome(trainer), "step": trainer.step}
 
 
 @pytest.mark.slow
@@ -141,7 +130,7 @@ def _eval_collate_error_on_rank_one(rank: int, world_size: int, config, agreed: 
     trainer.collate, trainer.evaluate = failing_collate, evaluate
     if not agreed:
         trainer.eval_micro_batches = lambda loader, number: [trainer.shard(mb) for mb in loader.next_step()]
-    outcome = _outcome(trainer)
+    outcome = train_outcome(trainer)
     if not agreed and rank == 1:
         time.sleep(config.parallel.collective_timeout_s + 0.5)
     return {"outcome": outcome, "step": trainer.step}
