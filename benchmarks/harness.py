@@ -181,10 +181,18 @@ def torchrun(script: Path, nproc: int, args: list[str], timeout_s: float, env: d
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
     done = subprocess.run([*command, str(script), *args], env=env, capture_output=True, text=True, timeout=timeout_s)
     if done.returncode:
-        raise RuntimeError(
-            f"{script.name} {' '.join(args)} exited {done.returncode}:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
-        )
+        failed = f"{script.name} {' '.join(args)} exited {done.returncode}"
+        raise RuntimeError(f"{failed}:\n{done.stdout[-2000:]}{_cause(done)}")
     return done.stdout
+
+
+def _cause(done: subprocess.CompletedProcess) -> str:
+    """A failed torchrun's stderr cut to what names the cause: its first traceback (a rank's: the launcher's own
+    comes last and would fill the tail), then the tail."""
+    first = done.stderr.find("Traceback (most recent call last)")
+    if first < 0 or first >= len(done.stderr) - 2000:
+        return done.stderr[-2000:]
+    return f"{done.stderr[first : first + 3000]}\n[...]\n{done.stderr[-2000:]}"
 
 
 def prose(doc: str) -> str:
