@@ -101,7 +101,8 @@ def render(results: Mapping[str, Any]) -> str:
         f"{fmt(run['total_s'])} s, on {machine['cpu']} ({machine['cores']} cores, {fmt(machine['memory_gib'])} GiB), "
         f"torch {machine['torch']}, gloo. Load averages over one, five and fifteen minutes (`uptime`; the machine "
         f"is shared with other jobs): {run['load_start']} at the start, {run['load_end']} at the end; wall times "
-        "carry that contention. Raw results: `benchmarks/results/<mode>/results.json` (not committed).",
+        "carry that contention. Raw results: `benchmarks/results/<mode>/results.json` (not committed)."
+        + "".join(f" Run again alone later, as its section says: {b['title']}." for b in blocks if b.get("rerun")),
         "",
         "## Targets",
         "",
@@ -114,6 +115,11 @@ def render(results: Mapping[str, Any]) -> str:
     ]
     for block in blocks:
         out += ["", f"## {block['title']}", "", block.get("about", "").strip()]
+        if block.get("rerun"):
+            again = block["rerun"]
+            out += ["", f"*This block was run again alone* on {again['date']} at commit `{again['commit']}` (load "
+                        f"{again['load_start']} at its start, {again['load_end']} at its end), after the run above: "
+                        "its numbers and verdicts are that run's."]  # fmt: skip
         if block.get("not_run"):
             out += ["", f"**Not run** in this run: {block['not_run']}"]
         for each in block.get("tables", []):

@@ -11,7 +11,8 @@ and its weight sync (`rl_vllm.py`, "not run" without `.venv-vllm`). Each block's
 dict` in the shape `report.py` reads. `--quick` (`make bench QUICK=1`, under 5 minutes on 2 cores) runs the small size
 of every block; the full mode the large ones. Raw results go to `benchmarks/results/<mode>/results.json` (ignored by
 git); the page to `--out-dir` (default docs/).
-`--report-only` rebuilds the page from that JSON.
+`--report-only` rebuilds the page from that JSON; `--rerun BLOCK,...` runs those blocks alone and puts them in place
+of theirs in that JSON, each marked with its own date, commit and load (the page says so), then rebuilds the page.
 """
 
 from __future__ import annotations
@@ -79,12 +80,27 @@ def run_info(quick: bool) -> dict[str, Any]:
     }
 
 
+def rerun_into(
+    results: dict[str, Any], names: list[str], blocks: list[dict[str, Any]], run: dict[str, Any]
+) -> dict[str, Any]:
+    """`results` with the blocks `names` (by module name, in BLOCKS order) replaced by `blocks`, each marked `rerun`
+    with this run's date, commit and load."""
+    fresh = dict(zip(names, blocks))
+    marks = {key: run[key] for key in ("date", "commit", "load_start", "load_end")}
+    if len(results["blocks"]) != len(BLOCKS):
+        held = len(results["blocks"])
+        raise SystemExit(f"--rerun needs the results JSON of a run of every block ({len(BLOCKS)}); it has {held}")
+    merged = [fresh[name] | {"rerun": marks} if name in fresh else old for name, old in zip(BLOCKS, results["blocks"])]
+    return {"run": results["run"], "blocks": merged}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the small size of every block (under 5 minutes)")
     parser.add_argument("--out-dir", type=Path, default=REPO / "docs", help="where benchmarks.md goes")
     parser.add_argument("--blocks", default=",".join(BLOCKS), help="comma-separated subset of " + ",".join(BLOCKS))
     parser.add_argument("--report-only", action="store_true", help="rebuild the page from the mode's results JSON")
+    parser.add_argument("--rerun", default="", help="comma-separated blocks to run again into the mode's results JSON")
     args = parser.parse_args()
     raw = BENCH_DIR / "results" / ("quick" if args.quick else "full") / "results.json"
     if args.report_only:
@@ -93,8 +109,12 @@ def main() -> int:
     sys.path[:0] = [str(BENCH_DIR), str(REPO)]  # this checkout's library, whatever the environment has installed
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), str(BENCH_DIR), os.environ.get("PYTHONPATH")]))
     run, blocks, failed = run_info(args.quick), [], False
+    names = (args.rerun or args.blocks).split(",")
+    unknown = sorted(set(names) - set(BLOCKS))
+    if unknown:
+        parser.error(f"unknown block(s) {unknown}; known: {', '.join(BLOCKS)}")
     started = time.perf_counter()
-    for name in args.blocks.split(","):
+    for name in names:
         start = time.perf_counter()
         work = BENCH_DIR / "results" / "raw" / name
         work.mkdir(parents=True, exist_ok=True)
@@ -108,7 +128,9 @@ def main() -> int:
         print(f"[bench] {name}: {block['seconds']:.0f} s", flush=True)
         blocks.append(block)
     run |= {"total_s": time.perf_counter() - started, "load_end": load()}
-    results = {"run": run, "blocks": blocks}
+    results = (
+        rerun_into(json.loads(raw.read_text()), names, blocks, run) if args.rerun else {"run": run, "blocks": blocks}
+    )
     raw.parent.mkdir(parents=True, exist_ok=True)
     raw.write_text(json.dumps(results, indent=1) + "\n")
     print(f"[bench] wrote {write_report(results, args.out_dir)} and {raw} in {run['total_s']:.0f} s")

@@ -6,8 +6,11 @@ from __future__ import annotations
 import importlib.util
 import re
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 _spec = importlib.util.spec_from_file_location("bench_report", BENCH_DIR / "report.py")
@@ -110,3 +113,28 @@ def test_a_near_miss_does_not_read_as_the_bound() -> None:
     block = {"title": "P", "about": "", "tables": [], "targets": [target("packed", ">=", 1.5, [1.37, 1.4987, 1.64])]}
     row = rows_of(report.render(results([block])), "| block | target |")[0]
     assert row[2:] == [">= 1.50x", "1.499x", "1.370–1.640, 1 of 3 pass", "**missed**"]
+
+
+def test_a_block_run_again_alone_replaces_its_old_self_and_the_page_says_when(tmp_path: Path) -> None:
+    """`run_all.py --rerun`: the block's new results take its place, marked with that run's date and commit; the other
+    blocks and the run's header stay the first run's."""
+    spec = importlib.util.spec_from_file_location("bench_run_all", BENCH_DIR / "run_all.py")
+    run_all = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(BENCH_DIR))  # run_all imports report by its plain name, as make bench runs it
+    try:
+        spec.loader.exec_module(run_all)
+    finally:
+        sys.path.remove(str(BENCH_DIR))
+    old = [{"title": name, "about": "", "tables": [], "targets": [target(name, "<=", 2.0, [1.0])]}
+           for name in run_all.BLOCKS]  # fmt: skip
+    old[0] = {"title": run_all.BLOCKS[0], "not_run": "it failed: `RuntimeError: boom`"}
+    fresh = {"title": "Again", "about": "", "tables": [], "targets": [target("again", "<=", 2.0, [1.5])]}
+    later = {"date": "LATER", "commit": "fedcba", "load_start": "X", "load_end": "Y"}
+    merged = run_all.rerun_into(results(old), [run_all.BLOCKS[0]], [fresh], later | {"total_s": 9.0})
+    assert merged["run"] == results(old)["run"]
+    assert merged["blocks"][0] == fresh | {"rerun": later} and merged["blocks"][1:] == old[1:]
+    page = report.render(merged)
+    assert "Not run" not in page and "Run again alone later, as its section says: Again." in page
+    assert "## Again\n\n\n\n*This block was run again alone* on LATER at commit `fedcba` (load X at its start" in page
+    with pytest.raises(SystemExit, match="needs the results JSON of a run of every block"):
+        run_all.rerun_into(results(old[:2]), [run_all.BLOCKS[0]], [fresh], later)
