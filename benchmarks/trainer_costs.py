@@ -132,7 +132,8 @@ def bench_trainer(world: int, data_by_ga: dict[int, list[list[MicroBatch]]], mic
     # one output directory every rank shares (the trainer refuses one that some rank cannot see)
     output_dir = Path(tempfile.gettempdir()) / f"bench_trainer_{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}"
     with contextlib.ExitStack() as cleanup:
-        cleanup.callback(shutil.rmtree, output_dir, ignore_errors=True)
+        if os.environ.get("RANK", "0") == "0":  # the rank that writes its files: another's removal could come first
+            cleanup.callback(shutil.rmtree, output_dir, ignore_errors=True)
         trainer = build_trainer(world, micro_batch_size, 10, str(output_dir))
         cleanup.callback(destroy_parallel_state)
         cleanup.callback(reset_loss_memo)
