@@ -165,6 +165,8 @@ def test_critic_config_errors_are_named(demo, tmp_path):
     (other / "config.json").write_text(json.dumps({**settings, "vocab_size": 4096}))
     with pytest.raises(ConfigError, match="vocab_size 4096, the policy 2048"):
         RLTrainer(config([*base, *gae, json.dumps({"pretrained_dir": str(other)})]))
+    with pytest.raises(ConfigError, match=r"rl.critic.warmup_steps \(3\) must be fewer than the run's 3 optimizer"):
+        RLTrainer(config([*base, *gae, '{"value_head": true, "warmup_steps": 3}', "--train.max_steps", "3"]))
 
 
 def test_ppo_on_given_rollouts_warms_the_critic_up_then_trains_both(demo, tmp_path):
@@ -179,6 +181,8 @@ def test_ppo_on_given_rollouts_warms_the_critic_up_then_trains_both(demo, tmp_pa
     train_built(trainer, stop_after=2)
     trained = dict(trainer.model.named_parameters())
     assert all(torch.equal(trained[n].detach(), p) for n, p in policy.items())  # the policy did not move
+    # nor did its AdamW state: the trunk's value-loss gradients are dropped in the warm-up (verl's actor waits)
+    assert all(int(trainer.optimizer.state[trained[n]]["step"]) == 0 for n in policy)
     assert not torch.equal(trained["value_head.linear.weight"].detach(), head["value_head.linear.weight"])
     trainer = RLTrainer(config([*args, "--checkpoint.resume", "true"]))
     train_built(trainer)
@@ -234,6 +238,10 @@ def test_a_separate_value_model_warms_up_then_trains_beside_the_policy(demo, cri
     train_built(trainer, stop_after=1)
     trained = dict(model.named_parameters())
     assert all(torch.equal(trained[n].detach(), p) for n, p in policy.items())
+    state = trainer.optimizer.state  # AdamW took no step for the policy: its first update will be a fresh one
+    policy_state = [state[p] for n, p in trained.items() if n in policy]
+    assert all(int(s["step"]) == 0 and not s["exp_avg_sq"].any() for s in policy_state)
+    assert all(int(state[p]["step"]) == 1 for p in trained.values() if id(p) in mine)
     # the head starts at 0, so the first step moves it alone (the trunk's gradient goes through its weight)
     assert {n for n, p in critics.items() if not torch.equal(trained[n].detach(), p)} == {
         "value_head.linear.weight",
@@ -253,6 +261,8 @@ def test_a_separate_value_model_warms_up_then_trains_beside_the_policy(demo, cri
     assert moved  # after the warm-up the policy trains
     trained = dict(trainer.model.named_parameters())
     assert all(not torch.equal(trained[n].detach(), p) for n, p in critics.items())  # and the whole critic
+    steps = {int(trainer.optimizer.state[p]["step"]) for n, p in trained.items() if n in policy and p.requires_grad}
+    assert steps == {2}, steps  # steps 2 and 3: the warm-up's state (step 0) was saved and resumed
     assert sorted(by_step(tmp_path / "out", "train/value_loss")) == [1, 2, 3]
     assert by_step(tmp_path / "out", "train/policy_loss")[1] == 0.0
 

@@ -45,6 +45,7 @@ from torch import nn
 from veomni_lite.config import ConfigError
 from veomni_lite.loss_keys import IGNORE_INDEX, loss_weights_key
 from veomni_lite.metrics.accumulator import MetricSpec
+from veomni_lite.models.hf_attention import route_attention
 
 VALUE = "value"  # the head's name: `value_labels`, `value_loss`
 VALUE_LABELS = f"{VALUE}_labels"
@@ -194,6 +195,7 @@ def attach_value_head(model: nn.Module, captured: dict[str, Any], critic_model: 
         if captured.get("paused"):
             return
         if critic_model is not None:
+            route_attention(critic_model.config)  # the policy's attention keywords mean the same to both decoders
             output = model.critic_model.hf_model.model(*args, **kwargs)
         captured["values"] = model.value_head(output.last_hidden_state)
 
@@ -225,6 +227,28 @@ def value_model(directory: str, policy: nn.Module) -> nn.Module:
     return model
 
 
+def _policy_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    return [param for group in optimizer.param_groups if not group.get("critic") for param in group["params"]]
+
+
+def _initial_state(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -> None:
+    """`optimizer`'s state for `params` as before their first update (step 0, zero moments: what AdamW would make at
+    it), made now: a zero-gradient step at lr 0 (as DCP's `_init_optim_state` makes a fresh optimizer's) with the step
+    counters then reset. So a checkpoint taken before the policy first updates (in a critic warm-up) holds every
+    parameter's state, as DCP's load requires."""
+    rates = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["lr"] = rate
+    for param in params:
+        optimizer.state[param]["step"].zero_()
+
+
 class Critic:
     """The critic part of `trainer` (an `RLTrainer`); `Critic.of(trainer)` is None without `rl.advantage: gae`."""
 
@@ -233,6 +257,7 @@ class Critic:
         self.settings = settings
         self.loss = ValueLoss(settings.value_clip)
         self.captured: dict[str, torch.Tensor] = {}
+        self._warm_step = False  # the step whose loss was computed last is a warm-up step
 
     @classmethod
     def of(cls, trainer: Any) -> Critic | None:
@@ -310,7 +335,19 @@ class Critic:
             if critic:
                 lr = self.settings.lr or optim.lr
                 out.append({**group, "params": critic, "lr": lr, "weight_decay": critic_decay, "critic": True})
-        return build_optimizer(model, optim, out)
+        optimizer = build_optimizer(model, optim, out)
+        if self.settings.warmup_steps:
+            _initial_state(optimizer, [param for group in optimizer.param_groups for param in group["params"]])
+            optimizer.register_step_pre_hook(self._policy_waits)
+        return optimizer
+
+    def _policy_waits(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        """Before a warm-up step's update: the policy's gradients dropped, so AdamW leaves the policy's parameters and
+        state alone (no step counted, no moments from zero or value-loss gradients) and its first update after the
+        warm-up is a fresh Adam step, as verl's actor, which does not step during critic_warmup."""
+        if self._warm_step:
+            for param in _policy_params(optimizer):
+                param.grad = None
 
     def scheduler(self, optimizer: torch.optim.Optimizer, optim: Any, max_steps: int) -> Any:
         """`optim.schedule` for every group, the policy's delayed by the warm-up: its groups train at lr 0 for
@@ -319,6 +356,11 @@ class Critic:
         from veomni_lite.trainer.base import build_scheduler
 
         warmup = self.settings.warmup_steps
+        if warmup >= max_steps:
+            raise ConfigError(
+                f"rl.critic.warmup_steps ({warmup}) must be fewer than the run's {max_steps} optimizer steps: the "
+                "policy does not train during the critic's warm-up"
+            )
         delays = [0 if group.get("critic") else warmup for group in optimizer.param_groups]
         return build_scheduler(optimizer, optim, max_steps, delays)
 
@@ -326,7 +368,8 @@ class Critic:
         """The policy's `outputs` with the value loss and its metrics added (`policy_key`'s loss times 0 in
         warm-up)."""
         value = self.loss(self.take(), batch)
-        if self.warming_up():
+        self._warm_step = self.warming_up()  # read by `_policy_waits` at this step's update
+        if self._warm_step:
             outputs[policy_key] = outputs[policy_key] * 0.0
         outputs[f"{VALUE}_loss"] = value[f"{VALUE}_loss"]
         outputs["metrics"] = {**outputs.get("metrics", {}), **value["metrics"]}
