@@ -97,14 +97,15 @@ class DigitsVLTrainer(BaseTrainer):
         for index in range(batches):
             chosen = mine[index * per_batch : (index + 1) * per_batch]
             real = len(chosen)
-            samples, positions, gold = zip(*(data.caption_query(i) for i in chosen or [0]))
-            # one row per query (never packed): the query positions index the rows
-            (batch,) = self.agreed_micro_batches(
-                lambda samples=samples: [
-                    self.shard(collate_qwen2_vl(samples, data.image_token_id, data.merge, data.pad_id))
-                ],
-                f"caption accuracy at step {self.step}, batch {index + 1}: ",
-            )
+            queries: list[tuple[Any, ...]] = []
+
+            def read(chosen: list[int] = chosen, queries: list[tuple[Any, ...]] = queries) -> list[dict[str, Any]]:
+                queries += zip(*(data.caption_query(i) for i in chosen or [0]))  # samples, positions, gold
+                # one row per query (never packed): the query positions index the rows
+                return [self.shard(collate_qwen2_vl(queries[0], data.image_token_id, data.merge, data.pad_id))]
+
+            (batch,) = self.agreed_micro_batches(read, f"caption accuracy at step {self.step}, batch {index + 1}: ")
+            samples, positions, gold = queries
             local_len = batch["input_ids"].shape[1]
             start = state.sp_rank * local_len
             inputs = {key: value for key, value in batch.items() if not is_labels_key(key)}

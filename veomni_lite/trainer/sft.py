@@ -247,22 +247,31 @@ class SFTTrainer(BaseTrainer):
         state = self.parallel
         loader = self._make_loader(self.eval_dataset, self.config.train.seed + 1)
         hits = torch.zeros(2, dtype=torch.long, device=self.device)
-        for number in range(self.config.train.eval_batches):
-            for micro_batch in self.eval_micro_batches(loader, number):
-                inputs = {key: value for key, value in micro_batch.items() if not is_labels_key(key)}
-                logits = self.model(**self.preforward(inputs))["logits"]
-                labels = micro_batch["labels"].to(self.device)
-                sample = micro_batch[SEQUENCE_IDS].to(self.device)  # rows, or a packed row's samples
-                valid = (labels != IGNORE_INDEX) & (sample >= 0)
-                wrong = (logits.argmax(-1) != labels) & valid
-                at = sample.clamp(min=0).flatten()  # masked entries add 0: no boolean indexing, so no host sync
-                per_sample = torch.zeros(2, self.config.train.micro_batch_size, dtype=torch.long, device=self.device)
-                per_sample[0].index_add_(0, at, wrong.flatten().long())  # wrong, then trained, tokens per sample
-                per_sample[1].index_add_(0, at, valid.flatten().long())
-                if state.sp_size > 1:
-                    per_sample = all_reduce(per_sample, op="sum", group=state.sp_group)
-                counted = per_sample[1] > 0
-                if state.sp_rank == 0:  # the sp group's ranks hold the same samples: count them once
-                    hits += torch.stack([(counted & (per_sample[0] == 0)).sum(), counted.sum()])
+        try:
+            for number in range(self.config.train.eval_batches):
+                for micro_batch in self.eval_micro_batches(loader, number):
+                    hits += self._answer_hits(micro_batch)
+        finally:
+            loader.close()
         correct, counted = all_reduce(hits.cpu().tolist(), op="sum", group=state.world_group)
         return {"answer_accuracy": correct / max(counted, 1)}
+
+    def _answer_hits(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(samples right, samples counted) of one eval micro-batch on this rank (collective within the SP group)."""
+        state = self.parallel
+        inputs = {key: value for key, value in micro_batch.items() if not is_labels_key(key)}
+        logits = self.model(**self.preforward(inputs))["logits"]
+        labels = micro_batch["labels"].to(self.device)
+        sample = micro_batch[SEQUENCE_IDS].to(self.device)  # rows, or a packed row's samples
+        valid = (labels != IGNORE_INDEX) & (sample >= 0)
+        wrong = (logits.argmax(-1) != labels) & valid
+        at = sample.clamp(min=0).flatten()  # masked entries add 0: no boolean indexing, so no host sync
+        per_sample = torch.zeros(2, self.config.train.micro_batch_size, dtype=torch.long, device=self.device)
+        per_sample[0].index_add_(0, at, wrong.flatten().long())  # wrong, then trained, tokens per sample
+        per_sample[1].index_add_(0, at, valid.flatten().long())
+        if state.sp_size > 1:
+            per_sample = all_reduce(per_sample, op="sum", group=state.sp_group)
+        counted = per_sample[1] > 0
+        if state.sp_rank != 0:  # the sp group's ranks hold the same samples: count them once
+            return torch.zeros(2, dtype=torch.long, device=self.device)
+        return torch.stack([(counted & (per_sample[0] == 0)).sum(), counted.sum()])
