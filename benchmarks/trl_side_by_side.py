@@ -89,6 +89,7 @@ def _our_args(job: str, work_dir: Path, model_dir: Path, name: str, steps: int, 
     batch, micro = SIZES[job]
     world = int(os.environ.get("WORLD_SIZE", "1"))
     args = ["--parallel.dp_replicate", str(world)] if replicated else []
+    args += os.environ.get("BENCH_OURS_EXTRA", "").split()
     args += [
         "--model.arch", "auto", "--model.pretrained_dir", str(model_dir), "--train.max_steps", "1000",
         "--train.eval_interval", "0", "--train.output_dir", str(work_dir / f"run_{name}"),

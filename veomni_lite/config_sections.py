@@ -118,6 +118,10 @@ class DataConfig:
     packing: bool = False
     """Concatenate each micro-batch's samples into one row (positions restart per sample, attention never crosses a
     sample, the step trains exactly as unpacked); for the transformers models (SFT, Qwen2-VL digits)."""
+    shared_prefix: bool = True
+    """Packed text rows keep once the untrained first tokens consecutive samples share (an RL group's prompt, a
+    preference pair's prompt, a common system prompt): one forward over them instead of one per sample, the same
+    values and gradients (see `veomni_lite.data.collator`); SDPA attention only (flash-attention packs without it)."""
     max_tokens_per_micro_batch: int = 0
     """Token budget: each rank splits its share of the step's samples into as few micro-batches as fit this many
     tokens (packed: their sum; padded: rows x longest), instead of `train.micro_batch_size` samples each; 0: off. A

@@ -3,6 +3,8 @@ targets (exact 0, zero finite gradients), and what `enable_sequence_parallel` ch
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -71,6 +73,20 @@ def digits():
 def make_vl(seed: int = 0, vocab_size: int = VOCAB, family: str = "qwen2_vl") -> QwenVLWithImageHead:
     torch.manual_seed(seed)
     return QwenVLWithImageHead.from_config(vl_config(vocab_size, family))
+
+
+def _rms_norm(self: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    return self.weight * hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+
+
+def float64_norms(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with every RMSNorm computing in its input's dtype. transformers' compute in float32 even for float64
+    inputs, so a float64 test whose two sides sum a gradient in different orders (a shared prefix's branches) would
+    differ by float32 rounding, not by what they compute."""
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            module.forward = types.MethodType(_rms_norm, module)
+    return model
 
 
 def make_lm(seed: int = 0) -> HFCausalLM:

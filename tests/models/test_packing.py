@@ -128,13 +128,14 @@ def test_the_segments_group_samples_by_length_and_padding_is_a_sample_of_its_own
     assert ids.tolist() == [0, 0, 1, 1, 1, 2, 2, -1, -1]
     rows = torch.stack([ids, torch.tensor([0] * 4 + [1] * 5)])
     plan = packed_segments(rows, torch.device("cpu"))
-    assert [(n, index.tolist()) for n, index in plan.groups] == [
+    assert all(keys is None and mask is None for _, keys, mask in plan.groups), "no shared prefix: causal alone"
+    assert [(index.shape[1], index.tolist()) for index, _, _ in plan.groups] == [
         (2, [[0, 1], [5, 6], [7, 8]]),
         (3, [[2, 3, 4]]),
         (4, [[9, 10, 11, 12]]),
         (5, [[13, 14, 15, 16, 17]]),
     ]
-    gathered = torch.cat([index.reshape(-1) for _, index in plan.groups])
+    gathered = torch.cat([index.reshape(-1) for index, _, _ in plan.groups])
     assert torch.equal(gathered[plan.order], torch.arange(18)), "order puts the groups' outputs back in row order"
     with pytest.raises(ValueError, match=r"host attention_sequence_ids \[B, S\]; got shape \[2, 9\] on meta"):
         packed_segments(rows.to("meta"), torch.device("cpu"))

@@ -23,13 +23,14 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_helpers import counting_world_all_reduces
-from tests.models.test_hf_models import TEXT_SETTINGS, VOCAB, make_lm
+from tests.models.test_hf_models import TEXT_SETTINGS, VOCAB, float64_norms, make_lm
 from tests.rl.exact_fixtures import all_gather, descend, step_gradients
 from veomni_lite.data.collator import collate
 from veomni_lite.data.loader import StepLoader
 from veomni_lite.data.packing import padding_micro_batch
 from veomni_lite.distributed.parallel_state import get_parallel_state
 from veomni_lite.distributed.sequence_parallel import slice_micro_batch
+from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS
 from veomni_lite.metrics.accumulator import MetricAccumulator, MetricSpec
 from veomni_lite.metrics.logger import difference_metrics
 from veomni_lite.models.heads import LogprobRequest
@@ -85,8 +86,8 @@ def name(case: PreferenceLoss) -> str:
 def build_model(case: PreferenceLoss) -> torch.nn.Module:
     if case.loss == "bradley_terry":
         torch.manual_seed(3)
-        return HFRewardModel.from_config(hf_config_from_dict(TEXT_SETTINGS)).double()
-    return make_lm(seed=3).double()
+        return float64_norms(HFRewardModel.from_config(hf_config_from_dict(TEXT_SETTINGS)).double())
+    return float64_norms(make_lm(seed=3).double())
 
 
 @torch.no_grad()
@@ -230,7 +231,7 @@ def layout_steps(rank: int, world: int, layout: Layout, all_cases: list[Preferen
         model = build_model(case)
         if layout.sp > 1:
             model.enable_sequence_parallel(state.sp_group)
-        grads, calls, metrics, kl_calls, plans, one_sided = [], [], [], [], [], []
+        grads, calls, metrics, kl_calls, plans, one_sided, shared = [], [], [], [], [], [], 0
         specs = [MetricSpec(metric, "mean") for metric in metric_names(case.loss)]
         for number, indices in enumerate(steps()):
             reset_loss_memo()
@@ -241,10 +242,12 @@ def layout_steps(rank: int, world: int, layout: Layout, all_cases: list[Preferen
             for j in range(max(counts)):
                 members = plan[j] if j < len(plan) else plan[0]
                 whole = collate_pairs([pair_item(data[i], reward_model, kto) for i in members],
-                                      lambda sides: collate(sides, packing=layout.packed), reward_model)  # fmt: skip
+                                      lambda sides: collate(sides, packing=layout.packed, share_prefixes=layout.packed),
+                                      reward_model)  # fmt: skip
                 if j >= len(plan):
                     whole = padding_micro_batch(whole)
                 micro_batches.append(slice_micro_batch(whole, state.sp_rank, layout.sp))
+                shared += bool((whole.get(ATTENTION_SEQUENCE_IDS, torch.zeros(1)) <= -2).any())
             plans.append(len(plan))
             if kto:  # the KL pass over the whole step before any loss (the trainer's `kto_pass`)
                 with counting_world_all_reduces() as kl_world_calls, torch.no_grad():
@@ -291,7 +294,7 @@ def layout_steps(rank: int, world: int, layout: Layout, all_cases: list[Preferen
             one_sided.append(sided)
             descend(model, step_grads, LR)
         out[name(case)] = {"grads": grads, "calls": calls, "metrics": metrics, "kl_calls": kl_calls, "plans": plans,
-                           "one_sided": one_sided}  # fmt: skip
+                           "one_sided": one_sided, "shared": shared}  # fmt: skip
     return out
 
 

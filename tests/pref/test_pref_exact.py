@@ -45,6 +45,7 @@ def test_every_preference_loss_is_exact_at_every_layout(layout, expected):
             error = relative_error(grads, reference)
             assert error <= 1e-12, f"{layout} {name(case)} step {step + 1}: relative gradient error {error:.3e}"
         assert got["calls"] == [1 if world > 1 else 0] * 2, f"{layout} {name(case)}: loss all-reduces {got['calls']}"
+        assert (got["shared"] > 0) == layout.packed, "packed micro-batches keep a pair's prompt once"
         hand = hand_metrics(case)
         assert got["metrics"][0].keys() == hand.keys()
         for key, value in hand.items():

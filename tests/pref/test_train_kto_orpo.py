@@ -65,7 +65,18 @@ def test_kto_and_orpo_train_alike_on_one_process_dp2_and_sp2_packed(demo, tmp_pa
         assert max(reference["train/kl"].values()) > 0, reference["train/kl"]
     layouts = {
         "dp2": [],
-        "sp2": ["--parallel.sp_size", "2", "--data.packing", "true", "--data.max_tokens_per_micro_batch", "120"],
+        # shared prompts off: they change the float32 attention's shapes, so rounding, which these float32 runs' 1e-5
+        # would see after 4 steps at lr 1e-2 (test_pref_exact_kto_orpo.py holds 1e-12 in float64 with them)
+        "sp2": [
+            "--parallel.sp_size",
+            "2",
+            "--data.packing",
+            "true",
+            "--data.max_tokens_per_micro_batch",
+            "120",
+            "--data.shared_prefix",
+            "false",
+        ],
     }
     for name, more in layouts.items():
         run_distributed(_ranked, 2, pref_args(demo, data, tmp_path / name, *extra, *more), timeout_s=600)

@@ -18,11 +18,12 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_helpers import counting_world_all_reduces
-from tests.models.test_hf_models import VOCAB, make_lm
+from tests.models.test_hf_models import VOCAB, float64_norms, make_lm
 from veomni_lite.data.collator import collate
 from veomni_lite.data.loader import StepLoader
 from veomni_lite.distributed.parallel_state import get_parallel_state
 from veomni_lite.distributed.sequence_parallel import slice_micro_batch
+from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS
 from veomni_lite.models.heads import LogprobRequest
 from veomni_lite.plain_loop import LossStep
 from veomni_lite.rl.policy_loss import POLICY_LABELS, PolicyLoss
@@ -68,7 +69,7 @@ def cases() -> list[Case]:
 
 
 def build_model() -> torch.nn.Module:
-    return make_lm(seed=3).double()
+    return float64_norms(make_lm(seed=3).double())
 
 
 def _grpo(rewards: torch.Tensor) -> torch.Tensor:
@@ -190,7 +191,7 @@ def hand_reference(case: Case, episodes: bool = False) -> list[list[torch.Tensor
 
 
 def _collate(samples: list[dict[str, torch.Tensor]], packed: bool) -> dict[str, torch.Tensor]:
-    return collate_rollouts(samples, lambda base: collate(base, packing=packed), packed)
+    return collate_rollouts(samples, lambda base: collate(base, packing=packed, share_prefixes=packed), packed)
 
 
 def layout_steps(
@@ -221,12 +222,13 @@ def layout_steps(
         model = build_model()
         if layout.sp > 1:
             model.enable_sequence_parallel(state.sp_group)
-        grads, calls = [], []
+        grads, calls, shared = [], [], 0
         for number, indices in enumerate(steps()):
             reset_loss_memo()
             model.zero_grad(set_to_none=True)
             chunk = [batch[i] for i in indices]
             micro_batches = step_micro_batches(loader, number, chunk, case.modes, layout, state.sp_rank, world)
+            shared += sum(bool((mb.get(ATTENTION_SEQUENCE_IDS, torch.zeros(1)) <= -2).any()) for mb in micro_batches)
             with counting_world_all_reduces() as world_calls:
                 runs = [[mb] for mb in micro_batches] if alone else [micro_batches]
                 for run in runs:
@@ -243,7 +245,7 @@ def layout_steps(
             grads.append(step_grads)
             calls.append(len(world_calls))
             descend(model, step_grads, LR)
-        out[str(case)] = {"grads": grads, "calls": calls}
+        out[str(case)] = {"grads": grads, "calls": calls, "shared": shared}
     return out
 
 

@@ -45,6 +45,7 @@ def test_every_mode_and_loss_is_exact_at_every_layout(layout, expected):
             assert error <= 1e-12, f"{layout} {case} step {step + 1}: relative gradient error {error:.3e}"
         world = layout.dp * layout.sp
         assert got["calls"] == [1 if world > 1 else 0] * 4, f"{layout} {case}: loss all-reduces {got['calls']}"
+        assert (got["shared"] > 0) == layout.packed, "packed micro-batches keep a group's prompt once"
 
 
 @pytest.mark.slow

@@ -13,10 +13,23 @@ Each sample's labels are shifted on their own (so no target crosses into the nex
 same row kept WHOLE under sequence parallelism (`slice_micro_batch` pads it but never cuts it): the models build
 their block-diagonal causal mask from it on the device, so attention never crosses a sample, on one rank or after
 the Ulysses all-to-all, and no attention path reads the positions back to the host.
+
+Shared prefixes (`pack(..., share_prefixes=True)`; `data.shared_prefix`): consecutive samples whose first tokens are
+the same and train nothing (a group's responses to one prompt, a preference pair's two sides) keep those tokens ONCE.
+The row holds the lone samples, then per group the shared prefix and each sample's own rest (a branch), which starts
+at its last untrained token, so the prediction of its first target is its own; the samples keep their ids, so their
+order in the row is not their number's. `attention_sequence_ids` marks the prefix with an id <= -2 (unique in the
+row; -1 stays the padding) and each branch with its sample's id: a branch attends to the prefix run before it and
+causally to itself (`veomni_lite.models.hf_attention.packed_segments`). Positions continue from the prefix into each
+branch, and `sequence_ids` is -2 on the prefix (no sample's own: like the padding's -1, nothing sums over it, but its
+tokens are run). So every branch position computes exactly what the sample's own position computes unshared (the
+same tokens attended at the same positions), with one forward over the prefix instead of one per sample, whose
+gradient is the sum of the samples'.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -24,7 +37,7 @@ from torch import Tensor
 
 from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS, IGNORE_INDEX, SEQUENCE_IDS, is_labels_key
 
-__all__ = ["collate", "pack", "packed_positions", "sequence_ids", "shift_labels"]
+__all__ = ["collate", "pack", "packed_positions", "sequence_ids", "shared_prefixes", "shift_labels"]
 
 
 def shift_labels(labels: Tensor) -> Tensor:
@@ -48,21 +61,83 @@ def packed_positions(lengths: Sequence[int], total: int) -> tuple[Tensor, Tensor
     return torch.cat([positions, tail]), torch.cat([ids, torch.full((total - used,), -1, dtype=torch.long)])
 
 
-def pack(samples: Sequence[Mapping[str, Tensor]], pad_to_multiple_of: int = 1, pad_id: int = 0) -> dict[str, Tensor]:
-    """Text samples (1-D `input_ids`, unshifted label keys) -> one packed row (see the module docstring)."""
+def _untrained(sample: Mapping[str, Tensor], labels: Sequence[str]) -> int:
+    """How many of `sample`'s first tokens may be shared: those before the position that predicts its first target."""
+    first = len(sample["input_ids"])
+    for key in labels:
+        trained = torch.nonzero(sample[key] != IGNORE_INDEX)
+        if len(trained):
+            first = min(first, int(trained[0]))
+    return max(first - 1, 0)
+
+
+def _common(a: Tensor, b: Tensor) -> int:
+    n = min(a.numel(), b.numel())
+    differ = torch.nonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
+def shared_prefixes(samples: Sequence[Mapping[str, Tensor]]) -> list[tuple[int, int]]:
+    """Consecutive samples sharing untrained first tokens, as (number of samples, prefix length) in order; prefix
+    length 0 (a lone sample) shares nothing. Greedy: a sample joins the group before it when it shares at least one
+    untrained token with the group's first sample (the group's prefix shortens to what all of them share)."""
+    labels = sorted(k for k in samples[0] if is_labels_key(k))
+    groups: list[list[int]] = []  # [first sample, members, prefix length]
+    for index, sample in enumerate(samples):
+        if groups:
+            first, members, prefix = groups[-1]
+            head = samples[first]
+            shared = min(_common(head["input_ids"], sample["input_ids"]), _untrained(sample, labels))
+            shared = min(shared, prefix if members > 1 else _untrained(head, labels))
+            if shared > 0:
+                groups[-1] = [first, members + 1, shared]
+                continue
+        groups.append([index, 1, 0])
+    return [(members, prefix) for _, members, prefix in groups]
+
+
+def pack(
+    samples: Sequence[Mapping[str, Tensor]], pad_to_multiple_of: int = 1, pad_id: int = 0, share_prefixes: bool = False
+) -> dict[str, Tensor]:
+    """Text samples (1-D `input_ids`, unshifted label keys) -> one packed row (see the module docstring), their shared
+    prefixes kept once with `share_prefixes`."""
     if not samples:
         raise ValueError("pack: no samples")
     if "pixel_values" in samples[0]:
         raise KeyError("pack: samples with pixel_values need their model's collate (e.g. collate_qwen2_vl)")
-    lengths = [int(s["input_ids"].numel()) for s in samples]
-    total = -(-sum(lengths) // pad_to_multiple_of) * pad_to_multiple_of
-    fill = total - sum(lengths)
-    batch = {"input_ids": torch.cat([*(s["input_ids"] for s in samples), torch.full((fill,), pad_id)])[None]}
-    for key in sorted(k for k in samples[0] if is_labels_key(k)):
-        shifted = [shift_labels(s[key]) for s in samples]
-        batch[key] = torch.cat([*shifted, torch.full((fill,), IGNORE_INDEX)])[None]
-    positions, ids = packed_positions(lengths, total)
-    batch["position_ids"], batch[SEQUENCE_IDS], batch[ATTENTION_SEQUENCE_IDS] = positions[None], ids[None], ids[None]
+    keys = sorted(k for k in samples[0] if is_labels_key(k))
+    groups = shared_prefixes(samples) if share_prefixes else [(1, 0)] * len(samples)
+    starts = [0, *itertools.accumulate(n for n, _ in groups)][:-1]
+    # lone samples first: a sample run after a prefix's branches would read as one more branch
+    order = sorted(range(len(groups)), key=lambda g: groups[g][1] > 0)
+    names = ("input_ids", "position_ids", SEQUENCE_IDS, "attention", *keys)
+    parts: dict[str, list[Tensor]] = {key: [] for key in names}
+    for group in order:
+        (members, prefix), index = groups[group], starts[group]
+        if prefix:
+            head = samples[index]
+            parts["input_ids"].append(head["input_ids"][:prefix])
+            parts["position_ids"].append(torch.arange(prefix))
+            parts[SEQUENCE_IDS].append(torch.full((prefix,), -2))
+            parts["attention"].append(torch.full((prefix,), -2 - group))
+            for key in keys:
+                parts[key].append(torch.full((prefix,), IGNORE_INDEX))
+        for sample in samples[index : index + members]:
+            n = int(sample["input_ids"].numel())
+            parts["input_ids"].append(sample["input_ids"][prefix:])
+            parts["position_ids"].append(torch.arange(prefix, n))
+            parts[SEQUENCE_IDS].append(torch.full((n - prefix,), index))
+            parts["attention"].append(torch.full((n - prefix,), index))
+            for key in keys:
+                parts[key].append(shift_labels(sample[key])[prefix:])
+            index += 1
+    used = sum(t.numel() for t in parts["input_ids"])
+    fill = -(-used // pad_to_multiple_of) * pad_to_multiple_of - used
+    last = int(parts["position_ids"][-1][-1]) + 1 if used else 0
+    tails = {"input_ids": pad_id, SEQUENCE_IDS: -1, "attention": -1, **dict.fromkeys(keys, IGNORE_INDEX)}
+    batch = {key: torch.cat([*parts[key], torch.full((fill,), value)])[None] for key, value in tails.items()}
+    batch["position_ids"] = torch.cat([*parts["position_ids"], torch.arange(fill) + last])[None]
+    batch[ATTENTION_SEQUENCE_IDS] = batch.pop("attention")
     return batch
 
 
@@ -74,12 +149,16 @@ def _pad(rows: list[Tensor], length: int, value: int) -> Tensor:
 
 
 def collate(
-    samples: Sequence[Mapping[str, Tensor]], pad_to_multiple_of: int = 1, pad_id: int = 0, packing: bool = False
+    samples: Sequence[Mapping[str, Tensor]],
+    pad_to_multiple_of: int = 1,
+    pad_id: int = 0,
+    packing: bool = False,
+    share_prefixes: bool = False,
 ) -> dict[str, Tensor]:
     """List of sample dicts (1-D `input_ids`, label keys, optional `pixel_values`) -> padded [B, S] micro-batch, or
-    with `packing` one packed row (`pack`)."""
+    with `packing` one packed row (`pack`, `share_prefixes` passed on; padded rows share nothing)."""
     if packing:
-        return pack(samples, pad_to_multiple_of, pad_id)
+        return pack(samples, pad_to_multiple_of, pad_id, share_prefixes)
     if not samples:
         raise ValueError("collate: no samples")
     if pad_to_multiple_of < 1:

@@ -212,7 +212,7 @@ class MetricLogger:
         for name, value in outputs.get("metrics", {}).items():
             self.train.record_total(name, *value) if isinstance(value, tuple) else self.train.record(name, value)
         ids, whole = micro_batch.get(SEQUENCE_IDS), micro_batch.get(ATTENTION_SEQUENCE_IDS)
-        seen = (ids >= 0).sum() if ids is not None else (input_ids != self.pad_id).sum()
+        seen = (ids != -1).sum() if ids is not None else (input_ids != self.pad_id).sum()  # -2: a shared prefix
         samples = whole.max() + 1 if whole is not None else input_ids.shape[0]  # packed: whole under SP; no read
         self._micro.append((losses, seen, input_ids.numel(), flops, samples))
 

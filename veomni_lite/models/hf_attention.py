@@ -10,16 +10,16 @@ varlen kernel (registered as `veomni_ulysses_<kernel>`). No mask is needed unpac
 so the causal mask suffices. A vision tower keeps its own attention: it sees whole images on every rank.
 
 Packed rows: `packed_attention_inputs` turns a packed row's `attention_sequence_ids` (the host tensor the collator
-wrote; models list it in `host_inputs`) into what the attention takes, computed on the host, with no position or
-mask read back from the device and no [S, S] mask. For SDPA and `veomni_ulysses`: `packed_segments`, the row's
-samples (the padding after them is a sample of its own) grouped by length as index tensors, for `veomni_ulysses`
-(every decoder runs it, see `route_attention`), which runs `segment_attention`: each group's samples gathered into
-one batch, causal SDPA on it (`enable_gqa`, no key/value heads expanded), the outputs put back in row order. A row
-costs the sum of its samples' squares, not its own. Under Ulysses this runs after the all-to-all, where each rank
-sees the whole row. For flash-attention (`VARLEN_ATTENTION`, and Ulysses around it): no mask, and the whole row's
-boundaries as `cu_seq_lens_q/k` (int32; the padding after the samples is a sequence of its own) with
-`max_length_q/k` (ints), which transformers hands to the varlen kernel as they are (after the all-to-all under
-Ulysses).
+wrote; models list it in `host_inputs`) into what the attention takes, computed on the host, with no position or mask
+read back from the device and no [S, S] mask. For SDPA and `veomni_ulysses`: `packed_segments`, the row's samples (the
+padding after them is a sample of its own) grouped by shape as index tensors, for `veomni_ulysses` (every decoder runs
+it, see `route_attention`), which runs `segment_attention`: each group's samples gathered into one batch, causal SDPA on
+it (`enable_gqa`, no key/value heads expanded), the outputs put back in row order. A row costs the sum of its samples'
+squares, not its own. A branch of a shared prefix (`veomni_lite.data.collator`) takes the prefix's keys and values
+before its own, with an [Lq, Lk] mask (every prefix key, then causal). Under Ulysses this runs after the all-to-all,
+where each rank sees the whole row. For flash-attention (`VARLEN_ATTENTION`, and Ulysses around it): no mask, and the
+whole row's boundaries as `cu_seq_lens_q/k` (int32; the padding after the samples is a sequence of its own) with
+`max_length_q/k` (ints), which transformers hands to the varlen kernel as they are (after the all-to-all under Ulysses).
 `check_packing_attention` refuses other implementations (eager adds a mask of its own) and, outside flash-attention,
 sliding-window layers (the per-sample attention is full). The models call `decoder_attention_inputs`, which first
 routes the decoder's attention through `ulysses_attention_forward` (`route_attention`; without an sp group it is SDPA
@@ -49,33 +49,47 @@ _GROUP_ATTR = "veomni_sp_group"
 
 @dataclass(frozen=True)
 class PackedSegments:
-    """Packed rows' samples as index tensors (on the attention's device), planned on the host: `groups` holds per
-    sample length L the [m, L] flat indices (row * S + position) of the m samples of that length, and `order` the
-    inverse permutation taking the groups' outputs, concatenated, back to row order."""
+    """Packed rows' samples as index tensors (on the attention's device), planned on the host: `groups` holds, per
+    (query length Lq, key length Lk), the [m, Lq] flat query indices (row * S + position) of the m samples of that
+    shape, their [m, Lk] key indices and the [Lq, Lk] boolean mask (both None: the queries themselves, causal); a
+    branch of a shared prefix has the prefix's positions, then its own, as keys. `order` is the inverse permutation
+    taking the groups' outputs, concatenated, back to row order."""
 
-    groups: tuple[tuple[int, torch.Tensor], ...]
+    groups: tuple[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None], ...]
     order: torch.Tensor
 
 
 def packed_segments(attention_sequence_ids: torch.Tensor, device: torch.device) -> PackedSegments:
     """The `PackedSegments` of host `attention_sequence_ids` [B, S] (each run of one id is a sample; the padding, -1,
-    is one too, so every position is in one). A ValueError names a device tensor (reading it would sync)."""
+    is one too, so every position is in one; a run of an id <= -2 is a shared prefix, which the sample runs after it,
+    up to the next prefix or the padding, attend to as well: `veomni_lite.data.collator`). A ValueError names a
+    device tensor (reading it would sync)."""
     if attention_sequence_ids.device.type != "cpu" or attention_sequence_ids.dim() != 2:
         raise ValueError(
             f"packed attention takes the rows' host attention_sequence_ids [B, S]; got shape "
             f"{list(attention_sequence_ids.shape)} on {attention_sequence_ids.device}"
         )
-    starts_by_length: dict[int, list[int]] = defaultdict(list)
+    shapes: dict[tuple[int, int], tuple[list[int], list[torch.Tensor]]] = defaultdict(lambda: ([], []))
     length = attention_sequence_ids.shape[1]
     for row, ids in enumerate(attention_sequence_ids):
-        start = row * length
-        for n in torch.unique_consecutive(ids, return_counts=True)[1].tolist():
-            starts_by_length[n].append(start)
+        start, prefix = row * length, None
+        values, counts = torch.unique_consecutive(ids, return_counts=True)
+        for value, n in zip(values.tolist(), counts.tolist()):
+            own = torch.arange(start, start + n)
+            keys = own if value < 0 or prefix is None else torch.cat([prefix, own])
+            prefix = own if value <= -2 else prefix if value >= 0 else None
+            starts, key_rows = shapes[(n, keys.numel())]
+            starts.append(start)
+            key_rows.append(keys)
             start += n
     groups, flat = [], []
-    for n, starts in sorted(starts_by_length.items()):
+    for (n, k), (starts, key_rows) in sorted(shapes.items()):
         index = torch.tensor(starts)[:, None] + torch.arange(n)
-        groups.append((n, index.to(device, non_blocking=True)))
+        keys = mask = None
+        if k != n:  # a branch: every prefix key, then causal over its own
+            keys = torch.stack(key_rows).to(device, non_blocking=True)
+            mask = torch.ones(n, k, dtype=torch.bool).tril(k - n).to(device, non_blocking=True)
+        groups.append((index.to(device, non_blocking=True), keys, mask))
         flat.append(index.reshape(-1))
     positions = torch.cat(flat)
     order = torch.empty_like(positions)
@@ -91,14 +105,18 @@ def segment_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
 ) -> torch.Tensor:
-    """Causal attention within each sample of packed rows: `query` [B, H, S, D], `key`/`value` [B, H_kv, S, D] ->
-    [B, S, H, D]. One SDPA call per sample length, over that length's samples as a batch."""
+    """Causal attention within each sample of packed rows (a shared prefix's branch: over the prefix, then causal over
+    itself): `query` [B, H, S, D], `key`/`value` [B, H_kv, S, D] -> [B, S, H, D]. One SDPA call per sample shape,
+    over that shape's samples as a batch."""
     rows, heads, length, dim = query.shape
     flat = [t.transpose(1, 2).reshape(rows * length, t.shape[1], dim) for t in (query, key, value)]  # [B*S, h, D]
     outs = []
-    for _, index in segments.groups:
-        q, k, v = (t[index].transpose(1, 2) for t in flat)  # [m, h, L, D]
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=True)
+    for index, keys, mask in segments.groups:
+        q = flat[0][index].transpose(1, 2)  # [m, h, Lq, D]
+        k, v = (t[index if keys is None else keys].transpose(1, 2) for t in flat[1:])
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=mask is None, enable_gqa=True
+        )
         outs.append(out.transpose(1, 2).reshape(-1, heads, dim))
     return torch.cat(outs)[segments.order].view(rows, length, heads, dim)
 
@@ -150,16 +168,16 @@ PACKING_ATTENTION = ("sdpa", ATTENTION_NAME)
 def check_packing_attention(config: Any) -> None:
     """Raise ValueError unless `config`'s attention keeps a packed row's samples apart (see the module docstring)."""
     name = getattr(config, "_attn_implementation", None)
-    if name not in PACKING_ATTENTION and not _varlen(name):
+    if name not in PACKING_ATTENTION and not takes_boundaries(name):
         choices = (*PACKING_ATTENTION, *sorted(VARLEN_ATTENTION))
         raise ValueError(
             f"data.packing: attention {name!r} cannot keep the packed rows' samples apart; use one of {choices}"
         )
-    if not _varlen(name) and _sliding_layers(config):
+    if not takes_boundaries(name) and _sliding_layers(config):
         raise ValueError(f"data.packing: sliding-window layers need flash-attention (attention {name!r} would drop it)")
 
 
-def _varlen(name: str | None) -> bool:
+def takes_boundaries(name: str | None) -> bool:
     """Whether attention `name` takes packed rows as flash-attention does (boundaries, no mask), alone or in Ulysses."""
     return name in VARLEN_ATTENTION or (name or "").removeprefix(f"{ATTENTION_NAME}_") in VARLEN_ATTENTION
 
@@ -174,12 +192,16 @@ def packed_attention_inputs(config: Any, attention_sequence_ids: torch.Tensor, d
     boundaries for flash-attention (see the module docstring). A ValueError names an attention that cannot take
     them."""
     check_packing_attention(config)
-    if not _varlen(config._attn_implementation):
+    if not takes_boundaries(config._attn_implementation):
         return {"attention_mask": None, "packed_segments": packed_segments(attention_sequence_ids, device)}
     if attention_sequence_ids.device.type != "cpu" or attention_sequence_ids.shape[0] != 1:
         raise ValueError(
             f"flash-attention over packed rows takes one row's host attention_sequence_ids; got shape "
             f"{list(attention_sequence_ids.shape)} on {attention_sequence_ids.device}"
+        )
+    if (attention_sequence_ids < -1).any():
+        raise ValueError(
+            "shared prefixes (data.shared_prefix) need SDPA attention; flash-attention takes each packed sample whole"
         )
     lengths = torch.unique_consecutive(attention_sequence_ids[0], return_counts=True)[1]
     bounds = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32).to(device, non_blocking=True)
@@ -242,7 +264,7 @@ def enable_ulysses(text_config: Any, attention_modules: Iterable[nn.Module], sp_
     """Route the decoder's attention through Ulysses over `sp_group`, around its varlen kernel if it has one, else
     SDPA (see the module docstring)."""
     name = text_config._attn_implementation
-    inner = name.removeprefix(f"{ATTENTION_NAME}_") if _varlen(name) else "sdpa"
+    inner = name.removeprefix(f"{ATTENTION_NAME}_") if takes_boundaries(name) else "sdpa"
     if inner == "sdpa" and _sliding_layers(text_config):
         raise ValueError("sequence parallel: veomni_ulysses runs full attention; this model has sliding-window layers")
     check_heads_divisible(

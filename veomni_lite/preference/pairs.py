@@ -365,12 +365,15 @@ def collate_pairs(
             labels[where[0], where[1]] = 0
         batch[PREF_LABELS] = labels
     valid = batch[PREF_LABELS] != IGNORE_INDEX
-    starts = torch.zeros_like(ids, dtype=torch.bool)
+    anchors = []  # each pair's (row, column): a shared-prefix row need not hold the pairs in order (`pack`)
     for index in range(len(pairs)):
         found = _side_positions(ids, valid, 2 * index)
         if not len(found):
             raise ValueError(f"collate_pairs: pair {index}'s chosen side has no response target")
-        starts[found[0, 0], found[0, 1]] = True
+        anchors.append(found[0])
+    rows, columns = torch.stack(anchors).unbind(1)
+    starts = torch.zeros_like(ids, dtype=torch.bool)
+    starts[rows, columns] = True
     batch[PREF_STARTS] = starts
     if any("ref_chosen" in pair for pair in pairs):
         ref = torch.zeros_like(ids, dtype=torch.float64)
@@ -381,10 +384,10 @@ def collate_pairs(
         batch[REF_LOGPROBS] = ref
     if any("margin" in pair for pair in pairs):
         margins = torch.zeros_like(ids, dtype=torch.float64)
-        margins[starts] = torch.tensor([float(pair.get("margin", 0.0)) for pair in pairs], dtype=torch.float64)
+        margins[rows, columns] = torch.tensor([float(pair.get("margin", 0.0)) for pair in pairs], dtype=torch.float64)
         batch[MARGINS] = margins
     if any("label" in pair for pair in pairs):  # kto: the row's label at its anchor (1.0 desirable)
         labels = torch.zeros_like(ids, dtype=torch.float64)
-        labels[starts] = torch.tensor([float(bool(pair.get("label"))) for pair in pairs], dtype=torch.float64)
+        labels[rows, columns] = torch.tensor([float(bool(pair.get("label"))) for pair in pairs], dtype=torch.float64)
         batch[KTO_LABELS] = labels
     return batch

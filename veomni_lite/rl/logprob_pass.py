@@ -167,8 +167,10 @@ def _response_values(
     ids = whole[SEQUENCE_IDS]
     if ids.shape[0] == len(members):  # padded: one row per sample
         row, start = position, 0
-    else:  # packed: the sample's segment of the one row
-        row, start = 0, int(torch.nonzero(ids[0] == position)[0])
+    else:  # packed: the sample's segment of the one row, less the prefix it shares (`pack`)
+        where = torch.nonzero(ids[0] == position)
+        shared = len(sample.prompt_ids) + len(sample.response_ids) - len(where)
+        row, start = 0, int(where[0]) - shared
     first = start + len(sample.prompt_ids) - 1
     out = values[row, first : first + len(sample.response_ids)]
     labels = whole[POLICY_LABELS][row, first : first + len(sample.response_ids)]

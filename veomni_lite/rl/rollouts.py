@@ -29,7 +29,7 @@ import torch
 
 from veomni_lite.data.checks import DataError
 from veomni_lite.data.sft import row_name
-from veomni_lite.loss_keys import IGNORE_INDEX
+from veomni_lite.loss_keys import IGNORE_INDEX, SEQUENCE_IDS
 from veomni_lite.rl.critic import CRITIC_VALUES, OLD_VALUES, RETURNS, VALUE_LABELS
 from veomni_lite.rl.policy_loss import (
     ADVANTAGES,
@@ -113,8 +113,8 @@ def collate_rollouts(
 ) -> dict[str, torch.Tensor]:
     """`RolloutSample.tensors` of several samples -> one micro-batch: `collate` (the model's own collate function,
     taking `labels`) makes the ids, labels and positions; each float key any sample has is shifted like the labels and
-    padded with 0 (or packed in the same order; 0 for a sample without it). With the critic's returns, `value_labels`
-    is a copy of `policy_labels`."""
+    padded with 0 (or packed at the sample's positions; 0 for a sample without it). With the critic's returns,
+    `value_labels` is a copy of `policy_labels`."""
     floats = TOKEN_VALUES + CRITIC_VALUES
     base = [{("labels" if k == POLICY_LABELS else k): v for k, v in s.items() if k not in floats} for s in samples]
     batch = collate(base)
@@ -124,9 +124,12 @@ def collate_rollouts(
         shifted = [
             _shift(s[key]) if key in s else torch.zeros(len(s["input_ids"]), dtype=torch.float64) for s in samples
         ]
-        if packing:
-            flat = torch.cat(shifted)
-            batch[key] = torch.cat([flat, flat.new_zeros(length - flat.numel())])[None]
+        if packing:  # each sample's positions by its id: a shared prefix holds none of them (their first are 0)
+            ids, out = batch[SEQUENCE_IDS][0], torch.zeros(length, dtype=torch.float64)
+            for sample, value in enumerate(shifted):
+                where = ids == sample
+                out[where] = value[value.numel() - int(where.sum()) :]
+            batch[key] = out[None]
         else:
             out = torch.zeros(rows, length, dtype=torch.float64)
             for row, value in enumerate(shifted):

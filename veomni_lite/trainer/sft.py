@@ -32,6 +32,7 @@ from veomni_lite.data.streaming import SampleStream, StreamingLoader
 from veomni_lite.distributed.collectives import agree, all_reduce
 from veomni_lite.export import copy_tokenizer_files
 from veomni_lite.loss_keys import IGNORE_INDEX, SEQUENCE_IDS, is_labels_key
+from veomni_lite.models.hf_attention import takes_boundaries
 from veomni_lite.models.pretrained import (
     PretrainedDirError,
     check_vocabulary,
@@ -234,7 +235,9 @@ class SFTTrainer(BaseTrainer):
     def collate(self, samples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         multiple, packing = self.config.data.pad_to_multiple_of, self.config.data.packing
         if self.images is None:
-            return collate(samples, pad_to_multiple_of=multiple, pad_id=self.pad_id, packing=packing)
+            varlen = takes_boundaries(self.config.model.attn_implementation)
+            share = packing and self.config.data.shared_prefix and not varlen
+            return collate(samples, multiple, self.pad_id, packing, share_prefixes=share)
         image_token_id = self.model_config.image_token_id
         return collate_qwen2_vl(samples, image_token_id, self.images.merge, self.pad_id, multiple, packing)
 
