@@ -50,10 +50,12 @@ def test_the_prefix_is_kept_once_and_each_branch_starts_at_its_last_untrained_to
     assert batch[ATTENTION_SEQUENCE_IDS].tolist() == [[2, 2, 2, -2, -2, -2, 0, 0, 0, 1, 1, 1, 1, -1, -1, -1]]
     ignore = IGNORE_INDEX
     assert batch["labels"].tolist() == [[5, 5, ignore] + [ignore] * 3 + [5, 6, ignore, 7, 8, 9] + [ignore] * 4]
-    # a sample trained from its first target on shares nothing; a prompt shared over fewer tokens shortens the group's
+    # a sample trained from its first target on shares nothing
     trained = [sample([1, 2, 3], 0), sample([1, 2, 3], 0)]
     assert shared_prefixes(trained) == [(1, 0), (1, 0)]
-    assert shared_prefixes([*samples[:2], sample([1, 2, 9, 9], 3)]) == [(3, 2)]
+    # a third sample sharing less than the group's prefix starts its own group (here a lone one)
+    assert shared_prefixes([*samples[:2], sample([1, 2, 9, 9], 3)]) == [(2, 3), (1, 0)]
+    assert shared_prefixes([*samples[:2], sample([1, 2, 3, 4, 0], 4)]) == [(3, 3)]
     unshared, kept = pack(samples), pack(samples, share_prefixes=True)
     assert (unshared["input_ids"].shape[1], kept["input_ids"].shape[1]) == (6 + 7 + 3, 6 + 7 + 3 - 3)
     assert (unshared[ATTENTION_SEQUENCE_IDS] >= -1).all(), "unshared, no prefix ids"

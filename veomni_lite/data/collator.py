@@ -79,8 +79,9 @@ def _common(a: Tensor, b: Tensor) -> int:
 
 def shared_prefixes(samples: Sequence[Mapping[str, Tensor]]) -> list[tuple[int, int]]:
     """Consecutive samples sharing untrained first tokens, as (number of samples, prefix length) in order; prefix
-    length 0 (a lone sample) shares nothing. Greedy: a sample joins the group before it when it shares at least one
-    untrained token with the group's first sample (the group's prefix shortens to what all of them share)."""
+    length 0 (a lone sample) shares nothing. A sample joins the group before it when it shares the group's whole
+    prefix (a lone sample's: any untrained first token), so a later sample that shares less (another prompt with the
+    same system turn) starts a group of its own instead of shortening this one's."""
     labels = sorted(k for k in samples[0] if is_labels_key(k))
     groups: list[list[int]] = []  # [first sample, members, prefix length]
     for index, sample in enumerate(samples):
@@ -88,9 +89,11 @@ def shared_prefixes(samples: Sequence[Mapping[str, Tensor]]) -> list[tuple[int, 
             first, members, prefix = groups[-1]
             head = samples[first]
             shared = min(_common(head["input_ids"], sample["input_ids"]), _untrained(sample, labels))
-            shared = min(shared, prefix if members > 1 else _untrained(head, labels))
-            if shared > 0:
-                groups[-1] = [first, members + 1, shared]
+            if members == 1 and shared > 0:
+                groups[-1] = [first, 2, min(shared, _untrained(head, labels))]
+                continue
+            if members > 1 and shared >= prefix:
+                groups[-1][1] += 1
                 continue
         groups.append([index, 1, 0])
     return [(members, prefix) for _, members, prefix in groups]
