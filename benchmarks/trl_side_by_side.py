@@ -17,8 +17,11 @@ evaluation. TRL gets our tokens (SFT: `input_ids` with our unshifted `labels`; D
 `rejected_ids` up to the last trained token) in our loader's order and reads them in order (GRPO: its prompts, rendered
 and tokenized by TRL, whose token ids are compared with ours), so each optimizer step trains on the same samples.
 
-Timing: one launch per layout (1: a plain process, no process group, so ours trains the bare model and TRL without DDP;
-2: torchrun, gloo, TRL accelerate's DDP on CPU, twice: ours FSDP2, then ours replicated like DDP, HSDP with
+Layout: ours packs each micro-batch into one row and keeps a prompt its samples share once (`data.packing: true`,
+`data.shared_prefix`'s default: an RL group's 8 responses, a DPO pair's two sides, an SFT pair's two rows), which trains
+exactly as padded (the losses below); TRL pads, its default. At 1 process ours runs padded too. Timing: one launch per
+layout (1: a plain process, no process group, so ours trains the bare model and TRL without DDP; twice: ours packed,
+then padded; 2: torchrun, gloo, TRL accelerate's DDP on CPU, twice: ours FSDP2, then ours replicated like DDP, HSDP with
 `parallel.dp_replicate: 2`), OMP_NUM_THREADS=1, both trainers in the same processes. TRL's own `train()` drives the
 rounds: a callback at each of its step ends runs one of our steps (the loop body of `BaseTrainer.train`: fetch, agree,
 `train_step`, end of step), so the steps alternate TRL, ours, TRL, ours; each timed region starts after a barrier, and a
@@ -64,10 +67,16 @@ PROPOSED = 1.0
 LOSS_TOLERANCE = 1e-6  # the largest per-step loss difference, ours against TRL's
 # optimizer steps per job and side, and how many of the first are not counted: (full, quick)
 STEPS, WARMUP = {False: 10, True: 3}, {False: 2, True: 1}
-# (label, processes, ours replicated): at 2 processes TRL runs accelerate's DDP (every rank the whole model); ours runs
-# FSDP2 (shards: all-gathers in every forward and backward) and, the same scheme as DDP, replicated (HSDP,
-# parallel.dp_replicate = 2)
-LAYOUTS = (("1", 1, False), ("2, ours FSDP2", 2, False), ("2, ours replicated", 2, True))
+# (label, processes, our variant, see `_our_args`): ours packs each micro-batch, a shared prompt kept once
+# (`data.packing`, `data.shared_prefix`), where TRL pads (its default); at 1 process ours padded too, TRL's layout. At 2
+# processes TRL runs accelerate's DDP (every rank the whole model); ours runs FSDP2 (shards: all-gathers in every
+# forward and backward) and, the same scheme as DDP, replicated (HSDP, parallel.dp_replicate = 2)
+LAYOUTS = (
+    ("1", 1, ""),
+    ("1, ours padded", 1, "padded"),
+    ("2, ours FSDP2", 2, ""),
+    ("2, ours replicated", 2, "replicated"),
+)
 
 
 def _pairs(data: Path, steps: int) -> Path:
@@ -82,14 +91,15 @@ def _pairs(data: Path, steps: int) -> Path:
     return path
 
 
-def _our_args(job: str, work_dir: Path, model_dir: Path, name: str, steps: int, replicated: bool = False) -> list[str]:
-    """Our trainer's arguments for `job`; `replicated`: every rank holds the whole model (`parallel.dp_replicate` =
-    the world, as TRL's DDP does) instead of FSDP2's shards."""
+def _our_args(job: str, work_dir: Path, model_dir: Path, name: str, steps: int, variant: str = "") -> list[str]:
+    """Our trainer's arguments for `job`: packed micro-batches, each keeping a shared prompt once; `variant`
+    "replicated": every rank holds the whole model (`parallel.dp_replicate` = the world, as TRL's DDP does) instead of
+    FSDP2's shards; "padded": padded micro-batches, as TRL's."""
     data = work_dir / "data"
     batch, micro = SIZES[job]
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    args = ["--parallel.dp_replicate", str(world)] if replicated else []
-    args += os.environ.get("BENCH_OURS_EXTRA", "").split()
+    args = ["--parallel.dp_replicate", str(world)] if variant == "replicated" else []
+    args += [] if variant == "padded" else ["--data.packing", "true"]
     args += [
         "--model.arch", "auto", "--model.pretrained_dir", str(model_dir), "--train.max_steps", "1000",
         "--train.eval_interval", "0", "--train.output_dir", str(work_dir / f"run_{name}"),
@@ -435,12 +445,12 @@ def _trl_logs(trainer: Any) -> list[dict[str, Any]]:
     return [row for row in trainer.state.log_history if "loss" in row and "train_runtime" not in row]
 
 
-def _job(job: str, work_dir: Path, model_dir: Path, steps: int, replicated: bool = False) -> dict[str, Any]:
+def _job(job: str, work_dir: Path, model_dir: Path, steps: int, variant: str = "") -> dict[str, Any]:
     """One job's rounds in this launch: per-step seconds (this rank's), losses, build seconds, GRPO's lengths."""
     import torch
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    name = f"{job}_{world}p" + ("_replicated" if replicated else "")
+    name = f"{job}_{world}p" + (f"_{variant}" if variant else "")
     from trl import DPOTrainer
 
     from veomni_lite.preference.reference_pass import PrecomputedReference
@@ -450,7 +460,7 @@ def _job(job: str, work_dir: Path, model_dir: Path, steps: int, replicated: bool
                passes["trl"].wrap(DPOTrainer, "_precompute_ref_logps")]  # fmt: skip
     try:
         start = time.perf_counter()
-        ours = _ours(job, _our_args(job, work_dir, model_dir, name, steps, replicated))
+        ours = _ours(job, _our_args(job, work_dir, model_dir, name, steps, variant))
         ours_build = time.perf_counter() - start
         start = time.perf_counter()
         trl = _trl(job, ours, model_dir, work_dir / f"trl_{name}", steps)
@@ -462,7 +472,7 @@ def _job(job: str, work_dir: Path, model_dir: Path, steps: int, replicated: bool
     if job == "grpo":
         clocks["ours"].wrap(ours.engine.model, "generate")
         clocks["trl"].wrap(trl.model, "generate")
-    captured = _capture(trl) if job == "grpo" and world == 1 else None
+    captured = _capture(trl) if job == "grpo" and world == 1 and not variant else None
     times = _rounds(ours, trl, clocks)
     result: dict[str, Any] = {"times": times, "build_s": {"ours": ours_build, "trl": trl_build}}
     result["reference_pass_s"] = {side: clock.take() for side, clock in passes.items()}
@@ -493,7 +503,7 @@ def _job(job: str, work_dir: Path, model_dir: Path, steps: int, replicated: bool
     return result
 
 
-def _worker(work_dir: Path, model_dir: Path, jobs: list[str], steps: int, out: Path, replicated: bool) -> None:
+def _worker(work_dir: Path, model_dir: Path, jobs: list[str], steps: int, out: Path, variant: str) -> None:
     """Every job of `jobs` in this launch; rank 0 writes {job: result} (times: the max over ranks per step)."""
     import torch.distributed as dist
     from harness import max_over_ranks
@@ -502,7 +512,7 @@ def _worker(work_dir: Path, model_dir: Path, jobs: list[str], steps: int, out: P
 
     results = {}
     for job in jobs:
-        result = _job(job, work_dir, model_dir, steps, replicated)
+        result = _job(job, work_dir, model_dir, steps, variant)
         result["times"] = {key: max_over_ranks(values) for key, values in result["times"].items()}
         results[job] = result
         print(f"[trl_side_by_side] {job}: {json.dumps(result['times'])}", flush=True)
@@ -515,17 +525,17 @@ def _worker(work_dir: Path, model_dir: Path, jobs: list[str], steps: int, out: P
 
 
 def _launch(
-    work_dir: Path, model_dir: Path, nproc: int, jobs: list[str], steps: int, replicated: bool = False
+    work_dir: Path, model_dir: Path, nproc: int, jobs: list[str], steps: int, variant: str = ""
 ) -> dict[str, Any]:
     """The worker on `nproc` processes: torchrun for 2, a plain process for 1 (no process group: our model unwrapped,
-    TRL's without DDP), one thread each; its results. `replicated`: ours holds the whole model on every rank."""
+    TRL's without DDP), one thread each; its results. `variant`: see `_our_args`."""
     import subprocess
 
     from harness import torchrun
 
-    out = work_dir / f"results_{nproc}p{'_replicated' if replicated else ''}.json"
+    out = work_dir / f"results_{nproc}p{f'_{variant}' if variant else ''}.json"
     args = ["--worker", "--work-dir", str(work_dir), "--model-dir", str(model_dir), "--jobs", ",".join(jobs),
-            "--steps", str(steps), "--out", str(out), *(["--replicated"] if replicated else [])]  # fmt: skip
+            "--steps", str(steps), "--out", str(out), "--variant", variant]  # fmt: skip
     if nproc > 1:
         torchrun(Path(__file__), nproc, args, 1800)
         return json.loads(out.read_text())
@@ -566,9 +576,7 @@ def block(work_dir: Path, quick: bool) -> dict[str, Any]:
     model_dir, _, _ = write_inputs(work_dir, QUICK_MODEL if quick else MODEL)
     layouts = LAYOUTS[:1] if quick else LAYOUTS
     steps, warmup = STEPS[quick], WARMUP[quick]
-    measured = {
-        label: _launch(work_dir, model_dir, n, list(JOBS), steps, replicated) for label, n, replicated in layouts
-    }
+    measured = {label: _launch(work_dir, model_dir, n, list(JOBS), steps, variant) for label, n, variant in layouts}
     time_rows, equal_rows, targets = [], [], []
     for nproc, results in measured.items():
         for job in JOBS:
@@ -625,7 +633,11 @@ def block(work_dir: Path, quick: bool) -> dict[str, Any]:
     equal_columns = ["processes", "job", "largest loss difference (relative, absolute under 1)",
                      "largest grad norm difference (same)", "steps compared", "GRPO: mean response length, ours / TRL",
                      "GRPO: mean reward, ours / TRL"]  # fmt: skip
-    mode = "quick mode: 1 process only" if quick else "1 process, and 2 with ours FSDP2 and replicated"
+    mode = (
+        "quick mode: 1 process only"
+        if quick
+        else "1 process (ours packed, and padded), and 2 with ours FSDP2 and replicated"
+    )
     about = prose(__doc__) + (
         f" This run: {mode}, {steps} steps per job of which the first {warmup} warm up; model "
         f"{QUICK_MODEL if quick else MODEL}. "
@@ -653,10 +665,10 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--replicated", action="store_true")
+    parser.add_argument("--variant", default="", choices=["", "replicated", "padded"])
     args = parser.parse_args()
     sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
     if args.worker:
-        _worker(args.work_dir, args.model_dir, args.jobs.split(","), args.steps, args.out, args.replicated)
+        _worker(args.work_dir, args.model_dir, args.jobs.split(","), args.steps, args.out, args.variant)
     else:
         print(json.dumps(block(args.work_dir, quick=args.quick), indent=1))
