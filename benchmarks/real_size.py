@@ -3,7 +3,7 @@ DPO step through the trainers, on a tiny Qwen2 (hidden 64, 2 layers, untied embe
 tokenizer) saved with Qwen's 151,936-token vocabulary, against the same jobs at a 1,024-token vocabulary.
 
 One process per (job, vocabulary), one thread, one packed micro-batch of 4,096 tokens per step (32 sequences of 128
-tokens): SFT on `messages` rows (prompt + response); GRPO on given rollouts (`rl.rollouts_path`: 4 groups x 8 responses
+tokens, shared prompts off so that every job runs all of them): SFT on `messages` rows (prompt + response); GRPO on given rollouts (`rl.rollouts_path`: 4 groups x 8 responses
 of 32 prompt + 96 response ids, one optimizer step per rollout batch, so the old log-probabilities are the training
 forward's, and `rl.kl_coef` 0.05, so a reference forward runs first: 2 forwards and 1 backward per step); DPO
 (`pref.loss` sigmoid, live reference: 16 pairs of 128-token sides, 2 forwards and 1 backward). Each worker builds its
@@ -97,6 +97,7 @@ def _trainer(job: str, work_dir: Path, vocab: int) -> Any:
     args = [
         "--model.arch", "auto", "--model.pretrained_dir", str(model_dir(work_dir, vocab)),
         "--data.max_seq_len", str(LENGTH), "--data.packing", "true", "--data.max_tokens_per_micro_batch", str(TOKENS),
+        "--data.shared_prefix", "false",  # every job runs its 4,096 tokens: the head's cost, not the prompts' sharing
         "--train.max_steps", "1000", "--train.eval_interval", "0", "--train.output_dir",
         str(work_dir / f"run_{job}_{vocab}"), "--checkpoint.save_interval", "0", "--logging.log_interval", "1000",
         "--logging.progress_bar", "false", "--logging.tensorboard", "false", "--logging.plot", "false",

@@ -4,10 +4,11 @@ A loss head has a name. Its targets are the batch key `<name>_labels`, its valid
 `<name>_loss`; the text head is named `foundation` and reads the plain `labels` key (VeOmni's convention). Targets equal
 to `IGNORE_INDEX` are not counted and not trained on.
 
-Sequences: the batch key `sequence_ids` marks which sequence (sample) each position belongs to (-1: none), written by
-the collator before any SP slicing; without it each row is one sequence. For the per-sequence loss modes,
-`mark_sequences` derives per head `<name>_seq_starts` (True at the first valid target of each sequence, counted as
-`<name>_sequences`) and `<name>_loss_weights` (1 / the sequence's valid targets, for `seq-mean-token-mean`).
+Sequences: the batch key `sequence_ids` marks which sequence (sample) each position belongs to (-1: none, the padding;
+-2: a packed row's shared prefix, `veomni_lite.data.collator`), written by the collator before any SP slicing; without
+it each row is one sequence. For the per-sequence loss modes, `mark_sequences` derives per head `<name>_seq_starts`
+(True at the first valid target of each sequence, counted as `<name>_sequences`) and `<name>_loss_weights` (1 / the
+sequence's valid targets, for `seq-mean-token-mean`).
 """
 
 from __future__ import annotations
