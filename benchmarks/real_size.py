@@ -3,17 +3,16 @@ DPO step through the trainers, on a tiny Qwen2 (hidden 64, 2 layers, untied embe
 tokenizer) saved with Qwen's 151,936-token vocabulary, against the same jobs at a 1,024-token vocabulary.
 
 One process per (job, vocabulary), one thread, one packed micro-batch of 4,096 tokens per step (32 sequences of 128
-tokens, shared prompts off so that every job runs all of them): SFT on `messages` rows (prompt + response); GRPO on given rollouts (`rl.rollouts_path`: 4 groups x 8 responses
-of 32 prompt + 96 response ids, one optimizer step per rollout batch, so the old log-probabilities are the training
-forward's, and `rl.kl_coef` 0.05, so a reference forward runs first: 2 forwards and 1 backward per step); DPO
-(`pref.loss` sigmoid, live reference: 16 pairs of 128-token sides, 2 forwards and 1 backward). Each worker builds its
-trainer, trains a warm-up step (AdamW's state), resets the peak RSS (`/proc/self/clear_refs`) and trains the timed
-steps, then reads the peak (`VmHWM`; glibc returns large freed blocks to the system: MALLOC_MMAP_THRESHOLD_ 64 KiB).
-Growth: a job's peak at vocabulary 151,936 less its peak at 1,024, in units of one float32 [4,096, 151,936] tensor
-(2,374 MiB), the whole logits the policy and preference heads never build (`LogprobRequest`; target <= 0.25). Time:
-seconds per trained position, each job's over the SFT step's at the same vocabulary (target: GRPO <= 2x). Quick mode:
-GRPO alone at both vocabularies, one timed step (its memory target).
-"""
+tokens, shared prompts off so that every job runs all of them): SFT on `messages` rows (prompt + response); GRPO on
+given rollouts (`rl.rollouts_path`: 4 groups x 8 responses of 32 prompt + 96 response ids, one optimizer step per
+rollout batch, so the old log-probabilities are the training forward's, and `rl.kl_coef` 0.05, so a reference forward
+runs first: 2 forwards and 1 backward per step); DPO (`pref.loss` sigmoid, live reference: 16 pairs of 128-token sides,
+2 forwards and 1 backward). Each worker builds its trainer, trains a warm-up step (AdamW's state), resets the peak RSS
+(`/proc/self/clear_refs`) and trains the timed steps, then reads the peak (`VmHWM`; glibc returns large freed blocks to
+the system: MALLOC_MMAP_THRESHOLD_ 64 KiB). Growth: a job's peak at vocabulary 151,936 less its peak at 1,024, in units
+of one float32 [4,096, 151,936] tensor (2,374 MiB), the whole logits the policy and preference heads never build
+(`LogprobRequest`; target <= 0.25). Time: seconds per trained position, each job's over the SFT step's at the same
+vocabulary (target: GRPO <= 2x). Quick mode: GRPO alone at both vocabularies, one timed step (its memory target)."""
 
 from __future__ import annotations
 
