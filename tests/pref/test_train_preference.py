@@ -87,6 +87,9 @@ def test_one_process_dp2_and_sp2_packed_train_alike(demo, pairs, tmp_path, loss)
                         timeout_s=600)  # fmt: skip
         for key, expected in reference.items():
             assert_same(by_step(tmp_path / name, key), expected, f"{loss} {name} {key}", RTOLS.get(key, RTOL))
+    # packed, each pair's prompt runs once (data.shared_prefix): fewer tokens for the same steps
+    tokens = {name: by_step(tmp_path / name, "train/tokens") for name in ("one", "sp2")}
+    assert all(tokens["sp2"][step] < tokens["one"][step] for step in tokens["one"]), tokens
 
 
 def references(trainer: PreferenceTrainer) -> list[list[list[float]]]:

@@ -97,6 +97,13 @@ def test_given_rollouts_train_alike_at_one_process_dp2_and_sp2_packed(demo, roll
             assert sorted(got) == sorted(expected), (name, key)
             for step, value in expected.items():
                 assert got[step] == pytest.approx(value, rel=RTOL, abs=1e-7), (name, key, step, got, expected)
+    # packed at 1 process, each group's prompt run once (data.shared_prefix): the same steps from fewer tokens
+    train(rl_args(demo, rollouts, tmp_path / "packed", "--data.packing", "true"))
+    for key, expected in reference.items():
+        got = by_step(tmp_path / "packed", key)
+        assert got == pytest.approx(expected, rel=RTOL, abs=1e-7), (key, got, expected)
+    tokens = {name: by_step(tmp_path / name, "train/tokens") for name in ("one", "packed")}
+    assert all(tokens["packed"][step] < tokens["one"][step] for step in tokens["one"]), tokens
     events = read_events(tmp_path / "one")
     first = events[0]
     assert 0.0 <= first["rl/reward/min"] < first["rl/reward/mean"] < first["rl/reward/max"] < 1.0
