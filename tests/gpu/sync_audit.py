@@ -68,7 +68,9 @@ class SyncAudit:
 
     def _file(self) -> None:
         for warning in self._caught:
-            if "synchroniz" in str(warning.message):
+            # torch's own "called a synchronizing CUDA operation"; not set_sync_debug_mode's warning that the mode is a
+            # prototype ("Synchronization debug mode ..."), which the first GPU run counted as a sync of the step
+            if "called a synchronizing" in str(warning.message):
                 self.syncs[self.phase] += 1
                 self.sites[f"{self.phase}: {Path(warning.filename).name}:{warning.lineno}"] += 1
         self._caught.clear()

@@ -6,6 +6,8 @@ paths raise there)."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -116,6 +118,33 @@ def test_no_forward_or_backward_reads_a_device_tensor(family, packing):
     losses = model(**_on_meta(batch, model.host_inputs))
     sum(losses.values()).backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("family", ["text", VL_FAMILIES[0]])
+def test_host_inputs_stay_on_the_host_through_fsdp2s_move_of_the_forward_inputs(family):
+    """FSDP2's root pre-forward moves every tensor argument to a CUDA device (`_to_kwargs`; the meta device stands in
+    for it here): the trainer's `preforward` hands the model's `host_inputs` over as `HostInput`, which it leaves
+    where they are, so the packed forward still reads its boundaries and grids on the host. Control: handed over bare,
+    they are moved, and the model refuses them (what the first GPU run met)."""
+    from torch.distributed.utils import _to_kwargs
+
+    from veomni_lite.trainer.base import BaseTrainer
+
+    with torch.device("meta"):
+        model = make_lm() if family == "text" else make_vl(family=family)
+    if family == "text":
+        items = [{k: v for k, v in text_sample(n, seed=n).items() if k != "image_decoder_labels"} for n in (7, 3, 12)]
+        batch = collate(items, pad_id=PAD, packing=True)
+    else:
+        batch = collate_qwen2_vl(samples(), IMAGE, 2, PAD, packing=True)
+    meta = torch.device("meta")
+    inputs = BaseTrainer.preforward(types.SimpleNamespace(model=model, device=meta), batch)
+    _, (moved,) = _to_kwargs((), inputs, meta, False)
+    sum(model(**moved).values()).backward()
+    bare = {key: value if key in model.host_inputs else value.to(meta) for key, value in batch.items()}
+    _, (moved,) = _to_kwargs((), bare, meta, False)
+    with pytest.raises(ValueError, match="on meta"):
+        model(**moved)
 
 
 @pytest.mark.parametrize("family", VL_FAMILIES)

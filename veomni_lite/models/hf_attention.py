@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from veomni_lite.distributed.sequence_parallel import heads_to_seq, seq_to_heads
+from veomni_lite.trainer.model import on_host
 
 ATTENTION_NAME = "veomni_ulysses"
 _GROUP_ATTR = "veomni_sp_group"
@@ -235,6 +236,7 @@ def decoder_attention_inputs(
     """The decoder's attention keywords: a packed row's (`packed_attention_inputs`) or, given None, causal attention's
     (no mask). The decoder's attention is routed first (`route_attention`), so transformers computes no mask."""
     route_attention(config)
+    attention_sequence_ids = on_host(attention_sequence_ids)  # the trainer's `HostInput`
     if attention_sequence_ids is None:
         return {"attention_mask": None}
     return packed_attention_inputs(config, attention_sequence_ids, device)

@@ -45,7 +45,7 @@ from veomni_lite.models.heads import (
 from veomni_lite.models.hf_attention import decoder_attention_inputs, enable_ulysses
 from veomni_lite.models.pretrained import load_config, save_config
 from veomni_lite.models.registry import dtype_of, family_of
-from veomni_lite.trainer.model import TrainableModel
+from veomni_lite.trainer.model import TrainableModel, on_host
 
 IMAGE_HEAD_FILE = "image_decoder_head.safetensors"
 _LABEL_KEYS = ("labels", "image_decoder_labels")
@@ -268,7 +268,7 @@ class QwenVLWithImageHead(TrainableModel):
         image_grid_thw: Tensor | None = None,
         attention_sequence_ids: Tensor | None = None,
     ) -> Tensor:
-        embeds, deepstack = self.embed(input_ids, image_feature_index, pixel_values, image_grid_thw)
+        embeds, deepstack = self.embed(input_ids, image_feature_index, pixel_values, on_host(image_grid_thw))
         attention = decoder_attention_inputs(self.config.text_config, attention_sequence_ids, embeds.device)
         extra = {"deepstack_visual_embeds": deepstack} if deepstack is not None else {}
         out = self.vlm.model.language_model(

@@ -77,7 +77,7 @@ from veomni_lite.models.sharded_load import (
 from veomni_lite.plain_loop import LossStep
 from veomni_lite.trainer.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
 from veomni_lite.trainer.lr_schedule import lr_lambda, ratio_steps
-from veomni_lite.trainer.model import TrainableModel, check_model_contract, with_companions
+from veomni_lite.trainer.model import HostInput, TrainableModel, check_model_contract, with_companions
 from veomni_lite.utils.loss_utils import LossKeyMismatchError, mark_sequences, mean_global_loss, reset_loss_memo
 
 logger = logging.getLogger(__name__)
@@ -504,11 +504,12 @@ class BaseTrainer(ABC):
 
     def preforward(self, micro_batch: Mapping[str, Any]) -> dict[str, Any]:
         """Move tensors to the device, except the model's `host_inputs` (what it reads on the host, so that reading
-        them costs no device sync; the model moves them itself)."""
+        them costs no device sync; the model moves them itself), which go wrapped in `HostInput`: FSDP2's root
+        pre-forward would move them to a CUDA device otherwise."""
         host = self.model.host_inputs
         return {
-            key: value.to(self.device, non_blocking=True)
-            if isinstance(value, torch.Tensor) and key not in host
+            key: (HostInput(value) if key in host else value.to(self.device, non_blocking=True))
+            if isinstance(value, torch.Tensor)
             else value
             for key, value in micro_batch.items()
         }

@@ -3,10 +3,27 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
+
+
+@dataclass(frozen=True)
+class HostInput:
+    """A `host_inputs` tensor as the trainer hands it to a model's forward. It is no pytree node, so FSDP2's root
+    pre-forward, which moves every tensor argument to a CUDA device (a copy, and the model's reads of it then syncs),
+    leaves it on the host; `on_host` unwraps it."""
+
+    tensor: torch.Tensor
+
+
+def on_host(value: Any) -> Any:
+    """`value`'s tensor if it is a `HostInput`, else `value` itself (a bare tensor, None)."""
+    return value.tensor if isinstance(value, HostInput) else value
 
 
 class TrainableModel(nn.Module):
@@ -22,7 +39,7 @@ class TrainableModel(nn.Module):
 
     Optional (the defaults here say what a model without them gets):
     - `host_inputs`: batch keys the trainer leaves on the host, because the model reads them there (boundaries,
-      grids), so reading them costs no device sync;
+      grids), so reading them costs no device sync; they arrive wrapped in `HostInput` (unwrap with `on_host`);
     - `set_attn_implementation(name)`: `model.attn_implementation`; the default refuses anything but sdpa;
     - `save_config(directory)` / `save_pretrained(directory)`: what `python -m veomni_lite.export` rebuilds the model
       from, and the export itself; the default writes nothing (the run then has no transformers format).
