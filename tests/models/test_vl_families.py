@@ -98,6 +98,16 @@ def test_packed_rows_equal_the_unpacked_samples_and_leak_without_their_boundarie
     assert leaked > 1e-3
 
 
+def meta_model_and_batch(family: str, packing: bool) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """A model of `family` built on the meta device and a host micro-batch for it (text: three samples)."""
+    with torch.device("meta"):
+        model = make_lm() if family == "text" else make_vl(family=family)
+    if family == "text":
+        items = [{k: v for k, v in text_sample(n, seed=n).items() if k != "image_decoder_labels"} for n in (7, 3, 12)]
+        return model, collate(items, pad_id=PAD, packing=packing)
+    return model, collate_qwen2_vl(samples(), IMAGE, 2, PAD, packing=packing)
+
+
 def _on_meta(batch: dict[str, torch.Tensor], host: tuple[str, ...]) -> dict[str, torch.Tensor]:
     return {key: value if key in host else value.to("meta") for key, value in batch.items()}
 
@@ -108,13 +118,7 @@ def test_no_forward_or_backward_reads_a_device_tensor(family, packing):
     """The model and every input but its `host_inputs` on the meta device: a host read of any of them (`.item()`,
     `.tolist()`, a boolean-mask index, a data-dependent shape) raises, so forward and backward passing means no host
     sync per micro-batch on an accelerator, from the vision towers or the decoders."""
-    with torch.device("meta"):
-        model = make_lm() if family == "text" else make_vl(family=family)
-    if family == "text":
-        items = [{k: v for k, v in text_sample(n, seed=n).items() if k != "image_decoder_labels"} for n in (7, 3, 12)]
-        batch = collate(items, pad_id=PAD, packing=packing)
-    else:
-        batch = collate_qwen2_vl(samples(), IMAGE, 2, PAD, packing=packing)
+    model, batch = meta_model_and_batch(family, packing)
     losses = model(**_on_meta(batch, model.host_inputs))
     sum(losses.values()).backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
@@ -130,13 +134,7 @@ def test_host_inputs_stay_on_the_host_through_fsdp2s_move_of_the_forward_inputs(
 
     from veomni_lite.trainer.base import BaseTrainer
 
-    with torch.device("meta"):
-        model = make_lm() if family == "text" else make_vl(family=family)
-    if family == "text":
-        items = [{k: v for k, v in text_sample(n, seed=n).items() if k != "image_decoder_labels"} for n in (7, 3, 12)]
-        batch = collate(items, pad_id=PAD, packing=True)
-    else:
-        batch = collate_qwen2_vl(samples(), IMAGE, 2, PAD, packing=True)
+    model, batch = meta_model_and_batch(family, packing=True)
     meta = torch.device("meta")
     inputs = BaseTrainer.preforward(types.SimpleNamespace(model=model, device=meta), batch)
     _, (moved,) = _to_kwargs((), inputs, meta, False)
