@@ -70,25 +70,27 @@ def packed_segments(attention_sequence_ids: torch.Tensor, device: torch.device) 
             f"packed attention takes the rows' host attention_sequence_ids [B, S]; got shape "
             f"{list(attention_sequence_ids.shape)} on {attention_sequence_ids.device}"
         )
-    shapes: dict[tuple[int, int], tuple[list[int], list[torch.Tensor]]] = defaultdict(lambda: ([], []))
+    # (Lq, Lk) -> (the runs' starts, a branch's prefix (start, length) each); Lk == Lq: plain causal runs
+    shapes: dict[tuple[int, int], tuple[list[int], list[tuple[int, int]]]] = defaultdict(lambda: ([], []))
     length = attention_sequence_ids.shape[1]
     for row, ids in enumerate(attention_sequence_ids):
         start, prefix = row * length, None
         values, counts = torch.unique_consecutive(ids, return_counts=True)
         for value, n in zip(values.tolist(), counts.tolist()):
-            own = torch.arange(start, start + n)
-            keys = own if value < 0 or prefix is None else torch.cat([prefix, own])
-            prefix = own if value <= -2 else prefix if value >= 0 else None
-            starts, key_rows = shapes[(n, keys.numel())]
+            branch = value >= 0 and prefix is not None
+            starts, prefixes = shapes[(n, n + prefix[1] if branch else n)]
             starts.append(start)
-            key_rows.append(keys)
+            if branch:
+                prefixes.append(prefix)
+            prefix = (start, n) if value <= -2 else prefix if value >= 0 else None
             start += n
     groups, flat = [], []
-    for (n, k), (starts, key_rows) in sorted(shapes.items()):
+    for (n, k), (starts, prefixes) in sorted(shapes.items()):
         index = torch.tensor(starts)[:, None] + torch.arange(n)
         keys = mask = None
-        if k != n:  # a branch: every prefix key, then causal over its own
-            keys = torch.stack(key_rows).to(device, non_blocking=True)
+        if k != n:  # branches: every prefix key, then causal over their own
+            before = torch.tensor([first for first, _ in prefixes])[:, None] + torch.arange(k - n)
+            keys = torch.cat([before, index], dim=1).to(device, non_blocking=True)
             mask = torch.ones(n, k, dtype=torch.bool).tril(k - n).to(device, non_blocking=True)
         groups.append((index.to(device, non_blocking=True), keys, mask))
         flat.append(index.reshape(-1))

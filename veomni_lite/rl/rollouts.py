@@ -120,15 +120,16 @@ def collate_rollouts(
     batch = collate(base)
     batch[POLICY_LABELS] = batch.pop("labels")
     rows, length = batch["input_ids"].shape[:2]
+    # packed: each sample's positions by its id (a shared prefix holds none of them; their values there are 0)
+    where = [batch[SEQUENCE_IDS][0] == sample for sample in range(len(samples))] if packing else []
     for key in (k for k in floats if any(k in s for s in samples)):
         shifted = [
             _shift(s[key]) if key in s else torch.zeros(len(s["input_ids"]), dtype=torch.float64) for s in samples
         ]
-        if packing:  # each sample's positions by its id: a shared prefix holds none of them (their first are 0)
-            ids, out = batch[SEQUENCE_IDS][0], torch.zeros(length, dtype=torch.float64)
-            for sample, value in enumerate(shifted):
-                where = ids == sample
-                out[where] = value[value.numel() - int(where.sum()) :]
+        if packing:
+            out = torch.zeros(length, dtype=torch.float64)
+            for at, value in zip(where, shifted):
+                out[at] = value[value.numel() - int(at.sum()) :]
             batch[key] = out[None]
         else:
             out = torch.zeros(rows, length, dtype=torch.float64)
