@@ -42,12 +42,7 @@ from veomni_lite.config_sections import (  # noqa: F401 - the sections' public h
     ParallelConfig,
     TrainConfig,
 )
-
-
-def closest(name: str, known: Iterable[str], cutoff: float = 0.6) -> str | None:
-    """The name in `known` closest to a mistyped `name` (difflib's ratio at least `cutoff`), else None."""
-    close = difflib.get_close_matches(name, list(known), n=1, cutoff=cutoff)
-    return close[0] if close else None
+from veomni_lite.registries import closest  # noqa: F401 - config checks and callers import it from here
 
 
 def unknown_key(at: str, key: str, known: Iterable[str], takes: str) -> ConfigError:
