@@ -13,7 +13,7 @@ QUICK ?=
 TORCHRUN := $(PY) -m veomni_lite.torchrun --standalone --nproc_per_node $(NPROC)
 
 .PHONY: install test test-quick test-gpu test-vllm vllm-env quality train train-text train-sft train-lora train-rl \
-	train-agent train-rl-math train-ppo preference-pairs train-dpo train-rm figures bench clean
+	train-agent train-rl-math train-ppo preference-pairs train-dpo train-rm train-moe figures bench clean
 
 install: $(STAMP)
 
@@ -161,6 +161,18 @@ train-dpo: preference-pairs
 
 train-rm: preference-pairs
 	$(TORCHRUN) trainers/train_preference.py $(RM_CONFIG) $(ARGS)
+
+# The MoE demo (docs/moe.md): a tiny Qwen3-MoE on two domains (help pages, arithmetic), trained with moe.balance
+# micro-batch and global-batch from the same start, exported, then each domain's experts per layer
+# (python -m examples.moe_demo analyze: outputs/moe_*/expert_domains.json, docs/moe_domains.png, docs/moe_curves.png).
+MOE_CONFIG ?= configs/moe_domains.yaml
+train-moe: install
+	$(PY) -m examples.moe_demo write outputs/moe_demo
+	for balance in micro-batch global-batch; do \
+	  $(TORCHRUN) trainers/train_sft.py $(MOE_CONFIG) --moe.balance $$balance --train.output_dir outputs/moe_$$balance \
+	    $(ARGS) && $(PY) -m veomni_lite.export outputs/moe_$$balance outputs/moe_$${balance}_hf || exit 1; \
+	done
+	$(PY) -m examples.moe_demo analyze outputs/moe_demo docs outputs/moe_micro-batch outputs/moe_global-batch
 
 bench: install
 	$(PY) benchmarks/run_all.py $(if $(QUICK),--quick,)
