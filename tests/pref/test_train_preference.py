@@ -57,10 +57,15 @@ def by_step(out: Path, key: str) -> dict[int, float]:
     return {e["step"]: e[key] for e in read_events(out) if key in e}
 
 
-def assert_same(got: dict[int, float], expected: dict[int, float], what: str, rtol: float = RTOL) -> None:
+def assert_same(
+    got: dict[int, float], expected: dict[int, float], what: str, rtol: float | dict[int, float] = RTOL
+) -> None:
+    """Step by step: within `rtol` relative, or, given per step (a cancelling quantity's `cancelling_atol`), within
+    that absolute bound."""
     assert sorted(got) == sorted(expected), what
     for step, value in expected.items():
-        assert got[step] == pytest.approx(value, rel=rtol, abs=1e-7), (what, step, got, expected)
+        rel, abs_ = (0.0, rtol[step]) if isinstance(rtol, dict) else (rtol, 1e-7)
+        assert got[step] == pytest.approx(value, rel=rel, abs=abs_), (what, step, got, expected)
 
 
 # The gradient norm sums float32 gradients whose reduction order depends on the layout (each pair's sigmoid weight
