@@ -11,7 +11,7 @@ import pytest
 from examples.preference_pairs import help_pairs, write_jsonl
 from tests.dist_helpers import run_distributed
 from tests.float32_bounds import cancelling_atol
-from tests.pref.test_train_preference import RTOL, RTOLS, _ranked, assert_same, by_step, pref_args, train
+from tests.pref.test_train_preference import LOGPS, RTOL, RTOLS, _ranked, assert_same, by_step, pref_args, train
 from veomni_lite.preference.config import PrefConfig
 
 KEYS = {
@@ -41,9 +41,6 @@ KEYS = {
 # the mean logit (over the vocabulary, of float32 logits of both signs; -0.0096 at step 2) agrees to about 2e-5 under
 # SP; no logged value gives the magnitudes it cancels, so it keeps a relative tolerance (the float64 tests hold 1e-12)
 TOLERANCES = {**RTOLS, "logits/chosen": 2e-4, "logits/rejected": 2e-4}
-
-
-LOGPS = ("logps/chosen", "logps/rejected")
 
 
 def kto_bounds(reference: dict[str, dict[int, float]]) -> dict[str, dict[int, float]]:
