@@ -39,7 +39,6 @@ import torch
 from veomni_lite.data.checks import DataError
 from veomni_lite.engines.base import RolloutEngine, RolloutRequest, SamplingSettings
 from veomni_lite.rl.environments import EnvironmentSpec, EpisodeError
-from veomni_lite.rl.rollout_batch import batch_name
 from veomni_lite.rl.rollouts import RolloutSample
 from veomni_lite.rl.tools import Tool, parse_tool_calls, run_tool_calls
 
@@ -343,14 +342,14 @@ def generate_episodes(
     episodes, problem = run_episodes(
         t.engine, starts, settings, t.agent, lambda active: agreed_count(int(active), t.control_group) > 0
     )
-    agree(problem, EpisodeError, t.control_group, where=f"{batch_name(k, t.step)}: ")
+    agree(problem, EpisodeError, t.control_group, where=f"{batches.name(k)}: ")
     samples = [episode.sample(t.step) for episode in episodes]  # prompt_text: as rendered with the tools
     scored: RewardError | None = None
     try:
         batches._score(samples, [prompts[s.group] for s in samples])
     except RewardError as exc:
         scored = exc
-    agree(scored, RewardError, t.control_group, where=f"{batch_name(k, t.step)}: ")
+    agree(scored, RewardError, t.control_group, where=f"{batches.name(k)}: ")
     if t.agent.environment is not None:
         for sample in samples:
             sample.rewards["environment"] = sample.episode["env_reward"]

@@ -114,6 +114,10 @@ class RolloutBatches:
         self.last = samples
         return samples
 
+    def name(self, k: int) -> str:
+        """Batch k as errors name it (`batch_name`) at the trainer's step."""
+        return batch_name(k, self.trainer.step)
+
     def sampling(self, greedy: bool) -> SamplingSettings:
         t = self.trainer
         rl = t.rl
@@ -179,7 +183,7 @@ class RolloutBatches:
             self._score(samples, [prompts[s.group] for s in samples])
         except RewardError as exc:
             problem = exc
-        agree(problem, RewardError, t.control_group, where=f"{batch_name(k, t.step)}: ")
+        agree(problem, RewardError, t.control_group, where=f"{self.name(k)}: ")
         return samples
 
     def _filtered(
