@@ -18,11 +18,13 @@ TORCHRUN := $(PY) -m veomni_lite.torchrun --standalone --nproc_per_node $(NPROC)
 install: $(STAMP)
 
 # torch==2.13.0 is installed first when no torch is importable, so a CPU machine never pulls a CUDA build.
+# setuptools prints an informational "Editable installation." notice on every editable install (not a deprecation:
+# it describes the import finder an editable install uses); the filter hides that one message only.
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[dev,hf]"
+	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install --quiet -e ".[dev,hf]"
 	touch $(STAMP)
 
 test: install

@@ -167,7 +167,7 @@ if __name__ == "__main__":
 
 # ------------------------------------------------------------------------------------------- the page's block
 MODES = {
-    "quick": {"worlds": (2,), "args": ["--ga", "1,8", "--budget-s", "1.5", "--min-reps", "3", "--max-reps", "10"]},
+    "quick": {"worlds": (2,), "args": ["--ga", "1,8", "--budget-s", "0.5", "--min-reps", "2", "--max-reps", "5"]},
     "full": {"worlds": (2, 4), "args": ["--ga", "1,8,16", "--budget-s", "5", "--min-reps", "6", "--trainer-ga", "1,8"]},
 }
 TARGETS = (("c", "o", "<=", 1.05), ("b", "c", ">=", 1.0))  # (num, den, op, bound) of the step's paired time ratios

@@ -98,7 +98,7 @@ def block(work_dir: Path, quick: bool) -> dict[str, Any]:
     """Per variant: the largest per-rank optimizer-state and gradient bytes and peak RSS, the median step time."""
     from harness import prose, torchrun
 
-    model, steps = (QUICK_MODEL, 2) if quick else (MODEL, 5)
+    model, steps = (QUICK_MODEL, 1) if quick else (MODEL, 5)
     work_dir.mkdir(parents=True, exist_ok=True)
     model_dir = write_model(work_dir, model)
     variants = {}

@@ -99,7 +99,7 @@ def block(work_dir: Path, quick: bool) -> dict[str, Any]:
     of the steps), interleaved blocks of steps on one thread; quick: fewer steps and blocks, conversations of 8."""
     import torch
 
-    steps, blocks, chat_batch = (5, 3, 8) if quick else (20, 4, 32)
+    steps, blocks, chat_batch = (3, 2, 8) if quick else (20, 4, 32)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the bench workers (OMP_NUM_THREADS=1): a shared machine's threads stall each other
     try:

@@ -170,7 +170,7 @@ def speed(work_dir: Path, model_dir: Path, quick: bool) -> dict[str, Any]:
     from harness import torchrun
 
     out = work_dir / "speed.json"
-    budget, low, high = (8.0, 10, 16) if quick else (60.0, 15, 60)
+    budget, low, high = (3.0, 5, 8) if quick else (60.0, 15, 60)
     args = ["--worker", "speed", "--work-dir", str(work_dir), "--model-dir", str(model_dir), "--budget-s", str(budget),
             "--min-reps", str(low), "--max-reps", str(high), "--out", str(out)]  # fmt: skip
     torchrun(Path(__file__), 1, args, 900)
@@ -186,7 +186,7 @@ def memory(work_dir: Path, model_dir: Path, quick: bool) -> dict[str, Any]:
     for variant in ("live", "precomputed"):
         out = work_dir / f"memory_{variant}.json"
         args = ["--worker", variant, "--work-dir", str(work_dir), "--model-dir", str(model_dir),
-                "--steps", str(3 if quick else 5), "--out", str(out)]  # fmt: skip
+                "--steps", str(2 if quick else 5), "--out", str(out)]  # fmt: skip
         torchrun(Path(__file__), 2, args, 900, {"MALLOC_MMAP_THRESHOLD_": "65536"})
         found[variant] = json.loads(out.read_text())
     return found

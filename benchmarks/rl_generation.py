@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 QUICK = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 2, "vocab_size": 4096}
 FULL = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4, "vocab_size": 32768}
 SIZES = {
-    True: {"prompts": 8, "new": 32, "reps": 3, "alone": 2},
+    True: {"prompts": 8, "new": 32, "reps": 2, "alone": 1},
     False: {"prompts": 16, "new": 64, "reps": 3, "alone": 4},
 }
 SAMPLES, BATCH = 4, 64

@@ -79,7 +79,7 @@ def block(work_dir: Path, quick: bool) -> dict[str, Any]:
     """Per variant: the median rollout-batch seconds, the share generating, the reference's MiB per rank."""
     from harness import math_model, prose, torchrun
 
-    model, batches = (QUICK_MODEL, 2) if quick else (MODEL, 4)
+    model, batches = (QUICK_MODEL, 1) if quick else (MODEL, 4)
     work_dir.mkdir(parents=True, exist_ok=True)
     model_dir = math_model(work_dir, model)
     variants = {}

@@ -66,7 +66,7 @@ TARGET = 0.7  # ours / TRL seconds per step, at most (issue 48)
 PROPOSED = 1.0
 LOSS_TOLERANCE = 1e-6  # the largest per-step loss difference, ours against TRL's
 # optimizer steps per job and side, and how many of the first are not counted: (full, quick)
-STEPS, WARMUP = {False: 10, True: 3}, {False: 2, True: 1}
+STEPS, WARMUP = {False: 10, True: 2}, {False: 2, True: 1}
 # (label, processes, our variant, see `_our_args`): ours packs each micro-batch, a shared prompt kept once
 # (`data.packing`, `data.shared_prefix`), where TRL pads (its default); at 1 process ours padded too, TRL's layout. At 2
 # processes TRL runs accelerate's DDP (every rank the whole model); ours runs FSDP2 (shards: all-gathers in every

@@ -264,7 +264,7 @@ class LoggingConfig:
     log_interval: int = 10
     """Log every this many steps (the final step is always logged)."""
     progress_bar: bool = True
-    """A tqdm bar on rank 0."""
+    """A tqdm bar on rank 0 when stderr is a terminal (in a log file, the console's line per `log_interval`)."""
     tensorboard: bool = True
     """Write output_dir/tensorboard."""
     wandb: bool = False

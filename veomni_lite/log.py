@@ -2,7 +2,8 @@
 
 `setup_logging(rank)` (called once per process by the CLI entry) sends those records to stderr as
 `[veomni_lite rank R] LEVEL message`, through `tqdm.write` so a progress bar stays intact. Rank 0 shows INFO and above;
-the other ranks WARNING and above, since every rank runs the same code and would repeat the same INFO lines. Messages
+the other ranks WARNING and above, since every rank runs the same code and would repeat the same INFO lines; where
+stderr is no terminal, transformers' progress bars are off (see `metrics.logger.progress_bar_shown`). Messages
 that every rank reaches alike are logged by rank 0 only (the caller checks). Without `setup_logging` (a library user,
 tests), Python's defaults apply: WARNING and above reach stderr.
 """
@@ -37,4 +38,8 @@ def setup_logging(rank: int, level: int = logging.INFO) -> logging.Logger:
     logger.addHandler(handler)
     logger.setLevel(level if rank == 0 else max(level, logging.WARNING))
     logger.propagate = False
+    if not sys.stderr.isatty():  # a log file or pipe: transformers' bars (loading, saving) would write '\r' lines
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
     return logger

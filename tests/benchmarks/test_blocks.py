@@ -201,4 +201,4 @@ def test_trl_side_by_side_targets(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     launched.clear()
     quick = by_name(bench.block(tmp_path, quick=True))
     assert launched == [(1, bench.STEPS[True], "")]
-    assert quick["DPO, precomputed reference step, ours / TRL, processes 1, proposed target"]["values"] == [0.25, 0.75]
+    assert quick["DPO, precomputed reference step, ours / TRL, processes 1, proposed target"]["values"] == [0.25]

@@ -1,7 +1,8 @@
 """The fused LM head under FSDP2 on 2 real gloo ranks: each block and the root `fully_shard`-ed as the trainer does,
 the head's weight is the all-gathered parameter inside forward, and its gradient reaches the shards. Float64 Qwen2
 (untied and tied embeddings), each rank its own packed row: the sharded gradients, gathered, equal one process's
-plain-head gradient of the two ranks' mean loss."""
+plain-head gradient of the two ranks' mean loss. A log-probability pass under FSDP2 returns no view tensor (FSDP2 warns
+of one: an in-place op on it would skip the pre-backward hook)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from tests.models.test_fused_ce import _lm
 from tests.models.test_hf_models import PAD
 from tests.models.test_packing import text_samples
 from veomni_lite.data.collator import pack
+from veomni_lite.models.heads import LogprobRequest
 
 TOL = 1e-12
 
@@ -73,3 +75,44 @@ def test_split_invariance_with_the_fused_head_unpacked_in_every_mode():
     report = check_split_invariance(fx.build_text, fx.text_samples(), fx.collate_text, TEXT_MODES, default_layouts(8))
     print(f"\nfused head, padded layouts:\n{report}")
     assert report.worst() < 1e-10
+
+
+VIEW_WARNING = "returned a view tensor"
+
+
+def _fsdp2_warnings(rank: int, world: int) -> dict[str, list[str]]:
+    """FSDP2's warnings of a log-probability forward/backward of the fused-head model (each block and the root
+    sharded) and, the control, of a sharded module that returns a view."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    class ViewReturning(torch.nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x).view(-1)
+
+    mesh = init_device_mesh("cpu", (world,))
+    model, control = _lm(False), ViewReturning(4, 4)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    fully_shard(control, mesh=mesh)
+    batch = _batch(rank)
+    request = LogprobRequest(labels=batch.pop("labels"), entropy=True, mean_logits=True)
+    seen = {}
+    for name, run in (("model", lambda: sum(v.sum() for v in model(**batch, logprobs=request).values())),
+                      ("control", lambda: control(torch.ones(2, 4)).sum())):  # fmt: skip
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run().backward()
+        seen[name] = [str(w.message) for w in caught]
+    assert model.fused_lm_head and all(p.grad is not None for p in model.parameters())
+    return seen
+
+
+@pytest.mark.slow
+def test_a_logprob_pass_under_fsdp2_returns_no_view_tensor():
+    (seen,) = run_distributed(_fsdp2_warnings, 1)
+    assert any(VIEW_WARNING in message for message in seen["control"]), seen["control"]  # the check sees one
+    assert not [message for message in seen["model"] if VIEW_WARNING in message]

@@ -1,6 +1,7 @@
 """`trainers/train_rl.py`'s trainer generating its own rollouts: the same config gives the same rollouts and losses at
 one process and DP=2; a reward function failing on one rank's row is the same named error on every rank; the
-vision-language path generates from images; LoRA's reference is the base with the adapters off."""
+vision-language path generates from images; an evaluation's failure names the evaluation; LoRA's reference is the
+base with the adapters off."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from tests.dist_helpers import run_distributed, run_ranks
 from tests.trainer.helpers import read_events
 from veomni_lite.config import load_config
 from veomni_lite.rl.config import RLConfig
+from veomni_lite.rl.rewards import RewardError
+from veomni_lite.rl.rollout_batch import EVALUATION, batch_name
 from veomni_lite.rl.trainer import RLTrainer
 
 
@@ -99,6 +102,22 @@ def test_a_reward_function_failing_on_one_ranks_row_is_the_same_named_error_on_e
     assert messages[0].startswith("veomni_lite.rl.rewards.RewardError: rollout batch 0: rank 1: reward")
     assert "'mine'" in messages[0] and "faulty.py:score" in messages[0] and "row" in messages[0]
     assert "ZeroDivisionError" in messages[0]
+
+
+def test_a_reward_failing_in_the_first_evaluation_names_the_evaluation(math_demo, tmp_path):
+    rewards = tmp_path / "failing.py"
+    rewards.write_text("def score(prompts, completions, answers, **columns):\n    raise ZeroDivisionError('no')\n")
+    reward = f"[{{name: mine, function: '{rewards}:score'}}]"
+    evaluation = ("--data.eval_path", str(math_demo / "rl_eval.jsonl"), "--train.eval_interval", "1")
+    args = math_args(math_demo, tmp_path / "run", *evaluation, "--rl.rewards", reward)
+    trainer = RLTrainer(load_config(None, args, world_size=1, sections={"rl": RLConfig}))
+    try:
+        with pytest.raises(RewardError, match=r"^the evaluation of the starting weights: rank 0: reward 'mine'"):
+            trainer.train()
+    finally:
+        trainer.metrics.close()
+        trainer.close()
+    assert batch_name(0, 0) == "rollout batch 0" and batch_name(EVALUATION, 3) == "the evaluation after step 3"
 
 
 def vl_args(model_dir: Path, digits: Path, out: Path, *extra: str) -> list[str]:

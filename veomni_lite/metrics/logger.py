@@ -38,6 +38,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+
+def progress_bar_shown(settings: LoggingConfig) -> bool:
+    """`logging.progress_bar` where stderr (tqdm's stream) is a terminal. Elsewhere (a log file, a pipe) a bar would
+    write the run as a few long carriage-return lines: the console's one line per `log_interval` shows the progress."""
+    return settings.progress_bar and sys.stderr.isatty()
+
+
 # Dense bf16 peak FLOP/s by CUDA device name fragment, for the MFU estimate.
 _PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "4090": 165e12}
 _FORMATS = {"loss": ".4f", "tokens_per_s": ",.0f", "padding_ratio": ".3f", "tokens_seen": ",.0f", "tflops": ".4f"}
@@ -172,7 +179,7 @@ class MetricLogger:
         self, settings: LoggingConfig, output: Path, formats: dict[str, str], run_config: Mapping[str, Any] | None
     ) -> list[sinks.Sink]:
         write: Callable[[str], None] = lambda line: print(line, flush=True)  # noqa: E731
-        if settings.progress_bar:
+        if progress_bar_shown(settings):
             from tqdm.auto import tqdm
 
             write = tqdm.write  # keeps the progress bar intact

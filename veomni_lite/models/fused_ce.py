@@ -143,19 +143,21 @@ def linear_cross_entropy(
 
 class _LinearLogprobs(torch.autograd.Function):
     """hidden [N, H], weight [V, H], bias [V] or None, labels [N] -> (log-probability of each target under
-    softmax(logits / temperature) [N], that distribution's entropy [N] or an empty tensor); see
-    `linear_token_logprobs`."""
+    softmax(logits / temperature), that distribution's entropy or an empty tensor), each allocated in `shape` (N
+    elements) rather than a view of a flat result: FSDP2 warns of a module output that is a view (an in-place op on it
+    would skip the pre-backward hook); see `linear_token_logprobs`."""
 
     @staticmethod
     def forward(
         ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, temperature: float, chunk: int,
-        entropy: bool,
+        entropy: bool, shape: torch.Size,
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
         count = labels.shape[0]
-        logp = hidden.new_empty(count, dtype=dtype)
+        shaped_logp = hidden.new_empty(shape, dtype=dtype)
+        shaped_entropies = torch.empty_like(shaped_logp) if entropy else shaped_logp.new_empty(0)
+        logp, entropies = shaped_logp.view(-1), shaped_entropies.view(-1)  # written through these flat views
         lse = torch.empty_like(logp)
-        entropies = torch.empty_like(logp) if entropy else logp.new_empty(0)
         for start in range(0, count, chunk):
             rows = slice(start, start + chunk)
             z, targets = _logits(hidden[rows], weight, bias), labels[rows]
@@ -175,16 +177,17 @@ class _LinearLogprobs(torch.autograd.Function):
             del z
         ctx.chunk, ctx.temperature, ctx.entropy = chunk, temperature, entropy
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(hidden, weight, bias, labels, lse, entropies)
-        return logp, entropies
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, shaped_entropies)
+        return shaped_logp, shaped_entropies
 
     @staticmethod
     def backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):
         hidden, weight, bias, labels, lse, entropies = ctx.saved_tensors
-        if grad_entropy is not None and not ctx.entropy:
-            grad_entropy = None
+        entropies = entropies.reshape(-1)
+        grad_logp = None if grad_logp is None else grad_logp.reshape(-1)
+        grad_entropy = None if grad_entropy is None or not ctx.entropy else grad_entropy.reshape(-1)
         if grad_logp is None and grad_entropy is None:
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         grads = _HeadGrads(ctx.needs_input_grad[:3], hidden, weight, bias)
         temperature = ctx.temperature
         for start in range(0, labels.shape[0], ctx.chunk):
@@ -210,7 +213,7 @@ class _LinearLogprobs(torch.autograd.Function):
                 grad.div_(temperature)
             grads.add(rows, grad.to(weight.dtype), h)
             del grad
-        return *grads.result(), None, None, None, None
+        return *grads.result(), None, None, None, None, None
 
 
 def linear_token_logprobs(
@@ -231,5 +234,7 @@ def linear_token_logprobs(
     chunk = chunk_tokens or default_chunk_tokens(weight.shape[0])
     flat_labels = labels.reshape(-1).to(hidden.device)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-    logp, entropies = _LinearLogprobs.apply(flat_hidden, weight, bias, flat_labels, temperature, chunk, entropy)
-    return logp.view(labels.shape), entropies.view(labels.shape) if entropy else None
+    logp, entropies = _LinearLogprobs.apply(
+        flat_hidden, weight, bias, flat_labels, temperature, chunk, entropy, labels.shape
+    )
+    return logp, entropies if entropy else None

@@ -342,14 +342,14 @@ def generate_episodes(
     episodes, problem = run_episodes(
         t.engine, starts, settings, t.agent, lambda active: agreed_count(int(active), t.control_group) > 0
     )
-    agree(problem, EpisodeError, t.control_group, where=f"rollout batch {k}: ")
+    agree(problem, EpisodeError, t.control_group, where=f"{batches.name(k)}: ")
     samples = [episode.sample(t.step) for episode in episodes]  # prompt_text: as rendered with the tools
     scored: RewardError | None = None
     try:
         batches._score(samples, [prompts[s.group] for s in samples])
     except RewardError as exc:
         scored = exc
-    agree(scored, RewardError, t.control_group, where=f"rollout batch {k}: ")
+    agree(scored, RewardError, t.control_group, where=f"{batches.name(k)}: ")
     if t.agent.environment is not None:
         for sample in samples:
             sample.rewards["environment"] = sample.episode["env_reward"]

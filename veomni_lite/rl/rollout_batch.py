@@ -37,7 +37,17 @@ from veomni_lite.rl.prompts import Prompt, chat_fields
 from veomni_lite.rl.rewards import OVERLONG, RewardError, overlong_penalty, score
 from veomni_lite.rl.rollouts import RolloutSample
 
-__all__ = ["RolloutBatches", "sample_seed"]
+__all__ = ["EVALUATION", "RolloutBatches", "batch_name", "sample_seed"]
+
+EVALUATION = -1
+"""The batch number of an evaluation's greedy generation (`RLTrainer.evaluate`), which is no rollout batch."""
+
+
+def batch_name(k: int, step: int) -> str:
+    """How errors name batch k at trainer step `step`: rollout batch k, or the evaluation of step `step`'s weights."""
+    if k != EVALUATION:
+        return f"rollout batch {k}"
+    return "the evaluation of the starting weights" if step == 0 else f"the evaluation after step {step}"
 
 
 def sample_seed(seed: int, batch: int, prompt: int, sample: int) -> int:
@@ -104,6 +114,10 @@ class RolloutBatches:
         self.last = samples
         return samples
 
+    def name(self, k: int) -> str:
+        """Batch k as errors name it (`batch_name`) at the trainer's step."""
+        return batch_name(k, self.trainer.step)
+
     def sampling(self, greedy: bool) -> SamplingSettings:
         t = self.trainer
         rl = t.rl
@@ -169,7 +183,7 @@ class RolloutBatches:
             self._score(samples, [prompts[s.group] for s in samples])
         except RewardError as exc:
             problem = exc
-        agree(problem, RewardError, t.control_group, where=f"rollout batch {k}: ")
+        agree(problem, RewardError, t.control_group, where=f"{self.name(k)}: ")
         return samples
 
     def _filtered(

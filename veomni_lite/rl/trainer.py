@@ -54,7 +54,7 @@ from veomni_lite.rl.policy_loss import POLICY_LABELS, PolicyLoss
 from veomni_lite.rl.prompts import PromptSet, encode_row, read_prompts
 from veomni_lite.rl.records import RolloutRecords
 from veomni_lite.rl.rewards import check_answers, load_rewards
-from veomni_lite.rl.rollout_batch import RolloutBatches
+from veomni_lite.rl.rollout_batch import EVALUATION, RolloutBatches
 from veomni_lite.rl.rollouts import RolloutSample, collate_rollouts, read_rollouts
 from veomni_lite.trainer.sft import SFTTrainer, image_token
 from veomni_lite.utils.loss_utils import mark_sequences
@@ -322,7 +322,7 @@ class RLTrainer(SFTTrainer):
         if self.eval_dataset is None or self.engine is None:
             return {}
         prompts = self.eval_dataset.prompts
-        samples = self.rollouts.generate(-1, prompts, self.rollouts.sampling(greedy=True))
+        samples = self.rollouts.generate(EVALUATION, prompts, self.rollouts.sampling(greedy=True))
         names = [r.name for r in self.rewards]
         best = sum(max(r.weight, 0.0) for r in self.rewards)
         totals = [

@@ -56,6 +56,7 @@ from veomni_lite.distributed.sequence_parallel import slice_micro_batch
 from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS, loss_weights_key, name_of_loss
 from veomni_lite.metrics import MetricLogger
 from veomni_lite.metrics.accumulator import MetricSpec
+from veomni_lite.metrics.logger import progress_bar_shown
 from veomni_lite.metrics.sinks import Panel
 from veomni_lite.models.lora import (
     LoraError,
@@ -669,7 +670,7 @@ class BaseTrainer(ABC):
             self.loader.close()
 
     def _progress_bar(self) -> Any:
-        if not (self.is_main and self.config.logging.progress_bar):
+        if not (self.is_main and progress_bar_shown(self.config.logging)):
             return None
         from tqdm.auto import tqdm
 
