@@ -27,7 +27,7 @@ from examples.tiny_lm import (
     init_linear_and_embedding,
 )
 from veomni_lite.models.heads import decoder_flops_per_token, masked_mean_cross_entropy
-from veomni_lite.trainer.model import TrainableModel
+from veomni_lite.models.contract import TrainableModel
 
 __all__ = ["ImageDecoderHead", "PatchEncoder", "TinyVLM", "TinyVLMConfig"]
 

@@ -26,7 +26,7 @@ from veomni_lite.models.heads import LogprobRequest, decoder_flops_per_token, lm
 from veomni_lite.models.hf_attention import decoder_attention_inputs, enable_ulysses
 from veomni_lite.models.pretrained import LOCAL_ONLY, load_config, save_config
 from veomni_lite.models.registry import dtype_of
-from veomni_lite.trainer.model import TrainableModel
+from veomni_lite.models.contract import TrainableModel
 
 
 def hf_config_from_dict(settings: Mapping[str, Any]) -> Any:

@@ -45,7 +45,7 @@ from veomni_lite.models.heads import (
 from veomni_lite.models.hf_attention import decoder_attention_inputs, enable_ulysses
 from veomni_lite.models.pretrained import load_config, save_config
 from veomni_lite.models.registry import dtype_of, family_of
-from veomni_lite.trainer.model import TrainableModel, on_host
+from veomni_lite.models.contract import TrainableModel, on_host
 
 IMAGE_HEAD_FILE = "image_decoder_head.safetensors"
 _LABEL_KEYS = ("labels", "image_decoder_labels")

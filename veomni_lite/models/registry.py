@@ -1,7 +1,7 @@
 """The model families veomni_lite trains from transformers: the one place an architecture is named.
 
 A `Family` says, for the `model_type`s it covers: which transformers class loads and exports its directories, which
-wrapper puts it behind the trainer's model contract (`veomni_lite.trainer.model.TrainableModel`), whether it takes
+wrapper puts it behind the trainer's model contract (`veomni_lite.models.contract.TrainableModel`), whether it takes
 images and how (`Vision`: the placeholder token is the config's `image_token_id`, pixels go through the directory's
 own image processor, `collate_vl` lays out the M-RoPE positions, the vision tower's boundaries are computed on the
 host), which attention implementations, packing and Ulysses SP it supports, and whether its weights load straight
