@@ -57,6 +57,7 @@ from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS, loss_weights_key, name
 from veomni_lite.metrics import MetricLogger
 from veomni_lite.metrics.accumulator import MetricSpec
 from veomni_lite.metrics.sinks import Panel
+from veomni_lite.models.contract import HostInput, TrainableModel, check_model_contract, with_companions
 from veomni_lite.models.lora import (
     LoraError,
     LoraSettings,
@@ -77,7 +78,6 @@ from veomni_lite.models.sharded_load import (
 from veomni_lite.plain_loop import LossStep
 from veomni_lite.trainer.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
 from veomni_lite.trainer.lr_schedule import lr_lambda, ratio_steps
-from veomni_lite.models.contract import HostInput, TrainableModel, check_model_contract, with_companions
 from veomni_lite.utils.loss_utils import LossKeyMismatchError, mark_sequences, mean_global_loss, reset_loss_memo
 
 logger = logging.getLogger(__name__)
