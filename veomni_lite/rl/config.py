@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from veomni_lite.config import ConfigError
+from veomni_lite.engines.vllm.settings import VLLMSettings
+from veomni_lite.rl.critic import CriticSettings
 
 POLICY = "policy"  # the head's name: `policy_labels`, `policy_loss`
 
@@ -43,7 +45,7 @@ class RLConfig:
     (REINFORCE++, verl's `adv_estimator: reinforce_plus_plus`) R whitened over the whole rollout batch's response tokens
     (`veomni_lite.rl.advantages.batch_advantages`; the KL stays in the loss, `rl.kl_coef`, as verl's use_kl_loss); gae:
     PPO with a critic (`rl.critic`, `rl.gamma`, `rl.lam`; see `veomni_lite.rl.critic`)."""
-    critic: dict[str, Any] = field(default_factory=dict)
+    critic: CriticSettings | None = None
     """`rl.advantage: gae`: `{value_head: true | pretrained_dir: DIR, lr, weight_decay, warmup_steps, value_clip}`
     (`veomni_lite.rl.critic.CriticSettings`; verl's critic model path, lr, critic_warmup 0, cliprange_value 0.5)."""
     gamma: float = 1.0
@@ -81,7 +83,7 @@ class RLConfig:
     """A JSONL of rollouts made elsewhere, trained on instead of generating (see `veomni_lite.rl.rollouts`)."""
     rollouts_sample: int = 4
     """Rollouts written to rollouts.jsonl and TensorBoard's text tab at each log (0: none)."""
-    vllm: dict[str, Any] = field(default_factory=dict)
+    vllm: VLLMSettings | None = None
     """`rl.engine: vllm`: the servers, exactly one of `url` (one running server), `urls` (several, a rollout batch's
     samples spread over them, every one synced) and `launch` (true, or how many servers rank 0 starts on 127.0.0.1);
     `api_key_env` (the name of an environment variable holding the key sent with every request), `python`,
@@ -165,8 +167,6 @@ class RLConfig:
         if self.importance_sampling != "none" and self.is_cap <= 0:
             raise ConfigError(f"rl.is_cap: must be > 0, got {self.is_cap}")
         if self.advantage == "gae" or self.critic:
-            from veomni_lite.rl.critic import CriticSettings
-
             if self.advantage != "gae":
                 raise ConfigError(f"rl.critic: set, but rl.advantage is {self.advantage!r}; the critic is for gae")
             CriticSettings.parse(self.critic)
@@ -175,8 +175,6 @@ class RLConfig:
         if self.advantage in ("grpo", "rloo") and self.num_generations < 2:
             raise ConfigError(f"rl.num_generations: {self.advantage} compares a group's responses, needs >= 2")
         if self.engine == "vllm" and not self.rollouts_path:
-            from veomni_lite.engines.vllm import VLLMSettings
-
             try:
                 VLLMSettings.parse(self.vllm)
             except (TypeError, ValueError) as exc:

@@ -76,7 +76,13 @@ from veomni_lite.models.sharded_load import (
     scatter_from_rank0,
 )
 from veomni_lite.plain_loop import LossStep
-from veomni_lite.trainer.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
+from veomni_lite.trainer.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    model_settings,
+    rng_state,
+    set_rng_state,
+)
 from veomni_lite.trainer.lr_schedule import lr_lambda, ratio_steps
 from veomni_lite.utils.loss_utils import LossKeyMismatchError, mark_sequences, mean_global_loss, reset_loss_memo
 
@@ -778,7 +784,7 @@ class BaseTrainer(ABC):
             self.model,
             self.optimizer,
             on_skip=self._warn,
-            model_settings=self.config.to_dict()["model"],
+            model_settings=model_settings(self.config.to_dict()),
             checkpoints=found,
         )
         if loaded is None:
