@@ -14,6 +14,7 @@ from veomni_lite.config import (
     CheckpointConfig,
     ConfigError,
     DataConfig,
+    ExampleConfig,
     LoggingConfig,
     ModelConfig,
     OptimConfig,
@@ -130,7 +131,8 @@ def test_every_old_flat_train_name_still_works_and_lands_in_its_section(tmp_path
 def test_every_field_is_documented_where_it_is_declared():
     """Each field is followed by its docstring in the source (torchtitan style)."""
     source = inspect.getsource(config_sections)
-    for section in (ModelConfig, DataConfig, TrainConfig, ParallelConfig, OptimConfig, CheckpointConfig, LoggingConfig):
+    sections = (ModelConfig, DataConfig, ExampleConfig, TrainConfig, ParallelConfig, OptimConfig, CheckpointConfig)
+    for section in (*sections, LoggingConfig):
         for f in fields(section):
             assert re.search(rf"\n    {f.name}: [^\n]+\n    \"\"\"[^\n]+", source), f"{section.__name__}.{f.name}"
 

@@ -79,7 +79,7 @@ from veomni_lite.plain_loop import LossStep
 from veomni_lite.trainer.checkpoint import (
     CheckpointError,
     CheckpointManager,
-    model_settings,
+    model_settings_of,
     rng_state,
     set_rng_state,
 )
@@ -784,7 +784,7 @@ class BaseTrainer(ABC):
             self.model,
             self.optimizer,
             on_skip=self._warn,
-            model_settings=model_settings(self.config.to_dict()),
+            model_settings=model_settings_of(self.config.to_dict()),
             checkpoints=found,
         )
         if loaded is None:

@@ -234,7 +234,7 @@ class CheckpointManager:
                 self._skip(path, name_problems(problems), on_skip)
                 continue
             model_sd, optim_sd = get_state_dict(model, optimizer, options=self._options)
-            saved_settings = model_settings(trainer_state.get("config", {}))
+            saved_settings = model_settings_of(trainer_state.get("config", {}))
             _check_model_fits(path, metadata, model_sd, saved_settings, model_settings or {})
             try:
                 state = {"model": model_sd, "optim": optim_sd}
@@ -276,7 +276,7 @@ class CheckpointManager:
             logger.warning(message)
 
 
-def model_settings(config: dict[str, Any]) -> dict[str, Any]:
+def model_settings_of(config: dict[str, Any]) -> dict[str, Any]:
     """The settings that shape a model, of a config as `Config.to_dict` writes it: `model` and the tiny examples' sizes
     (`example`, under their old `model.*` names; a checkpoint of before the `example` section holds them there)."""
     sizes = {key: value for key, value in config.get("example", {}).items() if key in EXAMPLE_MODEL_FIELDS}
