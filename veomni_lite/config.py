@@ -122,13 +122,18 @@ def _section_type(expected: Any) -> type | None:
     return arms[0] if len(arms) == 1 and dataclasses.is_dataclass(arms[0]) else None
 
 
+def _parse(key: str, value: str) -> Any:
+    """A string from the command line (or a YAML string value) parsed as YAML; a ConfigError naming `key`."""
+    try:
+        return yaml.safe_load(value)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{key}: cannot parse {value!r}: {exc}") from None
+
+
 def _set_nested(target: dict[str, Any], dotted: str, path: list[str], value: Any) -> None:
     """`--model.hf.text_config.hidden_size 128`: set one field inside a dict-valued config field (YAML-parsed)."""
     if isinstance(value, str):
-        try:
-            value = yaml.safe_load(value)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{dotted}: cannot parse {value!r}: {exc}") from None
+        value = _parse(dotted, value)
     for part in path[:-1]:
         inner = target.setdefault(part, {})
         if not isinstance(inner, dict):
@@ -157,20 +162,14 @@ def _coerce(key: str, value: Any, expected: Any) -> Any:
         raise ConfigError(f"{key}: expected {names}, got {value!r} ({type(value).__name__})")
     if typing.get_origin(expected) is dict:
         if isinstance(value, str):  # `--model.hf '{model_type: qwen2, hidden_size: 64}'`
-            try:
-                value = yaml.safe_load(value)
-            except yaml.YAMLError as exc:
-                raise ConfigError(f"{key}: cannot parse {value!r}: {exc}") from None
+            value = _parse(key, value)
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r} ({type(value).__name__})")
         return value
     if typing.get_origin(expected) is list and typing.get_args(expected)[0] is not str:  # betas; data.sources
         item_type = typing.get_args(expected)[0]
         if isinstance(value, str):  # `--optim.betas "[0.9, 0.95]"`
-            try:
-                value = yaml.safe_load(value)
-            except yaml.YAMLError as exc:
-                raise ConfigError(f"{key}: cannot parse {value!r}: {exc}") from None
+            value = _parse(key, value)
         if item_type is float:
             if not isinstance(value, list):
                 raise ConfigError(f"{key}: expected a list of numbers, got {value!r} ({type(value).__name__})")
@@ -196,10 +195,7 @@ def _coerce(key: str, value: Any, expected: Any) -> Any:
         with contextlib.suppress(ValueError):
             return expected(value)  # "1e-3" is a float here, although YAML 1.1 reads it as a string
     if isinstance(value, str) and expected is not str:
-        try:
-            value = yaml.safe_load(value)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{key}: cannot parse {value!r}: {exc}") from None
+        value = _parse(key, value)
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if expected is bool and isinstance(value, bool):
         return value
@@ -284,13 +280,6 @@ def _set_in(
         raise ConfigError(f"{source}: {exc}") from None
     _assign(target, name, coerced)
     return key
-
-
-def _parse(key: str, value: str) -> Any:
-    try:
-        return yaml.safe_load(value)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{key}: cannot parse {value!r}: {exc}") from None
 
 
 def build_section(cls: type, values: Mapping[str, Any] | None, at: str) -> Any:
