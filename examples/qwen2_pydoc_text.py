@@ -31,11 +31,12 @@ class PydocLMTrainer(BaseTrainer):
             self.tokenizer = pretrained.backend_tokenizer
         else:
             self.tokenizer = load_or_train_tokenizer(
-                self.output_dir / TOKENIZER_FILE, data.tokenizer_vocab_size, save=self.is_main
+                self.output_dir / TOKENIZER_FILE, self.config.example.tokenizer_vocab_size, save=self.is_main
             )
-        train = PydocTextDataset(self.tokenizer, data.seq_len, "train", data.eval_fraction, special)
-        evaluation = PydocTextDataset(self.tokenizer, data.seq_len, "eval", data.eval_fraction, special)
-        return train, evaluation if data.eval_samples else None
+        seq_len = self.config.example.seq_len
+        train = PydocTextDataset(self.tokenizer, seq_len, "train", data.eval_fraction, special)
+        evaluation = PydocTextDataset(self.tokenizer, seq_len, "eval", data.eval_fraction, special)
+        return train, evaluation if self.config.example.eval_samples else None
 
     def build_model(self) -> HFCausalLM:
         model = self.config.model

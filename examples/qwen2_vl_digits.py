@@ -40,7 +40,7 @@ class DigitsVLTrainer(BaseTrainer):
         }
         train = DigitsDataset(self.tokenizer, "train", **geometry)
         evaluation = DigitsDataset(self.tokenizer, "eval", **geometry)
-        return train, evaluation if self.config.data.eval_samples else None
+        return train, evaluation if self.config.example.eval_samples else None
 
     def build_model(self) -> QwenVLWithImageHead:
         from transformers import Qwen2VLConfig

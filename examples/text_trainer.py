@@ -8,29 +8,35 @@ from typing import Any
 import torch
 from torch import nn
 
+from examples.settings import check_example
 from examples.synthetic_data import SyntheticTextDataset
 from examples.tiny_lm import TinyCausalLM, TinyLMConfig
+from veomni_lite.config import Config
 from veomni_lite.data.collator import collate
 from veomni_lite.trainer.base import BaseTrainer
 
 
 class TextTrainer(BaseTrainer):
+    def __init__(self, config: Config) -> None:
+        check_example(config, tiny=True)  # before any process group
+        super().__init__(config)
+
     def build_datasets(self) -> tuple[Any, Any | None]:
-        data, seed = self.config.data, self.config.train.seed
-        train = SyntheticTextDataset(num_samples=data.num_samples, seed=seed)
-        evaluation = SyntheticTextDataset(num_samples=max(data.eval_samples, 1), seed=seed + 10_000)
-        return train, evaluation if data.eval_samples else None
+        example, seed = self.config.example, self.config.train.seed
+        train = SyntheticTextDataset(num_samples=example.num_samples, seed=seed)
+        evaluation = SyntheticTextDataset(num_samples=max(example.eval_samples, 1), seed=seed + 10_000)
+        return train, evaluation if example.eval_samples else None
 
     def build_model(self) -> nn.Module:
-        model = self.config.model
+        example = self.config.example
         return TinyCausalLM(
             TinyLMConfig(
                 vocab_size=self.train_dataset.vocab_size,
-                hidden_size=model.hidden_size,
-                num_layers=model.num_layers,
-                num_heads=model.num_heads,
-                intermediate_size=model.intermediate_size,
-                rope_theta=model.rope_theta,
+                hidden_size=example.hidden_size,
+                num_layers=example.num_layers,
+                num_heads=example.num_heads,
+                intermediate_size=example.intermediate_size,
+                rope_theta=example.rope_theta,
             )
         )
 

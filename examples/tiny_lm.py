@@ -24,8 +24,8 @@ from torch import Tensor, nn
 
 from examples.attention import AttentionFn, causal_attention
 from veomni_lite.distributed.sequence_parallel import ulysses_attention
+from veomni_lite.models.contract import TrainableModel
 from veomni_lite.models.heads import decoder_flops_per_token, masked_mean_cross_entropy
-from veomni_lite.trainer.model import TrainableModel
 
 __all__ = [
     "Attention",

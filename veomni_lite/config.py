@@ -1,24 +1,30 @@
 """Run configuration: one dataclass per concern (declared in `veomni_lite.config_sections`, imported from here), read
 from YAML plus dotted CLI overrides, and checked.
 
-Sections: `model` and `data` (the example models and datasets), `train` (steps, batches, eval, outputs), `parallel`
-(layout, precision, collective timeout), `optim` (AdamW and its schedule), `checkpoint`, `logging`, `loss` (modes).
-Each field is documented where it is declared. The settings that used to live in one flat `train` section keep their
-old names: `train.sp_size` means `parallel.sp_size`, `train.lr` means `optim.lr`, and so on (see `ALIASES`), in YAML
-and on the command line.
+Sections: `model` (which model), `data` (the training data), `train` (steps, batches, eval, outputs), `parallel`
+(layout, precision, collective timeout), `optim` (AdamW and its schedule), `checkpoint`, `logging`, `loss` (modes),
+`example` (what only the examples read, checked by them), and an entry point's own (`load_config(..., sections=)`:
+`rl`, `pref`), typed fields of its `config_class`. Each field is documented where it is declared. The loader recurses:
+a field whose type is a dataclass is a section too (`rl.critic`, `rl.vllm`), read from a mapping or key by key
+(`--rl.critic.lr 1e-6`), every key checked against its dataclass at every depth. Old names keep working (see
+`ALIASES`): `train.sp_size` means `parallel.sp_size`, `train.lr` `optim.lr`, `model.hidden_size`
+`example.hidden_size`, `data.num_samples` `example.num_samples`, in YAML and on the command line.
 
-`load_config(path, ["--train.max_steps", "7"])` -> Config. Every problem (unknown section or key, a value of the
-wrong type, a layout that does not fit the world size) raises ConfigError naming the key, before any process group
-exists. `world_size` is read from the `WORLD_SIZE` environment variable torchrun sets (1 without torchrun), or from
-the process group when one is already initialized.
+`load_config(path, ["--train.max_steps", "7"])` -> Config. Every problem (unknown section or key, with the closest
+known one at any depth; a value of the wrong type; a layout that does not fit the world size) raises ConfigError
+naming the key, before any process group exists. `world_size` is read from the `WORLD_SIZE` environment variable
+torchrun sets (1 without torchrun), or from the process group when one is already initialized.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import difflib
+import functools
 import json
+import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import fields
@@ -34,6 +40,7 @@ from veomni_lite.config_sections import (  # noqa: F401 - the sections' public h
     Config,
     ConfigError,
     DataConfig,
+    ExampleConfig,
     LoggingConfig,
     LossConfig,
     LossModeName,
@@ -41,6 +48,7 @@ from veomni_lite.config_sections import (  # noqa: F401 - the sections' public h
     OptimConfig,
     ParallelConfig,
     TrainConfig,
+    config_class,
 )
 from veomni_lite.registries import closest  # noqa: F401 - config checks and callers import it from here
 
@@ -94,17 +102,38 @@ def did_you_mean(dotted: str, sections: Mapping[str, type] | None = None) -> str
     return ""
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """{field: its type} of a dataclass (annotations resolved)."""
+    return typing.get_type_hints(cls)
+
+
 def _field_type(section_cls: type, name: str) -> Any:
-    return typing.get_type_hints(section_cls)[name]
+    return _hints(section_cls)[name]
+
+
+def _is_union(expected: Any) -> bool:
+    return typing.get_origin(expected) in (typing.Union, types.UnionType)
+
+
+def _section_type(expected: Any) -> type | None:
+    """The dataclass a field holds (a nested section; `X | None` unwrapped), else None."""
+    arms = [arm for arm in typing.get_args(expected) if arm is not type(None)] if _is_union(expected) else [expected]
+    return arms[0] if len(arms) == 1 and dataclasses.is_dataclass(arms[0]) else None
+
+
+def _parse(key: str, value: str) -> Any:
+    """A string from the command line (or a YAML string value) parsed as YAML; a ConfigError naming `key`."""
+    try:
+        return yaml.safe_load(value)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{key}: cannot parse {value!r}: {exc}") from None
 
 
 def _set_nested(target: dict[str, Any], dotted: str, path: list[str], value: Any) -> None:
     """`--model.hf.text_config.hidden_size 128`: set one field inside a dict-valued config field (YAML-parsed)."""
     if isinstance(value, str):
-        try:
-            value = yaml.safe_load(value)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{dotted}: cannot parse {value!r}: {exc}") from None
+        value = _parse(dotted, value)
     for part in path[:-1]:
         inner = target.setdefault(part, {})
         if not isinstance(inner, dict):
@@ -115,23 +144,32 @@ def _set_nested(target: dict[str, Any], dotted: str, path: list[str], value: Any
 
 def _coerce(key: str, value: Any, expected: Any) -> Any:
     """Check `value` against the field type (bool, int, float, str or a Literal of strings); strings from the CLI are
-    parsed as YAML."""
+    parsed as YAML. `X | Y`: the first arm that takes it; None (YAML null) where None is an arm."""
+    if _is_union(expected):
+        arms = typing.get_args(expected)
+        is_null = value is None or (isinstance(value, str) and value.strip() in ("null", "~", "None"))
+        if is_null and type(None) in arms:
+            return None
+        problems = []
+        for arm in (arm for arm in arms if arm is not type(None)):
+            try:
+                return _coerce(key, value, arm)
+            except ConfigError as exc:
+                problems.append(exc)
+        if len(problems) == 1 or not all(isinstance(arm, type) for arm in arms):
+            raise problems[0]
+        names = " or ".join("None" if arm is type(None) else arm.__name__ for arm in arms)
+        raise ConfigError(f"{key}: expected {names}, got {value!r} ({type(value).__name__})")
     if typing.get_origin(expected) is dict:
         if isinstance(value, str):  # `--model.hf '{model_type: qwen2, hidden_size: 64}'`
-            try:
-                value = yaml.safe_load(value)
-            except yaml.YAMLError as exc:
-                raise ConfigError(f"{key}: cannot parse {value!r}: {exc}") from None
+            value = _parse(key, value)
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r} ({type(value).__name__})")
         return value
     if typing.get_origin(expected) is list and typing.get_args(expected)[0] is not str:  # betas; data.sources
         item_type = typing.get_args(expected)[0]
         if isinstance(value, str):  # `--optim.betas "[0.9, 0.95]"`
-            try:
-                value = yaml.safe_load(value)
-            except yaml.YAMLError as exc:
-                raise ConfigError(f"{key}: cannot parse {value!r}: {exc}") from None
+            value = _parse(key, value)
         if item_type is float:
             if not isinstance(value, list):
                 raise ConfigError(f"{key}: expected a list of numbers, got {value!r} ({type(value).__name__})")
@@ -157,10 +195,7 @@ def _coerce(key: str, value: Any, expected: Any) -> Any:
         with contextlib.suppress(ValueError):
             return expected(value)  # "1e-3" is a float here, although YAML 1.1 reads it as a string
     if isinstance(value, str) and expected is not str:
-        try:
-            value = yaml.safe_load(value)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{key}: cannot parse {value!r}: {exc}") from None
+        value = _parse(key, value)
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if expected is bool and isinstance(value, bool):
         return value
@@ -174,38 +209,88 @@ def _coerce(key: str, value: Any, expected: Any) -> Any:
 
 
 def _section_classes(config: Config) -> dict[str, type]:
-    """Every section `config` takes: the shared ones and its entry point's own (`Config.sections`)."""
-    return {**_SECTIONS, **{name: type(value) for name, value in config.sections.items()}}
+    """Every section `config` takes: the shared ones and its entry point's own (`config_class`)."""
+    return _hints(type(config))
+
+
+def _assign(target: Any, name: str, value: Any) -> None:
+    object.__setattr__(target, name, value)  # a frozen section (rl.critic) is filled here, before anyone reads it
 
 
 def _set(config: Config, dotted: str, value: Any, source: str) -> str:
-    """Set one key; returns the field it set, `section.name` (old flat names resolved)."""
-    dotted = ALIASES.get(dotted, dotted)
+    """Set one key, at any depth; returns the field it set, e.g. `section.name` (old names resolved)."""
+    given = dotted
+    head = ".".join(dotted.split(".")[:2])
+    dotted = ALIASES.get(head, head) + dotted[len(head) :]
     section, _, name = dotted.partition(".")
     classes = _section_classes(config)
     if section not in classes or not name:
         hint = did_you_mean(dotted, classes)
         raise ConfigError(f"{source}: unknown config key {dotted!r}{hint}; sections are {sorted(classes)}")
-    section_cls = classes[section]
-    known = {f.name for f in fields(section_cls)}
-    name, *nested = name.split(".")
+    return _set_in(getattr(config, section), section, name.split("."), value, source, given, classes)
+
+
+def _set_in(
+    target: Any, at: str, path: list[str], value: Any, source: str, given: str, classes: Mapping[str, type]
+) -> str:
+    """Set `path` inside `target`, the section named `at` (a dataclass); `given` is the key as the user wrote it."""
+    known = [f.name for f in fields(target)]
+    name, *nested = path
+    key = f"{at}.{name}"
     if name not in known:
-        hint = did_you_mean(f"{section}.{name}", classes)
-        raise ConfigError(f"{source}: unknown config key {dotted!r}{hint}; {section} has {sorted(known)}")
+        if "." in at or not classes:  # a nested section: the closest of its own fields
+            close = closest(name, known)
+            hint = f" (did you mean `{at}.{close}`?)" if close else ""
+        else:
+            hint = did_you_mean(key, classes)
+        raise ConfigError(f"{source}: unknown config key {given!r}{hint}; {at} has {sorted(known)}")
+    expected = _field_type(type(target), name)
+    inner = _section_type(expected)
+    if inner is not None:
+        if nested:
+            if getattr(target, name) is None:
+                _assign(target, name, inner())
+            return _set_in(getattr(target, name), key, nested, value, source, given, classes)
+        if isinstance(value, str):
+            value = _parse(key, value)
+        if value is None or (value == {} and inner is not expected):  # an optional section left unset
+            if inner is expected:
+                raise ConfigError(f"{source}: {key}: expected a mapping, got None")
+            _assign(target, name, None)
+            return key
+        if not isinstance(value, Mapping):
+            listed = ", ".join(f.name for f in fields(inner))
+            raise ConfigError(f"{source}: {key}: expected a mapping ({listed}), got {value!r}")
+        _assign(target, name, inner())  # a mapping given whole replaces the section
+        for child, child_value in value.items():
+            _set_in(getattr(target, name), key, [str(child)], child_value, source, f"{given}.{child}", classes)
+        return key
     if nested:
-        if typing.get_origin(_field_type(section_cls, name)) is not dict:
-            raise ConfigError(f"{source}: unknown config key {dotted!r}; {section}.{name} has no fields")
+        if typing.get_origin(expected) is not dict:
+            shown = given.rsplit(".", len(nested))[0]
+            raise ConfigError(f"{source}: unknown config key {given!r}; {shown} has no fields")
         try:
-            _set_nested(getattr(getattr(config, section), name), dotted, nested, value)
+            _set_nested(getattr(target, name), f"{key}.{'.'.join(nested)}", nested, value)
         except ConfigError as exc:
             raise ConfigError(f"{source}: {exc}") from None
-        return f"{section}.{name}"
+        return key
     try:
-        coerced = _coerce(dotted, value, _field_type(section_cls, name))
+        coerced = _coerce(key, value, expected)
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
-    setattr(getattr(config, section), name, coerced)
-    return f"{section}.{name}"
+    _assign(target, name, coerced)
+    return key
+
+
+def build_section(cls: type, values: Mapping[str, Any] | None, at: str) -> Any:
+    """A section of `cls` (a dataclass) from a mapping, each key checked as the loader checks it (ConfigError naming
+    `at.key`, with the closest known key); e.g. `build_section(VLLMSettings, {"url": ...}, "rl.vllm")`."""
+    if values is not None and not isinstance(values, Mapping):
+        raise ConfigError(f"{at}: expected a mapping ({', '.join(f.name for f in fields(cls))}), got {values!r}")
+    section = cls()
+    for name, value in (values or {}).items():
+        _set_in(section, at, [str(name)], value, at, f"{at}.{name}", {})
+    return section
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
@@ -230,9 +315,10 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
 
 
 def _attention_heads(model: ModelConfig) -> dict[str, int]:
-    """{config key: number} of the attention (and key/value) heads that Ulysses splits."""
+    """{config key: number} of the attention (and key/value) heads of a transformers model that Ulysses splits (the
+    tiny examples check their own: `examples.settings.check_example`)."""
     if model.arch == "tiny":
-        return {"model.num_heads": model.num_heads}
+        return {}
     settings, prefix = model.hf, "model.hf"
     if model.pretrained_dir:
         config_file = Path(model.pretrained_dir) / "config.json"
@@ -375,10 +461,6 @@ def validate(config: Config, world_size: int | None = None) -> None:
         "train.global_batch_size": train.global_batch_size,
         "logging.log_interval": config.logging.log_interval,
         "checkpoint.keep_checkpoints": config.checkpoint.keep_checkpoints,
-        "model.num_heads": config.model.num_heads,
-        "model.num_layers": config.model.num_layers,
-        "model.hidden_size": config.model.hidden_size,
-        "data.num_samples": config.data.num_samples,
     }
     for key, value in positive.items():
         if value < 1:
@@ -398,11 +480,6 @@ def validate(config: Config, world_size: int | None = None) -> None:
             raise ConfigError(f"{key}: must be >= 0, got {value}")
     _check_run_length(config)
     _check_optim(config.optim)
-    if config.model.hidden_size % config.model.num_heads:
-        raise ConfigError(
-            f"model.hidden_size ({config.model.hidden_size}) is not divisible by model.num_heads "
-            f"({config.model.num_heads})"
-        )
     for key, heads in _attention_heads(config.model).items():
         if heads % parallel.sp_size:
             raise ConfigError(
@@ -435,11 +512,6 @@ def validate(config: Config, world_size: int | None = None) -> None:
         config.loss.resolved()
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if config.model.image_size % config.model.patch_size:
-        raise ConfigError(
-            f"model.image_size ({config.model.image_size}) is not divisible by model.patch_size "
-            f"({config.model.patch_size})"
-        )
 
 
 # Keys that are alternatives to each other (how long the run is, how long the warmup is): of each pair, the one a YAML
@@ -478,8 +550,9 @@ def load_config(
     """Defaults <- YAML file <- dotted overrides, then `validate`. `defaults`, e.g. `{"optim": {"lr": 1e-5}}`, replace
     the dataclasses' own (an entry point's defaults, such as `veomni_lite.trainer.sft.SFT_DEFAULTS`); of each pair of
     `ALTERNATIVES` the key the YAML or the command line sets replaces the other's default. `sections`: the entry
-    point's own sections (`{"rl": RLConfig}`), each checked by its `validate(config)` method where it has one."""
-    config = Config(sections={name: cls() for name, cls in (sections or {}).items()})
+    point's own sections (`{"rl": RLConfig}`), typed fields of the config (`config_class`), each checked by its
+    `validate(config)` method where it has one."""
+    config = config_class(tuple((sections or {}).items()))()
     for section, values in (defaults or {}).items():
         for name, value in values.items():
             _set(config, f"{section}.{name}", value, "defaults")

@@ -1,15 +1,19 @@
 """The run configuration's sections: one dataclass per concern, each field documented where it is declared.
 
-`model` and `data` (the example models and datasets), `train` (steps, batches, eval, outputs), `parallel` (layout,
-precision, collective timeout), `optim` (AdamW and its schedule), `checkpoint`, `logging`, `loss` (modes), gathered in
-`Config`; `ALIASES` keeps the old flat `train.*` names. Reading them (YAML, overrides, checks) is
-`veomni_lite.config`, which every caller imports these names from.
+`model` (which model), `data` (the training data), `train` (steps, batches, eval, outputs), `parallel` (layout,
+precision, collective timeout), `optim` (AdamW and its schedule), `checkpoint`, `logging`, `loss` (modes) and
+`example` (what only the examples read), gathered in `Config`, and an entry point's own sections as fields of a
+subclass (`config_class`); a section's field may be a section itself (`rl.critic`). `ALIASES` keeps the old names
+(`train.lr`, `model.hidden_size`, ...). Reading them (YAML, overrides, checks) is `veomni_lite.config`, which every
+caller imports these names from.
 """
 
 from __future__ import annotations
 
+import functools
 import os
-from dataclasses import asdict, dataclass, field, fields
+import typing
+from dataclasses import asdict, dataclass, field, fields, make_dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,12 +29,13 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    """Which model, and its sizes: the tiny example models, or a transformers architecture built from `hf`."""
+    """Which model: the tiny example models (their sizes in the `example` section), or a transformers architecture
+    built from `hf` or read from `pretrained_dir`."""
 
     arch: str = "tiny"
-    """tiny: the example models (the fields below); a model_type of a family in `veomni_lite.models.registry`
-    (qwen2_vl, qwen2_5_vl, qwen3_vl, or any transformers causal LM: qwen2, llama, ...); auto: whatever
-    `pretrained_dir` holds (trainers/train_sft.py)."""
+    """tiny: the example models (sized by the `example` section); a model_type of a family in
+    `veomni_lite.models.registry` (qwen2_vl, qwen2_5_vl, qwen3_vl, or any transformers causal LM: qwen2, llama, ...);
+    auto: whatever `pretrained_dir` holds (trainers/train_sft.py)."""
     hf: dict[str, Any] = field(default_factory=dict)
     """transformers config fields for qwen2 / qwen2_vl (`model_type` included for qwen2; `text_config` and
     `vision_config` for qwen2_vl); the vocabulary and special-token ids come from the run's tokenizer. Override one
@@ -60,38 +65,14 @@ class ModelConfig:
     its cross-entropy chunk by chunk of tokens, so the [tokens, vocab] logits and their gradient are never whole in
     memory (the same losses and gradients, every loss mode); false: build the logits whole first. The tiny example
     models always build theirs."""
-    hidden_size: int = 64
-    """Width of the decoder."""
-    num_layers: int = 2
-    """Decoder blocks (each is one FSDP unit)."""
-    num_heads: int = 4
-    """Attention heads; `parallel.sp_size` must divide it (Ulysses splits heads)."""
-    intermediate_size: int = 176
-    """Width of the SwiGLU feed-forward."""
-    rope_theta: float = 10000.0
-    """Rotary embedding base."""
-    image_size: int = 16
-    """VLM: side of the square input image, in pixels."""
-    patch_size: int = 4
-    """VLM: side of a square patch; must divide `image_size`."""
 
 
 @dataclass
 class DataConfig:
-    """The example datasets."""
+    """The training data: the files, how their rows read and how samples are batched, packed and cached."""
 
-    num_samples: int = 4096
-    """Training samples (the loader drops a trailing partial global batch each epoch)."""
-    eval_samples: int = 64
-    """Held-out samples; 0 disables eval."""
-    generation_ratio: float = 0.5
-    """VLM: fraction of samples that are caption -> image codes (the rest are image -> caption)."""
     pad_to_multiple_of: int = 1
     """Round each micro-batch's length up to a multiple of this."""
-    seq_len: int = 128
-    """qwen2 text: tokens per sample."""
-    tokenizer_vocab_size: int = 2048
-    """qwen2 text: the BPE vocabulary trained on the corpus (saved as output_dir/tokenizer.json)."""
     eval_fraction: float = 0.2
     """The held-out share of the corpus, the images, or (SFT without `eval_path`) the rows; SFT holds none out when
     the run does not evaluate (`train.eval_interval` or `train.eval_batches` 0)."""
@@ -151,6 +132,43 @@ class DataConfig:
     shuffle_window: int = 1000
     """SFT streaming: rows read, encoded and shuffled together (each window permuted by the seed, the epoch and
     where it starts; samples never move across windows); 1: file order. Every rank holds one window's samples."""
+
+
+@dataclass
+class ExampleConfig:
+    """The settings only the examples read (`examples/`: the tiny models, the synthetic and help-page datasets); their
+    old names `model.<name>` and `data.<name>` keep working (`ALIASES`). The examples check them
+    (`examples.settings.check_example`)."""
+
+    hidden_size: int = 64
+    """Width of the decoder."""
+    num_layers: int = 2
+    """Decoder blocks (each is one FSDP unit)."""
+    num_heads: int = 4
+    """Attention heads; `parallel.sp_size` must divide it (Ulysses splits heads)."""
+    intermediate_size: int = 176
+    """Width of the SwiGLU feed-forward."""
+    rope_theta: float = 10000.0
+    """Rotary embedding base."""
+    image_size: int = 16
+    """VLM: side of the square input image, in pixels."""
+    patch_size: int = 4
+    """VLM: side of a square patch; must divide `image_size`."""
+    num_samples: int = 4096
+    """Training samples (the loader drops a trailing partial global batch each epoch)."""
+    eval_samples: int = 64
+    """Held-out samples; 0 disables eval."""
+    generation_ratio: float = 0.5
+    """VLM: fraction of samples that are caption -> image codes (the rest are image -> caption)."""
+    seq_len: int = 128
+    """qwen2 text: tokens per sample."""
+    tokenizer_vocab_size: int = 2048
+    """qwen2 text: the BPE vocabulary trained on the corpus (saved as output_dir/tokenizer.json)."""
+
+
+EXAMPLE_MODEL_FIELDS = ("hidden_size", "num_layers", "num_heads", "intermediate_size", "rope_theta", "image_size",
+                        "patch_size")  # fmt: skip
+EXAMPLE_DATA_FIELDS = ("num_samples", "eval_samples", "generation_ratio", "seq_len", "tokenizer_vocab_size")
 
 
 @dataclass
@@ -305,7 +323,8 @@ class LossConfig:
 
 @dataclass
 class Config:
-    """All sections; YAML files and `--section.key VALUE` overrides fill it (see `load_config`)."""
+    """All sections; YAML files and `--section.key VALUE` overrides fill it (see `load_config`). An entry point's own
+    sections (`rl`, `pref`) are typed fields of a subclass (`config_class`)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -315,15 +334,13 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     loss: LossConfig = field(default_factory=LossConfig)
-    sections: dict[str, Any] = field(default_factory=dict, repr=False)
-    """An entry point's own sections, e.g. `{"rl": RLConfig()}` (`load_config(..., sections=)`), read as attributes
-    (`config.rl`) and written as top-level sections by `to_dict`; defined beside their package, not here."""
+    example: ExampleConfig = field(default_factory=ExampleConfig)
+    # A section every entry point shares is one more field here (and its dataclass above), e.g. `moe: MoEConfig`.
 
-    def __getattr__(self, name: str) -> Any:
-        sections = self.__dict__.get("sections") or {}
-        if name in sections:
-            return sections[name]
-        raise AttributeError(f"{type(self).__name__} has no section {name!r}")
+    @property
+    def sections(self) -> dict[str, Any]:
+        """The entry point's own sections (`config_class`), e.g. `{"rl": RLConfig(...)}`."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _SECTIONS}
 
     @property
     def world_size(self) -> int:
@@ -341,28 +358,46 @@ class Config:
         return self.train.global_batch_size // (self.train.micro_batch_size * self.dp_size)
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out.update(out.pop("sections"))
-        return out
+        return asdict(self)
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled with its sections' classes, so a `config_class` subclass comes back as itself."""
+        own = tuple((name, type(value)) for name, value in self.sections.items())
+        return _restore, (own, dict(self.__dict__))
 
-_SECTIONS: dict[str, type] = {
-    "model": ModelConfig,
-    "data": DataConfig,
-    "train": TrainConfig,
-    "parallel": ParallelConfig,
-    "optim": OptimConfig,
-    "checkpoint": CheckpointConfig,
-    "logging": LoggingConfig,
-    "loss": LossConfig,
-}
-# Before the sections were grouped by concern, every run setting lived under `train`: those names keep working.
+
+@functools.cache
+def config_class(sections: tuple[tuple[str, type], ...] = ()) -> type[Config]:
+    """`Config` with an entry point's own sections as typed fields, e.g. `(("rl", RLConfig),)` -> a `Config` whose
+    `rl` is an `RLConfig` (one class per set of sections)."""
+    if not sections:
+        return Config
+    for name, _ in sections:
+        if name in _SECTIONS:
+            raise ValueError(f"section {name!r} is one of the shared sections {sorted(_SECTIONS)}")
+    own = [(name, cls, field(default_factory=cls)) for name, cls in sections]
+    return make_dataclass("Config", own, bases=(Config,), namespace={"__module__": __name__})
+
+
+def _restore(sections: tuple[tuple[str, type], ...], state: dict[str, Any]) -> Config:
+    config = object.__new__(config_class(sections))
+    config.__dict__.update(state)
+    return config
+
+
+_SECTIONS: dict[str, type] = typing.get_type_hints(Config)  # the shared sections: {name: class}
+# Before the sections were grouped by concern, every run setting lived under `train`, and the examples' settings under
+# `model` and `data`: those names keep working.
 ALIASES: dict[str, str] = {
-    f"train.{f.name}": f"{section}.{f.name}"
-    for section in ("parallel", "optim", "checkpoint", "logging")
-    for f in fields(_SECTIONS[section])
+    **{
+        f"train.{f.name}": f"{section}.{f.name}"
+        for section in ("parallel", "optim", "checkpoint", "logging")
+        for f in fields(_SECTIONS[section])
+    },
+    **{f"model.{name}": f"example.{name}" for name in EXAMPLE_MODEL_FIELDS},
+    **{f"data.{name}": f"example.{name}" for name in EXAMPLE_DATA_FIELDS},
 }

@@ -100,7 +100,7 @@ def test_bad_dynamic_sampling_configs_are_named_errors(math_demo, tmp_path):
     for extra, match in (
         (["--rl.dynamic_sampling", "{metric: nope}"], "rl.dynamic_sampling.metric: 'nope' is neither"),
         (["--rl.dynamic_sampling", "{max_generation_rounds: 0}"], "max_generation_rounds: must be >= 1"),
-        (["--rl.dynamic_sampling", "{rounds: 2}"], "rl.dynamic_sampling.rounds: unknown key"),
+        (["--rl.dynamic_sampling", "{rounds: 2}"], "unknown config key 'rl.dynamic_sampling.rounds'"),
         (["--train.epochs", "1", "--train.max_steps", "0"], "set train.max_steps instead"),
         (["--rl.overlong_buffer", "{length: 9}"], "rl.overlong_buffer.length: must be in"),
     ):

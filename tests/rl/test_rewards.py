@@ -405,8 +405,8 @@ def test_overlong_buffer_config_is_checked():
         ({"length": 17}, r"rl.overlong_buffer.length: must be in \(0, rl.max_new_tokens=16\]"),
         ({"penalty": 1.0}, "rl.overlong_buffer.length: required"),
         ({"length": 4, "penalty": -1}, "rl.overlong_buffer.penalty: must be >= 0"),
-        ({"length": 4, "factor": 1}, "rl.overlong_buffer.factor: unknown key"),
-        ({"length": "4"}, "rl.overlong_buffer.length: bad value"),
+        ({"length": 4, "factor": 1}, "unknown config key 'rl.overlong_buffer.factor'"),
+        ({"length": "four"}, "rl.overlong_buffer.length: expected int, got 'four'"),
     ):
         with pytest.raises(ConfigError, match=match):
             OverlongBuffer.parse(entry, 16)

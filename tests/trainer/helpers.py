@@ -73,7 +73,7 @@ def tiny_config(kind: str, output_dir: str | Path, data: dict[str, Any] | None =
     if kind == "qwen2_text":
         tokenizer = Path(output_dir) / TOKENIZER_FILE
         tokenizer.parent.mkdir(parents=True, exist_ok=True)
-        tokenizer.write_text(_pydoc_tokenizer_json(config.data.tokenizer_vocab_size))
+        tokenizer.write_text(_pydoc_tokenizer_json(config.example.tokenizer_vocab_size))
     return config
 
 

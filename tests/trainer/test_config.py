@@ -14,6 +14,7 @@ from veomni_lite.config import (
     CheckpointConfig,
     ConfigError,
     DataConfig,
+    ExampleConfig,
     LoggingConfig,
     ModelConfig,
     OptimConfig,
@@ -33,7 +34,7 @@ def test_yaml_and_dotted_overrides(tmp_path):
     assert config.train.max_steps == 7
     assert config.checkpoint.resume is True, "the old flat name train.resume still works"
     assert config.optim.lr == pytest.approx(1e-3)
-    assert config.model.num_heads == 2
+    assert config.example.num_heads == 2, "the old name model.num_heads still works"
     config.save(tmp_path / "config.yaml")
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert saved["train"]["max_steps"] == 7
@@ -48,7 +49,6 @@ def test_yaml_and_dotted_overrides(tmp_path):
         (["--train.max_steps", "seven"], 1, "train.max_steps: expected int, got 'seven'"),
         (["--train.resume", "maybe"], 1, "checkpoint.resume: expected bool"),
         (["--train.global_batch_size", "30"], 2, r"train.global_batch_size \(30\) is not divisible"),
-        (["--train.sp_size", "3"], 3, r"parallel.sp_size \(3\) does not divide model.num_heads \(4\)"),
         (["--parallel.sp_size", "2"], 3, r"parallel.sp_size \(2\) does not divide the world size \(3\)"),
         (["--parallel.mixed_precision", "fp8"], 1, r"parallel.mixed_precision: 'fp8' is not one of \['auto'"),
         (["--optim.lr", "0"], 1, "optim.lr: must be > 0"),
@@ -124,12 +124,76 @@ def test_every_old_flat_train_name_still_works_and_lands_in_its_section(tmp_path
     assert config.logging.tensorboard is False
     for old, new in ALIASES.items():
         section, name = new.split(".")
-        assert old == f"train.{name}" and hasattr(getattr(config, section), name)
+        assert old.partition(".")[2] == name and hasattr(getattr(config, section), name)
+        assert old.startswith("train.") or (section == "example" and old.split(".")[0] in ("model", "data"))
 
 
 def test_every_field_is_documented_where_it_is_declared():
     """Each field is followed by its docstring in the source (torchtitan style)."""
     source = inspect.getsource(config_sections)
-    for section in (ModelConfig, DataConfig, TrainConfig, ParallelConfig, OptimConfig, CheckpointConfig, LoggingConfig):
+    sections = (ModelConfig, DataConfig, ExampleConfig, TrainConfig, ParallelConfig, OptimConfig, CheckpointConfig)
+    for section in (*sections, LoggingConfig):
         for f in fields(section):
             assert re.search(rf"\n    {f.name}: [^\n]+\n    \"\"\"[^\n]+", source), f"{section.__name__}.{f.name}"
+
+
+def _rl_config(tmp_path, yaml_text: str, overrides: list[str] = ()):  # type: ignore[assignment]
+    from veomni_lite.rl.config import RLConfig
+
+    path = tmp_path / "rl.yaml"
+    path.write_text(yaml_text)
+    rewards = ["--rl.rewards", "[{name: c, function: exact_match}]"]
+    return load_config(path, [*rewards, *overrides], world_size=1, sections={"rl": RLConfig})
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "overrides", "message"),
+    [
+        ("", ["--rl.critic.lrr", "1e-6"], "unknown config key 'rl.critic.lrr' (did you mean `rl.critic.lr`?)"),
+        ("rl:\n  critic: {value_haed: true}\n", [], "'rl.critic.value_haed' (did you mean `rl.critic.value_head`?)"),
+        ("rl:\n  vllm:\n    reqest_timeout_s: 3\n", [], "(did you mean `rl.vllm.request_timeout_s`?)"),
+        ("", ["--rl.temprature", "0.5"], "unknown config key 'rl.temprature' (did you mean `rl.temperature`?)"),
+        ("", ["--rl.critic.lr", "fast"], "rl.critic.lr: expected float, got 'fast' (str)"),
+        ("rl:\n  critic: {warmup_steps: [1]}\n", [], "rl.critic.warmup_steps: expected int, got [1] (list)"),
+        ("rl:\n  vllm: {launch: many}\n", [], "rl.vllm.launch: expected bool or int, got 'many' (str)"),
+        ("rl:\n  critic: 3\n", [], "rl.critic: expected a mapping (value_head, pretrained_dir, lr"),
+        ("", ["--rl.critic.lr.x", "1"], "unknown config key 'rl.critic.lr.x'; rl.critic.lr has no fields"),
+    ],
+)
+def test_nested_sections_name_the_key_and_the_closest_known_one_at_every_depth(tmp_path, yaml_text, overrides, message):
+    with pytest.raises(ConfigError) as raised:
+        _rl_config(tmp_path, yaml_text, overrides)
+    assert message in str(raised.value)
+
+
+def test_nested_sections_are_typed_dataclasses_read_from_yaml_and_the_command_line(tmp_path):
+    from veomni_lite.engines.vllm.settings import VLLMSettings
+    from veomni_lite.rl.config import RLConfig
+    from veomni_lite.rl.critic import CriticSettings
+
+    config = _rl_config(
+        tmp_path,
+        "rl:\n  engine: vllm\n  vllm: {url: 'http://127.0.0.1:8000'}\n  advantage: gae\n  critic: {value_head: true}\n",
+        ["--rl.critic.lr", "1e-6", "--rl.vllm.launch", "false"],
+    )
+    assert [f.name for f in fields(config)][-1] == "rl" and type(config.rl) is RLConfig  # a field, not __getattr__
+    assert config.rl.critic == CriticSettings(value_head=True, lr=1e-6)
+    assert isinstance(config.rl.vllm, VLLMSettings) and config.rl.vllm.url == "http://127.0.0.1:8000"
+    assert config.rl.vllm.launch == 0 and config.rl.vllm.request_timeout_s == 600.0
+    assert load_config(None, ["--rl.rewards", "[{name: c, function: exact_match}]"], world_size=1,
+                       sections={"rl": RLConfig}).rl.critic is None  # fmt: skip
+    config.save(tmp_path / "saved.yaml")  # and back, nested sections included
+    again = load_config(tmp_path / "saved.yaml", world_size=1, sections={"rl": RLConfig})
+    assert again.to_dict() == config.to_dict() and again.rl.critic == config.rl.critic
+    assert not hasattr(load_config(None, world_size=1), "rl")  # a run without the section has none
+
+
+def test_a_config_with_its_entry_points_sections_copies_and_pickles_as_itself(tmp_path):
+    import copy
+    import pickle
+
+    from veomni_lite.config import replace
+
+    config = _rl_config(tmp_path, "", ["--rl.temperature", "0.5"])
+    for twin in (copy.deepcopy(config), pickle.loads(pickle.dumps(config)), replace(config, train={"seed": 1})):
+        assert type(twin) is type(config) and twin.rl == config.rl

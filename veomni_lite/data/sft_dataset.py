@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,18 +58,22 @@ class LengthStats:
 
 
 class ImageProcessing:
-    """The model's image processor (e.g. `Qwen2VLImageProcessor`) and how many placeholder tokens an image takes."""
+    """The model's image processor (e.g. `Qwen2VLImageProcessor`) and how many placeholder tokens an image takes:
+    `tokens(patches, processor)`, the family's rule (`veomni_lite.models.registry.Vision.image_tokens`; default
+    `merged_patches`)."""
 
-    def __init__(self, processor: Any) -> None:
+    def __init__(self, processor: Any, tokens: Callable[[int, Any], int] | None = None) -> None:
         self.processor = processor
         self.merge = int(getattr(processor, "merge_size", 1))
+        self.tokens = tokens or merged_patches
 
     def __call__(self, images: Sequence[Any]) -> dict[str, torch.Tensor]:
         out = self.processor(images=list(images), return_tensors="pt")
         return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
 
     def token_counts(self, grid: torch.Tensor) -> list[int]:
-        return (grid.prod(-1) // (self.merge * self.merge)).tolist()
+        """Placeholder tokens of each image of `grid` ([images, 3]: its patches along t, h, w)."""
+        return [self.tokens(int(patches), self.processor) for patches in grid.prod(-1).tolist()]
 
     def token_count(self, image: Any) -> int:
         """Placeholder tokens of `image` (a PIL image, maybe only its header read): from its size by the processor's
@@ -77,11 +81,18 @@ class ImageProcessing:
         patches = getattr(self.processor, "get_number_of_image_patches", None)
         if patches is not None:
             width, height = image.size
-            return int(patches(height, width, {})) // (self.merge * self.merge)
+            return self.tokens(int(patches(height, width, {})), self.processor)
         return self.token_counts(self([image.convert("RGB")])["image_grid_thw"])[0]
 
     def settings(self) -> dict[str, Any]:
         return {"class": type(self.processor).__name__, **self.processor.to_dict()}
+
+
+def merged_patches(patches: int, processor: Any) -> int:
+    """Placeholder tokens of an image of `patches` patches where the vision merger joins each merge_size x merge_size
+    block into one token (the processor's `merge_size`; Qwen-VL's), 1 per patch without it."""
+    merge = int(getattr(processor, "merge_size", 1))
+    return patches // (merge * merge)
 
 
 def tokenizer_hash(tokenizer: Any) -> str:

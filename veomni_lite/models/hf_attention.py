@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from veomni_lite.distributed.sequence_parallel import heads_to_seq, seq_to_heads
-from veomni_lite.trainer.model import on_host
+from veomni_lite.models.contract import on_host
 
 ATTENTION_NAME = "veomni_ulysses"
 _GROUP_ATTR = "veomni_sp_group"

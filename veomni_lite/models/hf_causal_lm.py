@@ -22,11 +22,11 @@ import torch.distributed as dist
 from torch import nn
 
 from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS
+from veomni_lite.models.contract import TrainableModel
 from veomni_lite.models.heads import LogprobRequest, decoder_flops_per_token, lm_head_logprobs, lm_head_loss
 from veomni_lite.models.hf_attention import decoder_attention_inputs, enable_ulysses
 from veomni_lite.models.pretrained import LOCAL_ONLY, load_config, save_config
 from veomni_lite.models.registry import dtype_of
-from veomni_lite.trainer.model import TrainableModel
 
 
 def hf_config_from_dict(settings: Mapping[str, Any]) -> Any:

@@ -4,17 +4,21 @@ Every loader passes `trust_remote_code=False` and `local_files_only=True`; a dir
 code (`auto_map`) is refused with an error naming it, before anything is built. `load_model` returns the model behind
 the trainer's contract, as its family (`veomni_lite.models.registry`) wraps it, with float32 parameters by default
 whatever dtype the directory stores (bf16 releases included: a bf16 master weight rounds small updates away).
+`read_model_directory` is what every trainer reads from `model.pretrained_dir` before its data (`ModelDirectory`).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from veomni_lite.models.registry import family_of
+from veomni_lite.data.sft import ChatEncoder
+from veomni_lite.data.sft_dataset import ImageProcessing
+from veomni_lite.models.registry import Family, family_of
 
 LOCAL_ONLY = {"trust_remote_code": False, "local_files_only": True}  # every from_pretrained here
 _PLAIN_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
@@ -102,3 +106,48 @@ def load_image_processor(directory: str | Path) -> Any:
 def load_model(directory: str | Path, dtype: torch.dtype = torch.float32) -> Any:
     """The model of `directory` behind the trainer's model contract, parameters in `dtype` (module docstring)."""
     return family_of(load_config(directory)).load(directory, dtype)
+
+
+def image_token(tokenizer: Any, model_config: Any, directory: str | Path) -> str:
+    """The image placeholder token of a vision-language directory: its config's `image_token_id`, as the tokenizer
+    spells it (a PretrainedDirError where the tokenizer does not have it)."""
+    token_id = getattr(model_config, "image_token_id", None)
+    token = tokenizer.convert_ids_to_tokens(token_id) if isinstance(token_id, int) else None
+    if not token or tokenizer.convert_tokens_to_ids(token) != token_id:
+        raise PretrainedDirError(
+            f"model.pretrained_dir: {directory}: config.json's image_token_id {token_id!r} is not a token of its "
+            "tokenizer"
+        )
+    return token
+
+
+@dataclass(frozen=True)
+class ModelDirectory:
+    """What a run reads from `model.pretrained_dir` before its data (`read_model_directory`)."""
+
+    config: Any
+    """The transformers config."""
+    tokenizer: Any
+    family: Family
+    images: ImageProcessing | None
+    """The directory's image processor with its family's image-token count; None for a text family."""
+    encoder: ChatEncoder
+    """Conversations -> tokens and labels, with the image placeholder of a vision-language family."""
+
+
+def read_model_directory(
+    directory: str | Path, chat_template: str = "", train_on_prompt: bool = False
+) -> ModelDirectory:
+    """The config, tokenizer (its ids checked against the embedding rows), family, image processing (a vision-language
+    family) and chat encoder (`data.chat_template`, `data.train_on_prompt`) of `directory`; a PretrainedDirError
+    naming it where one is missing or unusable."""
+    config = load_config(directory)
+    tokenizer = load_tokenizer(directory)
+    check_vocabulary(tokenizer, config, directory)
+    family = family_of(config)
+    images, placeholder = None, ""
+    if family.vision is not None:
+        images = ImageProcessing(load_image_processor(directory), family.image_tokens())
+        placeholder = image_token(tokenizer, config, directory)
+    encoder = ChatEncoder(tokenizer, chat_template, train_on_prompt, placeholder, str(directory))
+    return ModelDirectory(config, tokenizer, family, images, encoder)

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from veomni_lite.data.collator import packed_positions, sequence_ids, shift_labels
 from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS, IGNORE_INDEX, SEQUENCE_IDS
+from veomni_lite.models.contract import TrainableModel, on_host
 from veomni_lite.models.heads import (
     LogprobRequest,
     decoder_flops_per_token,
@@ -45,7 +46,6 @@ from veomni_lite.models.heads import (
 from veomni_lite.models.hf_attention import decoder_attention_inputs, enable_ulysses
 from veomni_lite.models.pretrained import load_config, save_config
 from veomni_lite.models.registry import dtype_of, family_of
-from veomni_lite.trainer.model import TrainableModel, on_host
 
 IMAGE_HEAD_FILE = "image_decoder_head.safetensors"
 _LABEL_KEYS = ("labels", "image_decoder_labels")
@@ -117,6 +117,19 @@ def collate_qwen2_vl(
         batch["pixel_values"] = torch.cat(pixel_values)
         batch["image_grid_thw"] = torch.cat(grids)
     return batch
+
+
+def collate_vl(
+    samples: Sequence[Mapping[str, Tensor]],
+    image_token_id: int,
+    images: Any,
+    pad_id: int,
+    pad_to_multiple_of: int = 1,
+    packing: bool = False,
+) -> dict[str, Tensor]:
+    """The Qwen-VL families' collate as the registry calls it (`Vision.collate`): `collate_qwen2_vl` with the merge
+    size of `images`, the run's `ImageProcessing`."""
+    return collate_qwen2_vl(samples, image_token_id, images.merge, pad_id, pad_to_multiple_of, packing)
 
 
 def _pad_rows(values: list[Tensor], length: int, key: str, pad_id: int) -> Tensor:

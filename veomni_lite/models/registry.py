@@ -1,18 +1,22 @@
 """The model families veomni_lite trains from transformers: the one place an architecture is named.
 
 A `Family` says, for the `model_type`s it covers: which transformers class loads and exports its directories, which
-wrapper puts it behind the trainer's model contract (`veomni_lite.trainer.model.TrainableModel`), whether it takes
-images and how (`Vision`: the placeholder token is the config's `image_token_id`, pixels go through the directory's
-own image processor, `collate_vl` lays out the M-RoPE positions, the vision tower's boundaries are computed on the
-host), which attention implementations, packing and Ulysses SP it supports, and whether its weights load straight
-into FSDP2 shards. Any other causal LM transformers ships (Llama, Qwen3, Mistral, Gemma, ...) is `CAUSAL_LM`.
+wrapper puts it behind the model contract (`veomni_lite.models.contract.TrainableModel`), whether it takes images and
+how (`Vision`: the placeholder token is the config's `image_token_id`, pixels go through the directory's own image
+processor, the family's `image_tokens` counts an image's placeholders and its `collate` lays out a micro-batch, e.g.
+Qwen-VL's M-RoPE positions; the vision tower's boundaries are computed on the host), which attention implementations,
+packing and Ulysses SP it supports, and whether its weights load straight into FSDP2 shards. Any other causal LM
+transformers ships (Llama, Qwen3, Mistral, Gemma, ...) is `CAUSAL_LM`. The trainers ask `family_of(config)` and never
+name a family.
 
-Adding a family is one entry in `FAMILIES` plus its tests. Everything here runs no code from a model directory.
+Adding a family is one entry in `FAMILIES` (or `register_family`) plus its wrapper and tests. Everything here runs no
+code from a model directory.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,9 +27,25 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 VARLEN_KERNELS = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
 
 
+def resolve(target: str) -> Any:
+    """The object a `module:name` string names (imported on first use, so the registry loads no model code)."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 @dataclass(frozen=True)
 class Vision:
-    """How a vision-language family's tower takes its inputs, each computed on the host from the image grid."""
+    """How a vision-language family takes its images: how many placeholder tokens an image takes, how a micro-batch is
+    laid out, and the flags its wrapper reads (the Qwen-VL wrapper's: each input computed on the host from the image
+    grid)."""
+
+    collate: str = "veomni_lite.models.qwen2_vl:collate_vl"
+    """`module:function(samples, image_token_id, images, pad_id, pad_to_multiple_of, packing)` -> one micro-batch,
+    `images` the run's `veomni_lite.data.sft_dataset.ImageProcessing` (Qwen-VL: M-RoPE positions, image features'
+    places)."""
+    image_tokens: str = "veomni_lite.data.sft_dataset:merged_patches"
+    """`module:function(patches, processor)` -> the placeholder tokens of an image the directory's image processor cuts
+    into `patches` patches (Qwen-VL: its merger joins merge_size x merge_size patches into one token)."""
 
     window_attention: bool = False
     """Qwen2.5-VL: windowed blocks (`window_index`, `cu_window_seqlens`) besides the full-attention ones."""
@@ -58,8 +78,27 @@ class Family:
 
     @property
     def wrapper_class(self) -> type:
-        module, _, name = self.wrapper.partition(":")
-        return getattr(importlib.import_module(module), name)
+        return resolve(self.wrapper)
+
+    def collate(
+        self,
+        samples: Sequence[Mapping[str, torch.Tensor]],
+        image_token_id: int,
+        images: Any,
+        pad_id: int,
+        pad_to_multiple_of: int = 1,
+        packing: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        """A vision-language family's micro-batch of `samples` (`Vision.collate`)."""
+        if self.vision is None:
+            raise TypeError(f"{self.name} takes no images: its micro-batches are the text collate's")
+        return resolve(self.vision.collate)(samples, image_token_id, images, pad_id, pad_to_multiple_of, packing)
+
+    def image_tokens(self) -> Callable[[int, Any], int]:
+        """`Vision.image_tokens`: (patches, processor) -> an image's placeholder tokens."""
+        if self.vision is None:
+            raise TypeError(f"{self.name} takes no images")
+        return resolve(self.vision.image_tokens)
 
     def hf_class(self) -> type:
         import transformers
@@ -76,7 +115,7 @@ class Family:
 
 
 _VL_WRAPPER = "veomni_lite.models.qwen2_vl:QwenVLWithImageHead"
-FAMILIES = (
+FAMILIES: list[Family] = [
     Family("qwen2_vl", ("qwen2_vl",), "Qwen2VLForConditionalGeneration", _VL_WRAPPER, Vision()),
     Family(
         "qwen2_5_vl", ("qwen2_5_vl",), "Qwen2_5_VLForConditionalGeneration", _VL_WRAPPER, Vision(window_attention=True)
@@ -88,13 +127,22 @@ FAMILIES = (
         _VL_WRAPPER,
         Vision(interpolated_position_embedding=True, deepstack=True),
     ),
-)
+]
 CAUSAL_LM = Family("causal_lm", (), "AutoModelForCausalLM", "veomni_lite.models.hf_causal_lm:HFCausalLM")
 # A causal LM's decoder with one score per sequence (`pref.loss: bradley_terry`): a config whose `architectures` name
 # a `...ForSequenceClassification` class.
 REWARD_MODEL = Family(
     "reward_model", (), "AutoModelForSequenceClassification", "veomni_lite.models.hf_reward_model:HFRewardModel"
 )
+
+
+def register_family(family: Family) -> Family:
+    """Add `family` to `FAMILIES` (a `model_type` another family covers is an error); returns it."""
+    taken = {t: f.name for f in FAMILIES for t in f.model_types}
+    if family.name in {f.name for f in FAMILIES} or any(t in taken for t in family.model_types):
+        raise ValueError(f"family {family.name!r}: its name or a model_type of {family.model_types} is registered")
+    FAMILIES.append(family)
+    return family
 
 
 def family_of(config_or_model_type: Any) -> Family:

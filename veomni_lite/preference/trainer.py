@@ -25,21 +25,14 @@ from typing import Any
 import torch
 
 from veomni_lite.data.checks import DataError
-from veomni_lite.data.sft import ChatEncoder, read_sources
-from veomni_lite.data.sft_dataset import ImageProcessing
+from veomni_lite.data.sft import read_sources
 from veomni_lite.distributed.collectives import agree, all_reduce
 from veomni_lite.distributed.sequence_parallel import slice_micro_batch
 from veomni_lite.loss_keys import is_labels_key
 from veomni_lite.metrics.accumulator import MetricSpec
 from veomni_lite.models.heads import LogprobRequest
 from veomni_lite.models.hf_reward_model import HFRewardModel
-from veomni_lite.models.pretrained import (
-    check_vocabulary,
-    is_vision_language,
-    load_config,
-    load_image_processor,
-    load_tokenizer,
-)
+from veomni_lite.models.pretrained import read_model_directory
 from veomni_lite.models.registry import DTYPES
 from veomni_lite.plain_loop import LossStep
 from veomni_lite.post_training import ReferenceWeights
@@ -58,7 +51,7 @@ from veomni_lite.preference.losses import (
 )
 from veomni_lite.preference.pairs import PairDataset, PairEncoder, collate_pairs
 from veomni_lite.preference.reference_pass import PrecomputedReference
-from veomni_lite.trainer.sft import SFTTrainer, cache_dir, image_token
+from veomni_lite.trainer.sft import SFTTrainer, cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -125,15 +118,11 @@ class PreferenceTrainer(SFTTrainer):
             raise DataError(
                 "data.train_path: preference training needs the pairs (a file, a list, a directory or a glob)"
             )
-        self.model_config = load_config(model.pretrained_dir)
-        self.tokenizer = load_tokenizer(model.pretrained_dir)
-        check_vocabulary(self.tokenizer, self.model_config, model.pretrained_dir)
-        vision = is_vision_language(self.model_config)
-        if vision and self.pref.reward_model:
+        directory = read_model_directory(model.pretrained_dir, data.chat_template)
+        if directory.images is not None and self.pref.reward_model:
             raise DataError("pref.loss bradley_terry: reward models are causal-LM families here, not vision-language")
-        self.images = ImageProcessing(load_image_processor(model.pretrained_dir)) if vision else None
-        placeholder = image_token(self.tokenizer, self.model_config, model.pretrained_dir) if vision else ""
-        self.encoder = ChatEncoder(self.tokenizer, data.chat_template, False, placeholder, model.pretrained_dir)
+        self.model_config, self.tokenizer, self.encoder = directory.config, directory.tokenizer, directory.encoder
+        self.images = directory.images
 
     def collate(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         """Pairs -> one micro-batch of their sides (`collate_pairs` over the model's SFT collate)."""

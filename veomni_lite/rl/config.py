@@ -7,10 +7,13 @@ Each field names the peers' default it follows. The policy head is `policy`: its
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from veomni_lite.config import ConfigError
+from veomni_lite.config import ConfigError, build_section
+from veomni_lite.engines.vllm.settings import VLLMSettings
+from veomni_lite.rl.critic import CriticSettings
 
 POLICY = "policy"  # the head's name: `policy_labels`, `policy_loss`
 
@@ -43,7 +46,7 @@ class RLConfig:
     (REINFORCE++, verl's `adv_estimator: reinforce_plus_plus`) R whitened over the whole rollout batch's response tokens
     (`veomni_lite.rl.advantages.batch_advantages`; the KL stays in the loss, `rl.kl_coef`, as verl's use_kl_loss); gae:
     PPO with a critic (`rl.critic`, `rl.gamma`, `rl.lam`; see `veomni_lite.rl.critic`)."""
-    critic: dict[str, Any] = field(default_factory=dict)
+    critic: CriticSettings | None = None
     """`rl.advantage: gae`: `{value_head: true | pretrained_dir: DIR, lr, weight_decay, warmup_steps, value_clip}`
     (`veomni_lite.rl.critic.CriticSettings`; verl's critic model path, lr, critic_warmup 0, cliprange_value 0.5)."""
     gamma: float = 1.0
@@ -81,20 +84,20 @@ class RLConfig:
     """A JSONL of rollouts made elsewhere, trained on instead of generating (see `veomni_lite.rl.rollouts`)."""
     rollouts_sample: int = 4
     """Rollouts written to rollouts.jsonl and TensorBoard's text tab at each log (0: none)."""
-    vllm: dict[str, Any] = field(default_factory=dict)
+    vllm: VLLMSettings | None = None
     """`rl.engine: vllm`: the servers, exactly one of `url` (one running server), `urls` (several, a rollout batch's
     samples spread over them, every one synced) and `launch` (true, or how many servers rank 0 starts on 127.0.0.1);
     `api_key_env` (the name of an environment variable holding the key sent with every request), `python`,
     `sync_dir`, `start_timeout_s`, `request_timeout_s`, `probe_tolerance` (the first sync's bound; later syncs are
     checked against the previous weights), `server_args`, `max_concurrency` (per server)
     (`veomni_lite.engines.vllm.VLLMSettings`, docs/vllm.md)."""
-    dynamic_sampling: dict[str, Any] = field(default_factory=dict)
+    dynamic_sampling: DynamicSampling | None = None
     """DAPO's dynamic sampling (verl's `algorithm.filter_groups`; off when empty): `{metric, max_generation_rounds}`.
     Groups whose `metric` (`reward`, the total, as verl's default `acc`/score; or a reward's name, `rl/rewards/<name>`)
     is equal across the group are dropped and further rounds of prompts (the next of the prompt order) generated until
     `rl.prompts_per_step` groups learn; more than `max_generation_rounds` rounds (DAPO's recipe: 10; verl's
     max_num_gen_batches, whose 0 = no limit is not offered) is a `DynamicSamplingError` (`DynamicSampling`)."""
-    overlong_buffer: dict[str, Any] = field(default_factory=dict)
+    overlong_buffer: OverlongBuffer | None = None
     """DAPO's soft overlong punishment (verl's `reward_model.overlong_buffer`; off when empty): `{length, penalty}`:
     responses longer than `max_new_tokens - length` tokens get a reward falling linearly to -`penalty` at
     `max_new_tokens` (DAPO: length 4096 of 20480, penalty 1.0), logged as `rl/rewards/overlong`."""
@@ -165,8 +168,6 @@ class RLConfig:
         if self.importance_sampling != "none" and self.is_cap <= 0:
             raise ConfigError(f"rl.is_cap: must be > 0, got {self.is_cap}")
         if self.advantage == "gae" or self.critic:
-            from veomni_lite.rl.critic import CriticSettings
-
             if self.advantage != "gae":
                 raise ConfigError(f"rl.critic: set, but rl.advantage is {self.advantage!r}; the critic is for gae")
             CriticSettings.parse(self.critic)
@@ -175,8 +176,6 @@ class RLConfig:
         if self.advantage in ("grpo", "rloo") and self.num_generations < 2:
             raise ConfigError(f"rl.num_generations: {self.advantage} compares a group's responses, needs >= 2")
         if self.engine == "vllm" and not self.rollouts_path:
-            from veomni_lite.engines.vllm import VLLMSettings
-
             try:
                 VLLMSettings.parse(self.vllm)
             except (TypeError, ValueError) as exc:
@@ -261,9 +260,10 @@ class DynamicSampling:
     max_generation_rounds: int = 10
 
     @classmethod
-    def parse(cls, entry: Any) -> DynamicSampling:
-        """The section as given; an unknown key or a bad value is a ConfigError naming it."""
-        return cls(**_checked("rl.dynamic_sampling", entry, {"metric": str, "max_generation_rounds": int}))
+    def parse(cls, entry: DynamicSampling | Mapping[str, Any]) -> DynamicSampling:
+        """The section as the config loader read it (or a mapping, read the same way: `build_section`), checked; a bad
+        key or value is a ConfigError naming it."""
+        return replace(entry if isinstance(entry, cls) else build_section(cls, entry, "rl.dynamic_sampling"))
 
     def __post_init__(self) -> None:
         if self.max_generation_rounds < 1:
@@ -276,16 +276,17 @@ class DynamicSampling:
 class OverlongBuffer:
     """`rl.overlong_buffer` (see `RLConfig.overlong_buffer`)."""
 
-    length: int
+    length: int = 0
+    """Required: the buffer's tokens before `rl.max_new_tokens`."""
     penalty: float = 1.0
 
     @classmethod
-    def parse(cls, entry: Any, max_new_tokens: int) -> OverlongBuffer:
-        """The section as given, `0 < length <= max_new_tokens`, `penalty >= 0`; else a ConfigError naming the key."""
-        fields = _checked("rl.overlong_buffer", entry, {"length": int, "penalty": (int, float)})
-        if "length" not in fields:
+    def parse(cls, entry: OverlongBuffer | Mapping[str, Any], max_new_tokens: int) -> OverlongBuffer:
+        """The section as the config loader read it (or a mapping, read the same way: `build_section`), `0 < length <=
+        max_new_tokens`, `penalty >= 0`; else a ConfigError naming the key."""
+        made = entry if isinstance(entry, cls) else build_section(cls, entry, "rl.overlong_buffer")
+        if not made.length:
             raise ConfigError("rl.overlong_buffer.length: required (the buffer's tokens before rl.max_new_tokens)")
-        made = cls(fields["length"], float(fields.get("penalty", 1.0)))
         if not 0 < made.length <= max_new_tokens:
             raise ConfigError(
                 f"rl.overlong_buffer.length: must be in (0, rl.max_new_tokens={max_new_tokens}], got {made.length}"
@@ -293,15 +294,3 @@ class OverlongBuffer:
         if not made.penalty >= 0:
             raise ConfigError(f"rl.overlong_buffer.penalty: must be >= 0, got {made.penalty}")
         return made
-
-
-def _checked(where: str, entry: Any, types: dict[str, Any]) -> dict[str, Any]:
-    """`entry` as a mapping of known keys of the right types (ConfigError naming the first bad key)."""
-    if not isinstance(entry, dict):
-        raise ConfigError(f"{where}: a mapping ({', '.join(types)}), got {entry!r}")
-    for key, value in entry.items():
-        if key not in types:
-            raise ConfigError(f"{where}.{key}: unknown key (known: {', '.join(types)})")
-        if isinstance(value, bool) or not isinstance(value, types[key]):
-            raise ConfigError(f"{where}.{key}: bad value {value!r}")
-    return dict(entry)

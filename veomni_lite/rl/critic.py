@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from veomni_lite.config import ConfigError
+from veomni_lite.config import ConfigError, build_section
 from veomni_lite.loss_keys import IGNORE_INDEX, loss_weights_key
 from veomni_lite.metrics.accumulator import MetricSpec
 from veomni_lite.models.hf_attention import route_attention
@@ -83,13 +83,10 @@ class CriticSettings:
     value_clip: float = 0.5
 
     @classmethod
-    def parse(cls, raw: Mapping[str, Any]) -> CriticSettings:
-        """The settings of a `rl.critic` mapping (ConfigError naming a bad key)."""
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ConfigError(f"rl.critic: unknown key(s) {unknown}; known: {sorted(known)}")
-        settings = cls(**raw)
+    def parse(cls, raw: CriticSettings | Mapping[str, Any] | None) -> CriticSettings:
+        """`rl.critic` as the config loader read it (or a mapping, read here the same way: `build_section`), checked
+        (ConfigError naming a bad key)."""
+        settings = raw if isinstance(raw, cls) else build_section(cls, raw, "rl.critic")
         if settings.value_head == bool(settings.pretrained_dir):
             raise ConfigError(
                 "rl.critic: set value_head: true (a linear value head on the policy's trunk) or pretrained_dir "

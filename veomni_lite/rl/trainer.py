@@ -26,8 +26,7 @@ from typing import Any
 import torch
 
 from veomni_lite.data.checks import DataError
-from veomni_lite.data.sft import ChatEncoder, read_sources
-from veomni_lite.data.sft_dataset import ImageProcessing
+from veomni_lite.data.sft import read_sources
 from veomni_lite.distributed.collectives import agree, all_reduce
 from veomni_lite.distributed.sequence_parallel import slice_micro_batch
 from veomni_lite.engines.base import RolloutEngine
@@ -37,13 +36,7 @@ from veomni_lite.loss_keys import is_labels_key
 from veomni_lite.metrics.accumulator import MetricSpec
 from veomni_lite.metrics.sinks import Panel
 from veomni_lite.models.heads import LogprobRequest
-from veomni_lite.models.pretrained import (
-    check_vocabulary,
-    is_vision_language,
-    load_config,
-    load_image_processor,
-    load_tokenizer,
-)
+from veomni_lite.models.pretrained import read_model_directory
 from veomni_lite.post_training import ReferenceWeights
 from veomni_lite.rl.config import POLICY, RLConfig
 from veomni_lite.rl.critic import VALUE, VALUE_LABELS, Critic
@@ -56,7 +49,7 @@ from veomni_lite.rl.records import RolloutRecords
 from veomni_lite.rl.rewards import check_answers, load_rewards
 from veomni_lite.rl.rollout_batch import EVALUATION, RolloutBatches
 from veomni_lite.rl.rollouts import RolloutSample, collate_rollouts, read_rollouts
-from veomni_lite.trainer.sft import SFTTrainer, image_token
+from veomni_lite.trainer.sft import SFTTrainer
 from veomni_lite.utils.loss_utils import mark_sequences
 
 logger = logging.getLogger(__name__)
@@ -115,15 +108,10 @@ class RLTrainer(SFTTrainer):
         model, data, rl = self.config.model, self.config.data, self.rl
         if not model.pretrained_dir:
             raise DataError("model.pretrained_dir: RL needs a local transformers model directory")
-        self.model_config = load_config(model.pretrained_dir)
-        self.tokenizer = load_tokenizer(model.pretrained_dir)
-        check_vocabulary(self.tokenizer, self.model_config, model.pretrained_dir)
-        vision = is_vision_language(self.model_config)
-        self.images = ImageProcessing(load_image_processor(model.pretrained_dir)) if vision else None
-        placeholder = image_token(self.tokenizer, self.model_config, model.pretrained_dir) if vision else ""
-        self.encoder = ChatEncoder(
-            self.tokenizer, data.chat_template, data.train_on_prompt, placeholder, model.pretrained_dir
-        )
+        directory = read_model_directory(model.pretrained_dir, data.chat_template, data.train_on_prompt)
+        self.model_config, self.tokenizer, self.encoder = directory.config, directory.tokenizer, directory.encoder
+        self.images = directory.images
+        vision = self.images is not None
         self.rewards = load_rewards(rl.rewards, ".") if rl.rewards else []
         prompt_len = max(data.max_seq_len - rl.max_new_tokens, 0)
         renders = vision and rl.engine == "vllm"  # the server renders VL prompts from their messages and images

@@ -58,6 +58,7 @@ from veomni_lite.metrics import MetricLogger
 from veomni_lite.metrics.accumulator import MetricSpec
 from veomni_lite.metrics.logger import progress_bar_shown
 from veomni_lite.metrics.sinks import Panel
+from veomni_lite.models.contract import HostInput, TrainableModel, check_model_contract, with_companions
 from veomni_lite.models.lora import (
     LoraError,
     LoraSettings,
@@ -76,9 +77,14 @@ from veomni_lite.models.sharded_load import (
     scatter_from_rank0,
 )
 from veomni_lite.plain_loop import LossStep
-from veomni_lite.trainer.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
+from veomni_lite.trainer.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    model_settings_of,
+    rng_state,
+    set_rng_state,
+)
 from veomni_lite.trainer.lr_schedule import lr_lambda, ratio_steps
-from veomni_lite.trainer.model import HostInput, TrainableModel, check_model_contract, with_companions
 from veomni_lite.utils.loss_utils import LossKeyMismatchError, mark_sequences, mean_global_loss, reset_loss_memo
 
 logger = logging.getLogger(__name__)
@@ -779,7 +785,7 @@ class BaseTrainer(ABC):
             self.model,
             self.optimizer,
             on_skip=self._warn,
-            model_settings=self.config.to_dict()["model"],
+            model_settings=model_settings_of(self.config.to_dict()),
             checkpoints=found,
         )
         if loaded is None:

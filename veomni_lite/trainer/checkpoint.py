@@ -39,6 +39,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from veomni_lite.config_sections import EXAMPLE_MODEL_FIELDS
 from veomni_lite.distributed.collectives import agree, all_gather_objects, all_reduce, name_problems, rank_problems
 from veomni_lite.trainer.safe_load import (
     RefusedFileError,
@@ -233,7 +234,7 @@ class CheckpointManager:
                 self._skip(path, name_problems(problems), on_skip)
                 continue
             model_sd, optim_sd = get_state_dict(model, optimizer, options=self._options)
-            saved_settings = trainer_state.get("config", {}).get("model", {})
+            saved_settings = model_settings_of(trainer_state.get("config", {}))
             _check_model_fits(path, metadata, model_sd, saved_settings, model_settings or {})
             try:
                 state = {"model": model_sd, "optim": optim_sd}
@@ -273,6 +274,13 @@ class CheckpointManager:
             on_skip(message)
         else:
             logger.warning(message)
+
+
+def model_settings_of(config: dict[str, Any]) -> dict[str, Any]:
+    """The settings that shape a model, of a config as `Config.to_dict` writes it: `model` and the tiny examples' sizes
+    (`example`, under their old `model.*` names; a checkpoint of before the `example` section holds them there)."""
+    sizes = {key: value for key, value in config.get("example", {}).items() if key in EXAMPLE_MODEL_FIELDS}
+    return {**sizes, **config.get("model", {})}
 
 
 def _check_model_fits(

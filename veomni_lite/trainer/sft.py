@@ -27,38 +27,17 @@ from veomni_lite.data.collator import collate
 from veomni_lite.data.loader import MicroBatchLoader, epoch_size
 from veomni_lite.data.mixture import WeightedMixture, hold_out
 from veomni_lite.data.sft import ChatEncoder, override_template, read_sources
-from veomni_lite.data.sft_dataset import ImageProcessing, RowEncoder, SFTDataset
+from veomni_lite.data.sft_dataset import RowEncoder, SFTDataset
 from veomni_lite.data.streaming import SampleStream, StreamingLoader
 from veomni_lite.distributed.collectives import agree, all_reduce
 from veomni_lite.export import copy_tokenizer_files
 from veomni_lite.loss_keys import IGNORE_INDEX, SEQUENCE_IDS, is_labels_key
 from veomni_lite.models.hf_attention import takes_boundaries
-from veomni_lite.models.pretrained import (
-    PretrainedDirError,
-    check_vocabulary,
-    is_vision_language,
-    load_config,
-    load_image_processor,
-    load_tokenizer,
-    text_config,
-)
-from veomni_lite.models.qwen2_vl import collate_qwen2_vl
+from veomni_lite.models.pretrained import PretrainedDirError, image_token, read_model_directory, text_config
+from veomni_lite.models.registry import family_of
 from veomni_lite.trainer.base import MODEL_CONFIG_DIR, BaseTrainer
 
 logger = logging.getLogger(__name__)
-
-
-def image_token(tokenizer: Any, model_config: Any, directory: str) -> str:
-    """The image placeholder token of a vision-language directory: its config's `image_token_id`, as the tokenizer
-    spells it (a PretrainedDirError where the tokenizer does not have it)."""
-    token_id = getattr(model_config, "image_token_id", None)
-    token = tokenizer.convert_ids_to_tokens(token_id) if isinstance(token_id, int) else None
-    if not token or tokenizer.convert_tokens_to_ids(token) != token_id:
-        raise PretrainedDirError(
-            f"model.pretrained_dir: {directory}: config.json's image_token_id {token_id!r} is not a token of its "
-            "tokenizer"
-        )
-    return token
 
 
 # The defaults `trainers/train_sft.py` starts from, under the YAML and the command line (`load_config(..., defaults=)`),
@@ -133,13 +112,7 @@ def _read_sft_inputs(config: Any) -> tuple[Any, Any, Any, ChatEncoder, list[tupl
         raise DataError("model.pretrained_dir: SFT needs a local transformers model directory")
     if not data.train_path and not data.sources:
         raise DataError("data.train_path: SFT needs the training data (a file, a list, a directory or a glob)")
-    model_config = load_config(model.pretrained_dir)
-    tokenizer = load_tokenizer(model.pretrained_dir)
-    check_vocabulary(tokenizer, model_config, model.pretrained_dir)
-    vision = is_vision_language(model_config)
-    images = ImageProcessing(load_image_processor(model.pretrained_dir)) if vision else None
-    placeholder = image_token(tokenizer, model_config, model.pretrained_dir) if vision else ""
-    encoder = ChatEncoder(tokenizer, data.chat_template, data.train_on_prompt, placeholder, model.pretrained_dir)
+    directory = read_model_directory(model.pretrained_dir, data.chat_template, data.train_on_prompt)
     plain = {"fmt": data.format, "columns": data.columns, "media_dir": data.media_dir}
     splits = []
     for index, entry in enumerate(data.sources):
@@ -154,7 +127,7 @@ def _read_sft_inputs(config: Any) -> tuple[Any, Any, Any, ChatEncoder, list[tupl
         splits.append(("data.train_path", read_sources(data.train_path, "data.train_path"), plain, 1.0))
     if data.eval_path:
         splits.append(("data.eval_path", read_sources(data.eval_path, "data.eval_path"), plain, 1.0))
-    return model_config, tokenizer, images, encoder, splits
+    return directory.config, directory.tokenizer, directory.images, directory.encoder, splits
 
 
 class SFTTrainer(BaseTrainer):
@@ -238,8 +211,8 @@ class SFTTrainer(BaseTrainer):
             varlen = takes_boundaries(self.config.model.attn_implementation)
             share = packing and self.config.data.shared_prefix and not varlen
             return collate(samples, multiple, self.pad_id, packing, share_prefixes=share)
-        image_token_id = self.model_config.image_token_id
-        return collate_qwen2_vl(samples, image_token_id, self.images.merge, self.pad_id, multiple, packing)
+        family, image_token_id = family_of(self.model_config), self.model_config.image_token_id
+        return family.collate(samples, image_token_id, self.images, self.pad_id, multiple, packing)
 
     @torch.no_grad()
     def extra_eval_metrics(self) -> dict[str, float]:

@@ -10,8 +10,10 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
+
+from veomni_lite.config import build_section
 
 NAME = "vLLM engine"
 
@@ -23,14 +25,14 @@ class EngineError(RuntimeError):
 
 @dataclass
 class VLLMSettings:
-    """The `rl.vllm` section (a mapping in the config; see `VLLMSettings.parse`). Exactly one of `url`, `urls` and
-    `launch` says which servers the rollouts go to."""
+    """The `rl.vllm` section (read by the config loader; checked by `VLLMSettings.parse`). Exactly one of `url`,
+    `urls` and `launch` says which servers the rollouts go to."""
 
     url: str = ""
     """A running server's base URL (e.g. http://10.0.0.5:8000), started by the user in dev mode."""
     urls: list[str] = field(default_factory=list)
     """Several running servers' base URLs; a rollout batch's samples are spread over them, every one synced."""
-    launch: int = 0
+    launch: bool | int = 0
     """Rank 0 starts this many servers itself, each on 127.0.0.1 and a port of its own (`true` = 1)."""
     api_key_env: str = ""
     """The name of an environment variable (read on rank 0) holding an API key sent with every request as
@@ -56,20 +58,15 @@ class VLLMSettings:
     """Requests (samples) in flight at once per server."""
 
     @classmethod
-    def parse(cls, section: Mapping[str, Any]) -> VLLMSettings:
-        """The settings of `rl.vllm`; ValueError naming an unknown key or a bad value."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(section) - known)
-        if unknown:
-            raise ValueError(f"rl.vllm: unknown key(s) {unknown}; known: {sorted(known)}")
-        settings = cls(**dict(section))
+    def parse(cls, section: VLLMSettings | Mapping[str, Any] | None) -> VLLMSettings:
+        """`rl.vllm` as the config loader read it (or a mapping, read here the same way: `build_section`), checked;
+        ValueError (a ConfigError where a key is unknown or of the wrong type) naming the key."""
+        settings = section if isinstance(section, cls) else build_section(cls, section, "rl.vllm")
         launch = settings.launch
         if isinstance(launch, bool):
             settings.launch = int(launch)
         elif not isinstance(launch, int) or launch < 0:
             raise ValueError(f"rl.vllm.launch: true or a count of servers to start (>= 1), got {launch!r}")
-        if not isinstance(settings.urls, list) or not all(isinstance(u, str) and u for u in settings.urls):
-            raise ValueError(f"rl.vllm.urls: must be a list of URLs, got {settings.urls!r}")
         if sum((bool(settings.url), bool(settings.urls), bool(settings.launch))) != 1:
             raise ValueError(
                 "rl.vllm: give exactly one of url (a running server), urls (several running servers) and launch "
