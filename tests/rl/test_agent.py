@@ -329,25 +329,52 @@ def test_the_demos_sft_transcripts_call_the_tool_in_tool_fraction_of_rows_and_an
     import json
     import random
 
-    from examples.agent_calc import call_text, sft_transcripts, write_demo
+    from examples.agent_calc import sft_transcripts, write_demo
+
+    schema = load_tools([f"{demo / 'calculator.py'}:calculate"])[0].schema
 
     def check(row: dict) -> bool:
-        """The row is well formed (its last turn the question's product); whether it calls the tool."""
+        """The row is a standard tool-calling row (its last turn the question's product); whether it calls the tool."""
         messages = row["messages"]
-        a, b = (int(x) for x in messages[1]["content"].removeprefix("What is ").removesuffix("?").split(" * "))
+        assert row["tools"] == [schema], "the schema rl.tools gives the template"
+        a, b = (int(x) for x in messages[0]["content"].removeprefix("What is ").removesuffix("?").split(" * "))
         assert messages[-1] == {"role": "assistant", "content": str(a * b)}
-        if len(messages) == 3:
+        if len(messages) == 2:
             return False
-        assert messages[2]["content"] == call_text(f"{a} * {b}")
-        assert messages[3]["content"] == f"<tool_response>\n{a * b}\n</tool_response>" and len(messages) == 5
+        call = {"type": "function", "function": {"name": "calculate", "arguments": {"expression": f"{a} * {b}"}}}
+        assert messages[1] == {"role": "assistant", "content": "", "tool_calls": [call]}
+        assert messages[2] == {"role": "tool", "name": "calculate", "content": str(a * b)} and len(messages) == 4
         return True
 
     rows = [json.loads(line) for line in (demo / "sft_train.jsonl").read_text().splitlines()]
     kinds = [check(row) for row in rows]
     assert len(rows) == 16 and 0 < sum(kinds) < 16  # both kinds at the default fraction (0.3)
-    drawn = [check(row) for row in sft_transcripts(random.Random(1), 2000, 0.3)]
+    drawn = [check(row) for row in sft_transcripts(random.Random(1), 2000, schema, 0.3)]
     assert 0.27 < sum(drawn) / len(drawn) < 0.33
-    assert all(check(row) for row in sft_transcripts(random.Random(1), 20, 1.0))
-    assert not any(check(row) for row in sft_transcripts(random.Random(1), 20, 0.0))
+    assert all(check(row) for row in sft_transcripts(random.Random(1), 20, schema, 1.0))
+    assert not any(check(row) for row in sft_transcripts(random.Random(1), 20, schema, 0.0))
     with pytest.raises(ValueError, match="tool_fraction must be in"):
         write_demo(demo / "unused", tool_fraction=1.5)
+
+
+def test_the_demos_tool_rows_train_the_call_and_the_answer_and_not_the_tools_result(demo: Path, tokenizer):
+    """The standard row renders as the template writes an episode (tools header, call, result as a user turn)."""
+    import json
+
+    from examples.agent_calc import call_text
+    from tests.data.test_sft import trained_runs
+    from veomni_lite.data.sft import ChatEncoder, to_conversation
+
+    rows = [json.loads(line) for line in (demo / "sft_train.jsonl").read_text().splitlines()]
+    row = next(row for row in rows if len(row["messages"]) == 4)
+    encoded = ChatEncoder(tokenizer).encode(to_conversation(row, "messages", {}, "demo"), [], "demo")
+    question, _, result, answer = (m["content"] for m in row["messages"])
+    rendered = tokenizer.decode(encoded.input_ids)
+    assert rendered == tokenizer.apply_chat_template(row["messages"], tools=row["tools"], tokenize=False)
+    assert rendered.startswith("<|im_start|>system\nYou can call tools.") and rendered.count("<tool_response>") == 1
+    expression = question.removeprefix("What is ").removesuffix("?")
+    assert trained_runs(tokenizer, encoded.input_ids, encoded.labels) == [
+        call_text(expression) + "<|im_end|>",
+        answer + "<|im_end|>",
+    ]
+    assert f"<|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>" in rendered
