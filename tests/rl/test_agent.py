@@ -117,17 +117,17 @@ def test_tools_run_and_every_failure_is_a_result_the_model_reads(files: Path):
     assert tools[0].schema["function"]["parameters"]["required"] == ["a", "b"]
     calls = [ToolCall("add", {"a": 2, "b": 3}), ToolCall("fail", {"x": "y"}), ToolCall("nope", {}),
              ToolCall("add", {"c": 1})]  # fmt: skip
-    results, errors = run_tool_calls(tools, calls, ["{bad"], timeout_s=20)
-    assert results[0] == ("add", "5")
-    assert results[1] == ("fail", "error: RuntimeError: broken tool")
-    assert results[2][1].startswith("error: no tool named 'nope'")
-    assert results[3][1].startswith("error: TypeError:")
-    assert results[4][0] == "error" and "is not JSON" in results[4][1]
-    assert errors == 4
+    results = run_tool_calls(tools, calls, ["{bad"], timeout_s=20)
+    assert results[0][:2] == ("add", "5")
+    assert results[1][:2] == ("fail", "error: RuntimeError: broken tool")
+    assert results[2].text.startswith("error: no tool named 'nope'")
+    assert results[3].text == "error: TypeError: add(): missing a required argument: 'a'"
+    assert results[4].name == "error" and "is not JSON" in results[4].text
+    assert [r.error for r in results] == [False, True, True, True, True]
     start = time.perf_counter()
-    results, errors = run_tool_calls(tools, [ToolCall("sleep", {"seconds": 60})], [], timeout_s=0.5)
+    (result,) = run_tool_calls(tools, [ToolCall("sleep", {"seconds": 60})], [], timeout_s=0.5)
     assert time.perf_counter() - start < 10, "a hung tool held the run"
-    assert errors == 1 and "ran over rl.tool_timeout_s = 0.5 s" in results[0][1]
+    assert result.error and "ran over rl.tool_timeout_s = 0.5 s" in result.text and result.failure.startswith("Timeout")
 
 
 def test_bad_tool_and_environment_entries_are_config_errors(files: Path):
