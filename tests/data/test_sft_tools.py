@@ -1,7 +1,8 @@
 """Tool-calling conversations in the standard messages shape (an assistant turn's `tool_calls`, `tool` turns, the
 row's `tools` schemas), rendered by the model's own chat template: the tokens are the template's whole rendering with
 `tools=`, exactly the assistant turns train (their tool calls included) and the tool results never do. Templates:
-Qwen2.5's and Qwen3's tool-calling parts, written after the ones they ship, on a small tokenizer written here."""
+Qwen2.5's and Qwen3's tool-calling parts, written after the ones they ship, and `data.chat_template: chatml`, on a
+small tokenizer written here."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 from examples.pydoc_text import train_bpe
 from tests.data.test_sft import TEXTS, trained_runs
 from veomni_lite.data.checks import DataError
-from veomni_lite.data.sft import ChatEncoder, to_conversation
+from veomni_lite.data.sft import CHATML, ChatEncoder, to_conversation
 from veomni_lite.loss_keys import IGNORE_INDEX
 from veomni_lite.models.pretrained import load_tokenizer
 
@@ -63,7 +64,7 @@ QWEN3 = (  # Qwen3 without its reasoning parts: no default system prompt, argume
     r"{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}"
     r"{%- endif %}{{- '}\n</tool_call>' }}{%- endfor %}{%- endif %}{{- '<|im_end|>\n' }}" + _TOOL_TURNS
 )
-TEMPLATES = {"qwen2.5": QWEN25, "qwen3": QWEN3}
+TEMPLATES = {"qwen2.5": QWEN25, "qwen3": QWEN3, "chatml": CHATML}  # chatml: the library's (data.chat_template)
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TOOLS = [
     {
@@ -183,3 +184,19 @@ def test_a_malformed_tool_calling_row_is_a_data_error_naming_the_row_and_message
     change(row)
     with pytest.raises(DataError, match="tools.jsonl, row 0 \\(0-based\\): .*" + re.escape(message)):
         to_conversation(row, "messages", {}, WHERE)
+
+
+def test_chatml_renders_tools_as_qwen25_does_and_a_conversation_without_them_as_plain_chatml():
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    def render(template: str, messages: list[dict], tools: list[dict] | None = None) -> str:
+        return render_jinja_template([messages], tools=tools, chat_template=template)[0][0]
+
+    messages = tool_row(arguments_as_text=False)["messages"]
+    messages[2]["content"] = ""
+    assert render(CHATML, messages, TOOLS) == render(QWEN25, messages, TOOLS)  # with a system message: no default
+    plain = [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "General Kenobi"}]
+    assert (
+        render(CHATML, plain)
+        == "<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\nGeneral Kenobi<|im_end|>\n"
+    )

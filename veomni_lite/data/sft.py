@@ -76,12 +76,28 @@ ROLES = ("system", "user", "assistant", "tool")
 TOOL_KEYS = ("tool_calls", "name", "tool_call_id")  # a message's keys handed to the template beside role and content
 
 # ChatML, for a tokenizer without a template of its own (`data.chat_template: chatml`). Image parts render as the
-# model's image placeholder (`image_token`, passed by the encoder).
+# model's image placeholder (`image_token`, passed by the encoder). Tools as Qwen2.5 writes them (what
+# `veomni_lite.rl.tools.parse_tool_calls` reads): `tools=` in the system turn (after the system message, if any), an
+# assistant's `tool_calls` as `<tool_call>` blocks after its content, consecutive `tool` turns as one user turn of
+# `<tool_response>` blocks; a conversation without them renders as plain ChatML.
 CHATML = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n"
+    "{% endif %}# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided "
+    "with function signatures within <tools></tools> XML tags:\n<tools>{% for tool in tools %}{{ '\\n' }}"
+    "{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\nFor each function call, return a json object with function "
+    'name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, '
+    '"arguments": <args-json-object>}\n</tool_call><|im_end|>\n{% endif %}'
+    "{% for message in messages %}{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'tool' %}{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "<|im_start|>user{% endif %}{{ '\\n' }}<tool_response>\n{{ message['content'] }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
     "{% if part['type'] == 'image' %}{{ image_token }}{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
-    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% for call in message['tool_calls'] or [] %}{% if message['content'] or not loop.first %}{{ '\\n' }}{% endif %}"
+    "{% set call = call['function'] if call['function'] is defined else call %}"
+    '<tool_call>\n{"name": "{{ call[\'name\'] }}", "arguments": {{ call[\'arguments\'] | tojson }}}\n</tool_call>'
+    "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 
