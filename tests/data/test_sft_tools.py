@@ -102,17 +102,20 @@ def tool_row(arguments_as_text: bool = True) -> dict:
     }
 
 
-@pytest.fixture(scope="module", params=sorted(TEMPLATES))
-def family(request, tmp_path_factory) -> tuple[str, object]:
+def tool_tokenizer(directory: Path, template: str):
+    """A small byte-level BPE tokenizer with ChatML's special tokens and `template`, saved and loaded as a model's."""
     from transformers import PreTrainedTokenizerFast
 
-    directory: Path = tmp_path_factory.mktemp(request.param.replace(".", "_"))
     core = train_bpe(TEXTS * 20 + [QWEN25, json.dumps(TOOLS)], 300, SPECIALS)
     settings = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
-    PreTrainedTokenizerFast(tokenizer_object=core, chat_template=TEMPLATES[request.param], **settings).save_pretrained(
-        str(directory)
-    )
-    return request.param, load_tokenizer(directory)
+    PreTrainedTokenizerFast(tokenizer_object=core, chat_template=template, **settings).save_pretrained(str(directory))
+    return load_tokenizer(directory)
+
+
+@pytest.fixture(scope="module", params=sorted(TEMPLATES))
+def family(request, tmp_path_factory) -> tuple[str, object]:
+    directory: Path = tmp_path_factory.mktemp(request.param.replace(".", "_"))
+    return request.param, tool_tokenizer(directory, TEMPLATES[request.param])
 
 
 def encode(tokenizer, row: dict, **options):

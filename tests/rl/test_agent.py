@@ -236,6 +236,40 @@ def test_an_episode_is_the_sampled_ids_plus_the_templates_environment_turns(demo
     assert [int(x != -100) for x in labels] == samples[0].response_mask and 0 in samples[0].response_mask
 
 
+def test_an_episode_under_qwen25s_tool_template_from_a_standard_tool_calling_row(files: Path, tmp_path: Path):
+    """A prompt row with a tool-calling history (assistant `tool_calls`, a `tool` turn), as the SFT data path hands
+    it to the agent; the model calls two tools at once: the results are the template's one user turn of two
+    `<tool_response>` blocks, and the episode's ids are still the whole rendering's tokens."""
+    from tests.data.test_sft_tools import QWEN25, tool_tokenizer
+    from veomni_lite.data.sft import ChatEncoder, to_conversation
+
+    tokenizer = tool_tokenizer(tmp_path, QWEN25)
+    call = {"type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    row = {"messages": [
+        {"role": "system", "content": "You add."}, {"role": "user", "content": "1 + 2?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "content": "3"},
+        {"role": "assistant", "content": "3"}, {"role": "user", "content": "30 + 4 and 5 + 6?"},
+    ]}  # fmt: skip
+    messages = ChatEncoder.prompt_messages(to_conversation(row, "messages", {}, "row 0"))
+    block = '<tool_call>\n{{"name": "add", "arguments": {{"a": {}, "b": {}}}}}\n</tool_call>'
+    scripts = {0: [block.format(30, 4) + "\n" + block.format(5, 6), "34 and 11"]}
+    tools = load_tools([f"{files}/tools.py:add"])
+    agent = Agent(tokenizer, tools, max_turns=3, max_episode_tokens=1000, tool_timeout_s=20)
+    start = EpisodeStart(messages, {"answer": "x"}, "row 0", 0)
+    settings = _settings(tokenizer, max_new_tokens=300)
+    (episode,), problem = run_episodes(ScriptedEngine(tokenizer, scripts), [start], settings, agent)
+    assert problem is None and episode.tool_calls == {"add": 2} and episode.tool_runs == [("add", "")] * 2
+    assert block.format(1, 2) in episode.prompt_text and "# Tools" in episode.prompt_text  # the history, the schemas
+    full = tokenizer.apply_chat_template(episode.messages, tools=[t.schema for t in tools], tokenize=False)
+    full = full[: full.rindex("<|im_end|>") + len("<|im_end|>")]
+    assert episode.prompt_ids + episode.response_ids == tokenizer(full, add_special_tokens=False)["input_ids"]
+    assert [t["role"] for t in episode.turns] == ["assistant", "tool", "assistant"]
+    assert episode.turns[1]["text"] == (
+        "\n<|im_start|>user\n<tool_response>\n34\n</tool_response>\n<tool_response>\n11\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
 def test_max_episode_tokens_ends_an_episode_truncated(demo: Path, tokenizer):
     tools = load_tools([f"{demo}/calculator.py:calculate"])
     call = '<tool_call>{"name": "calculate", "arguments": {"expression": "3 * 4"}}</tool_call>'
