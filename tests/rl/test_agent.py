@@ -117,17 +117,17 @@ def test_tools_run_and_every_failure_is_a_result_the_model_reads(files: Path):
     assert tools[0].schema["function"]["parameters"]["required"] == ["a", "b"]
     calls = [ToolCall("add", {"a": 2, "b": 3}), ToolCall("fail", {"x": "y"}), ToolCall("nope", {}),
              ToolCall("add", {"c": 1})]  # fmt: skip
-    results, errors = run_tool_calls(tools, calls, ["{bad"], timeout_s=20)
-    assert results[0] == ("add", "5")
-    assert results[1] == ("fail", "error: RuntimeError: broken tool")
-    assert results[2][1].startswith("error: no tool named 'nope'")
-    assert results[3][1].startswith("error: TypeError:")
-    assert results[4][0] == "error" and "is not JSON" in results[4][1]
-    assert errors == 4
+    results = run_tool_calls(tools, calls, ["{bad"], timeout_s=20)
+    assert results[0][:2] == ("add", "5")
+    assert results[1][:2] == ("fail", "error: RuntimeError: broken tool")
+    assert results[2].text.startswith("error: no tool named 'nope'")
+    assert results[3].text == "error: TypeError: add(): missing a required argument: 'a'"
+    assert results[4].name == "error" and "is not JSON" in results[4].text
+    assert [r.error for r in results] == [False, True, True, True, True]
     start = time.perf_counter()
-    results, errors = run_tool_calls(tools, [ToolCall("sleep", {"seconds": 60})], [], timeout_s=0.5)
+    (result,) = run_tool_calls(tools, [ToolCall("sleep", {"seconds": 60})], [], timeout_s=0.5)
     assert time.perf_counter() - start < 10, "a hung tool held the run"
-    assert errors == 1 and "ran over rl.tool_timeout_s = 0.5 s" in results[0][1]
+    assert result.error and "ran over rl.tool_timeout_s = 0.5 s" in result.text and result.failure.startswith("Timeout")
 
 
 def test_bad_tool_and_environment_entries_are_config_errors(files: Path):
@@ -236,6 +236,40 @@ def test_an_episode_is_the_sampled_ids_plus_the_templates_environment_turns(demo
     assert [int(x != -100) for x in labels] == samples[0].response_mask and 0 in samples[0].response_mask
 
 
+def test_an_episode_under_qwen25s_tool_template_from_a_standard_tool_calling_row(files: Path, tmp_path: Path):
+    """A prompt row with a tool-calling history (assistant `tool_calls`, a `tool` turn), as the SFT data path hands
+    it to the agent; the model calls two tools at once: the results are the template's one user turn of two
+    `<tool_response>` blocks, and the episode's ids are still the whole rendering's tokens."""
+    from tests.data.test_sft_tools import QWEN25, tool_tokenizer
+    from veomni_lite.data.sft import ChatEncoder, to_conversation
+
+    tokenizer = tool_tokenizer(tmp_path, QWEN25)
+    call = {"type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    row = {"messages": [
+        {"role": "system", "content": "You add."}, {"role": "user", "content": "1 + 2?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "content": "3"},
+        {"role": "assistant", "content": "3"}, {"role": "user", "content": "30 + 4 and 5 + 6?"},
+    ]}  # fmt: skip
+    messages = ChatEncoder.prompt_messages(to_conversation(row, "messages", {}, "row 0"))
+    block = '<tool_call>\n{{"name": "add", "arguments": {{"a": {}, "b": {}}}}}\n</tool_call>'
+    scripts = {0: [block.format(30, 4) + "\n" + block.format(5, 6), "34 and 11"]}
+    tools = load_tools([f"{files}/tools.py:add"])
+    agent = Agent(tokenizer, tools, max_turns=3, max_episode_tokens=1000, tool_timeout_s=20)
+    start = EpisodeStart(messages, {"answer": "x"}, "row 0", 0)
+    settings = _settings(tokenizer, max_new_tokens=300)
+    (episode,), problem = run_episodes(ScriptedEngine(tokenizer, scripts), [start], settings, agent)
+    assert problem is None and episode.tool_calls == {"add": 2} and episode.tool_runs == [("add", "")] * 2
+    assert block.format(1, 2) in episode.prompt_text and "# Tools" in episode.prompt_text  # the history, the schemas
+    full = tokenizer.apply_chat_template(episode.messages, tools=[t.schema for t in tools], tokenize=False)
+    full = full[: full.rindex("<|im_end|>") + len("<|im_end|>")]
+    assert episode.prompt_ids + episode.response_ids == tokenizer(full, add_special_tokens=False)["input_ids"]
+    assert [t["role"] for t in episode.turns] == ["assistant", "tool", "assistant"]
+    assert episode.turns[1]["text"] == (
+        "\n<|im_start|>user\n<tool_response>\n34\n</tool_response>\n<tool_response>\n11\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
 def test_max_episode_tokens_ends_an_episode_truncated(demo: Path, tokenizer):
     tools = load_tools([f"{demo}/calculator.py:calculate"])
     call = '<tool_call>{"name": "calculate", "arguments": {"expression": "3 * 4"}}</tool_call>'
@@ -329,25 +363,52 @@ def test_the_demos_sft_transcripts_call_the_tool_in_tool_fraction_of_rows_and_an
     import json
     import random
 
-    from examples.agent_calc import call_text, sft_transcripts, write_demo
+    from examples.agent_calc import sft_transcripts, write_demo
+
+    schema = load_tools([f"{demo / 'calculator.py'}:calculate"])[0].schema
 
     def check(row: dict) -> bool:
-        """The row is well formed (its last turn the question's product); whether it calls the tool."""
+        """The row is a standard tool-calling row (its last turn the question's product); whether it calls the tool."""
         messages = row["messages"]
-        a, b = (int(x) for x in messages[1]["content"].removeprefix("What is ").removesuffix("?").split(" * "))
+        assert row["tools"] == [schema], "the schema rl.tools gives the template"
+        a, b = (int(x) for x in messages[0]["content"].removeprefix("What is ").removesuffix("?").split(" * "))
         assert messages[-1] == {"role": "assistant", "content": str(a * b)}
-        if len(messages) == 3:
+        if len(messages) == 2:
             return False
-        assert messages[2]["content"] == call_text(f"{a} * {b}")
-        assert messages[3]["content"] == f"<tool_response>\n{a * b}\n</tool_response>" and len(messages) == 5
+        call = {"type": "function", "function": {"name": "calculate", "arguments": {"expression": f"{a} * {b}"}}}
+        assert messages[1] == {"role": "assistant", "content": "", "tool_calls": [call]}
+        assert messages[2] == {"role": "tool", "name": "calculate", "content": str(a * b)} and len(messages) == 4
         return True
 
     rows = [json.loads(line) for line in (demo / "sft_train.jsonl").read_text().splitlines()]
     kinds = [check(row) for row in rows]
     assert len(rows) == 16 and 0 < sum(kinds) < 16  # both kinds at the default fraction (0.3)
-    drawn = [check(row) for row in sft_transcripts(random.Random(1), 2000, 0.3)]
+    drawn = [check(row) for row in sft_transcripts(random.Random(1), 2000, schema, 0.3)]
     assert 0.27 < sum(drawn) / len(drawn) < 0.33
-    assert all(check(row) for row in sft_transcripts(random.Random(1), 20, 1.0))
-    assert not any(check(row) for row in sft_transcripts(random.Random(1), 20, 0.0))
+    assert all(check(row) for row in sft_transcripts(random.Random(1), 20, schema, 1.0))
+    assert not any(check(row) for row in sft_transcripts(random.Random(1), 20, schema, 0.0))
     with pytest.raises(ValueError, match="tool_fraction must be in"):
         write_demo(demo / "unused", tool_fraction=1.5)
+
+
+def test_the_demos_tool_rows_train_the_call_and_the_answer_and_not_the_tools_result(demo: Path, tokenizer):
+    """The standard row renders as the template writes an episode (tools header, call, result as a user turn)."""
+    import json
+
+    from examples.agent_calc import call_text
+    from tests.data.test_sft import trained_runs
+    from veomni_lite.data.sft import ChatEncoder, to_conversation
+
+    rows = [json.loads(line) for line in (demo / "sft_train.jsonl").read_text().splitlines()]
+    row = next(row for row in rows if len(row["messages"]) == 4)
+    encoded = ChatEncoder(tokenizer).encode(to_conversation(row, "messages", {}, "demo"), [], "demo")
+    question, _, result, answer = (m["content"] for m in row["messages"])
+    rendered = tokenizer.decode(encoded.input_ids)
+    assert rendered == tokenizer.apply_chat_template(row["messages"], tools=row["tools"], tokenize=False)
+    assert rendered.startswith("<|im_start|>system\nYou can call tools.") and rendered.count("<tool_response>") == 1
+    expression = question.removeprefix("What is ").removesuffix("?")
+    assert trained_runs(tokenizer, encoded.input_ids, encoded.labels) == [
+        call_text(expression) + "<|im_end|>",
+        answer + "<|im_end|>",
+    ]
+    assert f"<|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>" in rendered

@@ -4,21 +4,29 @@
   `.parquet` (pyarrow, by row group), `.arrow` files and `save_to_disk` directories (`datasets`, memory-mapped),
   from local disk only, lazily: each rank reads its share of the rows (`Source.read`).
 - Formats (`to_conversation`): `messages` (OpenAI `role`/`content`; content a string or typed parts, `{"type":
-  "image"}` among them), `sharegpt` (`conversations` of `from`/`value`), `alpaca` (`instruction`, `input`, `output`,
-  optional `system` and `history`), `prompt_completion` (strings or message lists), `text` (plain language modelling).
+  "image"}` among them; tool calling as transformers takes it: an assistant message's `tool_calls` (`[{"type":
+  "function", "function": {"name", "arguments"}}]`, arguments a dict or OpenAI's JSON string), `tool` messages (with
+  `name` / `tool_call_id` where the data has them) and the row's `tools` column (JSON schemas, or their JSON text),
+  all handed to the chat template as they are: `apply_chat_template(messages, tools=...)`), `sharegpt`
+  (`conversations` of `from`/`value`), `alpaca` (`instruction`, `input`, `output`, optional `system` and `history`),
+  `prompt_completion` (strings or message lists), `text` (plain language modelling).
   Column and role names come from `data.columns`. Images: an `images` column of paths (relative to `data.media_dir`,
   default the data file's directory), bytes, or `{"bytes", "path"}` dicts, placed by `<image>` in the text or by
   typed parts, in order.
 - Labels (`ChatEncoder`): the conversation is rendered with the tokenizer's chat template prefix by prefix; of the
   text an assistant turn adds after the generation prompt, exactly its content and the end-of-turn token(s) after it
   train (from the token holding the content's first character through the end-of-turn run; markup before the
-  content and whatever follows the end-of-turn, such as Gemma's newline, do not), unless the message says `train:
-  false` or `loss_weight: 0`; everything else, and every image placeholder token, is IGNORE_INDEX. The end-of-turn
+  content and whatever follows the end-of-turn, such as Gemma's newline, do not; an assistant turn's tool calls,
+  written by the template after its content, train with it, and a turn of tool calls alone trains from the start of
+  its text after the generation prompt), unless the message says `train: false` or `loss_weight: 0`; everything
+  else, and every image placeholder token, is IGNORE_INDEX. The end-of-turn
   ids come from the model directory, never a list of known names: the tokenizer's eos, `generation_config.json`'s
   `eos_token_id` (an int or a list), and the special token(s) the template writes right after an assistant's content
   (found by rendering a probe conversation). `train_on_prompt` trains every token but image placeholders. A template
   that raises (`raise_exception`, e.g. "roles must alternate", or any error inside it) or whose rendering of a prefix
-  is not a prefix of the next rendering is an error naming the row.
+  is not a prefix of the next rendering is an error naming the row. Prefixes are cut only around assistant turns:
+  the turns between two of them (a tool result, say, which Qwen2.5 merges with the next tool result into one user
+  turn) render as one piece, so `tool` turns never train (but under `train_on_prompt`).
 Every problem is a `DataError` naming the file and the row, `row N (0-based)`: the row's index within its file as
 read; in a JSON Lines file, row N is line N + 1 (a blank line holds no sample but is counted). A JSON parse error adds
 the 1-based column where the line's text breaks.
@@ -62,16 +70,34 @@ DEFAULT_COLUMNS = {
     "completion": "completion",
     "text": "text",
     "images": "images",
+    "tools": "tools",
 }
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
+TOOL_KEYS = ("tool_calls", "name", "tool_call_id")  # a message's keys handed to the template beside role and content
 
 # ChatML, for a tokenizer without a template of its own (`data.chat_template: chatml`). Image parts render as the
-# model's image placeholder (`image_token`, passed by the encoder).
+# model's image placeholder (`image_token`, passed by the encoder). Tools as Qwen2.5 writes them (what
+# `veomni_lite.rl.tools.parse_tool_calls` reads): `tools=` in the system turn (after the system message, if any), an
+# assistant's `tool_calls` as `<tool_call>` blocks after its content, consecutive `tool` turns as one user turn of
+# `<tool_response>` blocks; a conversation without them renders as plain ChatML.
 CHATML = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n"
+    "{% endif %}# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided "
+    "with function signatures within <tools></tools> XML tags:\n<tools>{% for tool in tools %}{{ '\\n' }}"
+    "{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\nFor each function call, return a json object with function "
+    'name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, '
+    '"arguments": <args-json-object>}\n</tool_call><|im_end|>\n{% endif %}'
+    "{% for message in messages %}{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'tool' %}{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "<|im_start|>user{% endif %}{{ '\\n' }}<tool_response>\n{{ message['content'] }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
     "{% if part['type'] == 'image' %}{{ image_token }}{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
-    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% for call in message['tool_calls'] or [] %}{% if message['content'] or not loop.first %}{{ '\\n' }}{% endif %}"
+    "{% set call = call['function'] if call['function'] is defined else call %}"
+    '<tool_call>\n{"name": "{{ call[\'name\'] }}", "arguments": {{ call[\'arguments\'] | tojson }}}\n</tool_call>'
+    "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 
@@ -80,6 +106,7 @@ class Turn:
     role: str
     parts: list[str | None]  # text, or None for an image
     train: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)  # the message's TOOL_KEYS, for the template
 
 
 @dataclass
@@ -87,6 +114,7 @@ class Conversation:
     turns: list[Turn]
     images: list[Any] = field(default_factory=list)
     plain_text: bool = False  # the `text` format: no template, every token trains
+    tools: list[dict[str, Any]] | None = None  # the row's tool schemas (`tools=` of the chat template)
 
 
 def expand_paths(spec: str | Sequence[str], key: str) -> list[Path]:
@@ -337,7 +365,9 @@ def to_conversation(row: Mapping[str, Any], fmt: str, columns: Mapping[str, str]
             role = message[c["role"]]
             weight = message.get("loss_weight")
             train = message.get("train") is not False and (weight is None or weight != 0)
-            turns.append(Turn(role, _text_parts(message.get(c["content"], ""), where, f"message {index}"), train))
+            content = message.get(c["content"]) or ""  # OpenAI writes a tool-calling turn's content as null
+            extra = _tool_keys(message, where, f"message {index}")
+            turns.append(Turn(role, _text_parts(content, where, f"message {index}"), train, extra))
     elif fmt == "sharegpt":
         conversations = _column(row, c["conversations"], where)
         if not isinstance(conversations, list):
@@ -385,7 +415,53 @@ def to_conversation(row: Mapping[str, Any], fmt: str, columns: Mapping[str, str]
             raise DataError(
                 f"{where}: message {index} has the unknown role {turn.role!r}; expected one of {list(ROLES)}"
             )
-    return Conversation(turns, images)
+    return Conversation(turns, images, tools=_tools(_column(row, c["tools"], where, required=False), where, c))
+
+
+def _json_value(value: Any, where: str, what: str) -> Any:
+    """`value`, or the JSON its text holds (OpenAI's arguments, a `tools` column stored as text)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{where}: {what} is text but not JSON ({exc.msg} at character {exc.pos})") from None
+
+
+def _tool_keys(message: Mapping[str, Any], where: str, what: str) -> dict[str, Any]:
+    """The message's TOOL_KEYS that are set, `tool_calls` checked: a list of `{"function": {"name", "arguments"}}`
+    (or `{"name", "arguments"}`), arguments a dict or its JSON text (made a dict, as templates expect)."""
+    extra = {key: message[key] for key in TOOL_KEYS if message.get(key) is not None}
+    calls = extra.get("tool_calls")
+    if calls is None:
+        return extra
+    if not isinstance(calls, list):
+        raise DataError(f"{where}: {what}'s tool_calls is a {type(calls).__name__}; expected a list of calls")
+    checked = []
+    for index, call in enumerate(calls):
+        at = f"{what}'s tool_calls[{index}]"
+        inner = call.get("function", call) if isinstance(call, Mapping) else None
+        if not isinstance(inner, Mapping) or not isinstance(inner.get("name"), str):
+            raise DataError(f'{where}: {at} is {call!r}; expected {{"function": {{"name", "arguments"}}}}')
+        arguments = _json_value(inner.get("arguments", {}), where, f"{at}.arguments")
+        if not isinstance(arguments, Mapping):
+            raise DataError(f"{where}: {at}.arguments is {arguments!r}; expected an object of arguments")
+        function = {**inner, "arguments": dict(arguments)}
+        checked.append(
+            {**call, "function": function} if "function" in call else {"type": "function", "function": function}
+        )
+    extra["tool_calls"] = checked
+    return extra
+
+
+def _tools(value: Any, where: str, columns: Mapping[str, str]) -> list[dict[str, Any]] | None:
+    """The row's tool schemas (a list of JSON schemas, or its JSON text); None without any."""
+    value = _json_value(value, where, f"column {columns['tools']!r}")
+    if not value:
+        return None
+    if not isinstance(value, list) or not all(isinstance(tool, Mapping) for tool in value):
+        raise DataError(f"{where}: column {columns['tools']!r} is {value!r}; expected a list of JSON schemas")
+    return [dict(tool) for tool in value]
 
 
 # ---------------------------------------------------------------- images
@@ -446,7 +522,7 @@ def _content(parts: list[str | None]) -> str | list[dict[str, str]]:
 
 
 def _messages(turns: list[Turn]) -> list[dict[str, Any]]:
-    return [{"role": t.role, "content": _content(t.parts)} for t in turns]
+    return [{"role": t.role, "content": _content(t.parts), **t.extra} for t in turns]
 
 
 def _prompt_turns(conversation: Conversation) -> list[Turn]:
@@ -570,10 +646,13 @@ class ChatEncoder:
         """The messages `encode_prompt` renders, as the chat template gets them ([] for the `text` format)."""
         return [] if conversation.plain_text else _messages(_prompt_turns(conversation))
 
-    def _render(self, turns: list[Turn], generation_prompt: bool, where: str) -> str:
+    def _render(
+        self, turns: list[Turn], generation_prompt: bool, where: str, tools: list[dict[str, Any]] | None = None
+    ) -> str:
         try:
             return self.tokenizer.apply_chat_template(
                 _messages(turns),
+                tools=tools,
                 chat_template=self.template,
                 tokenize=False,
                 add_generation_prompt=generation_prompt,
@@ -633,7 +712,7 @@ class ChatEncoder:
                 raise DataError(
                     f"{where}: no assistant turn to train on (assistant-only labels; or data.train_on_prompt)"
                 )
-            pieces = self._pieces(conversation.turns, where)
+            pieces = self._pieces(conversation.turns, where, conversation.tools)
         ids: list[int] = []
         labels: list[int] = []
         images = iter(image_lengths)
@@ -668,7 +747,7 @@ class ChatEncoder:
             turns = _prompt_turns(conversation)
             if not turns:
                 raise DataError(f"{where}: no prompt: the row has no message before its last assistant turn")
-            text = self._render(turns, True, where)
+            text = self._render(turns, True, where, conversation.tools)
         placeholders = sum(part is None for turn in turns for part in turn.parts)
         if placeholders != len(image_lengths):
             raise DataError(
@@ -682,18 +761,23 @@ class ChatEncoder:
             ids += [token] * (next(images) if token == self.image_token_id else 1)
         return ids, text
 
-    def _pieces(self, turns: list[Turn], where: str) -> list[tuple[str, bool, str | None]]:
-        """The rendered text cut at turn boundaries: (text, trains, the assistant's content or None) per piece."""
+    def _pieces(
+        self, turns: list[Turn], where: str, tools: list[dict[str, Any]] | None = None
+    ) -> list[tuple[str, bool, str | None]]:
+        """The rendered text cut before and after each assistant turn (and at the end): (text, trains, the
+        assistant's content or None) per piece."""
         pieces: list[tuple[str, bool, str | None]] = []
         done = ""
         for index, turn in enumerate(turns):
             if turn.role == "assistant":
-                prompt = self._render(turns[:index], True, where) if index else ""
+                prompt = self._render(turns[:index], True, where, tools) if index else ""
                 if not prompt.startswith(done):
                     raise self._unstable(where, index)
                 pieces.append((prompt[len(done) :], False, None))
                 done = prompt
-            full = self._render(turns[: index + 1], False, where)
+            elif index + 1 < len(turns) and turns[index + 1].role != "assistant":
+                continue  # no cut between two non-assistant turns (see the module docstring)
+            full = self._render(turns[: index + 1], False, where, tools)
             if not full.startswith(done):
                 raise self._unstable(where, index)
             answer = turn.role == "assistant" and turn.train

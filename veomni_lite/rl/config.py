@@ -116,6 +116,10 @@ class RLConfig:
     """Longest episode, prompt included (0: data.max_seq_len); reaching it ends the episode, truncated."""
     tool_timeout_s: float = 10.0
     """Per tool call: a call running longer is stopped and its result is an error the model reads."""
+    max_tool_error_rate: float = 0.5
+    """A tool failing on its own (raising, timing out) in more than this fraction of its calls of a rollout batch (all
+    ranks; once it ran `veomni_lite.rl.tools.MIN_TOOL_CALLS` = 16 times there) fails the run, naming the tool and its
+    first error; in [0, 1], 1: never. The model's malformed calls do not count."""
     async_steps: int = 0
     """Rollout batches generated ahead of training: 0 synchronous; 1 (vLLM engine) batch k+1 is generated while batch
     k trains, by the weights before batch k (one rollout batch stale, logged as `rl/staleness` in optimizer steps), with

@@ -21,6 +21,10 @@ embedded engine batches them; vLLM takes token ids in and gives them out), so an
 nothing. Turn t of the episode seeded s is sampled with `turn_seed(s, t)`. `more(active)` (the trainer: a MAX over the
 ranks) lets every rank call the engine the same number of times, as a collective engine needs.
 
+Tools failing: the tools' own failures (a raise, a timeout; not the model's malformed calls) are named on the console
+and, above `rl.max_tool_error_rate` of a tool's calls in a rollout batch, fail the run on every rank
+(`veomni_lite.rl.tools.ToolErrors`; `generate_episodes` sums the counts over the ranks, one all-reduce).
+
 Training: the sample's response is every token after the prompt, `response_mask` 1 at the model's tokens and 0 at the
 environment's, which are in the sequence (attended to) but out of every loss (their labels IGNORE_INDEX); the reward
 functions score the last model turn's text; the environment's rewards (summed) add to the reward as
@@ -40,7 +44,7 @@ from veomni_lite.data.checks import DataError
 from veomni_lite.engines.base import RolloutEngine, RolloutRequest, SamplingSettings
 from veomni_lite.rl.environments import EnvironmentSpec, EpisodeError
 from veomni_lite.rl.rollouts import RolloutSample
-from veomni_lite.rl.tools import Tool, parse_tool_calls, run_tool_calls
+from veomni_lite.rl.tools import Tool, ToolErrors, parse_tool_calls, run_tool_calls
 
 __all__ = ["Agent", "Episode", "EpisodeStart", "TemplateError", "run_episodes", "turn_seed"]
 
@@ -80,6 +84,7 @@ class Episode:
     turns: list[dict[str, Any]] = field(default_factory=list)
     tool_calls: dict[str, int] = field(default_factory=dict)
     tool_errors: int = 0
+    tool_runs: list[tuple[str, str]] = field(default_factory=list)  # (tool, its failure or "") per call that ran
     env_reward: float = 0.0
     done: bool = False
     truncated: bool = False
@@ -106,7 +111,8 @@ class Episode:
         model = sum(self.response_mask)
         stats = {
             "turns": self.turns, "tool_calls": self.tool_calls, "tool_errors": self.tool_errors,
-            "model_tokens": model, "env_tokens": len(self.response_ids) - model, "env_reward": self.env_reward,
+            "tool_runs": self.tool_runs, "model_tokens": model, "env_tokens": len(self.response_ids) - model,
+            "env_reward": self.env_reward,
         }  # fmt: skip
         return RolloutSample(
             group=self.start.group, prompt_ids=list(self.prompt_ids), response_ids=list(self.response_ids),
@@ -118,7 +124,7 @@ class Episode:
 
 class Agent:
     """How episodes run: the tokenizer and chat template (None: the tokenizer's), the tools, the environment, the
-    limits (`rl.max_turns`, `rl.max_episode_tokens`, `rl.tool_timeout_s`)."""
+    limits (`rl.max_turns`, `rl.max_episode_tokens`, `rl.tool_timeout_s`, `rl.max_tool_error_rate`)."""
 
     def __init__(
         self,
@@ -129,6 +135,7 @@ class Agent:
         max_episode_tokens: int = 1024,
         tool_timeout_s: float = 10.0,
         chat_template: str | None = None,
+        max_tool_error_rate: float = 0.5,
     ) -> None:
         self.tokenizer = tokenizer
         self.tools = list(tools)
@@ -138,6 +145,7 @@ class Agent:
         self.tool_timeout_s = tool_timeout_s
         self.chat_template = chat_template
         self.schemas = [tool.schema for tool in self.tools] or None
+        self.tool_failures = ToolErrors(self.tools, max_tool_error_rate)
 
     def render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -189,13 +197,14 @@ class Agent:
         calls, problems = parse_tool_calls(text) if self.tools else ([], [])
         turn = episode.model_turns
         if calls or problems:
-            results, errors = run_tool_calls(self.tools, calls, problems, self.tool_timeout_s)
+            results = run_tool_calls(self.tools, calls, problems, self.tool_timeout_s)
             for call in calls:
                 episode.tool_calls[call.name] = episode.tool_calls.get(call.name, 0) + 1
             if problems:  # calls that did not parse (counted apart from the tools' own)
                 episode.tool_calls["error"] = episode.tool_calls.get("error", 0) + len(problems)
-            episode.tool_errors += errors
-            new = [{"role": "tool", "name": name, "content": result} for name, result in results]
+            episode.tool_errors += sum(r.error for r in results)
+            episode.tool_runs += [(r.name, r.failure) for r in results if r.ran]
+            new = [{"role": "tool", "name": r.name, "content": r.text} for r in results]
         elif episode.env is not None:
             assert self.environment is not None
             observation, reward, done = self.environment.step(episode.env, text, episode.start.where, turn)
@@ -294,6 +303,10 @@ def episode_metrics(samples: Sequence[RolloutSample]) -> dict[str, Any]:
     names = sorted({k for e in episodes for k in e["tool_calls"] if k != "error"})
     for name in names:
         out[f"rl/tool_calls/{name}"] = (tensor([e["tool_calls"].get(name, 0) for e in episodes]).sum(), n)
+    runs = [run for e in episodes for run in e.get("tool_runs", [])]
+    for name in sorted({name for name, _ in runs}):  # the tool's own failures per call that ran
+        failures = tensor([float(bool(f)) for t, f in runs if t == name])
+        out[f"rl/tool_error_rate/{name}"] = (failures.sum(), float(failures.numel()))
     return out
 
 
@@ -317,7 +330,7 @@ def make_agent(trainer: Any) -> Agent:
     environment = load_environment({"class": rl.environment, "kwargs": rl.environment_kwargs} if rl.environment else "")
     return Agent(
         trainer.tokenizer, load_tools(rl.tools), environment, rl.max_turns, rl.max_episode_tokens or data.max_seq_len,
-        rl.tool_timeout_s, trainer.encoder.template if data.chat_template else None,
+        rl.tool_timeout_s, trainer.encoder.template if data.chat_template else None, rl.max_tool_error_rate,
     )  # fmt: skip
 
 
@@ -331,8 +344,8 @@ def generate_episodes(
     sample_seed: Callable[[int, int, int, int], int],
 ) -> list[RolloutSample]:
     """`RolloutBatches.generate` for episodes: this rank's prompts' episodes as scored samples. The turns are agreed
-    over the ranks (the engine may be collective); an environment or template failure on any rank, and a reward
-    failure, are the same named error on every rank."""
+    over the ranks (the engine may be collective); an environment or template failure on any rank, a tool failing
+    above `rl.max_tool_error_rate`, and a reward failure, are the same named error on every rank."""
     from veomni_lite.distributed.collectives import agree, agreed_count
     from veomni_lite.rl.rewards import RewardError
 
@@ -343,6 +356,9 @@ def generate_episodes(
         t.engine, starts, settings, t.agent, lambda active: agreed_count(int(active), t.control_group) > 0
     )
     agree(problem, EpisodeError, t.control_group, where=f"{batches.name(k)}: ")
+    if t.agent.tools:  # every rank alike (rl.tools)
+        runs = [run for episode in episodes for run in episode.tool_runs]
+        t.agent.tool_failures.check(runs, t.control_group, t.rank == 0, where=f"{batches.name(k)}: ")
     samples = [episode.sample(t.step) for episode in episodes]  # prompt_text: as rendered with the tools
     scored: RewardError | None = None
     try:

@@ -104,7 +104,11 @@ class RolloutRecords:
             means = ("tool_calls/mean", "tool_errors", "episode_truncated")
             specs += [MetricSpec(f"rl/{name}", "mean") for name in means]
             specs += [MetricSpec(f"rl/episode/{k}_tokens", "mean", fmt=".1f") for k in ("model", "env")]
-            specs += [MetricSpec(f"rl/tool_calls/{tool.name}", "mean") for tool in load_tools(rl.tools)]
+            for tool in load_tools(rl.tools):
+                specs += [
+                    MetricSpec(f"rl/tool_calls/{tool.name}", "mean"),
+                    MetricSpec(f"rl/tool_error_rate/{tool.name}", "mean"),
+                ]
             if rl.environment:
                 specs.append(MetricSpec("rl/rewards/environment", "mean"))
         return specs

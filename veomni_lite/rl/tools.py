@@ -10,26 +10,42 @@ Contract:
 - `parse_tool_calls(text)` -> (calls, problems): Qwen2.5/Qwen3/Hermes `<tool_call>{"name", "arguments"}</tool_call>`
   blocks (any number), else Llama-3's JSON call (the whole turn one object `{"name", "parameters" | "arguments"}`,
   optionally after `<|python_tag|>`). A block that is not such JSON is a problem (its text), not an exception.
-- `run_tool_calls(tools, calls, problems, timeout_s)` -> one result text per call and problem, and the error count: a
-  call naming no tool, arguments the function does not take, a function that raises, returns something that is not
-  JSON-serializable, or runs over `timeout_s` (in a forked process, killed then) gives an error text that the model
-  reads as the tool's result ("error: ..."). Nothing a tool or the model does raises here.
+- `run_tool_calls(tools, calls, problems, timeout_s)` -> one `ToolResult` per call and problem: a call naming no tool,
+  arguments the function does not take (the model's errors), a function that raises, returns something that is not
+  JSON-serializable, or runs over `timeout_s` (in a forked process, killed then; the tool's own failures) gives an
+  error text that the model reads as the tool's result ("error: ..."). Nothing a tool or the model does raises here.
+- `ToolErrors` (`rl.max_tool_error_rate`): a tool failing on its own is named on the console, rank 0, once per tool and
+  kind of error (its first exception on any rank, and its failure rate over the rollout batch's calls); a tool that
+  ran at least `MIN_TOOL_CALLS` times in a rollout batch (all ranks) and failed in more than `rl.max_tool_error_rate` of
+  them fails the run: a `ToolFailureError` on every rank, naming the tool and its first exception (the decision from
+  counts summed over the ranks, so every rank decides alike). The model's errors do not count.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
+import logging
 import multiprocessing
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
+
+import torch
 
 from veomni_lite.config import ConfigError, config_entry
+from veomni_lite.data.checks import DataError
 
-__all__ = ["Tool", "ToolCall", "load_tools", "parse_tool_calls", "run_tool_calls"]
+__all__ = [
+    "MIN_TOOL_CALLS", "Tool", "ToolCall", "ToolErrors", "ToolFailureError", "ToolResult", "load_tools",
+    "parse_tool_calls", "run_tool_calls",
+]  # fmt: skip
+
+logger = logging.getLogger(__name__)
+MIN_TOOL_CALLS = 16  # runs of a tool in a rollout batch (all ranks) before its failure rate can fail the run
 
 _KEYS = ("function", "name")
 _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
@@ -51,6 +67,25 @@ class ToolCall:
 
     name: str
     arguments: dict[str, Any]
+
+
+class ToolResult(NamedTuple):
+    """What a call gave: the tool's name ("error" for a block that did not parse), the text the model reads, and
+    `failure`: for a call that ran (`ran`), the tool's own failure ("Kind: message"; "" when it succeeded)."""
+
+    name: str
+    text: str
+    ran: bool = False
+    failure: str = ""
+
+    @property
+    def error(self) -> bool:
+        """Whether the model reads an error: its call did not run (the model's error) or the tool failed."""
+        return not self.ran or bool(self.failure)
+
+
+class ToolFailureError(DataError):
+    """A tool failed on its own in more than `rl.max_tool_error_rate` of its calls of a rollout batch."""
 
 
 def load_tools(specs: Sequence[Any], base_dir: str | Path = ".", key: str = "rl.tools") -> list[Tool]:
@@ -134,8 +169,9 @@ def _child(fn: Callable[..., Any], arguments: dict[str, Any], pipe: Any) -> None
         pipe.close()
 
 
-def run_tool(tool: Tool, arguments: dict[str, Any], timeout_s: float) -> tuple[str, bool]:
-    """(result text, whether it is an error) of one call, run in a forked process killed after `timeout_s`."""
+def run_tool(tool: Tool, arguments: dict[str, Any], timeout_s: float) -> tuple[str, str]:
+    """(result text, the failure "Kind: message" or "") of one call, run in a forked process killed after
+    `timeout_s`."""
     context = multiprocessing.get_context("fork")
     receive, send = context.Pipe(duplex=False)
     process = context.Process(target=_child, args=(tool.fn, arguments, send), daemon=True)
@@ -145,34 +181,111 @@ def run_tool(tool: Tool, arguments: dict[str, Any], timeout_s: float) -> tuple[s
         if receive.poll(timeout_s):
             status, text = receive.recv()
         else:
-            status, text = "error", f"{tool.name} ran over rl.tool_timeout_s = {timeout_s:g} s and was stopped"
+            status, text = "error", f"Timeout: {tool.name} ran over rl.tool_timeout_s = {timeout_s:g} s and was stopped"
     except EOFError:
-        status, text = "error", f"{tool.name} exited without a result"
+        status, text = "error", f"Exit: {tool.name} exited without a result"
     finally:
         receive.close()
         if process.is_alive():
             process.kill()
         process.join()
-    return (text, False) if status == "ok" else (f"error: {text}", True)
+    return (text, "") if status == "ok" else (f"error: {text}", text)
 
 
 def run_tool_calls(
     tools: Sequence[Tool], calls: Sequence[ToolCall], problems: Sequence[str], timeout_s: float
-) -> tuple[list[tuple[str, str]], int]:
-    """([(tool name or "error", result text)] per call then per problem, errors); never raises (see above)."""
+) -> list[ToolResult]:
+    """One `ToolResult` per call, then per problem; never raises (see above). Its text starts with "error: " for every
+    error, the model's and the tool's."""
     by_name = {t.name: t for t in tools}
-    results: list[tuple[str, str]] = []
-    errors = 0
+    results: list[ToolResult] = []
     for call in calls:
         tool = by_name.get(call.name)
         if tool is None:
-            results.append((call.name, f"error: no tool named {call.name!r}; the tools are {sorted(by_name)}"))
-            errors += 1
+            results.append(
+                ToolResult(call.name, f"error: no tool named {call.name!r}; the tools are {sorted(by_name)}")
+            )
             continue
-        text, failed = run_tool(tool, call.arguments, timeout_s)
-        results.append((call.name, text))
-        errors += failed
+        try:
+            inspect.signature(tool.fn).bind(**call.arguments)
+        except TypeError as exc:  # the model's arguments, not the tool: not run
+            results.append(ToolResult(call.name, f"error: TypeError: {call.name}(): {exc}"))
+            continue
+        text, failure = run_tool(tool, call.arguments, timeout_s)
+        results.append(ToolResult(call.name, text, True, failure))
     for problem in problems:
-        results.append(("error", f'error: the tool call {problem[:200]!r} is not JSON {{"name", "arguments"}}'))
-        errors += 1
-    return results, errors
+        results.append(
+            ToolResult("error", f'error: the tool call {problem[:200]!r} is not JSON {{"name", "arguments"}}')
+        )
+    return results
+
+
+@dataclass
+class ToolErrors:
+    """The tools' own failures against `max_rate` (`rl.max_tool_error_rate`; see the module docstring). `reported`:
+    the (tool, kind of error) pairs already named on the console."""
+
+    tools: Sequence[Tool]
+    max_rate: float = 0.5
+    reported: set[tuple[str, str]] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.max_rate <= 1.0:
+            raise ConfigError(f"rl.max_tool_error_rate: must be in [0, 1] (1: never fail the run), got {self.max_rate}")
+
+    def check(self, runs: Sequence[tuple[str, str]], group: Any = None, log: bool = True, where: str = "") -> None:
+        """Collective on every rank of `group`: this rank's (tool name, failure or "") `runs` of a rollout batch summed
+        over the ranks (one SUM all-reduce); the kinds of failure no rank had met before gathered (an all-gather, only
+        in a batch where some rank met one: every rank learns it from the sum) and named on the console (`log`: rank
+        0); a `ToolFailureError` (prefixed `where`) on every rank when a tool fails too often (one `agree` more)."""
+        from veomni_lite.distributed.collectives import agree, all_gather_objects, all_reduce
+
+        new: dict[tuple[str, str], str] = {}  # this rank's first failure of each (tool, kind) not yet named
+        for name, failure in runs:
+            key = (name, failure.split(":", 1)[0])
+            if failure and key not in self.reported:
+                new.setdefault(key, failure)
+        reduced = all_reduce(torch.cat([self.counts(runs).flatten(), torch.tensor([float(len(new))])]), "sum", group)
+        totals = reduced[:-1].view(-1, 2)
+        if reduced[-1] > 0:
+            index = {t.name: i for i, t in enumerate(self.tools)}
+            for (name, kind), failure in [item for met in all_gather_objects(new, group) for item in met.items()]:
+                if (name, kind) in self.reported:  # another rank's, just named
+                    continue
+                self.reported.add((name, kind))  # alike on every rank: the gathered kinds are everyone's
+                done, failed = (int(x) for x in totals[index[name]].tolist())
+                if log:
+                    logger.warning(
+                        f"tool {name} ({self.tools[index[name]].where}) failed: {failure} (the first {kind} of this "
+                        f"tool; {failed} of its {done} calls in this rollout batch failed, all ranks; the run stops "
+                        f"above rl.max_tool_error_rate = {self.max_rate:g} once it ran {MIN_TOOL_CALLS} times in one)"
+                    )
+        failing, account = self.failing(runs, totals)
+        if failing:
+            agree(account, ToolFailureError, group, where=where)
+
+    def counts(self, runs: Sequence[tuple[str, str]]) -> torch.Tensor:
+        """This rank's [runs, failures] per tool (in `tools`' order) of its (tool name, failure or "") runs."""
+        rows = [[sum(n == t.name for n, _ in runs), sum(n == t.name and bool(f) for n, f in runs)] for t in self.tools]
+        return torch.tensor(rows, dtype=torch.float64).reshape(len(self.tools), 2)
+
+    def failing(self, runs: Sequence[tuple[str, str]], totals: torch.Tensor) -> tuple[bool, str | None]:
+        """Whether the run fails (from `totals`, alike on every rank) and, when it does, this rank's account of the
+        worst tool (None where this rank met no failure of it)."""
+        over = [
+            (failed / done, i)
+            for i, (done, failed) in enumerate(totals.tolist())
+            if done >= MIN_TOOL_CALLS and failed / done > self.max_rate
+        ]
+        if not over:
+            return False, None
+        _, i = max(over)
+        tool = self.tools[i]
+        first = next((f for n, f in runs if n == tool.name and f), None)
+        if first is None:
+            return True, None
+        done, failed = (int(x) for x in totals[i].tolist())
+        return True, (
+            f"tool {tool.name} ({tool.where}) failed in {failed} of its {done} calls of the rollout batch (all ranks), "
+            f"more than rl.max_tool_error_rate = {self.max_rate:g}; its first error: {first}"
+        )
