@@ -108,25 +108,24 @@ def test_a_replayed_routing_is_what_the_experts_get_and_the_router_still_trains(
     assert not all(torch.equal(a, b) for a, b in zip(grads, router_grads(model, natural)))
 
 
-def test_the_routing_weights_are_the_softmax_at_the_replayed_experts_renormalized():
-    """Qwen3-MoE (norm_topk_prob): the weights the experts get are softmax(router logits) at the replayed experts,
-    divided by their sum, computed by hand; without norm_topk_prob, not divided."""
-    for normalize in (True, False):
-        model = make_moe("qwen3_moe", norm_topk_prob=normalize)
-        batch = token_batch(1, 6)
-        with record_routing(model) as recorded:
-            logits(model, batch)
-        given = other_routing(recorded, 8)
-        router = routers(model)[0]
-        captured = {}
-        router.register_forward_hook(lambda _, args, output: captured.update(x=args[0], out=output))
-        weights = []
-        model.hf_model.model.layers[0].mlp.experts.register_forward_pre_hook(lambda _, a: weights.append(a[2]))
-        with replay_routing(model, given):
-            logits(model, batch)
-        probs = torch.softmax(captured["x"].reshape(-1, 32) @ router.weight.T, dim=-1).gather(-1, given[0])
-        expected = probs / probs.sum(-1, keepdim=True) if normalize else probs
-        torch.testing.assert_close(weights[0], expected, rtol=1e-6, atol=1e-7)
+@pytest.mark.parametrize("normalize", [True, False])
+def test_the_routing_weights_are_the_softmax_at_the_replayed_experts_renormalized(normalize):
+    """Qwen3-MoE: the weights the experts get are softmax(router logits) at the replayed experts, divided by their
+    sum where norm_topk_prob, computed by hand."""
+    model = make_moe("qwen3_moe", norm_topk_prob=normalize)
+    batch = token_batch(1, 6)
+    with record_routing(model) as recorded:
+        logits(model, batch)
+    given = other_routing(recorded, 8)
+    router = routers(model)[0]
+    inputs, weights = [], []
+    router.register_forward_hook(lambda _, args, output: inputs.append(args[0]))
+    model.hf_model.model.layers[0].mlp.experts.register_forward_pre_hook(lambda _, args: weights.append(args[2]))
+    with replay_routing(model, given):
+        logits(model, batch)
+    probs = torch.softmax(inputs[0].reshape(-1, 32) @ router.weight.T, dim=-1).gather(-1, given[0])
+    expected = probs / probs.sum(-1, keepdim=True) if normalize else probs
+    torch.testing.assert_close(weights[0], expected, rtol=1e-6, atol=1e-7)
 
 
 def test_mismatch_counts_the_token_layer_decisions_whose_expert_sets_differ():
@@ -146,12 +145,10 @@ def test_a_replay_of_the_wrong_shape_or_on_a_dense_model_is_a_clear_error():
     batch = token_batch(2, 12)
     with record_routing(model) as recorded:
         logits(model, batch)
-    with pytest.raises(ValueError, match=r"1 layers of routing for 2 MoE layers"):
-        with replay_routing(model, recorded[:1]):
-            pass
-    with pytest.raises(ValueError, match=r"layer 1 routes \(24, 2\) \(tokens, top_k\), the given routing is \(20, 2\)"):
-        with replay_routing(model, [recorded[0], recorded[1][:20]]):
-            logits(model, batch)
-    with pytest.raises(ValueError, match="no mixture-of-experts router"):
-        with record_routing(make_lm()):
-            pass
+    with pytest.raises(ValueError, match=r"1 layers of routing for 2 MoE layers"), replay_routing(model, recorded[:1]):
+        pass
+    shape = r"layer 1 routes \(24, 2\) \(tokens, top_k\), the given routing is \(20, 2\)"
+    with pytest.raises(ValueError, match=shape), replay_routing(model, [recorded[0], recorded[1][:20]]):
+        logits(model, batch)
+    with pytest.raises(ValueError, match="no mixture-of-experts router"), record_routing(make_lm()):
+        pass

@@ -139,9 +139,7 @@ def replay_routing(model: nn.Module, routing: Sequence[Tensor]) -> Iterator[None
         yield
 
 
-def routing_mismatch(
-    a: Sequence[Tensor], b: Sequence[Tensor], mask: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
+def routing_mismatch(a: Sequence[Tensor], b: Sequence[Tensor], mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(differing, counted) token-layer decisions of two recordings of the same tokens (`record_routing`), int64
     scalars: a decision differs when the token's set of experts in that layer differs. `mask` ([tokens] bool): the
     tokens to count (e.g. the response's, not padding); default every token. No host sync."""
