@@ -60,9 +60,12 @@ def moe_config(model_type: str, **overrides: Any) -> Any:
 
 def make_moe(model_type: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any) -> HFCausalLM:
     """The wrapper around a model of the tiny config, initialized from `seed`; DeepSeek-V3's routing bias (a buffer
-    transformers leaves at 0) drawn too, so its grouped choice is not a tie."""
+    transformers leaves at 0) drawn too, so its grouped choice is not a tie. float64 runs the eager experts
+    (torch's grouped_mm, transformers' default, takes no float64)."""
     torch.manual_seed(seed)
     model = HFCausalLM.from_config(moe_config(model_type, **overrides), dtype=dtype)
+    if dtype == torch.float64:
+        model.set_experts_implementation("eager")
     for module in model.modules():
         if hasattr(module, "e_score_correction_bias"):
             module.e_score_correction_bias.normal_(0, 0.1)
