@@ -219,3 +219,95 @@ def test_a_qwen3_moe_run_exports_a_directory_from_pretrained_loads_to_the_traine
     tokens = events[0]["train/tokens"]
     seq = batch["input_ids"].shape[1]
     assert events[0]["train/flops"] == pytest.approx(trainer.model.flops_per_token(seq) * tokens)
+
+
+# ---------------------------------------------------------------- sharded load of the fused experts
+
+
+def whole_and_sharded_states(directory) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the directory loaded whole by transformers' `from_pretrained`, read into a model built on the meta device by
+    `load_into_shards`): every parameter and buffer."""
+    from veomni_lite.models.sharded_load import build_on_meta, load_into_shards
+
+    whole = family_of(build_on_meta(directory).config).load(directory)
+    model = build_on_meta(directory)
+    model.to_empty(device="cpu")
+    load_into_shards(model, directory)
+    states = [{**m.state_dict(), **dict(m.named_buffers())} for m in (whole, model)]
+    return states[0], states[1]
+
+
+@pytest.mark.parametrize("model_type", MOE_TYPES)
+def test_the_fused_experts_load_from_the_per_expert_tensors_transformers_writes(model_type, tmp_path):
+    """transformers writes a layer's fused [E, 2I, H] experts as each expert's gate_proj / up_proj / down_proj (or
+    Mixtral's w1 / w3 / w2): the directory is `loadable` shard by shard and the read equals transformers' own load;
+    a directory that lacks one expert's tensor is not loadable (rank 0 would load it whole)."""
+    from safetensors.torch import load_file, save_file
+
+    from veomni_lite.models.sharded_load import build_on_meta, loadable, weight_names
+
+    make_moe(model_type).save_pretrained(tmp_path / "model")
+    names = weight_names(tmp_path / "model")
+    assert any(".experts.0." in name for name in names) and not any(name.endswith("gate_up_proj") for name in names)
+    assert loadable(build_on_meta(tmp_path / "model"), tmp_path / "model")
+    whole, sharded = whole_and_sharded_states(tmp_path / "model")
+    assert sharded.keys() == whole.keys() and all(torch.equal(sharded[k], whole[k]) for k in whole)
+
+    tensors = load_file(tmp_path / "model" / "model.safetensors")
+    dropped = next(name for name in sorted(tensors) if ".experts.1." in name)
+    (tmp_path / "gap").mkdir()
+    save_file({k: v for k, v in tensors.items() if k != dropped}, tmp_path / "gap" / "model.safetensors")
+    (tmp_path / "gap" / "config.json").write_bytes((tmp_path / "model" / "config.json").read_bytes())
+    assert not loadable(build_on_meta(tmp_path / "gap"), tmp_path / "gap")
+
+
+def test_qwen3_vl_moe_s_released_layout_loads_transposed(tmp_path):
+    """Qwen3-VL-MoE releases store the experts as [E, H, 2I] and [E, I, H] (transformers transposes them at load):
+    a directory in that layout reads shard by shard into the model's [E, 2I, H] to what `from_pretrained` gives."""
+    from safetensors.torch import load_file, save_file
+
+    from veomni_lite.models.sharded_load import build_on_meta, loadable
+
+    config = vl_moe_config()
+    del config.image_decoder_classes  # a released directory: no image head
+    config.text_config.moe_intermediate_size = 8  # 2I != H: the layouts differ in shape
+    torch.manual_seed(0)
+    family_of(config).build(config).save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    released = {k: v.transpose(1, 2).contiguous() if ".experts." in k else v for k, v in tensors.items()}
+    assert released["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 32, 16)
+    save_file(released, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    assert loadable(build_on_meta(tmp_path), tmp_path)
+    whole, sharded = whole_and_sharded_states(tmp_path)
+    assert all(torch.equal(sharded[k], whole[k]) for k in whole)
+    experts = "vlm.model.language_model.layers.0.mlp.experts.gate_up_proj"
+    assert torch.equal(whole[experts], tensors["model.language_model.layers.0.mlp.experts.gate_up_proj"])
+
+
+def _sharded_against_whole(rank: int, world_size: int, directory: str) -> dict[str, float]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from veomni_lite.models.sharded_load import build_on_meta, load_into_shards
+
+    whole = family_of(build_on_meta(directory).config).load(directory)
+    model = build_on_meta(directory)
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    load_into_shards(model, directory)
+    expected = whole.state_dict()
+    return {name: float((p.full_tensor() - expected[name]).abs().max()) for name, p in model.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_fsdp2_shards_of_the_fused_experts_read_per_rank_equal_the_whole_load(tmp_path):
+    """2 gloo ranks, FSDP2 over the experts dim of 3 experts (2 on rank 0, 1 on rank 1): each reads its own experts'
+    tensors into its shard; gathered, every parameter equals transformers' whole load."""
+    from tests.dist_helpers import run_distributed
+
+    make_moe("qwen3_moe", num_experts=3).save_pretrained(tmp_path)
+    for diffs in run_distributed(_sharded_against_whole, 2, str(tmp_path), timeout_s=300):
+        assert diffs and all(diff == 0.0 for diff in diffs.values()), diffs
