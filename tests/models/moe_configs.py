@@ -78,3 +78,12 @@ def token_batch(batch: int = 2, seq: int = 12, seed: int = 0) -> dict[str, torch
     ids = torch.randint(3, VOCAB, (batch, seq), generator=g)
     labels = torch.cat([ids[:, 1:], torch.full((batch, 1), -100)], dim=1)
     return {"input_ids": ids, "labels": labels, "position_ids": torch.arange(seq).expand(batch, seq).clone()}
+
+
+def build_qwen3_moe() -> HFCausalLM:
+    """float64 Qwen3-MoE for the split-invariance harness (a module-level builder spawned processes import)."""
+    return make_moe("qwen3_moe", seed=3, dtype=torch.float64)
+
+
+def build_deepseek_v3() -> HFCausalLM:
+    return make_moe("deepseek_v3", seed=3, dtype=torch.float64)

@@ -311,3 +311,27 @@ def test_fsdp2_shards_of_the_fused_experts_read_per_rank_equal_the_whole_load(tm
     make_moe("qwen3_moe", num_experts=3).save_pretrained(tmp_path)
     for diffs in run_distributed(_sharded_against_whole, 2, str(tmp_path), timeout_s=300):
         assert diffs and all(diff == 0.0 for diff in diffs.values()), diffs
+
+
+# ---------------------------------------------------------------- Ulysses SP and packing across processes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("build", ["build_qwen3_moe", "build_deepseek_v3"])
+def test_sp2_packed_and_dp2_steps_equal_the_one_process_step(build):
+    """`check_split_invariance` on gloo: SP=2 (Ulysses) padded and packed, and DP=2, against one process unpacked,
+    float64. Routing is per token, so a layout changes nothing but rounding; the routing weights are computed in
+    float32 (transformers' softmax), so a float64 rounding difference can move one by a float32 ulp (6e-8): the
+    bound is a few of those."""
+    from tests.distributed import packing_fixtures as fx
+    from tests.models import moe_configs
+    from veomni_lite.split_invariance import Layout, check_split_invariance
+
+    layouts = [Layout(1, 2, 4), Layout(1, 2, 4, packed=True), Layout(2, 1, 2)]
+    report = check_split_invariance(
+        getattr(moe_configs, build), fx.text_samples(), fx.collate_text, ["token-mean"], layouts,
+        packed_collate=fx.pack_text,
+    )  # fmt: skip
+    print(f"\n{build}:\n{report}")
+    for key, diff in report.grad_diff.items():
+        assert diff < 1e-6 and report.loss_diff[key] < 1e-6, f"{build} {key}: {diff:.2e}"
