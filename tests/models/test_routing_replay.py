@@ -152,3 +152,27 @@ def test_a_replay_of_the_wrong_shape_or_on_a_dense_model_is_a_clear_error():
         logits(model, batch)
     with pytest.raises(ValueError, match="no mixture-of-experts router"), record_routing(make_lm()):
         pass
+
+
+def test_qwen3_vl_moe_records_and_replays_its_decoder_s_routing():
+    """The VL wrapper (image tokens in the batch): one recording per decoder layer over the row-major [B, S] tokens;
+    replaying it reproduces the logits exactly, another routing reaches the experts."""
+    from tests.models.test_hf_models import IMAGE, PAD
+    from tests.models.test_moe_families import make_vl_moe
+    from tests.models.test_vl_families import samples, without_labels
+    from veomni_lite.models.qwen2_vl import collate_qwen2_vl
+
+    model = make_vl_moe()
+    batch = without_labels(collate_qwen2_vl(samples(), IMAGE, 2, PAD))
+    with record_routing(model) as recorded:
+        natural = model(**batch)["logits"]
+    assert len(recorded) == 2 and all(r.shape == (batch["input_ids"].numel(), 2) for r in recorded)
+    with replay_routing(model, recorded):
+        assert torch.equal(model(**batch)["logits"], natural)
+    given = other_routing(recorded, 4)
+    seen, handles = experts_see(model)
+    with replay_routing(model, given):
+        model(**batch)
+    for handle in handles:
+        handle.remove()
+    assert len(seen) == 2 and all(torch.equal(s, g) for s, g in zip(seen, given))
