@@ -100,3 +100,13 @@ def test_qwen3_30b_a3b_runs_about_3_3b_parameters_per_token():
           f"FLOPs per token at 4096: {model.flops_per_token(4096):.4g}, every expert counted "
           f"{every_expert / model.flops_per_token(4096):.2f}x that")  # fmt: skip
     assert model.flops_per_token(4096) == 6 * (active - embed.numel()) + 12 * 48 * 2048 * 4096
+
+
+def test_qwen3_vl_moe_s_decoder_experts_count_top_k_too():
+    from tests.models.test_moe_families import make_vl_moe
+
+    model = make_vl_moe()
+    shares = active_shares(model)
+    experts = [p for name, p in model.named_parameters() if ".mlp.experts." in name]
+    assert len(experts) == 4 and all(shares.get(id(p)) == 2 / 4 for p in experts)  # 2 layers, top-2 of 4
+    assert len(shares) == len(experts)

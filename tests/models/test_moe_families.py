@@ -222,6 +222,24 @@ def test_a_qwen3_moe_run_exports_a_directory_from_pretrained_loads_to_the_traine
     assert events[0]["train/flops"] == pytest.approx(trainer.model.flops_per_token(seq) * tokens)
 
 
+@pytest.mark.parametrize("model_type", [*MOE_TYPES, "qwen3_vl_moe"])
+def test_save_pretrained_round_trips_through_the_family_s_from_pretrained(model_type, tmp_path):
+    """What `veomni_lite.export` writes (the wrapper's `save_pretrained`) loads with the family's transformers class
+    to the same parameters (the fused experts written per expert and merged back) and the same logits."""
+    model = make_vl_moe() if model_type == "qwen3_vl_moe" else make_moe(model_type, dtype=torch.float64)
+    model.save_pretrained(tmp_path)
+    family = family_of(model.config)
+    loaded = family.hf_class().from_pretrained(tmp_path, dtype=torch.float64)
+    hf_model = model.vlm if model_type == "qwen3_vl_moe" else model.hf_model
+    assert loaded.state_dict().keys() == hf_model.state_dict().keys()
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in hf_model.state_dict().items())
+    if model_type != "qwen3_vl_moe":
+        loaded.set_experts_implementation("eager")
+        ids = token_batch()["input_ids"]
+        with torch.no_grad():
+            assert torch.equal(loaded(input_ids=ids).logits, hf_model(input_ids=ids).logits)
+
+
 # ---------------------------------------------------------------- sharded load of the fused experts
 
 
