@@ -20,6 +20,11 @@ from veomni_lite.models.lora import LoraError, LoraSettings, apply_lora, lora_mo
 from veomni_lite.models.qwen2_vl import collate_qwen2_vl
 from veomni_lite.models.registry import CAUSAL_LM, family_of, is_model_type
 
+# the text example's overrides for a tiny Qwen3-MoE (4 experts, top-2)
+MOE_RUN = ["--model.arch", "qwen3_moe", "--model.hf.model_type", "qwen3_moe", "--model.hf.head_dim", "8"]
+MOE_RUN += ["--model.hf.num_experts", "4", "--model.hf.num_experts_per_tok", "2", "--model.hf.moe_intermediate_size"]
+MOE_RUN += ["16"]
+
 
 def vl_moe_config():
     """The tiny Qwen3-VL config of the VL tests with a mixture of 4 experts (top-2) in every decoder layer."""
@@ -196,16 +201,7 @@ def test_a_qwen3_moe_run_exports_a_directory_from_pretrained_loads_to_the_traine
     from tests.models.small_hf import train_small
     from veomni_lite.export import export
 
-    moe = ["--model.arch", "qwen3_moe", "--model.hf.model_type", "qwen3_moe", "--model.hf.head_dim", "8"]
-    moe += [
-        "--model.hf.num_experts",
-        "4",
-        "--model.hf.num_experts_per_tok",
-        "2",
-        "--model.hf.moe_intermediate_size",
-        "16",
-    ]
-    trainer = train_small("text", tmp_path / "run", *moe)
+    trainer = train_small("text", tmp_path / "run", *MOE_RUN)
     trainer.model.cpu()
     step, files = export(tmp_path / "run", tmp_path / "export")
     assert step == 2 and {"config.json", "model.safetensors"} <= set(files)
@@ -354,3 +350,25 @@ def test_sp2_packed_and_dp2_steps_equal_the_one_process_step(build):
     print(f"\n{build}:\n{report}")
     for key, diff in report.grad_diff.items():
         assert diff < 1e-6 and report.loss_diff[key] < 1e-6, f"{build} {key}: {diff:.2e}"
+
+
+# ---------------------------------------------------------------- model.experts_implementation
+
+
+def test_model_experts_implementation_reaches_the_experts_and_bad_values_are_config_errors(tmp_path):
+    from examples.qwen2_pydoc_text import PydocLMTrainer
+    from tests.models.small_hf import small_config
+    from veomni_lite.config import ConfigError
+
+    def build(*args: str) -> PydocLMTrainer:
+        trainer = PydocLMTrainer(small_config("text", tmp_path, *args))
+        trainer.close()
+        return trainer
+
+    trainer = build(*MOE_RUN, "--model.experts_implementation", "eager")
+    assert trainer.model.config._experts_implementation == "eager"
+    assert build(*MOE_RUN).model.config._experts_implementation == "grouped_mm"  # transformers' default
+    with pytest.raises(ConfigError, match=r"model\.experts_implementation 'fastest': .*not supported"):
+        build(*MOE_RUN, "--model.experts_implementation", "fastest")
+    with pytest.raises(ConfigError, match=r"model\.experts_implementation 'eager': HFCausalLM has no experts"):
+        build("--model.experts_implementation", "eager")  # the dense Qwen2
