@@ -276,22 +276,30 @@ def test_the_fused_experts_load_from_the_per_expert_tensors_transformers_writes(
     assert not loadable(build_on_meta(tmp_path / "gap"), tmp_path / "gap")
 
 
-def test_qwen3_vl_moe_s_released_layout_loads_transposed(tmp_path):
-    """Qwen3-VL-MoE releases store the experts as [E, H, 2I] and [E, I, H] (transformers transposes them at load):
-    a directory in that layout reads shard by shard into the model's [E, 2I, H] to what `from_pretrained` gives."""
+def released_vl_moe(directory, experts: int = 4) -> dict[str, torch.Tensor]:
+    """Write a tiny Qwen3-VL-MoE directory in the released layout (no image head; experts stored [E, H, 2I] and
+    [E, I, H], 2I != H); returns the model's own tensors."""
     from safetensors.torch import load_file, save_file
-
-    from veomni_lite.models.sharded_load import build_on_meta, loadable
 
     config = vl_moe_config()
     del config.image_decoder_classes  # a released directory: no image head
     config.text_config.moe_intermediate_size = 8  # 2I != H: the layouts differ in shape
+    config.text_config.num_experts = experts
     torch.manual_seed(0)
-    family_of(config).build(config).save_pretrained(tmp_path)
-    tensors = load_file(tmp_path / "model.safetensors")
+    family_of(config).build(config).save_pretrained(directory)
+    tensors = load_file(directory / "model.safetensors")
     released = {k: v.transpose(1, 2).contiguous() if ".experts." in k else v for k, v in tensors.items()}
-    assert released["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 32, 16)
-    save_file(released, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    assert released["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (experts, 32, 16)
+    save_file(released, directory / "model.safetensors", metadata={"format": "pt"})
+    return tensors
+
+
+def test_qwen3_vl_moe_s_released_layout_loads_transposed(tmp_path):
+    """Qwen3-VL-MoE releases store the experts as [E, H, 2I] and [E, I, H] (transformers transposes them at load):
+    a directory in that layout reads shard by shard into the model's [E, 2I, H] to what `from_pretrained` gives."""
+    from veomni_lite.models.sharded_load import build_on_meta, loadable
+
+    tensors = released_vl_moe(tmp_path)
     assert loadable(build_on_meta(tmp_path), tmp_path)
     whole, sharded = whole_and_sharded_states(tmp_path)
     assert all(torch.equal(sharded[k], whole[k]) for k in whole)
@@ -320,12 +328,15 @@ def _sharded_against_whole(rank: int, world_size: int, directory: str) -> dict[s
 @pytest.mark.slow
 def test_fsdp2_shards_of_the_fused_experts_read_per_rank_equal_the_whole_load(tmp_path):
     """2 gloo ranks, FSDP2 over the experts dim of 3 experts (2 on rank 0, 1 on rank 1): each reads its own experts'
-    tensors into its shard; gathered, every parameter equals transformers' whole load."""
+    tensors into its shard (Qwen3-MoE: per expert; Qwen3-VL-MoE's released layout: its rows of the transposed
+    tensors); gathered, every parameter equals transformers' whole load."""
     from tests.dist_helpers import run_distributed
 
-    make_moe("qwen3_moe", num_experts=3).save_pretrained(tmp_path)
-    for diffs in run_distributed(_sharded_against_whole, 2, str(tmp_path), timeout_s=300):
-        assert diffs and all(diff == 0.0 for diff in diffs.values()), diffs
+    make_moe("qwen3_moe", num_experts=3).save_pretrained(tmp_path / "qwen3_moe")
+    released_vl_moe(tmp_path / "qwen3_vl_moe", experts=3)  # the transposed views, split unevenly too
+    for name in ("qwen3_moe", "qwen3_vl_moe"):
+        for diffs in run_distributed(_sharded_against_whole, 2, str(tmp_path / name), timeout_s=300):
+            assert diffs and all(diff == 0.0 for diff in diffs.values()), (name, diffs)
 
 
 # ---------------------------------------------------------------- Ulysses SP and packing across processes

@@ -90,8 +90,10 @@ class _Piece:
 def _merged_experts(converter: Any) -> tuple[int, bool] | None:
     """(number of source patterns, transposed) of a converter that only merges a list of per-expert tensors (and
     concatenates the lists along dim 1), or only swaps dims 1 and 2: the fused experts' layouts; else None."""
-    from transformers.core_model_loading import Concatenate, MergeModulelist, Transpose
+    from transformers.core_model_loading import Concatenate, MergeModulelist, Transpose, WeightConverter
 
+    if not isinstance(converter, WeightConverter):
+        return None
     ops = [(type(op), getattr(op, "dim", None)) for op in converter.operations]
     sources = converter.source_patterns
     if ops in ([(MergeModulelist, 0)], [(MergeModulelist, 0), (Concatenate, 1)]):
@@ -162,7 +164,10 @@ def _views(tensor: torch.Tensor, pieces: list[_Piece]) -> dict[str, torch.Tensor
         if isinstance(tensor, DTensor):
             if _local_experts(tensor) is None:
                 return None
-            view = DTensor.from_local(tensor.to_local().transpose(1, 2), tensor.device_mesh, tensor.placements)
+            shape = (tensor.shape[0], tensor.shape[2], tensor.shape[1])  # given: an uneven split infers it wrong
+            stride = torch.empty(shape, device="meta").stride()
+            local = tensor.to_local().transpose(1, 2)
+            view = DTensor.from_local(local, tensor.device_mesh, tensor.placements, shape=shape, stride=stride)
             return {piece.stored: view}
         return {piece.stored: tensor.transpose(1, 2)}
     local = _local_experts(tensor)
