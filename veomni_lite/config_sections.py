@@ -60,6 +60,10 @@ class ModelConfig:
     installed (a GPU); packed rows then reach flash-attention's varlen kernel as host-computed boundaries. Under
     `parallel.sp_size` > 1 the same attention runs after Ulysses' all-to-all (SDPA or the varlen kernel over the whole
     row). Vision towers keep sdpa."""
+    experts_implementation: str = ""
+    """A mixture of experts' expert kernels (transformers' `experts_implementation`): eager (a loop over the experts
+    hit), batched_mm, grouped_mm (torch's grouped GEMM; float32 / bf16 only), or another transformers registers;
+    empty: transformers' default (grouped_mm where it runs, else eager). A model without experts refuses one."""
     fused_lm_head: bool = True
     """The transformers models (Qwen2, Qwen2-VL, any causal LM of `pretrained_dir`): compute the LM head's matmul and
     its cross-entropy chunk by chunk of tokens, so the [tokens, vocab] logits and their gradient are never whole in

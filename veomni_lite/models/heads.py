@@ -1,6 +1,7 @@
 """What every loss head shares: the local mean over valid targets (from logits, or fused with the LM head's matmul:
 `lm_head_loss`), the targets' log-probabilities and entropies the policy and preference heads read (`LogprobRequest`,
-`lm_head_logprobs`, fused the same way), and the FLOPs estimate of a decoder."""
+`lm_head_logprobs`, fused the same way), and the FLOPs estimate of a decoder (a mixture of experts counted by the
+parameters a token runs through)."""
 
 from __future__ import annotations
 
@@ -123,11 +124,41 @@ def lm_head_logprobs(head: nn.Module, hidden: Tensor, request: LogprobRequest, f
     return out | ({} if mean_logits is None else {"mean_logits": mean_logits})
 
 
+def active_shares(model: nn.Module) -> dict[int, float]:
+    """{id(parameter): top_k / num_experts} for the routed experts' parameters of every mixture-of-experts block (a
+    module with an `experts` child holding `num_experts` and a router child holding `top_k`, as transformers' MoE
+    families build them): each token runs only top_k of them. Every other parameter (attention, shared experts,
+    router, dense layers) is absent: it runs whole for every token."""
+    shares: dict[int, float] = {}
+    for block in model.modules():
+        experts = getattr(block, "experts", None)
+        num_experts = getattr(experts, "num_experts", None)
+        top_k = [child.top_k for child in block.children() if isinstance(getattr(child, "top_k", None), int)]
+        if not isinstance(experts, nn.Module) or not isinstance(num_experts, int) or len(top_k) != 1:
+            continue
+        for param in experts.parameters():
+            if param.dim() >= 2 and param.shape[0] == num_experts:  # [E, ...]: fused weights and biases
+                shares[id(param)] = top_k[0] / num_experts
+    return shares
+
+
+def active_parameters(model: nn.Module, exclude: Iterable[Tensor] = ()) -> float:
+    """The parameters a token runs through: every parameter but `exclude`, the routed experts' at their
+    `active_shares`."""
+    excluded, shares = {id(p) for p in exclude}, active_shares(model)
+    return sum(shares.get(id(p), 1.0) * p.numel() for p in model.parameters() if id(p) not in excluded)
+
+
 def decoder_flops_per_token(
     model: nn.Module, num_layers: int, hidden_size: int, seq_len: int, exclude: Iterable[Tensor] = ()
 ) -> float:
-    """6N + 12 L d T (the PaLM estimate): N = parameters taking part in matmuls, T = sequence length. A frozen
-    parameter (a LoRA base) counts 4 (forward, and the gradient of its input; none of its own)."""
-    excluded = {id(p) for p in exclude}
-    matmuls = sum((6 if p.requires_grad else 4) * p.numel() for p in model.parameters() if id(p) not in excluded)
+    """6N + 12 L d T (the PaLM estimate): N = parameters taking part in matmuls, T = sequence length; a routed expert's
+    parameters count top_k / num_experts (`active_shares`: the experts a token runs). A frozen parameter (a LoRA base)
+    counts 4 (forward, and the gradient of its input; none of its own)."""
+    excluded, shares = {id(p) for p in exclude}, active_shares(model)
+    matmuls = sum(
+        (6 if p.requires_grad else 4) * shares.get(id(p), 1.0) * p.numel()
+        for p in model.parameters()
+        if id(p) not in excluded
+    )
     return float(matmuls + 12 * num_layers * hidden_size * seq_len)

@@ -78,6 +78,11 @@ class HFCausalLM(TrainableModel):
         """The decoder's attention (`model.attn_implementation`); transformers checks that it is installed."""
         self.hf_model.set_attn_implementation(name)
 
+    def set_experts_implementation(self, name: str) -> None:
+        """A mixture of experts' expert kernels (`model.experts_implementation`: transformers' `eager`, `batched_mm`,
+        `grouped_mm` (its default where it runs), ...); a ValueError names the ones transformers has."""
+        self.hf_model.set_experts_implementation(name)
+
     @property
     def loss_keys(self) -> tuple[str, ...]:
         return ("foundation_loss",)

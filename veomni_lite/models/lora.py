@@ -19,6 +19,11 @@ name as a component: `visual.*.qkv`). An entry that matches no Linear layer is a
 `model.lora.target_modules` (`check_directory` runs the match on the directory's model built on the meta device,
 before any process group starts).
 
+A mixture of experts (transformers 5): its routed experts are fused 3-D parameters (`experts.gate_up_proj` [E, 2I,
+H], `experts.down_proj`), not Linear layers, and its router (`mlp.gate`) is a module of its own: LoRA adapts neither,
+they stay frozen, and an entry naming them is a `LoraError` saying so; `all-linear` adapts the attention, the shared
+experts' MLPs and the dense layers' (and, where the router is a Linear, e.g. Qwen2-MoE's `shared_expert_gate`, it).
+
 Modules that train whole (PEFT's `modules_to_save`): a wrapper's `lora_modules_to_save`, paths inside its
 transformers model (`whole_modules`): a reward model's new score head (`HFRewardModel`: `score`), which the base
 directory does not hold, so freezing it would leave the reward untrainable. They keep `requires_grad`, no adapter is
@@ -191,9 +196,13 @@ def _no_match(hf_model: nn.Module, entry: str, modules: list, linears: list, tow
     what = type(hf_model).__name__
     if entry == ALL_LINEAR:
         return f"{KEY}.target_modules: {ALL_LINEAR!r}: {what} has no Linear layer (outside its output head) to adapt"
-    others = sorted({type(m).__name__ for p, m in modules if _matches(p, entry) and allowed(p)})
+    matched = [m for p, m in modules if _matches(p, entry) and allowed(p)]
+    others = sorted({type(m).__name__ for m in matched})
     names = sorted({p.rsplit(".", 1)[-1] for p, _ in linears if allowed(p)})
     found = f"it names {others}, not Linear layers; " if others else ""
+    fused = any(param.dim() == 3 for path, param in hf_model.named_parameters() if _matches(path, entry))
+    if fused or any(hasattr(m, "num_experts") or hasattr(m, "top_k") for m in matched):
+        found += "a mixture of experts' routed experts (fused 3-D parameters) and router stay frozen under LoRA; "
     hint = f"; the vision tower ({tower}) only through an entry naming it, e.g. 'visual.*.qkv'" if tower else ""
     layers = f"{found}its Linear layers: {names}{hint}"
     return f"{KEY}.target_modules: {entry!r} matches no Linear layer of {what} ({layers})"

@@ -115,6 +115,7 @@ class Family:
 
 
 _VL_WRAPPER = "veomni_lite.models.qwen2_vl:QwenVLWithImageHead"
+_CAUSAL_LM_WRAPPER = "veomni_lite.models.hf_causal_lm:HFCausalLM"
 FAMILIES: list[Family] = [
     Family("qwen2_vl", ("qwen2_vl",), "Qwen2VLForConditionalGeneration", _VL_WRAPPER, Vision()),
     Family(
@@ -127,8 +128,18 @@ FAMILIES: list[Family] = [
         _VL_WRAPPER,
         Vision(interpolated_position_embedding=True, deepstack=True),
     ),
+    # mixtures of experts (routed experts as fused 3-D tensors; see models/routing.py); any other MoE causal LM
+    # transformers ships (Mixtral, OLMoE, DeepSeek-V3, ...) is CAUSAL_LM
+    Family("qwen3_moe", ("qwen3_moe",), "Qwen3MoeForCausalLM", _CAUSAL_LM_WRAPPER),
+    Family(
+        "qwen3_vl_moe",
+        ("qwen3_vl_moe",),
+        "Qwen3VLMoeForConditionalGeneration",
+        _VL_WRAPPER,
+        Vision(interpolated_position_embedding=True, deepstack=True),
+    ),
 ]
-CAUSAL_LM = Family("causal_lm", (), "AutoModelForCausalLM", "veomni_lite.models.hf_causal_lm:HFCausalLM")
+CAUSAL_LM = Family("causal_lm", (), "AutoModelForCausalLM", _CAUSAL_LM_WRAPPER)
 # A causal LM's decoder with one score per sequence (`pref.loss: bradley_terry`): a config whose `architectures` name
 # a `...ForSequenceClassification` class.
 REWARD_MODEL = Family(

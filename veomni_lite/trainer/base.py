@@ -210,6 +210,7 @@ class BaseTrainer(ABC):
         models = with_companions(model)
         for each in models:
             self._set_attention(each)
+        self._set_experts(models)
         model.fused_lm_head = config.model.fused_lm_head  # read by the transformers models' loss heads
         self._check_packing(model)
         # Called per micro-batch for the FLOPs metric: the parameter count is walked once per sequence length.
@@ -368,6 +369,22 @@ class BaseTrainer(ABC):
             model.set_attn_implementation(name)
         except (ImportError, ValueError) as exc:
             raise ConfigError(f"model.attn_implementation {name!r}: {exc}") from exc
+
+    def _set_experts(self, models: Sequence[TrainableModel]) -> None:
+        """Apply `model.experts_implementation` to every model with experts (a ConfigError naming it where none has
+        any, or transformers has no such implementation)."""
+        from veomni_lite.models.pretrained import hf_child
+        from veomni_lite.models.routing import routers
+
+        name = self.config.model.experts_implementation
+        with_experts = [model for model in models if routers(model)]
+        if name and not with_experts:
+            raise ConfigError(f"model.experts_implementation {name!r}: {type(models[0]).__name__} has no experts")
+        for model in with_experts if name else ():
+            try:
+                hf_child(model)[1].set_experts_implementation(name)
+            except (ImportError, ValueError) as exc:
+                raise ConfigError(f"model.experts_implementation {name!r}: {exc}") from exc
 
     def _check_packing(self, model: TrainableModel) -> None:
         """`data.packing` needs a model that masks packed rows by `attention_sequence_ids` (a config error)."""

@@ -126,7 +126,7 @@ def _build(
     if before is not None and int(os.environ.get("RANK", "0")) == 0:
         before.update(snapshot(Path(config.train.output_dir)))
     arch = config.model.arch
-    causal_lm = arch not in NAMED_ARCHES and family_of(arch) is CAUSAL_LM
+    causal_lm = arch not in NAMED_ARCHES and family_of(arch).wrapper == CAUSAL_LM.wrapper  # a listed one too
     trainer_cls = trainers.get(arch, trainers.get("*") if causal_lm else None)
     if trainer_cls is None:
         names = sorted(name if name != "*" else "any causal LM (qwen2, llama, ...)" for name in trainers)
