@@ -157,7 +157,9 @@ def test_a_rollout_batch_of_episodes_whose_tool_keeps_failing_stops_the_run(tool
     agent = Agent(tokenizer, tools, max_turns=2, max_episode_tokens=400, tool_timeout_s=20)
     trainer = SimpleNamespace(config=SimpleNamespace(train=SimpleNamespace(seed=0)), agent=agent, control_group=None,
                               engine=ScriptedEngine(tokenizer, scripts), rank=0, step=0)  # fmt: skip
-    batches = SimpleNamespace(trainer=trainer, _score=lambda samples, prompts: None)
+    batches = SimpleNamespace(
+        trainer=trainer, _score=lambda samples, prompts: None, name=lambda k: f"rollout batch {k}"
+    )
     generate = lambda: generate_episodes(batches, 0, prompts, [0, 1, 2, 3], 4, _settings(tokenizer), sample_seed)  # noqa: E731
     if monster == "imp":
         samples = generate()
