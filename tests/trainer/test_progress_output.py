@@ -39,6 +39,7 @@ def test_setup_logging_turns_transformers_bars_off_where_stderr_is_no_terminal(m
     logger = logging.getLogger(ROOT_LOGGER)
     saved = logger.handlers[:], logger.level, logger.propagate
     try:
+        transformers_logging.enable_progress_bar()  # an earlier test of the session may have turned them off
         monkeypatch.setattr(sys, "stderr", Terminal())  # the control: a terminal keeps them
         setup_logging(0)
         assert transformers_logging.is_progress_bar_enabled()
