@@ -115,7 +115,11 @@ def _set_nested(target: dict[str, Any], dotted: str, path: list[str], value: Any
 
 def _coerce(key: str, value: Any, expected: Any) -> Any:
     """Check `value` against the field type (bool, int, float, str or a Literal of strings); strings from the CLI are
-    parsed as YAML."""
+    parsed as YAML; `X | None` takes None, `null` or an X)."""
+    if type(None) in typing.get_args(expected):  # `moe.aux_loss_coef: float | None`
+        if value is None or value in ("null", "None", "~"):
+            return None
+        expected = next(arg for arg in typing.get_args(expected) if arg is not type(None))
     if typing.get_origin(expected) is dict:
         if isinstance(value, str):  # `--model.hf '{model_type: qwen2, hidden_size: 64}'`
             try:

@@ -304,6 +304,20 @@ class LossConfig:
 
 
 @dataclass
+class MoEConfig:
+    """Router losses of a Mixture-of-Experts decoder (see `veomni_lite.models.moe`); ignored for a dense model."""
+
+    aux_loss_coef: float | None = None
+    """The load-balancing head's coefficient (`router_aux`); None: the model config's `router_aux_loss_coef`."""
+    z_loss_coef: float = 0.0
+    """The router z-loss head's coefficient (`router_z`); 0: no z-loss."""
+    balance: Literal["micro-batch", "global-batch", "sequence"] = "micro-batch"
+    """Over which tokens the load balance is measured: micro-batch (transformers' loss per micro-batch, averaged over
+    the step's micro-batches: what HF and TRL train, the default so a run matches them), global-batch (every token of
+    the optimizer step, f one step late), sequence (DeepSeek-V3's per-sample loss)."""
+
+
+@dataclass
 class Config:
     """All sections; YAML files and `--section.key VALUE` overrides fill it (see `load_config`)."""
 
@@ -315,6 +329,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     sections: dict[str, Any] = field(default_factory=dict, repr=False)
     """An entry point's own sections, e.g. `{"rl": RLConfig()}` (`load_config(..., sections=)`), read as attributes
     (`config.rl`) and written as top-level sections by `to_dict`; defined beside their package, not here."""
@@ -359,6 +374,7 @@ _SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
     "loss": LossConfig,
+    "moe": MoEConfig,
 }
 # Before the sections were grouped by concern, every run setting lived under `train`: those names keep working.
 ALIASES: dict[str, str] = {

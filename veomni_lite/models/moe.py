@@ -1,0 +1,355 @@
+"""Router losses of a Mixture-of-Experts decoder as loss heads of the contract (`router_aux`, `router_z`).
+
+Capture. `router_outputs(model)` hooks the modules transformers itself records router logits from (the
+`OutputRecorder` of `_can_record_outputs["router_logits"]`, e.g. `Qwen3MoeTopKRouter`, whose output 0 is the logits)
+and keeps, per layer, the logits [tokens, E] of the LAST forward run inside it (a reference or old-log-probability
+pass run before the trained forward is dropped). `routing(model)` says whether a model routes at all.
+
+Which tokens count. Token t has a weight w_t (`token_weights`): 0 on padding (`sequence_ids == -1`; never "labels
+IGNORE": a prompt token is routed), 1 on a sample's own token, and m on a shared prefix (`sequence_ids == -2`, kept
+once for the m samples of its group, `data.shared_prefix`), so a shared prompt counts once per sample that shares it.
+
+Balance modes (`moe.balance`, the registry `ROUTER_LOSSES`). With p_{l,t} = softmax of layer l's logits at t, c_{l,t}
+the 0/1 vector of its top-k experts, L the routed layers and E the experts, every mode uses transformers'
+layer-averaged form (`load_balancing_loss_func`): f_i = sum_l sum_t w_t c_{l,t,i} / (L T), P_i = sum_l sum_t w_t
+p_{l,t,i} / (L T) over a set of tokens of weight T = sum_t w_t, and loss = E sum_i f_i P_i (f sums to k; f has no
+gradient).
+- `micro-batch`: the set is the micro-batch shard as transformers sees it (padding masked, each position once):
+  transformers' value on it; the head is the mean over the step's micro-batches (on every rank and SP shard) that
+  route a token (count 1 each), as the HF drop-in and TRL train.
+- `global-batch`: the set is every routed token of the optimizer step on every rank and shard. P is a token mean,
+  exact over micro-batches through the loss core (count T); f is the PREVIOUS optimizer step's global f (its counts,
+  E + 1 int64 slots, travel in this step's one all-reduce, made before the first forward: `RouterLosses.begin_step`):
+  exact counts, one step late, at no extra forward or collective. The first step (and the first after a resume) has
+  no f: uniform f (k / E each), whose loss is the constant k (no gradient). A routing pre-pass would give this
+  step's own f for one more forward per micro-batch.
+- `sequence`: DeepSeek-V3's sequence-wise loss: the set is one sample (a row, a packed segment, with its shared
+  prefix); the head is the mean over the step's samples (count: samples), in the same layer-averaged form.
+`router_z`: ST-MoE's z-loss, the token mean of (1/L) sum_l logsumexp(logits_{l,t})^2 (count T).
+The coefficients multiply the heads: `moe.aux_loss_coef` (None: the model config's `router_aux_loss_coef`) and
+`moe.z_loss_coef` (0: no `router_z` head).
+
+Limits (raised before any collective): `sequence` and a shared prefix need the whole row on the rank (no Ulysses SP).
+Under SP, `micro-batch` is transformers' value per shard (its mean over shards), `global-batch` and `router_z` exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from veomni_lite.config_sections import ConfigError
+from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS, SEQUENCE_IDS, loss_key, sequences_key, tokens_key
+from veomni_lite.metrics.accumulator import MetricSpec
+from veomni_lite.registries import Registry
+from veomni_lite.utils.loss_utils import LossModes
+
+__all__ = [
+    *("ROUTER_AUX", "ROUTER_LOSSES", "ROUTER_Z", "RouterLosses", "RouterRecord"),
+    *("load_balancing_loss", "router_losses", "router_outputs", "routing", "token_weights"),
+]
+
+ROUTER_AUX, ROUTER_Z = "router_aux", "router_z"
+ROUTER_LOSSES = Registry("router balance")
+LOAD_IMBALANCE = "moe/load_imbalance"
+
+
+# ---------------------------------------------------------------- capture
+
+
+def _recorder(model: nn.Module) -> tuple[type[nn.Module], int] | None:
+    """(router class, index of the logits in its output) that transformers records `router_logits` from."""
+    for module in model.modules():
+        recorder = (getattr(type(module), "_can_record_outputs", None) or {}).get("router_logits")
+        if recorder is not None:
+            return recorder.target_class, recorder.index
+    return None
+
+
+def routing(model: nn.Module) -> bool:
+    """Whether the model has routers transformers records logits from (a Mixture-of-Experts decoder)."""
+    recorder = _recorder(model)
+    return recorder is not None and any(isinstance(m, recorder[0]) for m in model.modules())
+
+
+@dataclass
+class RouterRecord:
+    """The router logits of the last forward run inside `router_outputs`: one [tokens, E] tensor per routed layer, in
+    layer order, tokens flattened from the micro-batch's [B, S] (this rank's shard)."""
+
+    logits: list[torch.Tensor] = field(default_factory=list)
+    _first: nn.Module | None = None
+
+
+@contextlib.contextmanager
+def router_outputs(model: nn.Module) -> Iterator[RouterRecord]:
+    """Record the router logits of `model`'s forwards (see `RouterRecord`); hooks removed on exit. Reusable by any
+    code that needs the routing of a forward (the router losses, routing replay)."""
+    recorder = _recorder(model)
+    if recorder is None:
+        raise ValueError(f"{type(model).__name__} has no router transformers records logits from (not an MoE)")
+    cls, index = recorder
+    record = RouterRecord()
+    routers = [m for m in model.modules() if isinstance(m, cls)]
+
+    def hook(module: nn.Module, _args: Any, output: Any) -> None:
+        if module is routers[0]:  # the first layer's router: a new forward starts
+            record.logits = []
+        record.logits.append(output[index] if isinstance(output, (tuple, list)) else output)
+
+    handles = [m.register_forward_hook(hook) for m in routers]
+    try:
+        yield record
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+# ---------------------------------------------------------------- tokens and sequences
+
+
+def token_weights(micro_batch: Mapping[str, Any]) -> torch.Tensor:
+    """int64 [B * S]: how many samples each routed position of the micro-batch counts for (see the module docstring):
+    0 on padding, 1 on a sample's token, m on a prefix shared by m samples; every position without `sequence_ids`."""
+    ids = micro_batch.get(SEQUENCE_IDS)
+    if ids is None:
+        return torch.ones(micro_batch["input_ids"].numel(), dtype=torch.int64, device=micro_batch["input_ids"].device)
+    weights = (ids >= 0).long()
+    if bool((ids == -2).any()):
+        weights = weights + _prefix_members(micro_batch) * (ids == -2).long()
+    return weights.reshape(-1)
+
+
+def _prefix_members(micro_batch: Mapping[str, Any]) -> torch.Tensor:
+    """[B, S]: at each shared-prefix position, how many samples' branches follow its prefix (0 elsewhere)."""
+    return _membership(micro_batch).sum(0).view_as(micro_batch[SEQUENCE_IDS]) - (
+        micro_batch[SEQUENCE_IDS] >= 0
+    ).long().view_as(micro_batch[SEQUENCE_IDS])
+
+
+def _membership(micro_batch: Mapping[str, Any]) -> torch.Tensor:
+    """int64 [N, B * S]: 1 where position t belongs to sample n (its own tokens and its shared prefix)."""
+    ids = micro_batch[SEQUENCE_IDS]
+    whole = micro_batch.get(ATTENTION_SEQUENCE_IDS)
+    if whole is not None and whole.shape != ids.shape:
+        raise ValueError(
+            f"MoE router loss: a per-sample count needs the whole row on the rank ({SEQUENCE_IDS} {tuple(ids.shape)}, "
+            f"{ATTENTION_SEQUENCE_IDS} {tuple(whole.shape)}): `moe.balance: sequence` and shared prefixes "
+            "(`data.shared_prefix`) are not supported under Ulysses SP"
+        )
+    rows, length = ids.shape
+    members = []
+    for row in range(rows):
+        row_ids = ids[row].cpu()
+        prefix_of = torch.full((length,), -1, dtype=torch.long)  # the prefix start each branch position hangs on
+        start = -1
+        for t in range(length):
+            if int(row_ids[t]) == -2 and (t == 0 or int(row_ids[t - 1]) != -2):
+                start = t
+            elif int(row_ids[t]) == -1:
+                start = -1
+            prefix_of[t] = start
+        for sample in torch.unique(row_ids[row_ids >= 0]).tolist():
+            own = row_ids == sample
+            member = own.clone()
+            starts = prefix_of[own]
+            if int(starts[0]) >= 0:  # a branch: its prefix run belongs to it too
+                end = int(starts[0])
+                while end < length and int(row_ids[end]) == -2:
+                    end += 1
+                member[int(starts[0]) : end] = True
+            line = torch.zeros(rows * length, dtype=torch.long)
+            line[row * length : (row + 1) * length] = member.long()
+            members.append(line)
+    if not members:
+        return torch.zeros(0, rows * length, dtype=torch.long, device=ids.device)
+    return torch.stack(members).to(ids.device)
+
+
+# ---------------------------------------------------------------- the balance modes
+
+
+def _routing(logits: list[torch.Tensor], top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(p [L, T, E] float32 or wider, c [L, T, E] 0/1 top-k assignments, no gradient)."""
+    probs = torch.stack(
+        [F.softmax(layer.float() if layer.dtype != torch.float64 else layer, dim=-1) for layer in logits]
+    )
+    chosen = torch.zeros_like(probs, dtype=torch.int64).scatter_(-1, probs.detach().topk(top_k, dim=-1).indices, 1)
+    return probs, chosen
+
+
+def load_balancing_loss(probs: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """E sum_i f_i P_i over the tokens of `weights` ([T]; transformers' `load_balancing_loss_func` with
+    attention_mask = weights, layer-averaged): f from `chosen`, P from `probs`; NaN-free 0 without tokens."""
+    experts, total = probs.shape[-1], weights.sum().clamp(min=1) * probs.shape[0]
+    f = (chosen * weights[None, :, None]).sum((0, 1)).to(probs.dtype) / total
+    p = (probs * weights[None, :, None].to(probs.dtype)).sum((0, 1)) / total
+    return experts * (f * p).sum()
+
+
+@dataclass
+class RouterInputs:
+    """What a balance mode reads of one micro-batch's forward."""
+
+    probs: torch.Tensor  # [L, T, E]
+    chosen: torch.Tensor  # [L, T, E] 0/1
+    weights: torch.Tensor  # [T] int64 (token_weights)
+    micro_batch: Mapping[str, Any]
+    global_f: torch.Tensor | None  # [E] the step's f (global-batch)
+    top_k: int
+
+
+@ROUTER_LOSSES.register("micro-batch", metrics=(loss_key(ROUTER_AUX),))
+def micro_batch_balance(x: RouterInputs) -> torch.Tensor:
+    """transformers' value on this micro-batch (shard); its count is 1 when it routes a token."""
+    return load_balancing_loss(x.probs, x.chosen, (x.weights > 0).long())
+
+
+@ROUTER_LOSSES.register("global-batch", metrics=(loss_key(ROUTER_AUX),))
+def global_batch_balance(x: RouterInputs) -> torch.Tensor:
+    """The local token mean of E sum_i f_i p_{t,i} (p layer-averaged) with the step's global f; count T."""
+    experts, layers = x.probs.shape[-1], x.probs.shape[0]
+    f = x.global_f.to(x.probs.dtype) if x.global_f is not None else x.probs.new_full((experts,), x.top_k / experts)
+    per_token = experts * (x.probs.sum(0) / layers * f).sum(-1)
+    w = x.weights.to(x.probs.dtype)
+    return (per_token * w).sum() / w.sum().clamp(min=1)
+
+
+@ROUTER_LOSSES.register("sequence", metrics=(loss_key(ROUTER_AUX),))
+def sequence_balance(x: RouterInputs) -> torch.Tensor:
+    """Sum over this micro-batch's samples of each sample's E sum_i f_i P_i, over the local count T (the core
+    multiplies by T and divides by the step's samples: the mean over samples)."""
+    members = _membership(x.micro_batch).to(x.probs.dtype)  # [N, T]
+    experts, layers = x.probs.shape[-1], x.probs.shape[0]
+    sizes = members.sum(1).clamp(min=1) * layers  # L T_s
+    f = members @ x.chosen.sum(0).to(x.probs.dtype) / sizes[:, None]  # [N, E]
+    p = members @ x.probs.sum(0) / sizes[:, None]
+    return experts * (f * p).sum() / x.weights.sum().clamp(min=1).to(x.probs.dtype)
+
+
+def z_loss(logits: list[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
+    """The local token mean of (1/L) sum_l logsumexp(logits_{l,t})^2 (ST-MoE)."""
+    z = torch.stack(
+        [torch.logsumexp(layer.float() if layer.dtype != torch.float64 else layer, -1) ** 2 for layer in logits]
+    )
+    w = weights.to(z.dtype)
+    return (z.mean(0) * w).sum() / w.sum().clamp(min=1)
+
+
+# ---------------------------------------------------------------- the heads of a trainer
+
+
+class RouterLosses:
+    """The router heads of one MoE model: counts per micro-batch (`counts`), the heads of a captured forward
+    (`heads`) and, for `global-batch`, the step's f (`begin_step`, then `end_step`)."""
+
+    def __init__(self, model: nn.Module, balance: str, aux_coef: float | None, z_coef: float, at: str = "moe") -> None:
+        self.balance = balance
+        self.fn: Callable[[RouterInputs], torch.Tensor] = ROUTER_LOSSES.get(balance, f"{at}.balance").fn
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.aux_coef = float(config.router_aux_loss_coef if aux_coef is None else aux_coef)
+        self.z_coef = float(z_coef)
+        self.top_k = int(config.num_experts_per_tok)
+        self.experts = int(getattr(config, "num_experts", None) or config.num_local_experts)
+        self.global_f: torch.Tensor | None = None
+        self._step_counts: torch.Tensor | None = None  # this step's local [E + 1]: sum_l sum_t w c, then L T
+
+    @property
+    def loss_keys(self) -> tuple[str, ...]:
+        return (loss_key(ROUTER_AUX),) + ((loss_key(ROUTER_Z),) if self.z_coef else ())
+
+    def modes(self, modes: LossModes) -> LossModes:
+        """`modes` with the router heads' own (whatever `loss.mode` says): a mean over micro-batches or tokens
+        (token-mean over their counts), over samples for `sequence` (seq-mean-token-sum)."""
+        aux = "seq-mean-token-sum" if self.balance == "sequence" else "token-mean"
+        per_head = {**modes.per_head, ROUTER_AUX: aux, ROUTER_Z: "token-mean"}
+        return LossModes(modes.default, per_head, modes.scale_factor)
+
+    @staticmethod
+    def specs() -> list[MetricSpec]:
+        return [MetricSpec(LOAD_IMBALANCE, "max", ".3f")]
+
+    def counts(self, micro_batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """The micro-batch's counts of the router heads (the loss core's n, summed into the step's D)."""
+        weights = token_weights(micro_batch)
+        tokens = weights.sum()
+        if bool(micro_batch.get("padding_flag", False)):
+            tokens = torch.zeros_like(tokens)
+        out = {tokens_key(ROUTER_Z): tokens} if self.z_coef else {}
+        if self.balance == "micro-batch":
+            out[tokens_key(ROUTER_AUX)] = (tokens > 0).long()
+        else:
+            out[tokens_key(ROUTER_AUX)] = tokens
+        if self.balance == "sequence":
+            samples = _membership(micro_batch).shape[0] if tokens.item() else 0
+            out[sequences_key(ROUTER_AUX)] = torch.tensor(samples, dtype=torch.int64, device=tokens.device)
+        return out
+
+    def heads(self, record: RouterRecord, micro_batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """{"router_aux_loss", ["router_z_loss"], "metrics"}: the coefficient times each head's local mean, and this
+        micro-batch's load imbalance (busiest expert over the mean, worst layer)."""
+        if not record.logits:
+            raise RuntimeError("MoE router loss: no router logits were recorded in this forward")
+        weights = token_weights(micro_batch).to(record.logits[0].device)
+        probs, chosen = _routing(record.logits, self.top_k)
+        x = RouterInputs(probs, chosen, weights, micro_batch, self.global_f, self.top_k)
+        out = {loss_key(ROUTER_AUX): self.aux_coef * self.fn(x)}
+        if self.z_coef:
+            out[loss_key(ROUTER_Z)] = self.z_coef * z_loss(record.logits, weights)
+        loads = (chosen * weights[None, :, None]).sum(1).double()  # [L, E]
+        out["metrics"] = {LOAD_IMBALANCE: (loads.max(-1).values / loads.mean(-1).clamp(min=1e-12)).max()}
+        if self.balance == "global-batch" and torch.is_grad_enabled():  # training forwards only
+            local = torch.cat([loads.sum(0).round().long(), (weights.sum() * probs.shape[0]).reshape(1)])
+            self._step_counts = local if self._step_counts is None else self._step_counts + local
+        return out
+
+    def routed(
+        self,
+        model: nn.Module,
+        micro_batch: Mapping[str, Any],
+        forward: Callable[[Mapping[str, Any]], Mapping[str, Any]],
+    ) -> dict[str, Any]:
+        """`forward(micro_batch)`'s outputs plus the router heads of `model`'s last forward in it (whatever a trainer's
+        forward builds, its trained forward runs last: reference passes run before), their metrics merged."""
+        with router_outputs(model) as record:
+            outputs = forward(micro_batch)
+        heads = self.heads(record, micro_batch)
+        metrics = {**outputs.get("metrics", {}), **heads.pop("metrics")}
+        return {**outputs, **heads, "metrics": metrics}
+
+    def step_slots(self, device: torch.device) -> torch.Tensor | None:
+        """`global-batch`: the previous step's local counts [E + 1] (zeros before any), the extra slots of this step's
+        all-reduce; None otherwise."""
+        if self.balance != "global-batch":
+            return None
+        counts = self._step_counts
+        self._step_counts = None
+        return (
+            counts.to(device) if counts is not None else torch.zeros(self.experts + 1, dtype=torch.int64, device=device)
+        )
+
+    def set_global_counts(self, totals: torch.Tensor) -> None:
+        """The previous step's counts summed over every rank: f_i = counts_i / (L T); none yet: uniform f."""
+        total = totals[-1].double()
+        uniform = torch.full((self.experts,), self.top_k / self.experts, dtype=torch.float64, device=totals.device)
+        self.global_f = torch.where(total > 0, totals[:-1].double() / total.clamp(min=1), uniform)
+
+
+def router_losses(model: nn.Module, moe: Any, sp_size: int = 1, shared_prefix: bool = False) -> RouterLosses | None:
+    """The router heads of `model` under the config section `moe` (`MoEConfig`), None for a model that does not route.
+    Raises a ConfigError (every rank alike: from the config) for what needs the whole row under Ulysses SP."""
+    if not routing(model):
+        return None
+    if sp_size > 1 and (moe.balance == "sequence" or shared_prefix):
+        what = "moe.balance: sequence" if moe.balance == "sequence" else "data.shared_prefix with data.packing"
+        raise ConfigError(
+            f"{what} counts whole samples, which Ulysses SP (parallel.sp_size={sp_size}) cuts across ranks: use "
+            "moe.balance micro-batch or global-batch and data.shared_prefix false, or sp_size 1"
+        )
+    return RouterLosses(model, moe.balance, moe.aux_loss_coef, moe.z_loss_coef)
