@@ -52,7 +52,8 @@ from veomni_lite.utils.loss_utils import LossModes
 
 __all__ = [
     *("ROUTER_AUX", "ROUTER_LOSSES", "ROUTER_Z", "RouterLosses", "RouterRecord"),
-    *("load_balancing_loss", "router_losses", "router_outputs", "routing", "token_weights"),
+    *("load_balancing_loss", "membership", "router_losses", "router_outputs", "routing", "routing_sums"),
+    "token_weights",
 ]
 
 ROUTER_AUX, ROUTER_Z = "router_aux", "router_z"
@@ -120,21 +121,14 @@ def token_weights(micro_batch: Mapping[str, Any]) -> torch.Tensor:
     ids = micro_batch.get(SEQUENCE_IDS)
     if ids is None:
         return torch.ones(micro_batch["input_ids"].numel(), dtype=torch.int64, device=micro_batch["input_ids"].device)
-    weights = (ids >= 0).long()
-    if bool((ids == -2).any()):
-        weights = weights + _prefix_members(micro_batch) * (ids == -2).long()
-    return weights.reshape(-1)
+    if bool((ids == -2).any()):  # host tensors: the trainer reads the micro-batch before moving it
+        return membership(micro_batch).sum(0)
+    return (ids >= 0).long().reshape(-1)
 
 
-def _prefix_members(micro_batch: Mapping[str, Any]) -> torch.Tensor:
-    """[B, S]: at each shared-prefix position, how many samples' branches follow its prefix (0 elsewhere)."""
-    return _membership(micro_batch).sum(0).view_as(micro_batch[SEQUENCE_IDS]) - (
-        micro_batch[SEQUENCE_IDS] >= 0
-    ).long().view_as(micro_batch[SEQUENCE_IDS])
-
-
-def _membership(micro_batch: Mapping[str, Any]) -> torch.Tensor:
-    """int64 [N, B * S]: 1 where position t belongs to sample n (its own tokens and its shared prefix)."""
+def membership(micro_batch: Mapping[str, Any]) -> torch.Tensor:
+    """int64 [N, B * S]: 1 where position t belongs to sample n (a row's or packed segment's own tokens, and the
+    shared prefix its branch follows: `veomni_lite.data.collator.pack` puts a group's prefix, then its branches)."""
     ids = micro_batch[SEQUENCE_IDS]
     whole = micro_batch.get(ATTENTION_SEQUENCE_IDS)
     if whole is not None and whole.shape != ids.shape:
@@ -144,102 +138,94 @@ def _membership(micro_batch: Mapping[str, Any]) -> torch.Tensor:
             "(`data.shared_prefix`) are not supported under Ulysses SP"
         )
     rows, length = ids.shape
-    members = []
-    for row in range(rows):
-        row_ids = ids[row].cpu()
-        prefix_of = torch.full((length,), -1, dtype=torch.long)  # the prefix start each branch position hangs on
-        start = -1
-        for t in range(length):
-            if int(row_ids[t]) == -2 and (t == 0 or int(row_ids[t - 1]) != -2):
-                start = t
-            elif int(row_ids[t]) == -1:
-                start = -1
-            prefix_of[t] = start
-        for sample in torch.unique(row_ids[row_ids >= 0]).tolist():
-            own = row_ids == sample
-            member = own.clone()
-            starts = prefix_of[own]
-            if int(starts[0]) >= 0:  # a branch: its prefix run belongs to it too
-                end = int(starts[0])
-                while end < length and int(row_ids[end]) == -2:
-                    end += 1
-                member[int(starts[0]) : end] = True
-            line = torch.zeros(rows * length, dtype=torch.long)
-            line[row * length : (row + 1) * length] = member.long()
-            members.append(line)
-    if not members:
-        return torch.zeros(0, rows * length, dtype=torch.long, device=ids.device)
-    return torch.stack(members).to(ids.device)
+    prefix = ids == -2
+    run_starts = prefix & ~F.pad(prefix[:, :-1], (1, 0), value=False)
+    group = run_starts.long().cumsum(1)  # 0: before any prefix (lone samples); g: after the row's g-th prefix
+    group = torch.where(group > 0, group + torch.arange(rows, device=ids.device)[:, None] * (length + 1), 0)
+    own = ids >= 0
+    sample = (torch.arange(rows, device=ids.device)[:, None] * (int(ids.max()) + 1 if own.any() else 1) + ids)[own]
+    _, inverse = torch.unique(sample, return_inverse=True)
+    count = int(inverse.max()) + 1 if inverse.numel() else 0
+    positions = torch.nonzero(own.reshape(-1)).squeeze(1)
+    out = torch.zeros(count, rows * length, dtype=torch.int64, device=ids.device)
+    out[inverse, positions] = 1
+    sample_group = torch.zeros(count, dtype=torch.int64, device=ids.device).scatter_reduce(
+        0, inverse, group.reshape(-1)[positions], "amax"
+    )
+    shared = prefix.reshape(-1)[None, :] & (group.reshape(-1)[None, :] == sample_group[:, None])
+    return out + (shared & (sample_group[:, None] > 0)).long()
 
 
 # ---------------------------------------------------------------- the balance modes
 
 
-def _routing(logits: list[torch.Tensor], top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(p [L, T, E] float32 or wider, c [L, T, E] 0/1 top-k assignments, no gradient)."""
-    probs = torch.stack(
-        [F.softmax(layer.float() if layer.dtype != torch.float64 else layer, dim=-1) for layer in logits]
-    )
-    chosen = torch.zeros_like(probs, dtype=torch.int64).scatter_(-1, probs.detach().topk(top_k, dim=-1).indices, 1)
-    return probs, chosen
-
-
-def load_balancing_loss(probs: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """E sum_i f_i P_i over the tokens of `weights` ([T]; transformers' `load_balancing_loss_func` with
-    attention_mask = weights, layer-averaged): f from `chosen`, P from `probs`; NaN-free 0 without tokens."""
-    experts, total = probs.shape[-1], weights.sum().clamp(min=1) * probs.shape[0]
-    f = (chosen * weights[None, :, None]).sum((0, 1)).to(probs.dtype) / total
-    p = (probs * weights[None, :, None].to(probs.dtype)).sum((0, 1)) / total
-    return experts * (f * p).sum()
-
-
 @dataclass
 class RouterInputs:
-    """What a balance mode reads of one micro-batch's forward."""
+    """What a balance mode reads of one micro-batch's forward (layer sums: no [L, T, E] tensor is kept)."""
 
-    probs: torch.Tensor  # [L, T, E]
-    chosen: torch.Tensor  # [L, T, E] 0/1
-    weights: torch.Tensor  # [T] int64 (token_weights)
+    probs: torch.Tensor  # [T, E] sum over the L layers of the router probabilities (float32 or wider)
+    chosen: torch.Tensor  # [T, E] sum over the layers of the 0/1 top-k assignments (no gradient)
+    layers: int
+    weights: torch.Tensor  # [T] int64 (`token_weights`)
     micro_batch: Mapping[str, Any]
-    global_f: torch.Tensor | None  # [E] the step's f (global-batch)
+    global_f: torch.Tensor | None  # [E] the step's f (global-batch), None: uniform
     top_k: int
+
+
+def routing_sums(
+    logits: list[torch.Tensor], top_k: int, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sum_l p_l [T, E], sum_l c_l [T, E], loads [L, E] = sum_t w_t c_{l,t}) with p = softmax of the logits in
+    float32 (float64 kept) and c the top-k 0/1 assignments (no gradient); no [L, T, E] tensor is built."""
+    probs, chosen, loads = None, None, []
+    for layer in logits:
+        p = F.softmax(layer if layer.dtype == torch.float64 else layer.float(), dim=-1)
+        c = torch.zeros_like(p).scatter_(-1, p.detach().topk(top_k, dim=-1).indices, 1.0)
+        probs = p if probs is None else probs + p
+        chosen = c if chosen is None else chosen + c
+        loads.append(weights.to(c.dtype) @ c)
+    return probs, chosen, torch.stack(loads)
+
+
+def load_balancing_loss(probs: torch.Tensor, chosen: torch.Tensor, layers: int, weights: torch.Tensor) -> torch.Tensor:
+    """E sum_i f_i P_i over the tokens of `weights` [T] (transformers' `load_balancing_loss_func` with
+    attention_mask = weights): f_i = sum_t w_t chosen_{t,i} / (L T), P_i = sum_t w_t probs_{t,i} / (L T)."""
+    w = weights.to(probs.dtype)[:, None]
+    total = w.sum().clamp(min=1) * layers
+    return probs.shape[-1] * ((chosen * w).sum(0) / total * ((probs * w).sum(0) / total)).sum()
 
 
 @ROUTER_LOSSES.register("micro-batch", metrics=(loss_key(ROUTER_AUX),))
 def micro_batch_balance(x: RouterInputs) -> torch.Tensor:
-    """transformers' value on this micro-batch (shard); its count is 1 when it routes a token."""
-    return load_balancing_loss(x.probs, x.chosen, (x.weights > 0).long())
+    """transformers' value on this micro-batch (shard), each routed position once; its count is 1."""
+    return load_balancing_loss(x.probs, x.chosen, x.layers, (x.weights > 0).long())
 
 
 @ROUTER_LOSSES.register("global-batch", metrics=(loss_key(ROUTER_AUX),))
 def global_batch_balance(x: RouterInputs) -> torch.Tensor:
-    """The local token mean of E sum_i f_i p_{t,i} (p layer-averaged) with the step's global f; count T."""
-    experts, layers = x.probs.shape[-1], x.probs.shape[0]
-    f = x.global_f.to(x.probs.dtype) if x.global_f is not None else x.probs.new_full((experts,), x.top_k / experts)
-    per_token = experts * (x.probs.sum(0) / layers * f).sum(-1)
+    """The local token mean (weights w) of E sum_i f_i p_{t,i} / L with the step's global f; count T."""
+    experts = x.probs.shape[-1]
+    f = x.global_f if x.global_f is not None else torch.full((experts,), x.top_k / experts, dtype=torch.float64)
+    per_token = experts * (x.probs / x.layers * f.to(x.probs)).sum(-1)
     w = x.weights.to(x.probs.dtype)
     return (per_token * w).sum() / w.sum().clamp(min=1)
 
 
 @ROUTER_LOSSES.register("sequence", metrics=(loss_key(ROUTER_AUX),))
 def sequence_balance(x: RouterInputs) -> torch.Tensor:
-    """Sum over this micro-batch's samples of each sample's E sum_i f_i P_i, over the local count T (the core
+    """The sum over this micro-batch's samples of each one's E sum_i f_i P_i, over the local count T (the core
     multiplies by T and divides by the step's samples: the mean over samples)."""
-    members = _membership(x.micro_batch).to(x.probs.dtype)  # [N, T]
-    experts, layers = x.probs.shape[-1], x.probs.shape[0]
-    sizes = members.sum(1).clamp(min=1) * layers  # L T_s
-    f = members @ x.chosen.sum(0).to(x.probs.dtype) / sizes[:, None]  # [N, E]
-    p = members @ x.probs.sum(0) / sizes[:, None]
-    return experts * (f * p).sum() / x.weights.sum().clamp(min=1).to(x.probs.dtype)
+    members = membership(x.micro_batch).to(x.probs)  # [N, T]
+    sizes = members.sum(1, keepdim=True).clamp(min=1) * x.layers  # L T_s
+    f, p = members @ x.chosen / sizes, members @ x.probs / sizes
+    return x.probs.shape[-1] * (f * p).sum() / x.weights.sum().clamp(min=1).to(x.probs.dtype)
 
 
 def z_loss(logits: list[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
-    """The local token mean of (1/L) sum_l logsumexp(logits_{l,t})^2 (ST-MoE)."""
-    z = torch.stack(
-        [torch.logsumexp(layer.float() if layer.dtype != torch.float64 else layer, -1) ** 2 for layer in logits]
-    )
+    """The local token mean (weights w) of (1/L) sum_l logsumexp(logits_{l,t})^2 (ST-MoE)."""
+    z = sum(torch.logsumexp(x if x.dtype == torch.float64 else x.float(), -1) ** 2 for x in logits) / len(logits)
     w = weights.to(z.dtype)
-    return (z.mean(0) * w).sum() / w.sum().clamp(min=1)
+    return (z * w).sum() / w.sum().clamp(min=1)
 
 
 # ---------------------------------------------------------------- the heads of a trainer
@@ -287,8 +273,8 @@ class RouterLosses:
         else:
             out[tokens_key(ROUTER_AUX)] = tokens
         if self.balance == "sequence":
-            samples = _membership(micro_batch).shape[0] if tokens.item() else 0
-            out[sequences_key(ROUTER_AUX)] = torch.tensor(samples, dtype=torch.int64, device=tokens.device)
+            samples = torch.full_like(tokens, membership(micro_batch).shape[0])
+            out[sequences_key(ROUTER_AUX)] = torch.where(tokens > 0, samples, 0)
         return out
 
     def heads(self, record: RouterRecord, micro_batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -297,15 +283,15 @@ class RouterLosses:
         if not record.logits:
             raise RuntimeError("MoE router loss: no router logits were recorded in this forward")
         weights = token_weights(micro_batch).to(record.logits[0].device)
-        probs, chosen = _routing(record.logits, self.top_k)
-        x = RouterInputs(probs, chosen, weights, micro_batch, self.global_f, self.top_k)
+        probs, chosen, loads = routing_sums(record.logits, self.top_k, weights)
+        x = RouterInputs(probs, chosen, len(record.logits), weights, micro_batch, self.global_f, self.top_k)
         out = {loss_key(ROUTER_AUX): self.aux_coef * self.fn(x)}
         if self.z_coef:
             out[loss_key(ROUTER_Z)] = self.z_coef * z_loss(record.logits, weights)
-        loads = (chosen * weights[None, :, None]).sum(1).double()  # [L, E]
+        loads = loads.double()
         out["metrics"] = {LOAD_IMBALANCE: (loads.max(-1).values / loads.mean(-1).clamp(min=1e-12)).max()}
         if self.balance == "global-batch" and torch.is_grad_enabled():  # training forwards only
-            local = torch.cat([loads.sum(0).round().long(), (weights.sum() * probs.shape[0]).reshape(1)])
+            local = torch.cat([loads.sum(0), (weights.sum() * len(record.logits)).reshape(1)]).round().long()
             self._step_counts = local if self._step_counts is None else self._step_counts + local
         return out
 
