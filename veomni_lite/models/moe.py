@@ -231,9 +231,17 @@ def z_loss(logits: list[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- the heads of a trainer
 
 
+def _weights(micro_batch: Mapping[str, Any]) -> torch.Tensor:
+    """`token_weights`, all 0 in a no-target micro-batch (`padding_flag`: a copy run only to keep the ranks' counts of
+    micro-batches equal under a token budget)."""
+    weights = token_weights(micro_batch)
+    return torch.zeros_like(weights) if bool(micro_batch.get("padding_flag", False)) else weights
+
+
 class RouterLosses:
     """The router heads of one MoE model: counts per micro-batch (`counts`), the heads of a captured forward
-    (`heads`) and, for `global-batch`, the step's f (`begin_step`, then `end_step`)."""
+    (`heads`, `routed`) and, for `global-batch`, the f of a step: `step_slots` gives the previous step's local counts
+    to the step's all-reduce, `set_global_counts` takes their sum (see the module docstring)."""
 
     def __init__(self, model: nn.Module, balance: str, aux_coef: float | None, z_coef: float, at: str = "moe") -> None:
         self.balance = balance
@@ -263,10 +271,7 @@ class RouterLosses:
 
     def counts(self, micro_batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """The micro-batch's counts of the router heads (the loss core's n, summed into the step's D)."""
-        weights = token_weights(micro_batch)
-        tokens = weights.sum()
-        if bool(micro_batch.get("padding_flag", False)):
-            tokens = torch.zeros_like(tokens)
+        tokens = _weights(micro_batch).sum()
         out = {tokens_key(ROUTER_Z): tokens} if self.z_coef else {}
         if self.balance == "micro-batch":
             out[tokens_key(ROUTER_AUX)] = (tokens > 0).long()
@@ -282,7 +287,7 @@ class RouterLosses:
         micro-batch's load imbalance (busiest expert over the mean, worst layer)."""
         if not record.logits:
             raise RuntimeError("MoE router loss: no router logits were recorded in this forward")
-        weights = token_weights(micro_batch).to(record.logits[0].device)
+        weights = _weights(micro_batch).to(record.logits[0].device)
         probs, chosen, loads = routing_sums(record.logits, self.top_k, weights)
         x = RouterInputs(probs, chosen, len(record.logits), weights, micro_batch, self.global_f, self.top_k)
         out = {loss_key(ROUTER_AUX): self.aux_coef * self.fn(x)}
