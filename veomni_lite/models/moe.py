@@ -19,18 +19,26 @@ gradient).
   route a token (count 1 each), as the HF drop-in and TRL train.
 - `global-batch`: the set is every routed token of the optimizer step on every rank and shard. P is a token mean,
   exact over micro-batches through the loss core (count T); f is the PREVIOUS optimizer step's global f (its counts,
-  E + 1 int64 slots, travel in this step's one all-reduce, made before the first forward: `RouterLosses.begin_step`):
-  exact counts, one step late, at no extra forward or collective. The first step (and the first after a resume) has
-  no f: uniform f (k / E each), whose loss is the constant k (no gradient). A routing pre-pass would give this
-  step's own f for one more forward per micro-batch.
+  E + 1 int64 slots `STEP_SLOTS`, travel in this step's one all-reduce, made before the first forward:
+  `RouterLosses.step_slots`, `set_global_counts`): exact counts, one step late, at no extra forward or collective.
+  The first step (and the first after a resume) has no f: uniform f (k / E each), whose loss is the constant k (no
+  gradient). A routing pre-pass would give this step's own f for one more forward per micro-batch.
 - `sequence`: DeepSeek-V3's sequence-wise loss: the set is one sample (a row, a packed segment, with its shared
-  prefix); the head is the mean over the step's samples (count: samples), in the same layer-averaged form.
+  prefix); the head is the mean over the step's samples (count: samples), in the same layer-averaged form (DeepSeek
+  writes f_i = E / (k T) x count, so its alpha is our coefficient x k).
 `router_z`: ST-MoE's z-loss, the token mean of (1/L) sum_l logsumexp(logits_{l,t})^2 (count T).
 The coefficients multiply the heads: `moe.aux_loss_coef` (None: the model config's `router_aux_loss_coef`) and
 `moe.z_loss_coef` (0: no `router_z` head).
 
+Trainers. `BaseTrainer` runs every trainer's forward (SFT, RL, preference, reward model: whatever output dict it
+builds) inside `RouterLosses.routed`, which adds the heads of the model's last forward, and counts them per
+micro-batch (`RouterLosses.counts` into `LossStep`); the heads are then normalized like any other by the loss core.
+Metric `moe/load_imbalance`: per micro-batch shard, the busiest expert's weighted load over the mean load, worst
+layer; recorded on the device, its window's max taken at log time.
+
 Limits (raised before any collective): `sequence` and a shared prefix need the whole row on the rank (no Ulysses SP).
 Under SP, `micro-batch` is transformers' value per shard (its mean over shards), `global-batch` and `router_z` exact.
+A companion model's routers (an RL critic's own MoE value model) are not captured: it trains without router losses.
 """
 
 from __future__ import annotations
@@ -73,10 +81,19 @@ def _recorder(model: nn.Module) -> tuple[type[nn.Module], int] | None:
     return None
 
 
+def _routers(model: nn.Module) -> tuple[list[nn.Module], int]:
+    """(the routers of `model`'s own decoder in layer order, the index of the logits in their output); a companion
+    model's (`model.companions`, e.g. an RL critic's value model) are not the model's."""
+    others = {id(m) for companion in getattr(model, "companions", ()) for m in companion.modules()}
+    recorder = _recorder(model)
+    if recorder is None:
+        return [], 0
+    return [m for m in model.modules() if isinstance(m, recorder[0]) and id(m) not in others], recorder[1]
+
+
 def routing(model: nn.Module) -> bool:
     """Whether the model has routers transformers records logits from (a Mixture-of-Experts decoder)."""
-    recorder = _recorder(model)
-    return recorder is not None and any(isinstance(m, recorder[0]) for m in model.modules())
+    return bool(_routers(model)[0])
 
 
 @dataclass
@@ -85,19 +102,16 @@ class RouterRecord:
     layer order, tokens flattened from the micro-batch's [B, S] (this rank's shard)."""
 
     logits: list[torch.Tensor] = field(default_factory=list)
-    _first: nn.Module | None = None
 
 
 @contextlib.contextmanager
 def router_outputs(model: nn.Module) -> Iterator[RouterRecord]:
     """Record the router logits of `model`'s forwards (see `RouterRecord`); hooks removed on exit. Reusable by any
     code that needs the routing of a forward (the router losses, routing replay)."""
-    recorder = _recorder(model)
-    if recorder is None:
+    routers, index = _routers(model)
+    if not routers:
         raise ValueError(f"{type(model).__name__} has no router transformers records logits from (not an MoE)")
-    cls, index = recorder
     record = RouterRecord()
-    routers = [m for m in model.modules() if isinstance(m, cls)]
 
     def hook(module: nn.Module, _args: Any, output: Any) -> None:
         if module is routers[0]:  # the first layer's router: a new forward starts
