@@ -4,6 +4,8 @@ router loss written by hand from each sample run alone."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import types
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -36,6 +38,12 @@ MOE = {
 
 
 def tiny_moe(dtype: torch.dtype = torch.float64, seed: int = 0) -> HFCausalLM:
+    """A fresh copy of the tiny Qwen3-MoE (built once per process: transformers' init is the slow part)."""
+    return copy.deepcopy(_built(dtype, seed))
+
+
+@functools.lru_cache(maxsize=2)
+def _built(dtype: torch.dtype, seed: int) -> HFCausalLM:
     torch.manual_seed(seed)
     config = hf_config_from_dict(MOE)
     config._experts_implementation = "eager"  # grouped_mm has no float64 kernel
@@ -143,13 +151,11 @@ def reference(model: HFCausalLM, samples: Sequence[Mapping[str, torch.Tensor]], 
         n = logits[0].shape[0]
         c_s = torch.zeros(EXPERTS, dtype=torch.float64)
         p_s = torch.zeros(EXPERTS, dtype=torch.float64)
-        for layer in logits:
-            for t in range(n):
-                p = torch.softmax(layer[t], -1)
-                for i in torch.topk(p.detach(), TOP_K).indices.tolist():
-                    c_s[i] += 1
-                p_s = p_s + p
-                z = z + torch.logsumexp(layer[t], -1) ** 2 / LAYERS
+        for layer in logits:  # [n, E]: every token of the sample at one layer
+            p = torch.softmax(layer, -1)
+            c_s = c_s + torch.zeros_like(p).scatter_(-1, torch.topk(p.detach(), TOP_K).indices, 1.0).sum(0)
+            p_s = p_s + p.sum(0)
+            z = z + (torch.logsumexp(layer, -1) ** 2).sum() / LAYERS
         sequence = sequence + EXPERTS * ((c_s / (LAYERS * n)) * (p_s / (LAYERS * n))).sum()
         counts, probs = counts + c_s, probs + p_s
     own_f = counts / (LAYERS * total)
