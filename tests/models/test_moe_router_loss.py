@@ -10,6 +10,7 @@ import torch
 from tests.models.moe_fixtures import (
     EXPERTS,
     LAYERS,
+    MOE,
     TOP_K,
     RoutedMoE,
     moe_samples,
@@ -181,3 +182,23 @@ def test_the_moe_section_and_its_registry():
     with pytest.raises(ConfigError, match="Ulysses SP"):
         router_losses(tiny_moe(), MoEConfig(balance="sequence"), sp_size=2)
     assert router_losses(torch.nn.Linear(2, 2), MoEConfig()) is None  # a dense model: no router heads
+
+
+def test_a_vision_language_moe_routes_through_the_same_hook():
+    """Qwen3-VL-MoE (the decoder `models/qwen2_vl.py` wraps for the VL families): the text routers are captured, the
+    micro-batch head is transformers' aux_loss times the text config's coefficient."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    text = {
+        **{k: v for k, v in MOE.items() if k not in ("model_type", "router_aux_loss_coef")},
+        "rope_parameters": {"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0},
+    }
+    vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": 32}
+    config = AutoConfig.for_model("qwen3_vl_moe", text_config=text, vision_config=vision)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config)
+    batch = {"input_ids": torch.randint(1, 60, (2, 7))}
+    ours = RouterLosses(model, "micro-batch", aux_coef=None, z_coef=0.0)
+    outputs = ours.routed(model, batch, lambda b: model(**b, output_router_logits=True))
+    expected = config.get_text_config().router_aux_loss_coef * float(outputs["aux_loss"].detach())
+    assert float(outputs["router_aux_loss"].detach()) == pytest.approx(expected, rel=F32_SUMS)
