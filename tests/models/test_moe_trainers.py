@@ -4,6 +4,7 @@ Qwen3-MoE directory (8 experts, top-2, the demo's tokenizer) log `train/router_a
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -79,6 +80,14 @@ def test_sft_trains_the_global_batch_router_head_with_the_previous_steps_f(demo,
     assert aux[1] == pytest.approx(COEF * TOP_K, rel=1e-6)  # step 1: no previous step, uniform f (no gradient)
     assert abs(aux[2] - COEF * TOP_K) > 1e-7  # step 2: step 1's global f
     assert float(trainer.router.global_f.sum()) == pytest.approx(TOP_K)
+    # expert_load.jsonl: each logged window's per-layer loads, k slots per routed token of the window
+    tokens = {e["step"]: e["train/tokens"] for e in read_events(tmp_path) if "train/tokens" in e}
+    rows = [json.loads(line) for line in (tmp_path / "expert_load.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:
+        assert [sum(layer) for layer in row["loads"]] == [TOP_K * tokens[row["step"]]] * 2
+        assert all(value >= 1.0 for value in row["imbalance"])
+    assert (tmp_path / "expert_load.png").stat().st_size > 0
 
 
 @pytest.mark.slow

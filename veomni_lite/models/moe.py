@@ -34,7 +34,8 @@ Trainers. `BaseTrainer` runs every trainer's forward (SFT, RL, preference, rewar
 builds) inside `RouterLosses.routed`, which adds the heads of the model's last forward, and counts them per
 micro-batch (`RouterLosses.counts` into `LossStep`); the heads are then normalized like any other by the loss core.
 Metric `moe/load_imbalance`: per micro-batch shard, the busiest expert's weighted load over the mean load, worst
-layer; recorded on the device, its window's max taken at log time.
+layer; recorded on the device, its window's max taken at log time. `write_loads` (at log steps): the window's exact
+per-layer loads over every rank in `expert_load.jsonl` and `expert_load.png`.
 
 Limits (raised before any collective): `sequence` and a shared prefix need the whole row on the rank (no Ulysses SP).
 Under SP, `micro-batch` is transformers' value per shard (its mean over shards), `global-batch` and `router_z` exact.
@@ -44,8 +45,11 @@ A companion model's routers (an RL critic's own MoE value model) are not capture
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from veomni_lite.config_sections import ConfigError
+from veomni_lite.distributed.collectives import all_reduce
 from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS, SEQUENCE_IDS, loss_key, sequences_key, tokens_key
 from veomni_lite.metrics.accumulator import MetricSpec
 from veomni_lite.registries import Registry
@@ -61,7 +66,7 @@ from veomni_lite.utils.loss_utils import LossModes
 __all__ = [
     *("ROUTER_AUX", "ROUTER_LOSSES", "ROUTER_Z", "RouterLosses", "RouterRecord"),
     *("load_balancing_loss", "membership", "router_losses", "router_outputs", "routing", "routing_sums"),
-    "token_weights",
+    *("token_weights", "write_loads"),
 ]
 
 ROUTER_AUX, ROUTER_Z = "router_aux", "router_z"
@@ -267,6 +272,7 @@ class RouterLosses:
         self.experts = int(getattr(config, "num_experts", None) or config.num_local_experts)
         self.global_f: torch.Tensor | None = None
         self._step_counts: torch.Tensor | None = None  # this step's local [E + 1]: sum_l sum_t w c, then L T
+        self._window_loads: torch.Tensor | None = None  # [L, E] weighted loads since the last `write_loads`
 
     @property
     def loss_keys(self) -> tuple[str, ...]:
@@ -309,7 +315,9 @@ class RouterLosses:
             out[loss_key(ROUTER_Z)] = self.z_coef * z_loss(record.logits, weights)
         loads = loads.double()
         out["metrics"] = {LOAD_IMBALANCE: (loads.max(-1).values / loads.mean(-1).clamp(min=1e-12)).max()}
-        if self.balance == "global-batch" and torch.is_grad_enabled():  # training forwards only
+        if torch.is_grad_enabled():  # training forwards only
+            self._window_loads = loads if self._window_loads is None else self._window_loads + loads
+        if self.balance == "global-batch" and torch.is_grad_enabled():
             local = torch.cat([loads.sum(0), (weights.sum() * len(record.logits)).reshape(1)]).round().long()
             self._step_counts = local if self._step_counts is None else self._step_counts + local
         return out
@@ -358,3 +366,39 @@ def router_losses(model: nn.Module, moe: Any, sp_size: int = 1, shared_prefix: b
             "moe.balance micro-batch or global-batch and data.shared_prefix false, or sp_size 1"
         )
     return RouterLosses(model, moe.balance, moe.aux_loss_coef, moe.z_loss_coef)
+
+
+def write_loads(router: RouterLosses, step: int, output_dir: Path, group: Any, is_main: bool) -> None:
+    """At a log step, on every rank: the window's per-layer expert loads (weighted routed token-slots) summed over
+    `group` (ONE all-reduce, at log steps only), appended by rank 0 to `expert_load.jsonl` ({step, loads [L][E],
+    imbalance [L]: the busiest expert's load over the mean}) and drawn as `expert_load.png` (load / mean, layer x
+    expert)."""
+    loads = router._window_loads
+    router._window_loads = None
+    if loads is None:  # no training forward since the last write: every rank alike (the same steps ran)
+        return
+    loads = all_reduce(loads, op="sum", group=group).cpu()
+    if not is_main:
+        return
+    relative = loads / loads.mean(-1, keepdim=True).clamp(min=1e-12)
+    row = {"step": step, "loads": loads.tolist(), "imbalance": relative.max(-1).values.tolist()}
+    with open(output_dir / "expert_load.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    figure = Figure(figsize=(max(4.0, 0.3 * loads.shape[1] + 2), max(2.5, 0.3 * loads.shape[0] + 1.5)))
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    image = axes.imshow(relative.numpy(), aspect="auto", cmap="viridis")
+    figure.colorbar(image, ax=axes, label="load / mean")
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.yaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.set_xlabel("expert")
+    axes.set_ylabel("layer")
+    axes.set_title(f"expert load, the log window ending at step {step}")
+    figure.tight_layout()
+    tmp = output_dir / "expert_load.tmp.png"
+    figure.savefig(tmp, format="png")
+    os.replace(tmp, output_dir / "expert_load.png")

@@ -65,7 +65,7 @@ from veomni_lite.models.lora import (
     whole_modules,
     write_adapter_config,
 )
-from veomni_lite.models.moe import router_losses
+from veomni_lite.models.moe import router_losses, write_loads
 from veomni_lite.models.pretrained import load_model
 from veomni_lite.models.registry import DTYPES, family_of
 from veomni_lite.models.sharded_load import (
@@ -679,6 +679,8 @@ class BaseTrainer(ABC):
                 self.train_step(micro_batches)
                 self.epoch = epoch
                 self.metrics.end_step(self.step, self.epoch, release=micro_batches)
+                if self.router is not None and self.metrics.should_log(self.step):
+                    write_loads(self.router, self.step, self.output_dir, self.parallel.world_group, self.is_main)
                 del micro_batches
                 if progress is not None:
                     progress.update(1)
