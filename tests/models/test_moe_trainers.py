@@ -64,17 +64,37 @@ def _check(out: Path, steps: int) -> dict[str, dict[int, float]]:
     return series
 
 
-@pytest.mark.slow
-def test_sft_trains_the_global_batch_router_head_with_the_previous_steps_f(demo, moe_dir, tmp_path):
-    args = [
+def sft_args(demo: Path, moe_dir: Path, out: Path, *extra: str) -> list[str]:
+    return [
         "--model.arch", "auto", "--model.pretrained_dir", str(moe_dir),
         "--data.train_path", str(demo / "help/train.jsonl"),
         "--train.micro_batch_size", "2", "--train.global_batch_size", "4", "--train.eval_interval", "0",
-        "--data.max_seq_len", "64", "--moe.balance", "global-batch", "--train.output_dir", str(tmp_path),
+        "--data.max_seq_len", "64", "--moe.balance", "global-batch", "--train.output_dir", str(out),
         "--logging.log_interval", "1", "--logging.progress_bar", "false", "--logging.tensorboard", "false",
-        "--logging.plot", "false", "--checkpoint.save_interval", "0", *SHORT,
+        "--logging.plot", "false", "--checkpoint.save_interval", "0", "--moe.z_loss_coef", "0.001", *extra,
     ]  # fmt: skip
-    trainer = train_built(SFTTrainer(load_config(Path("configs/sft_help.yaml"), args, world_size=1)))
+
+
+def train_sft(args: list[str], stop_after: int | None = None) -> SFTTrainer:
+    return train_built(SFTTrainer(load_config(Path("configs/sft_help.yaml"), args, world_size=1)), stop_after)
+
+
+@pytest.mark.slow
+def test_a_resumed_global_batch_run_trains_with_the_uninterrupted_runs_f(demo, moe_dir, tmp_path):
+    train_sft(sft_args(demo, moe_dir, tmp_path / "whole", "--train.max_steps", "4"))
+    train_sft(sft_args(demo, moe_dir, tmp_path / "cut", "--train.max_steps", "4"), stop_after=2)
+    train_sft(sft_args(demo, moe_dir, tmp_path / "cut", "--train.max_steps", "4", "--checkpoint.resume", "true"))
+    whole, cut = (_router_series(tmp_path / name)["train/router_aux_loss"] for name in ("whole", "cut"))
+    assert sorted(cut) == [1, 2, 3, 4]
+    for step in (3, 4):
+        assert cut[step] == pytest.approx(whole[step], rel=1e-5), (step, cut, whole)
+    # a resume without the counts would train step 3 with the uniform f, whose value is exactly k x coef
+    assert abs(whole[3] - COEF * TOP_K) > 1e-6
+
+
+@pytest.mark.slow
+def test_sft_trains_the_global_batch_router_head_with_the_previous_steps_f(demo, moe_dir, tmp_path):
+    trainer = train_sft(sft_args(demo, moe_dir, tmp_path, "--train.max_steps", "2"))
     series = _check(tmp_path, 2)
     aux = series["train/router_aux_loss"]
     assert aux[1] == pytest.approx(COEF * TOP_K, rel=1e-6)  # step 1: no previous step, uniform f (no gradient)

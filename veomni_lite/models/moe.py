@@ -21,8 +21,9 @@ gradient).
   exact over micro-batches through the loss core (count T); f is the PREVIOUS optimizer step's global f (its counts,
   E + 1 int64 slots `STEP_SLOTS`, travel in this step's one all-reduce, made before the first forward:
   `RouterLosses.step_slots`, `set_global_counts`): exact counts, one step late, at no extra forward or collective.
-  The first step (and the first after a resume) has no f: uniform f (k / E each), whose loss is the constant k (no
-  gradient). A routing pre-pass would give this step's own f for one more forward per micro-batch.
+  The first step has no f: uniform f (k / E each), whose loss is the constant k (no gradient); a checkpoint keeps the
+  last step's counts (`state_dict`), so a resumed step trains with the f of the uninterrupted run. A routing
+  pre-pass would give this step's own f for one more forward per micro-batch.
 - `sequence`: DeepSeek-V3's sequence-wise loss: the set is one sample (a row, a packed segment, with its shared
   prefix); the head is the mean over the step's samples (count: samples), in the same layer-averaged form (DeepSeek
   writes f_i = E / (k T) x count, so its alpha is our coefficient x k).
@@ -57,7 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from veomni_lite.config_sections import ConfigError
-from veomni_lite.distributed.collectives import all_reduce
+from veomni_lite.distributed.collectives import all_reduce, collective_device
 from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS, SEQUENCE_IDS, loss_key, sequences_key, tokens_key
 from veomni_lite.metrics.accumulator import MetricSpec
 from veomni_lite.registries import Registry
@@ -346,6 +347,24 @@ class RouterLosses:
         return (
             counts.to(device) if counts is not None else torch.zeros(self.experts + 1, dtype=torch.int64, device=device)
         )
+
+    def state_dict(self, group: Any, is_main: bool) -> dict[str, Any]:
+        """Collective (at a checkpoint, every rank): `global-batch`'s counts of the last step summed over `group`, which
+        the next step's all-reduce would sum; rank 0 then holds them all (the others zeros), so that sum is unchanged
+        and a resume on any world size restores it (`load_state_dict`)."""
+        if self.balance != "global-batch":
+            return {}
+        counts = self.step_slots(collective_device(group))
+        counts = all_reduce(counts, op="sum", group=group)
+        self._step_counts = counts if is_main else torch.zeros_like(counts)
+        return {"step_counts": counts.cpu().tolist()}
+
+    def load_state_dict(self, state: Mapping[str, Any], is_main: bool) -> None:
+        """The counts `state_dict` saved, on rank 0 (the others none): the resumed step trains with the f the
+        uninterrupted run would have."""
+        if "step_counts" in state:
+            counts = torch.tensor(state["step_counts"], dtype=torch.int64)
+            self._step_counts = counts if is_main else torch.zeros_like(counts)
 
     def set_global_counts(self, totals: torch.Tensor) -> None:
         """The previous step's counts summed over every rank: f_i = counts_i / (L T); none yet: uniform f."""

@@ -805,6 +805,8 @@ class BaseTrainer(ABC):
             "metrics": metrics_state,
             "config": self.config.to_dict(),
         }
+        if self.router is not None:  # global-batch: the last step's expert counts (a collective, on every rank)
+            trainer_state["moe"] = self.router.state_dict(self.parallel.world_group, self.is_main)
         rank_state = {"rng": rng_state()}
         path = self.checkpoints.save(self.step, self.model, self.optimizer, trainer_state, rank_state)
         self._saved_step = self.step
@@ -834,6 +836,8 @@ class BaseTrainer(ABC):
         self.loader.load_state_dict(trainer_state["loader"])
         self.epoch = self.loader.epoch
         self.metrics.load_state_dict(trainer_state["metrics"], step)
+        if self.router is not None:
+            self.router.load_state_dict(trainer_state.get("moe", {}), self.is_main)
         if rank_state is not None:
             set_rng_state(rank_state["rng"])
         if self.is_main:
