@@ -1,6 +1,7 @@
 """Router losses of a Mixture-of-Experts decoder as loss heads of the contract (`router_aux`, `router_z`).
 
-Capture. `router_outputs(model)` hooks the modules transformers itself records router logits from (the
+Capture. `routers(model)` lists the router modules of the model's own decoder (layer order) and where their output
+holds the logits; `router_outputs(model)` hooks the modules transformers itself records router logits from (the
 `OutputRecorder` of `_can_record_outputs["router_logits"]`, e.g. `Qwen3MoeTopKRouter`, whose output 0 is the logits)
 and keeps, per layer, the logits [tokens, E] of the LAST forward run inside it (a reference or old-log-probability
 pass run before the trained forward is dropped). `routing(model)` says whether a model routes at all.
@@ -66,7 +67,7 @@ from veomni_lite.utils.loss_utils import LossModes
 
 __all__ = [
     *("ROUTER_AUX", "ROUTER_LOSSES", "ROUTER_Z", "RouterLosses", "RouterRecord"),
-    *("load_balancing_loss", "membership", "router_losses", "router_outputs", "routing", "routing_sums"),
+    *("load_balancing_loss", "membership", "router_losses", "router_outputs", "routers", "routing", "routing_sums"),
     *("token_weights", "write_loads"),
 ]
 
@@ -87,7 +88,7 @@ def _recorder(model: nn.Module) -> tuple[type[nn.Module], int] | None:
     return None
 
 
-def _routers(model: nn.Module) -> tuple[list[nn.Module], int]:
+def routers(model: nn.Module) -> tuple[list[nn.Module], int]:
     """(the routers of `model`'s own decoder in layer order, the index of the logits in their output); a companion
     model's (`model.companions`, e.g. an RL critic's value model) are not the model's."""
     others = {id(m) for companion in getattr(model, "companions", ()) for m in companion.modules()}
@@ -99,7 +100,7 @@ def _routers(model: nn.Module) -> tuple[list[nn.Module], int]:
 
 def routing(model: nn.Module) -> bool:
     """Whether the model has routers transformers records logits from (a Mixture-of-Experts decoder)."""
-    return bool(_routers(model)[0])
+    return bool(routers(model)[0])
 
 
 @dataclass
@@ -114,17 +115,17 @@ class RouterRecord:
 def router_outputs(model: nn.Module) -> Iterator[RouterRecord]:
     """Record the router logits of `model`'s forwards (see `RouterRecord`); hooks removed on exit. Reusable by any
     code that needs the routing of a forward (the router losses, routing replay)."""
-    routers, index = _routers(model)
-    if not routers:
+    modules, index = routers(model)
+    if not modules:
         raise ValueError(f"{type(model).__name__} has no router transformers records logits from (not an MoE)")
     record = RouterRecord()
 
     def hook(module: nn.Module, _args: Any, output: Any) -> None:
-        if module is routers[0]:  # the first layer's router: a new forward starts
+        if module is modules[0]:  # the first layer's router: a new forward starts
             record.logits = []
         record.logits.append(output[index] if isinstance(output, (tuple, list)) else output)
 
-    handles = [m.register_forward_hook(hook) for m in routers]
+    handles = [m.register_forward_hook(hook) for m in modules]
     try:
         yield record
     finally:
