@@ -326,6 +326,20 @@ class LossConfig:
 
 
 @dataclass
+class MoEConfig:
+    """Router losses of a Mixture-of-Experts decoder (see `veomni_lite.models.moe`); ignored for a dense model."""
+
+    aux_loss_coef: float | None = None
+    """The load-balancing head's coefficient (`router_aux`); None: the model config's `router_aux_loss_coef`."""
+    z_loss_coef: float = 0.0
+    """The router z-loss head's coefficient (`router_z`); 0: no z-loss."""
+    balance: Literal["micro-batch", "global-batch", "sequence"] = "micro-batch"
+    """Over which tokens the load balance is measured: micro-batch (transformers' loss per micro-batch, averaged over
+    the step's micro-batches: what HF and TRL train, the default so a run matches them), global-batch (every token of
+    the optimizer step, f one step late), sequence (DeepSeek-V3's per-sample loss)."""
+
+
+@dataclass
 class Config:
     """All sections; YAML files and `--section.key VALUE` overrides fill it (see `load_config`). An entry point's own
     sections (`rl`, `pref`) are typed fields of a subclass (`config_class`)."""
@@ -339,7 +353,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     example: ExampleConfig = field(default_factory=ExampleConfig)
-    # A section every entry point shares is one more field here (and its dataclass above), e.g. `moe: MoEConfig`.
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     @property
     def sections(self) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from veomni_lite.utils.loss_utils import (
+    STEP_SLOTS,
     LossModes,
     count_loss_token,
     mark_sequences,
@@ -53,7 +54,9 @@ class LossStep:
     micro-batch's losses with `scaled`/`loss`, then call `verify` once.
 
     `extra_counts`: counts every micro-batch adds besides its labels' (e.g. `{"router_aux_tokens": 1}` for a head
-    averaged over micro-batches); the step's count of such a key is its sum over the micro-batches."""
+    averaged over micro-batches), or a function of the micro-batch giving them (the MoE router heads' counts); the
+    step's count of such a key is its sum over the micro-batches. `slots`: a 1-D int64 vector summed over the world in
+    the step's one all-reduce (`STEP_SLOTS`; read with `step_slots`)."""
 
     def __init__(
         self,
@@ -61,16 +64,23 @@ class LossStep:
         modes: LossModes | str | None = None,
         *,
         marked: bool = False,
-        extra_counts: Mapping[str, int] | None = None,
+        extra_counts: Mapping[str, Any] | Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
+        slots: torch.Tensor | None = None,
     ) -> None:
         self.modes = LossModes.of(modes)
         mark = not marked and self.modes.needs_sequences()
         self.micro_batches = [mark_sequences(b, self.modes) if mark else dict(b) for b in micro_batches]
-        extra = dict(extra_counts or {})
-        self.micro_tokens: list[dict[str, Any]] = [{**count_loss_token(b), **extra} for b in self.micro_batches]
+        extra = [dict(extra_counts(b) if callable(extra_counts) else extra_counts or {}) for b in self.micro_batches]
+        self.micro_tokens: list[dict[str, Any]] = [
+            {**count_loss_token(b), **e} for b, e in zip(self.micro_batches, extra)
+        ]
         # The step's count dict: `mean_global_loss` reduces it once, keyed by its identity (build one per step).
         self.tokens: dict[str, Any] = count_loss_token(self.micro_batches)
-        self.tokens.update({key: value * len(self.micro_batches) for key, value in extra.items()})
+        for counts in extra:
+            for key, value in counts.items():
+                self.tokens[key] = self.tokens[key] + value if key in self.tokens else value
+        if slots is not None:
+            self.tokens[STEP_SLOTS] = slots
 
     def __iter__(self) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
         return zip(self.micro_batches, self.micro_tokens)

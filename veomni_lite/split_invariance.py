@@ -14,7 +14,8 @@ The processes are forked from multiprocessing's forkserver, which imports `__mai
 so layouts after the first pay no imports again.
 `build_model` and `collate` are called in every process, so they must be importable (module-level) functions; the
 model follows the trainer's model contract (`forward(**micro_batch)` returns `{"<name>_loss": local mean}`, and
-`enable_sequence_parallel(group)` for SP layouts); `collate(samples) -> micro_batch` shifts labels once and pads.
+`enable_sequence_parallel(group)` for SP layouts, and `extra_counts(micro_batch)` for heads counted without labels, as
+the MoE router heads); `collate(samples) -> micro_batch` shifts labels once and pads.
 Samples go to micro-batches in order: micro-batch j of dp rank r holds samples [(j * dp + r) * mbs, ... + mbs);
 a `Layout` may pack them (`packed_collate`) and re-plan each rank's samples by a token budget.
 Build the model in float64 to see differences at rounding level (~1e-15); float32 shows ~1e-7.
@@ -103,7 +104,7 @@ def _one_step(model: torch.nn.Module, micro_batches: list[dict[str, Any]], modes
 
     dist.all_reduce = counted
     try:
-        step = LossStep(micro_batches, modes, marked=True)
+        step = LossStep(micro_batches, modes, marked=True, extra_counts=getattr(model, "extra_counts", None))
         total = 0.0
         for micro_batch, tokens in step:
             outputs = model(**micro_batch)

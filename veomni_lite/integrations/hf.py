@@ -69,13 +69,13 @@ from veomni_lite.loss_keys import (
     tokens_key,
 )
 from veomni_lite.models.heads import token_cross_entropy
+from veomni_lite.models.moe import ROUTER_AUX  # the MoE load-balancing head; here its count is the micro-batches
 from veomni_lite.plain_loop import LossStep
 from veomni_lite.utils.loss_utils import LossModes, mark_sequences
 
 __all__ = ["ROUTER_AUX", "TRL_LOSS_TYPES", "ExactLossMixin", "ExactLossTrainer", "exact_loss", "prepare_micro_batch"]
 
 _TOKENS = "veomni_micro_batch_tokens"  # each prepared micro-batch's own counts, popped before the forward
-ROUTER_AUX = "router_aux"  # the MoE load-balancing head; its count `router_aux_tokens` is the micro-batches
 TRL_LOSS_TYPES = ("nll", "dft")  # TRL's SFTConfig.loss_type values computed here (per-token, then normalized)
 
 

@@ -67,6 +67,7 @@ from veomni_lite.models.lora import (
     whole_modules,
     write_adapter_config,
 )
+from veomni_lite.models.moe import router_losses, write_loads
 from veomni_lite.models.pretrained import load_model
 from veomni_lite.models.registry import DTYPES, family_of
 from veomni_lite.models.sharded_load import (
@@ -85,7 +86,13 @@ from veomni_lite.trainer.checkpoint import (
     set_rng_state,
 )
 from veomni_lite.trainer.lr_schedule import lr_lambda, ratio_steps
-from veomni_lite.utils.loss_utils import LossKeyMismatchError, mark_sequences, mean_global_loss, reset_loss_memo
+from veomni_lite.utils.loss_utils import (
+    LossKeyMismatchError,
+    mark_sequences,
+    mean_global_loss,
+    reset_loss_memo,
+    step_slots,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -206,6 +213,12 @@ class BaseTrainer(ABC):
         on_meta = any(param.is_meta for param in model.parameters())  # filled shard by shard after fully_shard
         model = check_model_contract(model if on_meta else model.to(self.device))
         self.loss_keys: tuple[str, ...] = self.trained_loss_keys(model)
+        self.labeled_loss_keys = self.loss_keys  # the heads whose `<name>_labels` every micro-batch carries
+        shared = config.data.packing and config.data.shared_prefix
+        self.router = router_losses(model, config.moe, config.parallel.sp_size, shared)  # None: a dense decoder
+        if self.router is not None:
+            self.loss_keys += self.router.loss_keys
+            self.loss_modes = self.router.modes(self.loss_modes)
         self._check_loss_weights(model)
         models = with_companions(model)
         for each in models:
@@ -491,7 +504,7 @@ class BaseTrainer(ABC):
             loss_modes=self.loss_modes,
             pad_id=self.pad_id,
             run_config=self.config.to_dict(),
-            extra_specs=self.metric_specs(),
+            extra_specs=self.metric_specs() + (self.router.specs() if self.router is not None else []),
             plots=self.plots,
             differences=self.metric_differences,
         )
@@ -564,7 +577,11 @@ class BaseTrainer(ABC):
         try:
             for index, micro_batch in enumerate(micro_batches):
                 validate_micro_batch(
-                    micro_batch, self.vocab_size, self.loss_keys, self.label_limits, where=f"micro-batch {index}"
+                    micro_batch,
+                    self.vocab_size,
+                    self.labeled_loss_keys,
+                    self.label_limits,
+                    where=f"micro-batch {index}",
                 )
         except DataError as exc:
             problem = problem or exc
@@ -599,12 +616,12 @@ class BaseTrainer(ABC):
         """One optimizer step over this rank's micro-batches (already SP-sharded and agreed)."""
         step_start = time.perf_counter()
         lr = self.scheduler.get_last_lr()[0]  # the rate this step trains with
-        self.loss_step = LossStep(micro_batches, self.loss_modes, marked=True)
+        self.loss_step = self._loss_step(micro_batches, train=True)
         last = len(micro_batches) - 1
         step_loss = torch.zeros((), device=self.device)
         for index, (micro_batch, micro_batch_token_len) in enumerate(self.loss_step):
             set_gradient_sync(self.model, index == last, self._sync_every_micro_batch)
-            outputs = self.forward(micro_batch)
+            outputs = self._routed(micro_batch, self.forward)
             loss, _scaled = self.postforward(outputs, micro_batch_token_len, self.loss_step.tokens)
             loss.backward()
             step_loss = step_loss + loss.detach()
@@ -633,6 +650,25 @@ class BaseTrainer(ABC):
             step_time=time.perf_counter() - step_start - bookkeeping_wait,
             bookkeeping_wait=bookkeeping_wait,
         )
+
+    def _loss_step(self, micro_batches: list[dict[str, torch.Tensor]], train: bool) -> LossStep:
+        """The step's `LossStep`, with the router heads' counts of an MoE model; `global-batch` (training): the
+        previous step's expert counts in its one all-reduce, made now so every forward of the step has the f."""
+        if self.router is None:
+            return LossStep(micro_batches, self.loss_modes, marked=True)
+        slots = self.router.step_slots(self.device) if train else None
+        step = LossStep(micro_batches, self.loss_modes, marked=True, extra_counts=self.router.counts, slots=slots)
+        if slots is not None:
+            self.router.set_global_counts(step_slots(self.loss_keys, step.tokens, self.loss_modes))
+        return step
+
+    def _routed(
+        self, micro_batch: dict[str, torch.Tensor], forward: Callable[[dict[str, torch.Tensor]], Mapping[str, Any]]
+    ) -> Mapping[str, Any]:
+        """`forward(micro_batch)`, plus the router heads of an MoE model (`RouterLosses.routed`)."""
+        if self.router is None:
+            return forward(micro_batch)
+        return self.router.routed(self.model, micro_batch, forward)
 
     def _on_non_finite(self, norm: float, step_loss: torch.Tensor) -> None:
         """Every rank is here together (the verdict is global): name the ranks, then skip or raise alike."""
@@ -667,6 +703,8 @@ class BaseTrainer(ABC):
                 self.train_step(micro_batches)
                 self.epoch = epoch
                 self.metrics.end_step(self.step, self.epoch, release=micro_batches)
+                if self.router is not None and self.metrics.should_log(self.step):
+                    write_loads(self.router, self.step, self.output_dir, self.parallel.world_group, self.is_main)
                 del micro_batches
                 if progress is not None:
                     progress.update(1)
@@ -720,9 +758,9 @@ class BaseTrainer(ABC):
         totals: dict[str, torch.Tensor] = {}
         try:
             for number in range(self.config.train.eval_batches):
-                step = LossStep(self.eval_micro_batches(loader, number), self.loss_modes, marked=True)
+                step = self._loss_step(self.eval_micro_batches(loader, number), train=False)
                 for micro_batch, tokens in step:
-                    outputs = self.model(**self.preforward(micro_batch))
+                    outputs = self._routed(micro_batch, lambda batch: self.model(**self.preforward(batch)))
                     scaled = step.scaled({key: outputs[key] for key in self.loss_keys}, tokens)
                     for key, value in scaled.items():
                         totals[key] = totals.get(key, 0) + value.detach() / self.config.train.eval_batches
@@ -741,7 +779,11 @@ class BaseTrainer(ABC):
             micro_batches = [self.shard(mb) for mb in loader.next_step()]
             for index, micro_batch in enumerate(micro_batches):
                 validate_micro_batch(
-                    micro_batch, self.vocab_size, self.loss_keys, self.label_limits, where=f"micro-batch {index}"
+                    micro_batch,
+                    self.vocab_size,
+                    self.labeled_loss_keys,
+                    self.label_limits,
+                    where=f"micro-batch {index}",
                 )
             return micro_batches
 
@@ -787,6 +829,8 @@ class BaseTrainer(ABC):
             "metrics": metrics_state,
             "config": self.config.to_dict(),
         }
+        if self.router is not None:  # global-batch: the last step's expert counts (a collective, on every rank)
+            trainer_state["moe"] = self.router.state_dict(self.parallel.world_group, self.is_main)
         rank_state = {"rng": rng_state()}
         path = self.checkpoints.save(self.step, self.model, self.optimizer, trainer_state, rank_state)
         self._saved_step = self.step
@@ -816,6 +860,8 @@ class BaseTrainer(ABC):
         self.loader.load_state_dict(trainer_state["loader"])
         self.epoch = self.loader.epoch
         self.metrics.load_state_dict(trainer_state["metrics"], step)
+        if self.router is not None:
+            self.router.load_state_dict(trainer_state.get("moe", {}), self.is_main)
         if rank_state is not None:
             set_rng_state(rank_state["rng"])
         if self.is_main:

@@ -19,8 +19,10 @@ partition them and the world sum counts each once. `mark_sequences` writes the s
 and the labels of the WHOLE sequence, so it runs before SP slicing; a sequence cut across shards counts once.
 
 Cost. D of every head that needs one is computed once per step dict (`micro_batches_token_len`, memoized by
-identity, strong reference) by ONE all-reduce over the dp x sp group of `MAX_LOSS_KEYS` int64 count slots and five
-agreement slots; later micro-batches: no collective. Counts stay int64 tensors on their device and nothing is read
+identity, strong reference) by ONE all-reduce over the dp x sp group of `MAX_LOSS_KEYS` int64 count slots, five
+agreement slots and, when the step dict has one, its `STEP_SLOTS` vector (e.g. the MoE global-batch router loss's
+expert counts, `veomni_lite.models.moe`; `step_slots` reads its sum, making the reduce before the first forward if
+need be); later micro-batches: no collective. Counts stay int64 tensors on their device and nothing is read
 to the host on an accelerator. Without a process group (or on one rank): the same math, no collective.
 
 Errors, on every rank alike (whether a call reduces depends only on which dict it gets, never on its contents):
@@ -64,15 +66,16 @@ from veomni_lite.loss_keys import (
 )
 
 MAX_LOSS_KEYS = 8
+STEP_SLOTS = "step_slots"  # a step dict's optional 1-D int64 vector, summed in the step's one all-reduce
 LOSS_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
 _FINGERPRINT_BITS = 16  # f < 2**16: W * sum(f^2) and sum(f)^2 stay exact in int64 up to 2**15 ranks
 
 TokenCount = torch.Tensor | int | float
 
 __all__ = [  # grouped: constants, errors, modes, then the functions
-    *("IGNORE_INDEX", "LOSS_MODES", "MAX_LOSS_KEYS", "LossKeyMismatchError", "LossMemoError", "LossModes"),
-    *("count_loss_token", "mark_sequences", "mean_global_loss", "reduce_global_loss_token"),
-    *("reset_loss_memo", "verify_loss_keys"),
+    *("IGNORE_INDEX", "LOSS_MODES", "MAX_LOSS_KEYS", "STEP_SLOTS", "LossKeyMismatchError", "LossMemoError"),
+    *("LossModes", "count_loss_token", "mark_sequences", "mean_global_loss", "reduce_global_loss_token"),
+    *("reset_loss_memo", "step_slots", "verify_loss_keys"),
 ]
 
 
@@ -240,21 +243,24 @@ def _fingerprints(plan: tuple[str, ...]) -> tuple[int, int]:
 
 
 def _reduce(
-    plan: tuple[str, ...], counts: list[torch.Tensor], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(totals of `counts` over the dp x sp group, keys_match) from ONE all-reduce of the agreement buffer: the same
-    size on every rank whatever its plan, `MAX_LOSS_KEYS` count slots then [1, f, f^2, g, g^2]."""
+    plan: tuple[str, ...], counts: list[torch.Tensor], device: torch.device, extra: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(totals of `counts` over the dp x sp group, keys_match, totals of `extra`) from ONE all-reduce of the agreement
+    buffer: the same size on every rank whatever its plan, `MAX_LOSS_KEYS` count slots, [1, f, f^2, g, g^2], then the
+    step's `STEP_SLOTS` vector if it has one (its length is in the plan)."""
     slots = [count.reshape(1).to(torch.int64) for count in counts] if len(counts) <= MAX_LOSS_KEYS else []
     f, g = _fingerprints(plan)
     # Filled on the device from kernel arguments: no host-to-device copy, so no sync.
     trailer = [torch.full((1,), value, dtype=torch.int64, device=device) for value in (1, f, f * f, g, g * g)]
-    buffer = torch.cat([*slots, torch.zeros(MAX_LOSS_KEYS - len(slots), dtype=torch.int64, device=device), *trailer])
+    tail = [] if extra is None else [extra.reshape(-1).to(device=device, dtype=torch.int64)]
+    zeros = torch.zeros(MAX_LOSS_KEYS - len(slots), dtype=torch.int64, device=device)
+    buffer = torch.cat([*slots, zeros, *trailer, *tail])
     reduced = all_reduce(buffer, op="sum", group=get_parallel_state().world_group)
-    t = reduced[MAX_LOSS_KEYS:]
+    t = reduced[MAX_LOSS_KEYS : MAX_LOSS_KEYS + 5]
     keys_match = (t[0] * t[2] == t[1] * t[1]) & (t[0] * t[4] == t[3] * t[3])
     if len(counts) > MAX_LOSS_KEYS:  # after the collective, which every rank then has made
         raise ValueError(f"{len(counts)} counts {list(plan)} exceed MAX_LOSS_KEYS={MAX_LOSS_KEYS}")
-    return reduced[: len(counts)], keys_match
+    return reduced[: len(counts)], keys_match, reduced[MAX_LOSS_KEYS + 5 :]
 
 
 def _verdict_now(reduced: torch.Tensor) -> bool:
@@ -285,6 +291,7 @@ class _Memo:
     key: tuple[tuple[str, ...], LossModes]  # the head names and modes the step started with
     plan: tuple[str, ...]
     scales: dict[str, torch.Tensor]  # W / D per head name, float64 on the loss device
+    slots: torch.Tensor  # the step's `STEP_SLOTS` summed over the world (empty without)
     cast: dict[tuple[str, torch.dtype], torch.Tensor] = field(default_factory=dict)  # the scales in a loss dtype
 
     def scale(self, name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -334,10 +341,11 @@ def _step_scales(
                 "same modes"
             )
         return memo
-    plan = modes.describe(names)
+    extra = token_len.get(STEP_SLOTS)
+    plan = modes.describe(names) + (() if extra is None else (f"{STEP_SLOTS}[{extra.numel()}]",))
     reduced = [name for name in names if modes.count_key(name) is not None]
     counts = [_count(token_len, modes.count_key(name), "micro_batches_token_len", device) for name in reduced]
-    totals, keys_match = _reduce(plan, counts, device)
+    totals, keys_match, slots = _reduce(plan, counts, device, extra)
     world = group_size(get_parallel_state().world_group)
     scales = {name: torch.full((), float(world), dtype=torch.float64, device=device) for name in names}
     for name, total in zip(reduced, totals.unbind()):
@@ -348,8 +356,20 @@ def _step_scales(
     else:  # reading it would sync the device: no usable value until `verify_loss_keys` reads it
         scales = {name: torch.where(keys_match, s, torch.full_like(s, float("nan"))) for name, s in scales.items()}
         _PENDING.append((keys_match, plan))
-    _MEMO = _Memo(token_len, tuple(token_len.values()), _snapshot(token_len), (names, modes), plan, scales)
+    _MEMO = _Memo(token_len, tuple(token_len.values()), _snapshot(token_len), (names, modes), plan, scales, slots)
     return _MEMO
+
+
+def step_slots(
+    loss_keys: tuple[str, ...], token_len: Mapping[str, TokenCount], modes: LossModes | str | None = None
+) -> torch.Tensor:
+    """The step's `STEP_SLOTS` summed over the world, from its one all-reduce, made now if no `mean_global_loss` of
+    this step dict has made it yet (with the head names of `loss_keys`: the step's later calls must return them)."""
+    slots = token_len.get(STEP_SLOTS)
+    if slots is None:
+        raise KeyError(f"step_slots: the step dict has no {STEP_SLOTS!r}")
+    names = tuple(sorted(name_of_loss(key) for key in loss_keys))
+    return _step_scales(names, LossModes.of(modes), token_len, slots.device).slots
 
 
 def verify_loss_keys() -> None:
@@ -444,11 +464,11 @@ def _given_scale(name: str, modes: LossModes, given: Mapping[str, TokenCount], d
 def reduce_global_loss_token(micro_batches_token_len: Mapping[str, TokenCount]) -> dict[str, float]:
     """Every count of the step summed over the dp x sp group, as Python floats (VeOmni's signature): ONE all-reduce of
     the agreement buffer, then one host read. Ranks whose keys differ all raise `LossKeyMismatchError`."""
-    names = tuple(sorted(micro_batches_token_len))
+    names = tuple(sorted(key for key in micro_batches_token_len if key != STEP_SLOTS))
     device = collective_device(get_parallel_state().world_group)
     counts = [_as_count(micro_batches_token_len[n], f"micro_batches_token_len[{n!r}]", device) for n in names]
-    totals, keys_match = _reduce(names, counts, device)
+    totals, keys_match, _ = _reduce(names, counts, device)
     if not bool(keys_match.cpu()):
         raise _key_mismatch_error([names], _COUNT_HINT)
     by_name = dict(zip(names, totals.cpu().tolist()))
-    return {key: float(by_name[key]) for key in micro_batches_token_len}
+    return {key: float(by_name[key]) for key in names}
