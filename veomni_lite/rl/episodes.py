@@ -308,49 +308,45 @@ def starts_of(prompts: Sequence[Any], indices: Sequence[int], seeds: Mapping[int
     return starts
 
 
-def make_agent(trainer: Any) -> Agent:
-    """The `Agent` of an `RLTrainer` whose `rl` has tools or an environment (its config loaded them once already)."""
+def make_agent(rl: Any, data: Any, tokenizer: Any, template: str | None) -> Agent:
+    """The `Agent` of an `rl` section with tools or an environment (its config loaded them once already), with the
+    `data` section's limits and chat `template` (None: the tokenizer's)."""
     from veomni_lite.rl.environments import load_environment
     from veomni_lite.rl.tools import load_tools
 
-    rl, data = trainer.rl, trainer.config.data
     environment = load_environment({"class": rl.environment, "kwargs": rl.environment_kwargs} if rl.environment else "")
     return Agent(
-        trainer.tokenizer, load_tools(rl.tools), environment, rl.max_turns, rl.max_episode_tokens or data.max_seq_len,
-        rl.tool_timeout_s, trainer.encoder.template if data.chat_template else None,
+        tokenizer, load_tools(rl.tools), environment, rl.max_turns, rl.max_episode_tokens or data.max_seq_len,
+        rl.tool_timeout_s, template,
     )  # fmt: skip
 
 
 def generate_episodes(
-    batches: Any,
+    context: Any,
     k: int,
     prompts: Sequence[Any],
     indices: list[int],
     count: int,
     settings: SamplingSettings,
-    sample_seed: Callable[[int, int, int, int], int],
+    step: int,
 ) -> list[RolloutSample]:
-    """`RolloutBatches.generate` for episodes: this rank's prompts' episodes as scored samples. The turns are agreed
-    over the ranks (the engine may be collective); an environment or template failure on any rank, and a reward
-    failure, are the same named error on every rank."""
+    """`veomni_lite.rl.rollout_batch.generate` for episodes (`context`: the pipeline's `RolloutContext`; `step`: the
+    weights' version): this rank's prompts' episodes as scored samples. The turns are agreed over the ranks (the
+    engine may be collective); an environment or template failure on any rank, and a reward failure, are the same
+    named error on every rank."""
     from veomni_lite.distributed.collectives import agree, agreed_count
-    from veomni_lite.rl.rewards import RewardError
+    from veomni_lite.rl.rollout_batch import sample_seed, score
 
-    t = batches.trainer
-    seeds = {i: [sample_seed(t.config.train.seed, k, i, j) for j in range(count)] for i in indices}
+    seeds = {i: [sample_seed(context.seed, k, i, j) for j in range(count)] for i in indices}
     starts = starts_of(prompts, indices, seeds)
     episodes, problem = run_episodes(
-        t.engine, starts, settings, t.agent, lambda active: agreed_count(int(active), t.control_group) > 0
-    )
-    agree(problem, EpisodeError, t.control_group, where=f"rollout batch {k}: ")
-    samples = [episode.sample(t.step) for episode in episodes]  # prompt_text: as rendered with the tools
-    scored: RewardError | None = None
-    try:
-        batches._score(samples, [prompts[s.group] for s in samples])
-    except RewardError as exc:
-        scored = exc
-    agree(scored, RewardError, t.control_group, where=f"rollout batch {k}: ")
-    if t.agent.environment is not None:
+        context.engine, starts, settings, context.agent,
+        lambda active: agreed_count(int(active), context.control_group) > 0,
+    )  # fmt: skip
+    agree(problem, EpisodeError, context.control_group, where=f"rollout batch {k}: ")
+    samples = [episode.sample(step) for episode in episodes]  # prompt_text: as rendered with the tools
+    score(context, k, samples, [prompts[s.group] for s in samples])
+    if context.agent.environment is not None:
         for sample in samples:
             sample.rewards["environment"] = sample.episode["env_reward"]
             sample.reward += sample.episode["env_reward"]
