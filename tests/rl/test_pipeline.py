@@ -1,6 +1,7 @@
 """The RL pipeline (`veomni_lite.rl.pipeline`): one rollout batch walks its stages once each, in order, each called
 by the pipeline itself (no stage calls back into another); the loader only slices the batch into steps; and no part
-the trainer orchestrates (pipeline, its context and generation state, loader, records, critic) holds the trainer."""
+the trainer orchestrates (pipeline, its context and generation state, loader, records, critic) holds the trainer,
+nor does any function the context carries."""
 
 from __future__ import annotations
 
@@ -156,20 +157,15 @@ def test_no_part_holds_the_trainer(math_demo, tmp_path):
         trainer.loader.next_step()  # a batch made: the loader and the pipeline hold their state
         parts = {"pipeline": trainer.rollouts, "loader": trainer.loader, "records": trainer.records}
         parts["critic"] = trainer.critic
-        policy = (".collate.__self__", ".collate_fn.__self__", ".shard.__self__", ".logprobs.__self__")
-        found = {name: [p for p in holders(part, trainer) if not p.endswith(policy)] for name, part in parts.items()}
-        assert found == {name: [] for name in parts}
-        # The policy's functions are the only way to the trainer: its collate (the planner's too), SP slice and
-        # forward, which the trainer owns with the model.
-        assert sorted(holders(trainer.rollouts.context, trainer)) == [
-            ".collate.__self__",
-            ".logprobs.__self__",
-            ".planner.collate_fn.__self__",
-            ".shard.__self__",
-        ]
-        # Control: the walk finds the trainer where a part holds it (the old RolloutBatches' `self.trainer`).
+        assert {name: list(holders(part, trainer)) for name, part in parts.items()} == {name: [] for name in parts}
+        # The walk reaches through the context's functions (the policy's collate, SP slice and forward) to what they
+        # hold: the model, which the trainer holds too.
+        assert ".context.logprobs.args[0]" in list(holders(parts["pipeline"], trainer.model))
+        # Controls: the walk finds the trainer where a part holds it (the old parts' `self.trainer`), or a function
+        # bound to it (the context's functions were the trainer's methods before).
         trainer.rollouts.source.trainer = trainer
-        assert list(holders(parts["pipeline"], trainer)) != []
-        assert [p for p in holders(parts["pipeline"], trainer) if p.endswith("source.trainer")] == [".source.trainer"]
+        context = trainer.rollouts.context
+        trainer.rollouts.context = dataclasses.replace(context, shard=trainer.shard)
+        assert sorted(holders(parts["pipeline"], trainer)) == [".context.shard.__self__", ".source.trainer"]
     finally:
         trainer.close()

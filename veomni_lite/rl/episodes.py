@@ -329,13 +329,14 @@ def generate_episodes(
     count: int,
     settings: SamplingSettings,
     step: int,
+    sample_seed: Callable[[int, int, int, int], int],
+    score: Callable[[Any, int, list[RolloutSample], Sequence[Any]], None],
 ) -> list[RolloutSample]:
     """`veomni_lite.rl.rollout_batch.generate` for episodes (`context`: the pipeline's `RolloutContext`; `step`: the
-    weights' version): this rank's prompts' episodes as scored samples. The turns are agreed over the ranks (the
-    engine may be collective); an environment or template failure on any rank, and a reward failure, are the same
-    named error on every rank."""
+    weights' version; `score`: the pipeline's scoring stage, `rollout_batch.score`): this rank's prompts' episodes as
+    scored samples. The turns are agreed over the ranks (the engine may be collective); an environment or template
+    failure on any rank, and a reward failure, are the same named error on every rank."""
     from veomni_lite.distributed.collectives import agree, agreed_count
-    from veomni_lite.rl.rollout_batch import sample_seed, score
 
     seeds = {i: [sample_seed(context.seed, k, i, j) for j in range(count)] for i in indices}
     starts = starts_of(prompts, indices, seeds)

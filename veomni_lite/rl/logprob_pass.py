@@ -24,13 +24,25 @@ import torch
 
 from veomni_lite.data.checks import DataError, data_problem
 from veomni_lite.distributed.collectives import agree, all_gather_objects
-from veomni_lite.loss_keys import IGNORE_INDEX, SEQUENCE_IDS
+from veomni_lite.loss_keys import IGNORE_INDEX, SEQUENCE_IDS, is_labels_key
+from veomni_lite.models.heads import LogprobRequest
 from veomni_lite.post_training import ReferenceWeights
 from veomni_lite.rl.critic import OLD_VALUES
 from veomni_lite.rl.policy_loss import OLD_LOGPROBS, POLICY_LABELS, REF_LOGPROBS
 from veomni_lite.rl.rollouts import RolloutSample
+from veomni_lite.trainer.base import to_device
 
-__all__ = ["Plans", "collate_plans", "fill", "needs_fill", "plan", "probe", "whole_sequence"]
+__all__ = [
+    "Plans",
+    "collate_plans",
+    "fill",
+    "model_logprobs",
+    "needs_fill",
+    "plan",
+    "policy_logprobs",
+    "probe",
+    "whole_sequence",
+]
 
 
 Plans = list[list[tuple[list[RolloutSample], list[int]]]]  # per mini-batch: (its samples, one micro-batch's indices)
@@ -131,6 +143,23 @@ def fill(context: Any, samples: list[RolloutSample], plans: Plans) -> None:
             continue
         for index, sample in enumerate(samples):
             setattr(sample, attribute, merged[index])
+
+
+def model_logprobs(model: torch.nn.Module, batch: Mapping[str, Any], request: LogprobRequest) -> dict[str, Any]:
+    """The model's {"logprobs", "entropy"} of `request` on a prepared micro-batch (the LM head fused with them
+    unless `model.fused_lm_head` is false: `LogprobRequest`)."""
+    return model(**{k: v for k, v in batch.items() if not is_labels_key(k)}, logprobs=request)
+
+
+@torch.no_grad()
+def policy_logprobs(
+    model: torch.nn.Module, device: torch.device, micro_batch: Mapping[str, Any], temperature: float
+) -> torch.Tensor:
+    """[B, S] log-probabilities of a sliced micro-batch's `policy_labels` at `temperature` under `model`'s current
+    weights (float64, host; the caller sets eval mode): the pipeline's forward (`RolloutContext.logprobs`)."""
+    batch = to_device(micro_batch, device, model.host_inputs)
+    request = LogprobRequest(batch[POLICY_LABELS], temperature)
+    return model_logprobs(model, batch, request)["logprobs"].double().cpu()
 
 
 def whole_sequence(context: Any, values: torch.Tensor, length: int) -> torch.Tensor:

@@ -13,8 +13,9 @@
 
 Every stage is a function of the `RolloutContext` (what the stages need, fixed once the model and engine exist: the
 engine, tokenizer, rewards, rl config, parallel state, and the policy's collate, SP slice and log-probability
-forward) and the samples; it returns samples and metric dicts, and never sees the trainer. `RolloutBatch` is the
-result: samples, this rank's micro-batches per mini-batch, this rank's metrics, the generation seconds. The
+forward, none of them bound to the trainer) and the samples; it returns samples and metric dicts, and never sees the
+trainer. `RolloutBatch` is the result: samples, this rank's micro-batches per mini-batch, this rank's metrics, the
+generation seconds. The
 `RolloutLoader` (`veomni_lite.rl.loader`) only slices batches into optimizer steps and keeps the resume state;
 `RLTrainer` builds the context, the pipeline and the loader, and records each batch's metrics with the step that
 trains its first part. A batch restored from a checkpoint enters after the generation (`restored`), its samples
@@ -47,11 +48,11 @@ __all__ = ["RolloutBatch", "RolloutContext", "RolloutPipeline", "advantages"]
 
 @dataclass(frozen=True)
 class RolloutContext:
-    """What the pipeline's stages read; none of it is the trainer. `collate` (samples' tensors -> one micro-batch),
-    `shard` (a whole micro-batch marked for the loss modes and SP-sliced, as the train loop does) and `logprobs`
-    ((sliced micro-batch, temperature) -> [B, S] float64 host log-probabilities of its `policy_labels` under the
-    current weights, no grad) are the policy's; `planner` cuts a mini-batch into this rank's micro-batches
-    (`StepLoader.share`)."""
+    """What the pipeline's stages read; none of it is (or holds) the trainer. The policy's functions: `collate`
+    (samples' tensors -> one micro-batch), `shard` (a whole micro-batch marked for the loss modes and SP-sliced, as
+    the train loop does) and `logprobs` ((sliced micro-batch, temperature) -> [B, S] float64 host log-probabilities
+    of its `policy_labels` under the current weights, no grad: `logprob_pass.policy_logprobs`); `planner` cuts a
+    mini-batch into this rank's micro-batches (`StepLoader.share`)."""
 
     rl: RLConfig
     seed: int  # train.seed: the sampling seeds and the prompt order

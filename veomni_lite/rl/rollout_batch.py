@@ -84,7 +84,7 @@ def generate(
     if context.agent is not None:  # multi-turn: episodes with tools or an environment
         from veomni_lite.rl.episodes import generate_episodes
 
-        return generate_episodes(context, k, prompts, indices, count, settings, step)
+        return generate_episodes(context, k, prompts, indices, count, settings, step, sample_seed, score)
     requests = [request(context, k, i, prompts[i], count) for i in indices]
     results = context.engine.generate(requests, settings)  # every rank: the vLLM engine's call is collective
     return _samples_of(context, k, prompts, indices, results, step)

@@ -11,9 +11,9 @@ rollout engine (`veomni_lite.engines`), and orchestrates:
                                      rollouts sample.
 Each optimizer step then runs the loop's step (the loop marks and SP-slices the micro-batches, `shard`): `LossStep` +
 `mean_global_loss` make it exactly the mode's value over the step's responses on every rank, one loss all-reduce per
-step; `RLTrainer.forward` asks the model for the response
-tokens' log-probabilities and entropies (`LogprobRequest`: the LM head fused with them, the [tokens, vocab] logits
-never whole) and turns them into the policy loss (`PolicyLoss`). `evaluate`: greedy responses to the eval prompts.
+step; `RLTrainer.forward` asks the model for the response tokens' log-probabilities and entropies (`LogprobRequest`:
+the LM head fused with them, the [tokens, vocab] logits never whole) and turns them into the policy loss
+(`PolicyLoss`). `evaluate`: greedy responses to the eval prompts.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,6 @@ from veomni_lite.distributed.collectives import agree, all_reduce
 from veomni_lite.engines.base import RolloutEngine
 from veomni_lite.engines.embedded import TransformersEngine
 from veomni_lite.engines.weights import engine_model
-from veomni_lite.loss_keys import is_labels_key
 from veomni_lite.metrics.accumulator import MetricSpec
 from veomni_lite.metrics.sinks import Panel
 from veomni_lite.models.heads import LogprobRequest
@@ -53,7 +52,7 @@ from veomni_lite.rl.config import POLICY, RLConfig
 from veomni_lite.rl.critic import VALUE, VALUE_LABELS, Critic
 from veomni_lite.rl.episodes import make_agent
 from veomni_lite.rl.loader import RolloutLoader
-from veomni_lite.rl.logprob_pass import probe
+from veomni_lite.rl.logprob_pass import model_logprobs, policy_logprobs, probe
 from veomni_lite.rl.pipeline import RolloutContext, RolloutPipeline
 from veomni_lite.rl.policy_loss import POLICY_LABELS, PolicyLoss
 from veomni_lite.rl.prompts import PromptSet, encode_row, read_prompts
@@ -61,6 +60,7 @@ from veomni_lite.rl.records import RolloutRecords, rollout_specs
 from veomni_lite.rl.rewards import check_answers, load_rewards
 from veomni_lite.rl.rollout_batch import generate, sampling
 from veomni_lite.rl.rollouts import RolloutSample, collate_rollouts, read_rollouts
+from veomni_lite.trainer.base import shard_micro_batch
 from veomni_lite.trainer.sft import SFTTrainer, image_token
 
 logger = logging.getLogger(__name__)
@@ -179,9 +179,9 @@ class RLTrainer(SFTTrainer):
         encoded = encode_row(row, where, self.encoder, self.images, "messages", {}, base)
         return encoded.ids, encoded.text, encoded.model_inputs
 
-    def collate(self, samples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def collator(self) -> Callable[[Sequence[Mapping[str, torch.Tensor]]], dict[str, torch.Tensor]]:
         """`RolloutSample.tensors` -> one micro-batch (`collate_rollouts` over the SFT collate of the model)."""
-        return collate_rollouts(samples, super().collate, self.config.data.packing)
+        return functools.partial(collate_rollouts, collate=super().collator(), packing=self.config.data.packing)
 
     @property
     def label_limits(self) -> dict[str, int]:
@@ -236,8 +236,9 @@ class RLTrainer(SFTTrainer):
     def _rollout_context(self) -> RolloutContext:
         """What the pipeline's stages need (`RolloutContext`), without the engine (built on it: the vLLM probe)."""
         train, data = self.config.train, self.config.data
+        collate = self.collator()
         planner = StepLoader(
-            self.collate, train.global_batch_size, train.micro_batch_size, self.parallel.dp_size,
+            collate, train.global_batch_size, train.micro_batch_size, self.parallel.dp_size,
             self.parallel.dp_rank, 0, data.max_tokens_per_micro_batch, data.packing,
         )  # fmt: skip
         return RolloutContext(
@@ -246,7 +247,11 @@ class RLTrainer(SFTTrainer):
             image_token_id=self.model_config.image_token_id if self.images is not None else None,
             rewards=self.rewards, prompts=self.train_dataset, given=self.given, engine=None, agent=None,
             planner=planner, model=self.model, lora=self.lora, reference=self.reference, critic=self.critic,
-            collate=self.collate, shard=self.shard, logprobs=self.logprobs,
+            collate=collate,
+            shard=functools.partial(
+                shard_micro_batch, loss_modes=self.loss_modes, parallel=self.parallel, pad_id=self.pad_id
+            ),
+            logprobs=functools.partial(policy_logprobs, self.model, self.device),
         )  # fmt: skip
 
     def _build_engine(self, context: RolloutContext) -> RolloutEngine:
@@ -288,27 +293,15 @@ class RLTrainer(SFTTrainer):
                 self.config.train.global_batch_size, self.config.optim.lr,
             )  # fmt: skip
 
-    def model_logprobs(self, batch: Mapping[str, Any], request: LogprobRequest) -> dict[str, torch.Tensor]:
-        """The model's {"logprobs", "entropy"} of `request` on a prepared micro-batch (the LM head fused with them
-        unless `model.fused_lm_head` is false: `LogprobRequest`)."""
-        return self.model(**{k: v for k, v in batch.items() if not is_labels_key(k)}, logprobs=request)
-
     def forward(self, micro_batch: Mapping[str, Any]) -> Mapping[str, Any]:
         """The policy loss of one micro-batch from the model's log-probabilities and entropies (see `PolicyLoss`)."""
         batch = self.preforward(micro_batch)
-        outputs = self.model_logprobs(batch, LogprobRequest(batch[POLICY_LABELS], self.rl.temperature, entropy=True))
+        request = LogprobRequest(batch[POLICY_LABELS], self.rl.temperature, entropy=True)
+        outputs = model_logprobs(self.model, batch, request)
         loss = self.policy(outputs, batch, self.parallel.sp_group if self.parallel.sp_size > 1 else None)
         if self.critic is None:
             return loss
         return self.critic.add_value_loss(loss, batch, f"{POLICY}_loss", self.step)
-
-    @torch.no_grad()
-    def logprobs(self, micro_batch: Mapping[str, Any], temperature: float) -> torch.Tensor:
-        """[B, S] log-probabilities of a prepared micro-batch's `policy_labels` at `temperature` under the current
-        weights (float64, host; the caller sets eval mode): the pipeline's forward (`RolloutContext.logprobs`)."""
-        batch = self.preforward(micro_batch)
-        request = LogprobRequest(batch[POLICY_LABELS], temperature)
-        return self.model_logprobs(batch, request)["logprobs"].double().cpu()
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
         """The loop's step, with the metrics of the rollout batch it starts (if it starts one), its times and the
