@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,9 +59,9 @@ STAGES = [
 ]
 
 
-def record_stages(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
-    """Each stage wrapped to append (name, depth) when called: depth 0 is a call made by the pipeline itself, 1 one
-    made inside another stage."""
+def record_stages(monkeypatch: pytest.MonkeyPatch, more: Sequence[tuple[Any, str]] = ()) -> list[tuple[str, int]]:
+    """Each stage (and `more`) wrapped to append (name, depth) when called: depth 0 is a call made by the pipeline
+    itself, 1 one made inside another stage."""
     trace: list[tuple[str, int]] = []
     depth = [0]
 
@@ -77,7 +77,7 @@ def record_stages(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
 
         return recorded
 
-    for owner, name in STAGES:
+    for owner, name in [*STAGES, *more]:
         monkeypatch.setattr(owner, name, wrap(name, getattr(owner, name)))
     return trace
 
@@ -117,6 +117,28 @@ def _cells(function: Any) -> list[Any]:
         except ValueError:
             continue
     return values
+
+
+@pytest.mark.slow
+def test_episodes_walk_the_same_stages_and_score_through_the_scoring_stage(tmp_path, monkeypatch):
+    """Multi-turn: the episodes replace the engine's generation inside `generate` and are scored by the pipeline's
+    scoring stage (`rollout_batch.score`, handed to them). On policy without a reference: no forward pass."""
+    from examples.agent_calc import write_demo
+    from tests.rl.test_agent_train import agent_args
+    from veomni_lite.rl import episodes
+
+    demo = write_demo(tmp_path / "demo", sft_rows=16, rl_rows=16, eval_rows=4)
+    trainer = RLTrainer(load_config(None, agent_args(demo, tmp_path / "run"), world_size=1, sections={"rl": RLConfig}))
+    try:
+        trace = record_stages(monkeypatch, [(episodes, "generate_episodes")])
+        trainer.loader.next_step()
+        assert trace == [
+            ("collect", 0), ("generate", 1), ("generate_episodes", 2), ("score", 3), ("gather", 1),
+            ("advantages", 0), ("rollout_metrics", 0), ("plan", 0), ("needs_fill", 0), ("collate_plans", 0),
+        ]  # fmt: skip
+        assert all(s.episode is not None for s in trainer.rollouts.last)
+    finally:
+        trainer.close()
 
 
 def holders(root: Any, target: Any) -> Iterator[str]:
