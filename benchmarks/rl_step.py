@@ -62,7 +62,8 @@ def _worker(work_dir: Path, model_dir: Path, variant: str, batches: int, out: Pa
         generate = 0.0
         for _ in range(trainer.loader.steps_per_rollout):
             micro_batches = trainer.loader.next_step()
-            generate += trainer.rollouts.generate_s
+            made = trainer.loader.made  # the rollout batch this step made, if any (`RolloutPipeline.make`)
+            generate += made.generate_s if made is not None else 0.0
             trainer.train_step(micro_batches)
         rows.append({"seconds": time.perf_counter() - start, "generate_s": generate})
     whole = model_bytes(trainer.model)

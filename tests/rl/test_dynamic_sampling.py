@@ -6,6 +6,7 @@ rank; REINFORCE++'s statistics are the world's batch (a rank's share gives other
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -221,6 +222,7 @@ def run_async(rank: int, world: int, args: list[str]) -> dict[str, Any]:
     trainer = build(args, world)
     trainer.rl.async_steps = 1  # the embedded engine started, as vLLM's would be (config checks need vLLM)
     trainer.engine = StartedEngine(trainer.engine, rank)
+    trainer.rollouts.context = dataclasses.replace(trainer.rollouts.context, engine=trainer.engine)
     train_built(trainer)
     return {"last": [s.plain() for s in trainer.rollouts.last], "events": read_events(trainer.output_dir)}
 

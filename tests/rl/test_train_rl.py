@@ -4,6 +4,7 @@ size; bad rollouts and configs are named errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -204,19 +205,20 @@ def _run_counting_forwards(rank: int, world: int, args: list[str]) -> dict[str, 
     ran (`logprobs`: old and reference, padding included) per rollout batch."""
     trainer = RLTrainer(config(args, world))
     planned, forwards = [], []
-    prepare, logprobs = trainer.passes.prepare, trainer.logprobs
+    pipeline = trainer.rollouts
+    make, logprobs = pipeline.make, pipeline.context.logprobs
 
-    def counted_prepare(samples: Any, loader: Any) -> Any:
+    def counted_make(*args: Any) -> Any:
         forwards.append(0)
-        out = prepare(samples, loader)
-        planned.append(sum(len(micro_batches) for micro_batches in out))
+        out = make(*args)
+        planned.append(sum(len(micro_batches) for micro_batches in out.micro_batches))
         return out
 
-    def counted_logprobs(micro_batch: Any) -> Any:
+    def counted_logprobs(micro_batch: Any, temperature: float) -> Any:
         forwards[-1] += 1
-        return logprobs(micro_batch)
+        return logprobs(micro_batch, temperature)
 
-    trainer.passes.prepare, trainer.logprobs = counted_prepare, counted_logprobs
+    pipeline.make, pipeline.context = counted_make, dataclasses.replace(pipeline.context, logprobs=counted_logprobs)
     train_built(trainer)
     return {"planned": planned, "forwards": forwards}
 
@@ -260,7 +262,7 @@ def _collate_error_on_rank_one(
 
         logprob_pass.data_problem = as_it_is
     trainer = RLTrainer(config(args, world))
-    collate, calls = trainer.collate, []
+    collate, calls = trainer.rollouts.context.collate, []
 
     def failing_collate(samples: Any) -> Any:
         calls.append(1)
@@ -268,8 +270,12 @@ def _collate_error_on_rank_one(
             raise ValueError("response 5: 'input_ids' and 'labels' differ in length")
         return collate(samples)
 
-    forwards, logprobs = [], trainer.logprobs
-    trainer.collate, trainer.logprobs = failing_collate, lambda batch: forwards.append(1) or logprobs(batch)
+    forwards, logprobs = [], trainer.rollouts.context.logprobs
+    trainer.rollouts.context = dataclasses.replace(
+        trainer.rollouts.context,
+        collate=failing_collate,
+        logprobs=lambda batch, temperature: forwards.append(1) or logprobs(batch, temperature),
+    )
     try:
         train_built(trainer)
         outcome = "trained"

@@ -1037,18 +1037,19 @@ def test_vision_language_rollouts_carry_the_trainers_images_and_prompt(vl_demo, 
     from veomni_lite.engines.base import RolloutRequest
     from veomni_lite.engines.vllm import EngineError
     from veomni_lite.rl.prompts import chat_fields
+    from veomni_lite.rl.rollout_batch import request, sampling, sync_engine
     from veomni_lite.rl.trainer import RLTrainer
 
     vllm = {"url": vl_server.url, "probe_tolerance": 1e-4}
     path = write_config(vl_demo, tmp_path / "engine", "vllm", vllm)
     trainer = RLTrainer(load_config(path, VL_REWARD, world_size=1, sections={"rl": RLConfig}))
     try:
-        trainer.rollouts.sync_engine()
-        engine, settings = trainer.engine, trainer.rollouts.sampling(greedy=False)
+        sync_engine(trainer.rollouts.context, trainer.step)
+        engine, settings = trainer.engine, sampling(trainer.rollouts.context, greedy=False)
         assert engine.last_probe_diff < 1e-5
         model = Qwen2VLForConditionalGeneration.from_pretrained(str(vl_demo / "model"), dtype=torch.float32).eval()
         prompts = trainer.train_dataset.prompts[:3]
-        requests = [trainer.rollouts.request(0, i, prompt, 2) for i, prompt in enumerate(prompts[:2])]
+        requests = [request(trainer.rollouts.context, 0, i, prompt, 2) for i, prompt in enumerate(prompts[:2])]
         urls = [request.chat["messages"][0]["content"][0]["image_url"]["url"] for request in requests]
         assert all(url.startswith("data:image/png;base64,") for url in urls)
 
@@ -1059,7 +1060,7 @@ def test_vision_language_rollouts_carry_the_trainers_images_and_prompt(vl_demo, 
         seen = generated(requests)
         print(f"\nVL sampled tokens' mean |engine - plain forward| log-prob (float32): {sum(seen) / len(seen):.2e}")
         assert sum(seen) / len(seen) < 1e-5 and max(seen) < 1e-4
-        other = trainer.rollouts.request(0, 2, prompts[2], 1)  # another digit's image: 8x8 pixels, the same tokens
+        other = request(trainer.rollouts.context, 0, 2, prompts[2], 1)  # another digit's image: 8x8 pixels, same tokens
         assert other.prompt_ids == requests[0].prompt_ids
         swapped = RolloutRequest(requests[0].prompt_ids, [7], requests[0].model_inputs, other.chat)
         assert max(generated([swapped])) > 1e-3
@@ -1094,6 +1095,7 @@ def test_vision_language_runs_on_vllm_train_as_on_the_embedded_engine(vl_demo, v
     test: it kills the server's engine)."""
     from veomni_lite.engines.vllm import EngineError
     from veomni_lite.engines.weights import full_hf_state
+    from veomni_lite.rl.rollout_batch import request, sampling, sync_engine
     from veomni_lite.rl.trainer import RLTrainer
 
     runs = {
@@ -1115,14 +1117,14 @@ def test_vision_language_runs_on_vllm_train_as_on_the_embedded_engine(vl_demo, v
     # Control: a sync without the encoder-cache reset, then images the server has seen: its engine dies
     trainer = RLTrainer(load_config(runs["vllm"], VL_REWARD, world_size=1, sections={"rl": RLConfig}))
     try:
-        trainer.rollouts.sync_engine()
+        sync_engine(trainer.rollouts.context, trainer.step)
         prompts = trainer.train_dataset.prompts[:2]
-        requests = [trainer.rollouts.request(0, i, prompt, 2) for i, prompt in enumerate(prompts)]
-        trainer.engine.generate(requests, trainer.rollouts.sampling(greedy=False))
+        requests = [request(trainer.rollouts.context, 0, i, prompt, 2) for i, prompt in enumerate(prompts)]
+        trainer.engine.generate(requests, sampling(trainer.rollouts.context, greedy=False))
         trainer.engine.renders_prompts = False  # the sync below skips /reset_encoder_cache
         trainer.engine.sync_weights(full_hf_state(trainer.model, trainer.lora), 1)
         with pytest.raises(EngineError, match="answered HTTP 500"):
-            trainer.engine.generate(requests, trainer.rollouts.sampling(greedy=False))
+            trainer.engine.generate(requests, sampling(trainer.rollouts.context, greedy=False))
     finally:
         trainer.close()
     assert "Encoder cache miss" in vl_server.log_path.read_text()

@@ -1,4 +1,5 @@
-"""PPO's critic (`rl.advantage: gae` with `rl.critic`), composed by `RLTrainer` as one part (`Critic`).
+"""PPO's critic (`rl.advantage: gae` with `rl.critic`), composed by `RLTrainer` as one part (`Critic`), and GAE, a
+stage of the rollout pipeline (`veomni_lite.rl.pipeline`).
 
 The critic is a value head `nn.Linear(hidden, 1)` (zero-initialised) on a decoder's last hidden state at every
 position, on one of two trunks:
@@ -18,7 +19,8 @@ packing with the step's one all-reduce. Its parameters are their own AdamW group
 
 Per rollout batch, on the host, alike on every rank (every rank holds every sample after the passes' gather):
 - old values V_t: a no-grad forward on the micro-batches of the old / reference log-probabilities
-  (`LogprobPasses`), at the positions that predict each response token (the shifted frame: the state before token t);
+  (`veomni_lite.rl.logprob_pass`), at the positions that predict each response token (the shifted frame: the state
+  before token t);
 - token rewards: the sequence reward at the last response token, 0 elsewhere (no KL in the reward: the KL stays a loss
   term, `rl.kl_coef`, as verl's use_kl_loss);
 - GAE over each response (`gae`): delta_t = r_t + gamma V_{t+1} - V_t with V after the last token 0 (a truncated
@@ -34,7 +36,7 @@ the policy loss is multiplied by 0 and every other parameter group steps with lr
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +66,7 @@ __all__ = [
     "CriticSettings",
     "ValueLoss",
     "gae",
+    "gae_advantages",
     "whiten",
 ]
 
@@ -247,19 +250,18 @@ def _initial_state(optimizer: torch.optim.Optimizer, params: Sequence[nn.Paramet
 
 
 class Critic:
-    """The critic part of `trainer` (an `RLTrainer`); `Critic.of(trainer)` is None without `rl.advantage: gae`."""
+    """The critic part of an `RLTrainer`; `Critic.of(rl)` is None without `rl.advantage: gae`."""
 
-    def __init__(self, trainer: Any, settings: CriticSettings) -> None:
-        self.trainer = trainer
+    def __init__(self, settings: CriticSettings) -> None:
         self.settings = settings
         self.loss = ValueLoss(settings.value_clip)
         self.captured: dict[str, torch.Tensor] = {}
         self._warm_step = False  # the step whose loss was computed last is a warm-up step
 
     @classmethod
-    def of(cls, trainer: Any) -> Critic | None:
-        rl = trainer.rl
-        return cls(trainer, CriticSettings.parse(rl.critic)) if rl.advantage == "gae" else None
+    def of(cls, rl: Any) -> Critic | None:
+        """The critic of the `rl` section, None without `rl.advantage: gae`."""
+        return cls(CriticSettings.parse(rl.critic)) if rl.advantage == "gae" else None
 
     def attach(self, model: nn.Module) -> nn.Module:
         """The policy with its critic (called on the built model, before `model.lora` and FSDP2)."""
@@ -312,9 +314,9 @@ class Critic:
         """The values of the model's last forward."""
         return self.captured.pop("values")
 
-    def warming_up(self) -> bool:
-        """The step about to train is a warm-up step (the policy does not update)."""
-        return self.trainer.step < self.settings.warmup_steps
+    def warming_up(self, step: int) -> bool:
+        """The step about to train (after `step` trained ones) is a warm-up step (the policy does not update)."""
+        return step < self.settings.warmup_steps
 
     def optimizer(self, model: nn.Module, optim: Any) -> torch.optim.Optimizer:
         """The trainer's AdamW (`build_optimizer`) with the critic's parameters in their own groups (`critic`: True)
@@ -361,42 +363,25 @@ class Critic:
         delays = [0 if group.get("critic") else warmup for group in optimizer.param_groups]
         return build_scheduler(optimizer, optim, max_steps, delays)
 
-    def add_value_loss(self, outputs: dict[str, Any], batch: Mapping[str, Any], policy_key: str) -> dict[str, Any]:
+    def add_value_loss(
+        self, outputs: dict[str, Any], batch: Mapping[str, Any], policy_key: str, step: int
+    ) -> dict[str, Any]:
         """The policy's `outputs` with the value loss and its metrics added (`policy_key`'s loss times 0 in
-        warm-up)."""
+        warm-up; `step`: the optimizer steps trained before this one)."""
         value = self.loss(self.take(), batch)
-        self._warm_step = self.warming_up()  # read by `_policy_waits` at this step's update
+        self._warm_step = self.warming_up(step)  # read by `_policy_waits` at this step's update
         if self._warm_step:
             outputs[policy_key] = outputs[policy_key] * 0.0
         outputs[f"{VALUE}_loss"] = value[f"{VALUE}_loss"]
         outputs["metrics"] = {**outputs.get("metrics", {}), **value["metrics"]}
         return outputs
 
-    def advantages(self, samples: Sequence[Any]) -> None:
-        """Each sample's token advantages and returns from its `old_values` (`apply_gae`), and the batch's critic
-        metrics into the pending rollout records (the same values on every rank)."""
-        rl = self.trainer.rl
-        metrics = apply_gae(samples, rl.gamma, rl.lam, rl.mask_truncated)
-        pending = self.trainer.records.pending
-        kept = [s for s in samples if not (rl.mask_truncated and s.truncated)]
-        if kept:  # `rl/advantage/*` of the trained tokens (whole batch, alike on every rank: the mean stays exact)
-            advantages = torch.cat(
-                [torch.tensor(s.token_advantages, dtype=torch.float64)[model_tokens(s)] for s in kept]
-            )
-            count = float(advantages.numel())
-            pending["rl/advantage/mean"] = (advantages.sum(), count)
-            pending["rl/advantage/_sq"] = ((advantages * advantages).sum(), count)
-            pending["rl/advantage/min"], pending["rl/advantage/max"] = advantages.min(), advantages.max()
-        for name, value in metrics.items():
-            extreme = name.endswith(("/min", "/max"))
-            pending[name] = torch.tensor(value, dtype=torch.float64) if extreme else (value, 1.0)
-
     @torch.no_grad()
-    def old_values(self, micro_batch: Mapping[str, Any]) -> torch.Tensor:
+    def old_values(self, micro_batch: Mapping[str, Any], forward: Callable[[Mapping[str, Any]], Any]) -> torch.Tensor:
         """[B, S] values of a prepared micro-batch (float64, host): the last forward's (the old log-probabilities'
-        pass, under the current weights), else a forward of its own (`RLTrainer.logprobs`)."""
+        pass, under the current weights), else `forward(micro_batch)`'s (the policy's log-probability forward)."""
         if "values" not in self.captured:
-            self.trainer.logprobs(micro_batch)
+            forward(micro_batch)
         return self.take().double().cpu()
 
     def specs(self) -> list[MetricSpec]:
@@ -411,6 +396,24 @@ class Critic:
         ]
 
 
+def gae_advantages(samples: Sequence[Any], rl: Any) -> dict[str, Any]:
+    """The pipeline's GAE stage: each sample's token advantages and returns from its `old_values` (`apply_gae`); returns
+    the batch's `rl/advantage/*` and critic metrics (the same values on every rank)."""
+    metrics = apply_gae(samples, rl.gamma, rl.lam, rl.mask_truncated)
+    pending: dict[str, Any] = {}
+    kept = [s for s in samples if not (rl.mask_truncated and s.truncated)]
+    if kept:  # `rl/advantage/*` of the trained tokens (whole batch, alike on every rank: the mean stays exact)
+        advantages = torch.cat([torch.tensor(s.token_advantages, dtype=torch.float64)[model_tokens(s)] for s in kept])
+        count = float(advantages.numel())
+        pending["rl/advantage/mean"] = (advantages.sum(), count)
+        pending["rl/advantage/_sq"] = ((advantages * advantages).sum(), count)
+        pending["rl/advantage/min"], pending["rl/advantage/max"] = advantages.min(), advantages.max()
+    for name, value in metrics.items():
+        extreme = name.endswith(("/min", "/max"))
+        pending[name] = torch.tensor(value, dtype=torch.float64) if extreme else (value, 1.0)
+    return pending
+
+
 def model_tokens(sample: Any) -> torch.Tensor:
     """The indices of a sample's response tokens that the model sampled (an episode's `response_mask`; else all)."""
     mask = sample.response_mask
@@ -420,7 +423,7 @@ def model_tokens(sample: Any) -> torch.Tensor:
 
 
 def apply_gae(samples: Sequence[Any], gamma: float, lam: float, mask_truncated: bool) -> dict[str, Any]:
-    """See `Critic.advantages`: samples with `reward`, `response_ids`, `old_values`, `truncated` (and an episode's
+    """See `gae_advantages`: samples with `reward`, `response_ids`, `old_values`, `truncated` (and an episode's
     `response_mask`); sets `token_advantages` and `returns`. An episode's GAE runs over its model tokens alone, the
     environment's skipped (they are no actions: verl's multi-turn GAE), its reward at its last model token; the
     environment's tokens get advantage and return 0 (they are in no loss). A sample left out of the loss

@@ -43,7 +43,7 @@ import torch
 from veomni_lite.data.checks import DataError
 from veomni_lite.engines.base import RolloutEngine, RolloutRequest, SamplingSettings
 from veomni_lite.rl.environments import EnvironmentSpec, EpisodeError
-from veomni_lite.rl.rollouts import RolloutSample
+from veomni_lite.rl.rollouts import RolloutSample, batch_name
 from veomni_lite.rl.tools import Tool, ToolErrors, parse_tool_calls, run_tool_calls
 
 __all__ = ["Agent", "Episode", "EpisodeStart", "TemplateError", "run_episodes", "turn_seed"]
@@ -321,52 +321,50 @@ def starts_of(prompts: Sequence[Any], indices: Sequence[int], seeds: Mapping[int
     return starts
 
 
-def make_agent(trainer: Any) -> Agent:
-    """The `Agent` of an `RLTrainer` whose `rl` has tools or an environment (its config loaded them once already)."""
+def make_agent(rl: Any, data: Any, tokenizer: Any, template: str | None) -> Agent:
+    """The `Agent` of an `rl` section with tools or an environment (its config loaded them once already), with the
+    `data` section's limits and chat `template` (None: the tokenizer's)."""
     from veomni_lite.rl.environments import load_environment
     from veomni_lite.rl.tools import load_tools
 
-    rl, data = trainer.rl, trainer.config.data
     environment = load_environment({"class": rl.environment, "kwargs": rl.environment_kwargs} if rl.environment else "")
     return Agent(
-        trainer.tokenizer, load_tools(rl.tools), environment, rl.max_turns, rl.max_episode_tokens or data.max_seq_len,
-        rl.tool_timeout_s, trainer.encoder.template if data.chat_template else None, rl.max_tool_error_rate,
+        tokenizer, load_tools(rl.tools), environment, rl.max_turns, rl.max_episode_tokens or data.max_seq_len,
+        rl.tool_timeout_s, template, rl.max_tool_error_rate,
     )  # fmt: skip
 
 
 def generate_episodes(
-    batches: Any,
+    context: Any,
     k: int,
     prompts: Sequence[Any],
     indices: list[int],
     count: int,
     settings: SamplingSettings,
+    step: int,
     sample_seed: Callable[[int, int, int, int], int],
+    score: Callable[[Any, int, list[RolloutSample], Sequence[Any], int], None],
 ) -> list[RolloutSample]:
-    """`RolloutBatches.generate` for episodes: this rank's prompts' episodes as scored samples. The turns are agreed
-    over the ranks (the engine may be collective); an environment or template failure on any rank, a tool failing
-    above `rl.max_tool_error_rate`, and a reward failure, are the same named error on every rank."""
+    """`veomni_lite.rl.rollout_batch.generate` for episodes (`context`: the pipeline's `RolloutContext`; `step`: the
+    weights' version; `score`: the pipeline's scoring stage, `rollout_batch.score`): this rank's prompts' episodes as
+    scored samples. The turns are agreed over the ranks (the engine may be collective); an environment or template
+    failure on any rank, and a reward failure, are the same named error on every rank."""
     from veomni_lite.distributed.collectives import agree, agreed_count
-    from veomni_lite.rl.rewards import RewardError
 
-    t = batches.trainer
-    seeds = {i: [sample_seed(t.config.train.seed, k, i, j) for j in range(count)] for i in indices}
+    seeds = {i: [sample_seed(context.seed, k, i, j) for j in range(count)] for i in indices}
     starts = starts_of(prompts, indices, seeds)
     episodes, problem = run_episodes(
-        t.engine, starts, settings, t.agent, lambda active: agreed_count(int(active), t.control_group) > 0
-    )
-    agree(problem, EpisodeError, t.control_group, where=f"{batches.name(k)}: ")
-    if t.agent.tools:  # every rank alike (rl.tools)
+        context.engine, starts, settings, context.agent,
+        lambda active: agreed_count(int(active), context.control_group) > 0,
+    )  # fmt: skip
+    agree(problem, EpisodeError, context.control_group, where=f"{batch_name(k, step)}: ")
+    if context.agent.tools:  # every rank alike (rl.tools)
         runs = [run for episode in episodes for run in episode.tool_runs]
-        t.agent.tool_failures.check(runs, t.control_group, t.rank == 0, where=f"{batches.name(k)}: ")
-    samples = [episode.sample(t.step) for episode in episodes]  # prompt_text: as rendered with the tools
-    scored: RewardError | None = None
-    try:
-        batches._score(samples, [prompts[s.group] for s in samples])
-    except RewardError as exc:
-        scored = exc
-    agree(scored, RewardError, t.control_group, where=f"{batches.name(k)}: ")
-    if t.agent.environment is not None:
+        is_main = context.parallel.rank == 0
+        context.agent.tool_failures.check(runs, context.control_group, is_main, where=f"{batch_name(k, step)}: ")
+    samples = [episode.sample(step) for episode in episodes]  # prompt_text: as rendered with the tools
+    score(context, k, samples, [prompts[s.group] for s in samples], step)
+    if context.agent.environment is not None:
         for sample in samples:
             sample.rewards["environment"] = sample.episode["env_reward"]
             sample.reward += sample.episode["env_reward"]

@@ -40,7 +40,17 @@ from veomni_lite.rl.policy_loss import (
     TOKEN_VALUES,
 )
 
-__all__ = ["RolloutSample", "collate_rollouts", "read_rollouts"]
+__all__ = ["EVALUATION", "RolloutSample", "batch_name", "collate_rollouts", "read_rollouts"]
+
+EVALUATION = -1
+"""The batch number of an evaluation's greedy generation (`RLTrainer.evaluate`), which is no rollout batch."""
+
+
+def batch_name(k: int, step: int) -> str:
+    """How errors name batch k at trainer step `step`: rollout batch k, or the evaluation of step `step`'s weights."""
+    if k != EVALUATION:
+        return f"rollout batch {k}"
+    return "the evaluation of the starting weights" if step == 0 else f"the evaluation after step {step}"
 
 
 @dataclass

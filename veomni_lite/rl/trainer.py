@@ -1,38 +1,41 @@
-"""Online RL on the one train loop: `RLTrainer`, an `SFTTrainer` whose loader (`RolloutLoader`) makes each optimizer
+"""Online RL on the one train loop: `RLTrainer`, an `SFTTrainer` whose loader (`RolloutLoader`) slices each optimizer
 step from a rollout batch.
 
 The trainer reads the prompts (or given rollouts), builds the model, its frozen reference (`rl.kl_coef` > 0) and the
-rollout engine (`veomni_lite.engines`), and composes three parts, one module each:
-  `RolloutBatches` (`rollout_batch.py`)  rollout batch k: generated on the engine (synced), scored, gathered in batch
-                                         order, group advantages;
-  `LogprobPasses` (`logprob_pass.py`)    the batch planned into this rank's micro-batches (marked, SP-sliced) and the
-                                         old / reference log-probabilities computed on them before its first update;
-  `RolloutRecords` (`records.py`)        the batch's metrics and the rollouts sample.
-Each optimizer step then runs the loop's step: `LossStep` + `mean_global_loss` make it exactly the mode's value over
-the step's responses on every rank, one loss all-reduce per step; `RLTrainer.forward` asks the model for the response
-tokens' log-probabilities and entropies (`LogprobRequest`: the LM head fused with them, the [tokens, vocab] logits
-never whole) and turns them into the policy loss (`PolicyLoss`). `evaluate`: greedy responses to the eval prompts.
+rollout engine (`veomni_lite.engines`), and orchestrates:
+  `RolloutPipeline` (`pipeline.py`)  rollout batch k stage by stage (generate -> score -> advantages -> old /
+                                     reference log-probabilities -> values -> micro-batches) from a `RolloutContext`
+                                     the trainer builds once the model and engine exist (no stage sees the trainer);
+  `RolloutLoader` (`loader.py`)      the batch's micro-batches sliced into optimizer steps (resume state);
+  `RolloutRecords` (`records.py`)    each batch's metrics, recorded with the step that trains its first part, and the
+                                     rollouts sample.
+Each optimizer step then runs the loop's step (the loop marks and SP-slices the micro-batches, `shard`): `LossStep` +
+`mean_global_loss` make it exactly the mode's value over the step's responses on every rank, one loss all-reduce per
+step; `RLTrainer.forward` asks the model for the response tokens' log-probabilities and entropies (`LogprobRequest`:
+the LM head fused with them, the [tokens, vocab] logits never whole) and turns them into the policy loss
+(`PolicyLoss`). `evaluate`: greedy responses to the eval prompts.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from veomni_lite.data.checks import DataError
+from veomni_lite.data.loader import StepLoader
 from veomni_lite.data.sft import read_sources
 from veomni_lite.distributed.collectives import agree, all_reduce
-from veomni_lite.distributed.sequence_parallel import slice_micro_batch
 from veomni_lite.engines.base import RolloutEngine
 from veomni_lite.engines.embedded import TransformersEngine
 from veomni_lite.engines.weights import engine_model
-from veomni_lite.loss_keys import is_labels_key
 from veomni_lite.metrics.accumulator import MetricSpec
 from veomni_lite.metrics.sinks import Panel
 from veomni_lite.models.heads import LogprobRequest
@@ -42,18 +45,18 @@ from veomni_lite.rl.config import POLICY, RLConfig
 from veomni_lite.rl.critic import VALUE, VALUE_LABELS, Critic
 from veomni_lite.rl.episodes import make_agent
 from veomni_lite.rl.loader import RolloutLoader
-from veomni_lite.rl.logprob_pass import LogprobPasses
+from veomni_lite.rl.logprob_pass import model_logprobs, policy_logprobs, probe
+from veomni_lite.rl.pipeline import RolloutContext, RolloutPipeline
 from veomni_lite.rl.policy_loss import POLICY_LABELS, PolicyLoss
 from veomni_lite.rl.prompts import PromptSet, encode_row, read_prompts
-from veomni_lite.rl.records import RolloutRecords
+from veomni_lite.rl.records import RolloutRecords, rollout_specs
 from veomni_lite.rl.rewards import check_answers, load_rewards
-from veomni_lite.rl.rollout_batch import EVALUATION, RolloutBatches
-from veomni_lite.rl.rollouts import RolloutSample, collate_rollouts, read_rollouts
+from veomni_lite.rl.rollout_batch import generate, sampling
+from veomni_lite.rl.rollouts import EVALUATION, RolloutSample, collate_rollouts, read_rollouts
+from veomni_lite.trainer.base import shard_micro_batch
 from veomni_lite.trainer.sft import SFTTrainer
-from veomni_lite.utils.loss_utils import mark_sequences
 
 logger = logging.getLogger(__name__)
-ROLLOUTS_FILE = "rollouts.jsonl"
 
 __all__ = ["RLTrainer"]
 
@@ -75,12 +78,11 @@ class RLTrainer(SFTTrainer):
         self.reference: ReferenceWeights | None = None
         self.engine: RolloutEngine | None = None
         self.agent: Any = None  # multi-turn: the episodes' `Agent`
-        self.rollouts = RolloutBatches(self)
-        self.passes = LogprobPasses(self)
-        self.records = RolloutRecords(self)
-        self.critic = Critic.of(self)  # rl.advantage: gae: the value head and its loss (`veomni_lite.rl.critic`)
+        self.rollouts: RolloutPipeline | None = None  # built once the model and the engine exist (`on_model_built`)
+        self.critic = Critic.of(self.rl)  # rl.advantage: gae: the value head and its loss (`veomni_lite.rl.critic`)
         super().__init__(config)
-        self.records.trim_file()
+        self.records = RolloutRecords(self.output_dir, self.is_main, self.rl.rollouts_sample)
+        self.records.trim_file(self.step)
 
     @property
     def rollouts_per_epoch(self) -> int:
@@ -165,9 +167,9 @@ class RLTrainer(SFTTrainer):
         encoded = encode_row(row, where, self.encoder, self.images, "messages", {}, base)
         return encoded.ids, encoded.text, encoded.model_inputs
 
-    def collate(self, samples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def collator(self) -> Callable[[Sequence[Mapping[str, torch.Tensor]]], dict[str, torch.Tensor]]:
         """`RolloutSample.tensors` -> one micro-batch (`collate_rollouts` over the SFT collate of the model)."""
-        return collate_rollouts(samples, super().collate, self.config.data.packing)
+        return functools.partial(collate_rollouts, collate=super().collator(), packing=self.config.data.packing)
 
     @property
     def label_limits(self) -> dict[str, int]:
@@ -205,25 +207,53 @@ class RLTrainer(SFTTrainer):
         """The policy loss applies `policy_loss_weights` itself (`PolicyLoss`)."""
 
     def on_model_built(self) -> None:
-        """The reference (the initial weights, where `rl.kl_coef` > 0) and the rollout engine's model."""
+        """The reference (the initial weights, where `rl.kl_coef` > 0), the rollout engine, and the rollout pipeline
+        with its context."""
         if self.rl.kl_coef:
             skip = self.critic.parameters(self.model) if self.critic is not None else ()
             self.reference = ReferenceWeights(self.model, skip)
+        context = self._rollout_context()
         if self.given is None:
-            self.engine = self._build_engine()
-            self.agent = make_agent(self) if self.rl.multi_turn else None
+            self.engine = self._build_engine(context)
+            data = self.config.data
+            template = self.encoder.template if data.chat_template else None
+            self.agent = make_agent(self.rl, data, self.tokenizer, template) if self.rl.multi_turn else None
+            context = dataclasses.replace(context, engine=self.engine, agent=self.agent)
+        self.rollouts = RolloutPipeline(context)
 
-    def _build_engine(self) -> RolloutEngine:
+    def _rollout_context(self) -> RolloutContext:
+        """What the pipeline's stages need (`RolloutContext`), without the engine (built on it: the vLLM probe)."""
+        train, data = self.config.train, self.config.data
+        collate = self.collator()
+        planner = StepLoader(
+            collate, train.global_batch_size, train.micro_batch_size, self.parallel.dp_size,
+            self.parallel.dp_rank, 0, data.max_tokens_per_micro_batch, data.packing,
+        )  # fmt: skip
+        return RolloutContext(
+            rl=self.rl, seed=train.seed, parallel=self.parallel, control_group=self.control_group,
+            tokenizer=self.tokenizer, encoder=self.encoder, chat_template=bool(data.chat_template),
+            image_token_id=self.model_config.image_token_id if self.images is not None else None,
+            rewards=self.rewards, prompts=self.train_dataset, given=self.given, engine=None, agent=None,
+            planner=planner, model=self.model, lora=self.lora, reference=self.reference, critic=self.critic,
+            collate=collate,
+            shard=functools.partial(
+                shard_micro_batch, loss_modes=self.loss_modes, parallel=self.parallel, pad_id=self.pad_id
+            ),
+            logprobs=functools.partial(policy_logprobs, self.model, self.device),
+        )  # fmt: skip
+
+    def _build_engine(self, context: RolloutContext) -> RolloutEngine:
         """`rl.engine`: the embedded engine on each rank, or a vLLM server reached by rank 0 (collective)."""
         if self.rl.engine == "vllm":
             from veomni_lite.engines.vllm import VLLMEngine, VLLMSettings
 
             vision = self.images is not None  # the server renders VL prompts itself (images: its chat route)
             image = self.model_config.image_token_id if vision else None
-            probe = [t for t in self.train_dataset.prompts[0].ids if t != image]
+            probe_ids = [t for t in self.train_dataset.prompts[0].ids if t != image]
             return VLLMEngine(
                 VLLMSettings.parse(self.rl.vllm), self.config.model.pretrained_dir, self.control_group,
-                self.passes.probe, probe, self.output_dir / "vllm_server.log", renders_prompts=vision,
+                functools.partial(probe, context), probe_ids, self.output_dir / "vllm_server.log",
+                renders_prompts=vision,
             )  # fmt: skip
         return TransformersEngine(engine_model(self.model_config, self.config.parallel.master_dtype), self.device)
 
@@ -234,13 +264,12 @@ class RLTrainer(SFTTrainer):
         super().close()
 
     def _make_loader(self, dataset: Any, seed: int, prefetch_steps: int = 0, token_budget: bool = False) -> Any:
-        return RolloutLoader(self)
+        assert self.rollouts is not None
+        return RolloutLoader(self.rollouts, self.rollouts_per_epoch)
 
     def _run_length(self) -> int:
-        train = self.config.train
-        if train.epochs:
-            return train.epochs * self.loader.steps_per_epoch
-        return train.max_steps
+        self.loader.max_steps = super()._run_length()  # no background generation for a batch past the run
+        return self.loader.max_steps
 
     def _log_run_length(self) -> None:
         if self.is_main:
@@ -252,49 +281,28 @@ class RLTrainer(SFTTrainer):
                 self.config.train.global_batch_size, self.config.optim.lr,
             )  # fmt: skip
 
-    def shard(self, micro_batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The rollout loader's micro-batches are marked and sliced already (`prepare`)."""
-        return micro_batch
-
-    def mark_and_slice(self, micro_batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if self.loss_modes.needs_sequences():
-            micro_batch = mark_sequences(micro_batch, self.loss_modes)
-        return slice_micro_batch(micro_batch, self.parallel.sp_rank, self.parallel.sp_size, pad_id=self.pad_id)
-
-    def model_logprobs(self, batch: Mapping[str, Any], request: LogprobRequest) -> dict[str, torch.Tensor]:
-        """The model's {"logprobs", "entropy"} of `request` on a prepared micro-batch (the LM head fused with them
-        unless `model.fused_lm_head` is false: `LogprobRequest`)."""
-        return self.model(**{k: v for k, v in batch.items() if not is_labels_key(k)}, logprobs=request)
-
     def forward(self, micro_batch: Mapping[str, Any]) -> Mapping[str, Any]:
         """The policy loss of one micro-batch from the model's log-probabilities and entropies (see `PolicyLoss`)."""
         batch = self.preforward(micro_batch)
-        outputs = self.model_logprobs(batch, LogprobRequest(batch[POLICY_LABELS], self.rl.temperature, entropy=True))
+        request = LogprobRequest(batch[POLICY_LABELS], self.rl.temperature, entropy=True)
+        outputs = model_logprobs(self.model, batch, request)
         loss = self.policy(outputs, batch, self.parallel.sp_group if self.parallel.sp_size > 1 else None)
-        return loss if self.critic is None else self.critic.add_value_loss(loss, batch, f"{POLICY}_loss")
-
-    @torch.no_grad()
-    def logprobs(self, micro_batch: Mapping[str, Any]) -> torch.Tensor:
-        """[B, S] log-probabilities of the micro-batch's `policy_labels` under the current weights (eval mode)."""
-        batch = self.preforward(micro_batch)
-        request = LogprobRequest(batch[POLICY_LABELS], self.rl.temperature)
-        return self.model_logprobs(batch, request)["logprobs"].double().cpu()
-
-    @property
-    def on_policy(self) -> bool:
-        """One optimizer step per rollout batch (one mini-batch, one epoch): the old log-probabilities are the
-        training forward's own, detached (TRL and verl), so no forward computes them first."""
-        return self.loader.steps_per_rollout == 1
+        if self.critic is None:
+            return loss
+        return self.critic.add_value_loss(loss, batch, f"{POLICY}_loss", self.step)
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
-        """The loop's step, with this step's rollout metrics and times recorded (`RolloutRecords.flush`)."""
+        """The loop's step, with the metrics of the rollout batch it starts (if it starts one), its times and the
+        rollouts sample recorded (`RolloutRecords.flush`)."""
         start = time.perf_counter()
         super().train_step(micro_batches)
         self.metrics.train.record("time/train_s", time.perf_counter() - start)
-        self.records.flush()
+        self.loader.trained = self.step
+        self.records.flush(self.metrics, self.step, self.loader.take_made(), self.rollouts.last)
 
     def metric_specs(self) -> list[MetricSpec]:
-        return self.records.specs() + (self.critic.specs() if self.critic is not None else [])
+        specs = rollout_specs(self.rl, [r.name for r in getattr(self, "rewards", [])])
+        return specs + (self.critic.specs() if self.critic is not None else [])
 
     def train(self) -> dict[str, float]:
         """The loop; a fresh run with evaluation on first evaluates the starting weights (logged at step 1, the step
@@ -310,7 +318,8 @@ class RLTrainer(SFTTrainer):
         if self.eval_dataset is None or self.engine is None:
             return {}
         prompts = self.eval_dataset.prompts
-        samples = self.rollouts.generate(EVALUATION, prompts, self.rollouts.sampling(greedy=True))
+        context = self.rollouts.context
+        samples = generate(context, EVALUATION, prompts, sampling(context, greedy=True), self.step)
         names = [r.name for r in self.rewards]
         best = sum(max(r.weight, 0.0) for r in self.rewards)
         totals = [

@@ -181,6 +181,28 @@ def build_scheduler(
     return LambdaLR(optimizer, [delayed(delay) for delay in delays])
 
 
+def shard_micro_batch(
+    micro_batch: dict[str, torch.Tensor], loss_modes: Any, parallel: ParallelState, pad_id: int
+) -> dict[str, torch.Tensor]:
+    """The per-sequence loss keys of `loss_modes` marked on the whole micro-batch, then this rank's sequence shard (a
+    no-op without SP)."""
+    if loss_modes.needs_sequences():
+        micro_batch = mark_sequences(micro_batch, loss_modes)
+    return slice_micro_batch(micro_batch, parallel.sp_rank, parallel.sp_size, pad_id=pad_id)
+
+
+def to_device(micro_batch: Mapping[str, Any], device: torch.device, host_inputs: Sequence[str]) -> dict[str, Any]:
+    """Move tensors to `device`, except a model's `host_inputs` (what it reads on the host, so that reading them
+    costs no device sync; the model moves them itself), which go wrapped in `HostInput`: FSDP2's root pre-forward
+    would move them to a CUDA device otherwise."""
+    return {
+        key: (HostInput(value) if key in host_inputs else value.to(device, non_blocking=True))
+        if isinstance(value, torch.Tensor)
+        else value
+        for key, value in micro_batch.items()
+    }
+
+
 class BaseTrainer(ABC):
     """Build everything from a Config, then `train()`. Subclasses implement the three `build_*` hooks."""
 
@@ -533,23 +555,12 @@ class BaseTrainer(ABC):
         )
 
     def shard(self, micro_batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The per-sequence loss keys marked on the whole micro-batch, then this rank's sequence shard (a no-op
-        without SP)."""
-        if self.loss_modes.needs_sequences():
-            micro_batch = mark_sequences(micro_batch, self.loss_modes)
-        return slice_micro_batch(micro_batch, self.parallel.sp_rank, self.parallel.sp_size, pad_id=self.pad_id)
+        """`shard_micro_batch` with the run's loss modes, layout and pad id."""
+        return shard_micro_batch(micro_batch, self.loss_modes, self.parallel, self.pad_id)
 
     def preforward(self, micro_batch: Mapping[str, Any]) -> dict[str, Any]:
-        """Move tensors to the device, except the model's `host_inputs` (what it reads on the host, so that reading
-        them costs no device sync; the model moves them itself), which go wrapped in `HostInput`: FSDP2's root
-        pre-forward would move them to a CUDA device otherwise."""
-        host = self.model.host_inputs
-        return {
-            key: (HostInput(value) if key in host else value.to(self.device, non_blocking=True))
-            if isinstance(value, torch.Tensor)
-            else value
-            for key, value in micro_batch.items()
-        }
+        """`to_device` on the trainer's device for its model."""
+        return to_device(micro_batch, self.device, self.model.host_inputs)
 
     def postforward(
         self,

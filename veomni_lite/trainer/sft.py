@@ -15,8 +15,9 @@ apply (text and the vision-language families). Entry point: `trainers/train_sft.
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -206,13 +207,22 @@ class SFTTrainer(BaseTrainer):
         return int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0)
 
     def collate(self, samples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return self.collator()(samples)
+
+    def collator(self) -> Callable[[Sequence[Mapping[str, torch.Tensor]]], dict[str, torch.Tensor]]:
+        """The model's collate function with the run's settings (`collate`, or the VL family's), holding no trainer."""
         multiple, packing = self.config.data.pad_to_multiple_of, self.config.data.packing
         if self.images is None:
             varlen = takes_boundaries(self.config.model.attn_implementation)
             share = packing and self.config.data.shared_prefix and not varlen
-            return collate(samples, multiple, self.pad_id, packing, share_prefixes=share)
+            return functools.partial(
+                collate, pad_to_multiple_of=multiple, pad_id=self.pad_id, packing=packing, share_prefixes=share
+            )
         family, image_token_id = family_of(self.model_config), self.model_config.image_token_id
-        return family.collate(samples, image_token_id, self.images, self.pad_id, multiple, packing)
+        return functools.partial(
+            family.collate, image_token_id=image_token_id, images=self.images, pad_id=self.pad_id,
+            pad_to_multiple_of=multiple, packing=packing,
+        )  # fmt: skip
 
     @torch.no_grad()
     def extra_eval_metrics(self) -> dict[str, float]:
