@@ -155,12 +155,12 @@ def test_a_rollout_batch_of_episodes_whose_tool_keeps_failing_stops_the_run(tool
     call = '<tool_call>{"name": "lookup", "arguments": {"name": "' + monster + '"}}</tool_call>'
     scripts = {sample_seed(0, 0, i, j): [call, "done"] for i in range(4) for j in range(4)}
     agent = Agent(tokenizer, tools, max_turns=2, max_episode_tokens=400, tool_timeout_s=20)
-    trainer = SimpleNamespace(config=SimpleNamespace(train=SimpleNamespace(seed=0)), agent=agent, control_group=None,
-                              engine=ScriptedEngine(tokenizer, scripts), rank=0, step=0)  # fmt: skip
-    batches = SimpleNamespace(
-        trainer=trainer, _score=lambda samples, prompts: None, name=lambda k: f"rollout batch {k}"
+    context = SimpleNamespace(seed=0, agent=agent, control_group=None, engine=ScriptedEngine(tokenizer, scripts),
+                              parallel=SimpleNamespace(rank=0, world_size=1))  # fmt: skip
+    no_rewards = lambda context, k, samples, prompts, step: None  # noqa: E731
+    generate = lambda: generate_episodes(  # noqa: E731
+        context, 0, prompts, [0, 1, 2, 3], 4, _settings(tokenizer), 0, sample_seed, no_rewards
     )
-    generate = lambda: generate_episodes(batches, 0, prompts, [0, 1, 2, 3], 4, _settings(tokenizer), sample_seed)  # noqa: E731
     if monster == "imp":
         samples = generate()
         assert len(samples) == 16 and float(episode_metrics(samples)["rl/tool_error_rate/lookup"][0]) == 0
