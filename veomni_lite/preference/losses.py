@@ -49,8 +49,9 @@ Each loss is one registered function (`register_pair_loss`), `fn(chosen, rejecte
 (losses [P], {metric: [P] values, or ([P] values, [P] weights) for a metric over some pairs})` of the sides' complete
 totals [K, P] (policy log-prob sum, response tokens, reference log-prob sum; unpaired: and the row's label; a reward
 model: score, margin) and kto's reference point z0, registered with its metric names, `needs_reference`, its
-hyperparameters (`PrefConfig` fields, with their defaults) and, where not the default, `scores=True` (a reward model:
-one score per sequence) or `paired=False` (unpaired rows, each with a mismatched completion, and the step's z0).
+hyperparameters (`PrefConfig` fields, with their defaults), `curves` (the metrics of accuracy_curve.png) and, where
+not the default, `scores=True` (a reward model: one score per sequence) or `paired=False` (unpaired rows, each with a
+mismatched completion, and the step's z0), `differences` (see `metric_differences`).
 """
 
 from __future__ import annotations
@@ -153,6 +154,7 @@ def kto_reference_point(totals: torch.Tensor, group: dist.ProcessGroup | None = 
 
 Values = dict[str, Any]  # {metric: [P] values, or ([P] values, [P] weights)}
 DPO = {"beta": 0.1, "rpo_alpha": 0.0}  # the DPO family's hyperparameters
+ACCURACIES = ("rewards/accuracies", "eval/rewards/accuracies")  # `curves`: accuracy_curve.png's metrics
 
 
 def _logps(
@@ -179,7 +181,7 @@ def _dpo_family(
                     "logps/rejected": pi_r}  # fmt: skip
 
 
-@register_pair_loss("sigmoid", metrics=DPO_METRICS, needs_reference=True,
+@register_pair_loss("sigmoid", metrics=DPO_METRICS, needs_reference=True, curves=ACCURACIES,
                     hyperparameters={**DPO, "label_smoothing": 0.0})  # fmt: skip
 def sigmoid(
     chosen: torch.Tensor, rejected: torch.Tensor, z0: Any, beta: float, rpo_alpha: float, label_smoothing: float
@@ -191,7 +193,7 @@ def sigmoid(
     return _dpo_family(losses, (beta * (pi_c - ref_c), beta * (pi_r - ref_r)), (pi_c, pi_r), chosen, rpo_alpha)
 
 
-@register_pair_loss("ipo", metrics=DPO_METRICS, needs_reference=True, hyperparameters=DPO)
+@register_pair_loss("ipo", metrics=DPO_METRICS, needs_reference=True, curves=ACCURACIES, hyperparameters=DPO)
 def ipo(
     chosen: torch.Tensor, rejected: torch.Tensor, z0: Any, beta: float, rpo_alpha: float
 ) -> tuple[torch.Tensor, Values]:
@@ -202,7 +204,7 @@ def ipo(
     return _dpo_family(losses, (beta * (pi_c - ref_c), beta * (pi_r - ref_r)), (pi_c, pi_r), chosen, rpo_alpha)
 
 
-@register_pair_loss("hinge", metrics=DPO_METRICS, needs_reference=True, hyperparameters=DPO)
+@register_pair_loss("hinge", metrics=DPO_METRICS, needs_reference=True, curves=ACCURACIES, hyperparameters=DPO)
 def hinge(
     chosen: torch.Tensor, rejected: torch.Tensor, z0: Any, beta: float, rpo_alpha: float
 ) -> tuple[torch.Tensor, Values]:
@@ -212,7 +214,9 @@ def hinge(
     return _dpo_family(losses, (beta * (pi_c - ref_c), beta * (pi_r - ref_r)), (pi_c, pi_r), chosen, rpo_alpha)
 
 
-@register_pair_loss("simpo", metrics=DPO_METRICS, hyperparameters={**DPO, "label_smoothing": 0.0, "gamma": 0.5})
+@register_pair_loss(
+    "simpo", metrics=DPO_METRICS, curves=ACCURACIES, hyperparameters={**DPO, "label_smoothing": 0.0, "gamma": 0.5}
+)
 def simpo(
     chosen: torch.Tensor, rejected: torch.Tensor, z0: Any, beta: float, rpo_alpha: float, label_smoothing: float,
     gamma: float,
@@ -224,7 +228,8 @@ def simpo(
     return _dpo_family(losses, (beta * pi_c, beta * pi_r), (pi_c, pi_r), chosen, rpo_alpha)
 
 
-@register_pair_loss("bradley_terry", metrics=RM_METRICS, hyperparameters={"center_rewards": 0.0}, scores=True)
+@register_pair_loss("bradley_terry", metrics=RM_METRICS, hyperparameters={"center_rewards": 0.0}, scores=True,
+                    curves=("rewards/accuracy", "eval/rewards/accuracy"))  # fmt: skip
 def bradley_terry(
     chosen: torch.Tensor, rejected: torch.Tensor, z0: Any, center_rewards: float
 ) -> tuple[torch.Tensor, Values]:
@@ -253,7 +258,7 @@ def kto(
                     "logps/rejected": (pi, no)}  # fmt: skip
 
 
-@register_pair_loss("orpo", metrics=ORPO_METRICS, hyperparameters={"orpo_lambda": 0.1})
+@register_pair_loss("orpo", metrics=ORPO_METRICS, curves=ACCURACIES, hyperparameters={"orpo_lambda": 0.1})
 def orpo(chosen: torch.Tensor, rejected: torch.Tensor, z0: Any, orpo_lambda: float) -> tuple[torch.Tensor, Values]:
     """ORPO (reference-free): -l_c - lambda log sig(log odds_c - log odds_r), l the mean log-prob per token."""
     l_c, l_r = chosen[0] / chosen[1].clamp(min=1), rejected[0] / rejected[1].clamp(min=1)

@@ -235,11 +235,8 @@ class PreferenceTrainer(SFTTrainer):
     @property
     def plots(self) -> dict[str, list[str]]:  # type: ignore[override]
         """`accuracy_curve.png`: the pair accuracy, trained and held out, beside loss_curve.png (kto: the rewards)."""
-        curves = self.head.entry.extra.get("curves")
-        if curves:
-            return {"accuracy_curve.png": list(curves)}
-        accuracy = self.metric_names[3]
-        return {"accuracy_curve.png": [accuracy, f"eval/{accuracy}"]}
+        curves = list(self.head.entry.extra.get("curves", ()))  # registered with the loss
+        return {"accuracy_curve.png": curves} if curves else {}
 
     def metric_specs(self) -> list[MetricSpec]:
         return [MetricSpec(name, "mean") for name in self.metric_names]

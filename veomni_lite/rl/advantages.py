@@ -36,12 +36,13 @@ Contract of the built-in outcome estimators:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from veomni_lite.registries import Registry
 
-__all__ = ["ADVANTAGES", "WHITEN_EPS", "gae", "group_stats", "register_advantage"]
+__all__ = ["ADVANTAGES", "WHITEN_EPS", "estimate", "gae", "group_stats", "register_advantage"]
 
 ADVANTAGES = Registry("advantage estimator")
 register_advantage = ADVANTAGES.register  # `rl.advantage` (see the module docstring for the function's contract)
@@ -61,6 +62,13 @@ def _groups(rewards: torch.Tensor, group_size: int, what: str) -> torch.Tensor:
         index = int((~finite).nonzero()[0, 0])
         raise ValueError(f"{what}: reward {index} is {rewards[index].item()}, not finite")
     return rewards.to(torch.float64).reshape(-1, group_size)
+
+
+def estimate(rl: Any, rewards: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The advantages [N] of `rl.advantage` (an outcome estimator) from a rollout batch's rewards and response token
+    counts [N], its hyperparameters read from the `rl` section (an `RLConfig`)."""
+    estimator = ADVANTAGES.get(rl.advantage, "rl.advantage")
+    return estimator.fn(rewards, rl.num_generations, lengths, **estimator.read(rl))
 
 
 def _per_group(

@@ -87,8 +87,7 @@ class RolloutRecords:
             MetricSpec("rl/staleness/max", "max", fmt=".0f"),
             MetricSpec("rl/kl", "mean"),
             MetricSpec("rl/entropy", "mean"),
-            MetricSpec("rl/clip_ratio/low", "mean"),
-            MetricSpec("rl/clip_ratio/high", "mean"),
+            *(MetricSpec(name, "mean") for name in self.trainer.policy.entry.metrics),  # the policy loss's
             MetricSpec("rl/importance_ratio/mean", "mean"),
             MetricSpec("rl/importance_ratio/min", "min"),
             MetricSpec("rl/importance_ratio/max", "max"),

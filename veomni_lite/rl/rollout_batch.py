@@ -30,7 +30,7 @@ import torch
 from veomni_lite.distributed.collectives import agree, all_gather_objects
 from veomni_lite.engines.base import RolloutRequest, SamplingSettings
 from veomni_lite.engines.weights import full_hf_state
-from veomni_lite.rl.advantages import ADVANTAGES
+from veomni_lite.rl.advantages import ADVANTAGES, estimate
 from veomni_lite.rl.config import DynamicSampling
 from veomni_lite.rl.dynamic_sampling import DynamicSamplingError, learning_groups, metric_values
 from veomni_lite.rl.prompts import Prompt, chat_fields
@@ -88,11 +88,10 @@ class RolloutBatches:
                 else:
                     mine = self.generate(k, prompts, self.sampling(greedy=False))
                 samples = self._gather(mine)
-        estimator = ADVANTAGES.get(rl.advantage, "rl.advantage")
-        if not estimator.needs_critic:  # a critic's: from its values, after the passes (`veomni_lite.rl.critic`)
+        if not ADVANTAGES.get(rl.advantage, "rl.advantage").needs_critic:  # a critic's: after the passes (`critic`)
             rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)  # the world's batch: every rank
             lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.int64)  # holds every sample
-            advantages = estimator.fn(rewards, rl.num_generations, lengths, **estimator.read(rl))
+            advantages = estimate(rl, rewards, lengths)
             for sample, advantage in zip(samples, advantages.tolist()):
                 sample.advantage = advantage
         self.generate_s = time.perf_counter() - start
