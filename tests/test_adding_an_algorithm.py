@@ -112,3 +112,16 @@ def test_a_registered_pair_loss_is_checked_by_the_config_and_is_the_trainers_hea
     rejected = torch.tensor([[-5.0, -0.5], [3.0, 1.0], [0.0, 0.0]], dtype=torch.float64)
     losses, values = head.pair_losses(chosen, rejected)
     assert losses.tolist() == [0.0, 1.25] and values["rewards/margins"].tolist() == [1.0, -0.25]
+
+
+def test_every_registered_hyperparameter_is_its_config_field_with_the_same_default():
+    """`Entry.read` passes a config field by the hyperparameter's name: each is a field, defaulting alike."""
+    sections = ((ADVANTAGES, RLConfig()), (POLICY_LOSSES, RLConfig()), (PAIR_LOSSES, PrefConfig()))
+    for registry, section in sections:
+        for name in registry.names():
+            entry = registry.get(name, "")
+            assert entry.read(section) == dict(entry.hyperparameters), (registry.kind, name)
+    # negative control: a default other than the field's is seen
+    register_policy_loss("off_default", hyperparameters={"clip_low": 0.3})(lambda x, clip_low: (x.logp, {}))
+    entry = POLICY_LOSSES.get("off_default", "")
+    assert entry.read(RLConfig()) != dict(entry.hyperparameters)
