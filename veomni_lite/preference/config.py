@@ -57,6 +57,7 @@ class PrefConfig:
 
     @property
     def needs_reference(self) -> bool:
+        """The loss reads the frozen reference's log-probabilities (its entry's flag)."""
         return self.entry.needs_reference
 
     def validate(self, config: Any) -> None:

@@ -234,8 +234,9 @@ class PreferenceTrainer(SFTTrainer):
 
     @property
     def plots(self) -> dict[str, list[str]]:  # type: ignore[override]
-        """`accuracy_curve.png`: the pair accuracy, trained and held out, beside loss_curve.png (kto: the rewards)."""
-        curves = list(self.head.entry.extra.get("curves", ()))  # registered with the loss
+        """`accuracy_curve.png` beside loss_curve.png: the curves the loss registered (the pair accuracy, trained and
+        held out; kto: the rewards); none without."""
+        curves = list(self.head.entry.extra.get("curves", ()))
         return {"accuracy_curve.png": curves} if curves else {}
 
     def metric_specs(self) -> list[MetricSpec]:
