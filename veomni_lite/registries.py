@@ -47,6 +47,10 @@ class Entry:
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Anything else a kind of registry keeps per entry."""
 
+    def read(self, section: Any) -> dict[str, Any]:
+        """Its hyperparameters' values in a config `section` (each the section's attribute of the same name)."""
+        return {name: getattr(section, name) for name in self.hyperparameters}
+
 
 class Registry:
     """Names -> `Entry` for one kind of algorithm (`kind` names it in errors, e.g. "policy loss")."""

@@ -37,6 +37,7 @@ from veomni_lite.models.heads import LogprobRequest
 from veomni_lite.models.hf_causal_lm import hf_config_from_dict
 from veomni_lite.models.hf_reward_model import HFRewardModel
 from veomni_lite.plain_loop import LossStep
+from veomni_lite.preference.config import PrefConfig
 from veomni_lite.preference.losses import (
     KL,
     PREF_LABELS,
@@ -61,29 +62,29 @@ LABELS = (True, False, True, True, False, True, False, False)  # kto: pair i's r
 KL_SHIFT = 1.5
 
 
-def cases() -> list[PreferenceLoss]:
+def cases() -> list[PrefConfig]:
     return [
-        PreferenceLoss("sigmoid", beta=0.5, label_smoothing=0.1),
-        PreferenceLoss("sigmoid", beta=0.5, rpo_alpha=0.7),
-        PreferenceLoss("ipo", beta=0.5),
-        PreferenceLoss("hinge", beta=2.0),
-        PreferenceLoss("simpo", beta=2.0, gamma=0.7, label_smoothing=0.05),
-        PreferenceLoss("bradley_terry", center_rewards=0.01),
+        PrefConfig(loss="sigmoid", beta=0.5, label_smoothing=0.1),
+        PrefConfig(loss="sigmoid", beta=0.5, rpo_alpha=0.7),
+        PrefConfig(loss="ipo", beta=0.5),
+        PrefConfig(loss="hinge", beta=2.0),
+        PrefConfig(loss="simpo", beta=2.0, gamma=0.7, label_smoothing=0.05),
+        PrefConfig(loss="bradley_terry", center_rewards=0.01),
     ]
 
 
-def orpo_kto_cases() -> list[PreferenceLoss]:
+def orpo_kto_cases() -> list[PrefConfig]:
     return [
-        PreferenceLoss("orpo", orpo_lambda=0.7),
-        PreferenceLoss("kto", beta=0.5, desirable_weight=1.3, undesirable_weight=0.8),
+        PrefConfig(loss="orpo", orpo_lambda=0.7),
+        PrefConfig(loss="kto", beta=0.5, desirable_weight=1.3, undesirable_weight=0.8),
     ]
 
 
-def name(case: PreferenceLoss) -> str:
+def name(case: PrefConfig) -> str:
     return case.loss + (f"+rpo{case.rpo_alpha}" if case.rpo_alpha else "")
 
 
-def build_model(case: PreferenceLoss) -> torch.nn.Module:
+def build_model(case: PrefConfig) -> torch.nn.Module:
     if case.loss == "bradley_terry":
         torch.manual_seed(3)
         return float64_norms(HFRewardModel.from_config(hf_config_from_dict(TEXT_SETTINGS)).double())
@@ -130,7 +131,7 @@ def _score(model: torch.nn.Module, prompt: list[int], response: list[int]) -> to
     return model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None])["scores"][0, -1]
 
 
-def _hand_loss(case: PreferenceLoss, model: torch.nn.Module, pair: dict[str, Any]) -> torch.Tensor:
+def _hand_loss(case: PrefConfig, model: torch.nn.Module, pair: dict[str, Any]) -> torch.Tensor:
     """One pair's loss, from the papers' formulas (TRL's conventions), the pair's sides alone."""
     b, s = case.beta, case.label_smoothing
     if case.loss == "bradley_terry":
@@ -161,7 +162,7 @@ def hand_z0(model: torch.nn.Module, rows: list[dict[str, Any]]) -> torch.Tensor:
     return torch.clamp(sum(kl) / len(kl), min=0)
 
 
-def _hand_kto(case: PreferenceLoss, model: torch.nn.Module, row: dict[str, Any], z0: torch.Tensor) -> torch.Tensor:
+def _hand_kto(case: PrefConfig, model: torch.nn.Module, row: dict[str, Any], z0: torch.Tensor) -> torch.Tensor:
     """One KTO row's loss (TRL's KTOTrainer, loss_type "kto"; KTO paper eq. (7)), its reference point given."""
     d = _side_logps(model, row["prompt"], row["chosen"]).sum() - row["ref"][0].sum()
     if row["label"]:
@@ -169,7 +170,7 @@ def _hand_kto(case: PreferenceLoss, model: torch.nn.Module, row: dict[str, Any],
     return case.undesirable_weight * (1 - torch.sigmoid(case.beta * (z0 - d)))
 
 
-def hand_reference(case: PreferenceLoss) -> list[list[torch.Tensor]]:
+def hand_reference(case: PrefConfig) -> list[list[torch.Tensor]]:
     """Each step's gradient of the mean of its pairs' losses (float64, one process, one pair at a time; kto: z0 of
     the step's rows first)."""
     model, data = build_model(case), pairs()
@@ -210,7 +211,7 @@ def pair_length(pair: dict[str, Any], packed: bool) -> int:
     return chosen + rejected if packed else 2 * max(chosen, rejected)
 
 
-def layout_steps(rank: int, world: int, layout: Layout, all_cases: list[PreferenceLoss],
+def layout_steps(rank: int, world: int, layout: Layout, all_cases: list[PrefConfig],
                  shard_local: bool = False, z0_scope: str = "step") -> dict[str, Any]:  # fmt: skip
     """This rank's run of every case: each step's gradient averaged over the ranks (as FSDP), the loss
     all-reduces over the world each step made (kto: and its KL pass's, `kl_calls`), each step's metrics as the
@@ -228,6 +229,7 @@ def layout_steps(rank: int, world: int, layout: Layout, all_cases: list[Preferen
     out: dict[str, Any] = {}
     for case in all_cases:
         reward_model, kto = case.loss == "bradley_terry", case.loss == "kto"
+        head = PreferenceLoss.of(case)
         model = build_model(case)
         if layout.sp > 1:
             model.enable_sequence_parallel(state.sp_group)
@@ -277,7 +279,7 @@ def layout_steps(rank: int, world: int, layout: Layout, all_cases: list[Preferen
                         output = model(**inputs, logprobs=request)
                     mean_logits = output.get("mean_logits") if isinstance(output, dict) else None
                     output = output["logprobs"] if isinstance(output, dict) else output
-                    outputs = case(output, micro_batch, sp_group, mean_logits)
+                    outputs = head(output, micro_batch, sp_group, mean_logits)
                     step.loss({"pref_loss": outputs["pref_loss"]}, tokens).backward()
                     if not bool(micro_batch.get("padding_flag", False)):  # as `MetricLogger.record_micro_batch`
                         for key, (total, count) in outputs["metrics"].items():
@@ -299,7 +301,7 @@ def layout_steps(rank: int, world: int, layout: Layout, all_cases: list[Preferen
 
 
 @torch.no_grad()
-def hand_metrics(case: PreferenceLoss) -> dict[str, float]:
+def hand_metrics(case: PrefConfig) -> dict[str, float]:
     """The first step's metrics (TRL's names), by hand from the initial model, one pair at a time."""
     model, data = build_model(case), pairs()
     rows = []

@@ -23,7 +23,7 @@ def test_orpo_is_trls_odds_ratio_loss_beside_the_nll():
     from trl.experimental.orpo import ORPOTrainer
 
     chosen, rejected = totals([-3.0, -12.5, -0.4], [4, 10, 2]), totals([-5.0, -6.0, -9.0], [5, 3, 6])
-    head = PreferenceLoss("orpo", orpo_lambda=0.7)
+    head = PreferenceLoss("orpo", {"orpo_lambda": 0.7})
     losses, values = head.pair_losses(chosen, rejected)
     l_c, l_r = chosen[0] / chosen[1], rejected[0] / rejected[1]
     trl = SimpleNamespace(beta=0.7, accelerator=SimpleNamespace(device="cpu"))
@@ -37,7 +37,7 @@ def test_orpo_is_trls_odds_ratio_loss_beside_the_nll():
 
 
 def test_kto_is_trls_kto_loss_for_both_labels():
-    head = PreferenceLoss("kto", beta=0.3, desirable_weight=1.4, undesirable_weight=0.6)
+    head = PreferenceLoss("kto", {"beta": 0.3, "desirable_weight": 1.4, "undesirable_weight": 0.6})
     pi, ref, label = [-4.0, -7.0, -2.0, -9.0], [-5.0, -6.0, -2.5, -8.0], [1.0, 0.0, 1.0, 0.0]
     chosen = totals(pi, [3, 3, 3, 3], ref, label)
     z0 = torch.tensor(0.8, dtype=torch.float64)

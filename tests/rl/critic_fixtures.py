@@ -42,7 +42,7 @@ from veomni_lite.utils.loss_utils import LossModes, reset_loss_memo
 MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
 CLIP = 0.2
 LR = 0.005  # plain SGD; token-sum sums every token's value loss, which the policy fixtures' 0.05 overshoots
-POLICY = PolicyLoss("ppo_clip", 0.2, 0.2, 0.0, 0.0, "k3", 0.0, "none", 2.0, TEMPERATURE)
+POLICY = PolicyLoss("ppo_clip", temperature=TEMPERATURE)
 
 
 def modes(value_mode: str) -> LossModes:

@@ -62,8 +62,9 @@ def cases() -> list[Case]:
             for kl in (0.0, 0.1):
                 clip = (0.2, 0.28) if kind == "ppo_clip" else (0.1, 0.15)
                 sampling = "token" if kind == "ppo_clip" else "sequence"
-                loss = PolicyLoss(kind, *clip, 3.0 if kind == "ppo_clip" else 0.0, kl, "k3", 0.01, sampling, 1.5,
-                                  TEMPERATURE)  # fmt: skip
+                dual_clip = 3.0 if kind == "ppo_clip" else 0.0
+                loss = PolicyLoss(kind, kl, "k3", 0.01, sampling, 1.5, TEMPERATURE,
+                                  {"clip_low": clip[0], "clip_high": clip[1], "dual_clip": dual_clip})  # fmt: skip
                 out.append(Case(mode, loss))
     return out
 
@@ -165,9 +166,10 @@ def hand_reference(case: Case, episodes: bool = False) -> list[list[torch.Tensor
             else:
                 ratio = torch.exp(logp - old)
                 weight = torch.exp(old - engine).clamp(max=rl.is_cap)
-            pg = torch.maximum(-a * ratio, -a * ratio.clamp(1 - rl.clip_low, 1 + rl.clip_high))
-            if rl.dual_clip and a < 0:
-                pg = torch.minimum(pg, torch.full_like(pg, -a * rl.dual_clip))
+            clip_low, clip_high, dual_clip = (rl.hyperparameters[k] for k in ("clip_low", "clip_high", "dual_clip"))
+            pg = torch.maximum(-a * ratio, -a * ratio.clamp(1 - clip_low, 1 + clip_high))
+            if dual_clip and a < 0:
+                pg = torch.minimum(pg, torch.full_like(pg, -a * dual_clip))
             d = logp - ref
             kl = torch.exp(-d) + d - 1
             per_sample.append(weight * pg + rl.kl_coef * kl - rl.entropy_coef * entropy)

@@ -10,11 +10,23 @@ import math
 import pytest
 import torch
 
-from veomni_lite.rl.advantages import KINDS, WHITEN_EPS, batch_advantages, group_advantages, group_stats
+from veomni_lite.config import ConfigError
+from veomni_lite.rl.advantages import ADVANTAGES, WHITEN_EPS, group_stats
 
+KINDS = ("grpo", "dr_grpo", "rloo")
 EPS = 1e-6
 # three groups of four: mixed, flat at 0.1 (whose float mean is not 0.1), binary
 REWARDS = [1.0, 0.0, 0.5, 0.25, 0.1, 0.1, 0.1, 0.1, 1.0, 0.0, 0.0, 0.0]
+
+
+def group_advantages(rewards: torch.Tensor, g: int, kind: str) -> torch.Tensor:
+    """The registered estimator `kind` (through the registry, as the trainer calls it), its default hyperparameters."""
+    entry = ADVANTAGES.get(kind, "rl.advantage")
+    return entry.fn(rewards, g, torch.ones_like(rewards, dtype=torch.int64), **entry.hyperparameters)
+
+
+def batch_advantages(rewards: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    return ADVANTAGES.get("reinforce_pp", "rl.advantage").fn(rewards, 1, lengths)
 
 
 def hand(rewards: list[float], g: int, kind: str, eps: float = EPS, ddof: int = 1) -> list[float]:
@@ -98,7 +110,7 @@ def test_group_size_one_and_bad_inputs():
         with pytest.raises(ValueError, match=f"{kind} needs at least 2 responses per prompt"):
             group_advantages(one, 1, kind)
     assert group_advantages(one, 1, "dr_grpo").tolist() == [0.0, 0.0]
-    with pytest.raises(ValueError, match="kind must be one of grpo, dr_grpo, rloo, got 'ppo'"):
+    with pytest.raises(ConfigError, match=r"unknown advantage estimator 'ppo'; expected one of \['grpo', 'dr_grpo'"):
         group_advantages(one, 2, "ppo")
     with pytest.raises(ValueError, match="3 rewards do not split into groups of 2"):
         group_advantages(torch.zeros(3, dtype=torch.float64), 2, "grpo")

@@ -16,7 +16,7 @@ import torch
 from tests.dist_helpers import run_distributed, run_ranks
 from tests.trainer.helpers import read_events, train_built
 from veomni_lite.config import ConfigError, load_config
-from veomni_lite.rl.advantages import batch_advantages
+from veomni_lite.rl.advantages import ADVANTAGES
 from veomni_lite.rl.config import RLConfig
 from veomni_lite.rl.dynamic_sampling import learning_groups, metric_values
 from veomni_lite.rl.rewards import overlong_penalty
@@ -163,10 +163,11 @@ def test_dynamic_sampling_keeps_the_same_groups_at_one_process_and_two_uneven_ra
     assert series(one["events"], "rl/rewards/overlong")[3] == pytest.approx(sum(overlong) / len(overlong))
     # REINFORCE++: whitened over the world's batch; a rank's share (rank 1: group 1 alone) gives other advantages
     rewards = torch.tensor([s.reward for s in last], dtype=torch.float64)
-    world = batch_advantages(rewards, torch.tensor(lengths))
+    reinforce_pp = ADVANTAGES.get("reinforce_pp", "rl.advantage").fn
+    world = reinforce_pp(rewards, 1, torch.tensor(lengths))
     assert [s.advantage for s in last] == pytest.approx(world.tolist(), abs=1e-12)
     share = torch.tensor([i for i, s in enumerate(last) if s.group % 2 == 1])
-    local = batch_advantages(rewards[share], torch.tensor(lengths)[share])
+    local = reinforce_pp(rewards[share], 1, torch.tensor(lengths)[share])
     assert not torch.allclose(local, world[share], atol=1e-3)
 
 

@@ -16,7 +16,7 @@ from tests.pref import exact_fixtures as pref_fixtures
 from tests.rl import exact_fixtures as rl_fixtures
 from veomni_lite.data.collator import collate
 from veomni_lite.models.heads import LogprobRequest
-from veomni_lite.preference.losses import PREF_LABELS
+from veomni_lite.preference.losses import PREF_LABELS, PreferenceLoss
 from veomni_lite.preference.pairs import collate_pairs
 from veomni_lite.rl.policy_loss import POLICY_LABELS
 from veomni_lite.rl.rollouts import collate_rollouts
@@ -67,5 +67,6 @@ def test_the_preference_head_is_the_same_fused_and_unfused(case, packed):
     batch = collate_pairs(items, lambda sides: collate(sides, packing=packed))
     model = pref_fixtures.build_model(case)
     request = LogprobRequest(batch[PREF_LABELS])
-    runs = [_run(model, fused, case, batch, request, lambda out: out["logprobs"]) for fused in (True, False)]
+    head = PreferenceLoss.of(case)
+    runs = [_run(model, fused, head, batch, request, lambda out: out["logprobs"]) for fused in (True, False)]
     _compare(*runs)

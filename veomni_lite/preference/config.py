@@ -5,25 +5,24 @@ PrefConfig})`): the preference loss and its settings, each field naming TRL's de
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from veomni_lite.config import ConfigError
+from veomni_lite.preference.losses import PAIR_LOSSES, PREF, PREF_MODE
+from veomni_lite.registries import Entry
 
-__all__ = ["PREF", "PREF_LOSSES", "PREF_MODE", "PrefConfig"]
-
-PREF = "pref"  # the head's name: `pref_labels`, `pref_loss`
-PREF_LOSSES = ("sigmoid", "ipo", "hinge", "simpo", "bradley_terry", "kto", "orpo")
-PREF_MODE = "seq-mean-token-sum"  # the head's loss mode, always: the mean over the step's pairs
+__all__ = ["PREF", "PREF_MODE", "PrefConfig"]
 
 
 @dataclass
 class PrefConfig:
     """Preference training (`trainers/train_preference.py`): the `pref` section (`veomni_lite.preference.losses`)."""
 
-    loss: Literal["sigmoid", "ipo", "hinge", "simpo", "bradley_terry", "kto", "orpo"] = "sigmoid"
-    """sigmoid (DPO), ipo, hinge, simpo (reference-free), bradley_terry (a reward model: one score per sequence), kto
-    (unpaired rows {prompt, completion, label}; TRL's KTOTrainer) or orpo (reference-free; TRL's ORPOTrainer). TRL's
-    DPOTrainer default: sigmoid."""
+    loss: str = "sigmoid"
+    """A registered pair loss (`veomni_lite.preference.losses`, `register_pair_loss`): sigmoid (DPO), ipo, hinge,
+    simpo (reference-free), bradley_terry (a reward model: one score per sequence), kto (unpaired rows {prompt,
+    completion, label}; TRL's KTOTrainer) or orpo (reference-free; TRL's ORPOTrainer). TRL's DPOTrainer default:
+    sigmoid."""
     beta: float = 0.1
     """The inverse temperature of the implicit reward (TRL's DPO, KTO and CPO/SimPO default 0.1; the SimPO paper uses 2
     to 2.5 with gamma / beta 0.5). Not ORPO's: that is `orpo_lambda`."""
@@ -52,38 +51,42 @@ class PrefConfig:
     rewards lambda x log-prob (TRL's ORPOConfig names it beta, default 0.1; the ORPO paper's lambda)."""
 
     @property
-    def reward_model(self) -> bool:
-        return self.loss == "bradley_terry"
-
-    @property
-    def kto(self) -> bool:
-        """Unpaired rows: each sample is (prompt + completion, prompt + a mismatched completion), see pairs.py."""
-        return self.loss == "kto"
+    def entry(self) -> Entry:
+        """The registered pair loss `loss` names (a ConfigError with the closest name if none)."""
+        return PAIR_LOSSES.get(self.loss, "pref.loss")
 
     @property
     def needs_reference(self) -> bool:
-        return self.loss in ("sigmoid", "ipo", "hinge", "kto")
+        """The loss reads the frozen reference's log-probabilities (its entry's flag)."""
+        return self.entry.needs_reference
 
     def validate(self, config: Any) -> None:
         """Cross-field checks (ConfigError naming the key)."""
-        if self.loss not in PREF_LOSSES:
-            raise ConfigError(f"pref.loss: {self.loss!r} is not one of {list(PREF_LOSSES)}")
+        read = self.entry.hyperparameters  # a hyperparameter off its default that pref.loss does not read is an error
+
+        def readers(key: str) -> str:
+            return ", ".join(n for n in PAIR_LOSSES.names() if key in PAIR_LOSSES.get(n, "pref.loss").hyperparameters)
+
         if not self.beta > 0:
             raise ConfigError(f"pref.beta: must be > 0, got {self.beta}")
         if not 0 <= self.label_smoothing < 0.5:
             raise ConfigError(f"pref.label_smoothing: must be in [0, 0.5), got {self.label_smoothing}")
-        if self.label_smoothing and self.loss not in ("sigmoid", "simpo"):
-            raise ConfigError(f"pref.label_smoothing: applies to sigmoid and simpo, not {self.loss}")
-        if self.center_rewards < 0 or (self.center_rewards and not self.reward_model):
-            raise ConfigError("pref.center_rewards: a coefficient >= 0 of pref.loss bradley_terry")
-        if self.rpo_alpha < 0 or (self.rpo_alpha and self.loss in ("bradley_terry", "kto", "orpo")):
-            raise ConfigError("pref.rpo_alpha: a coefficient >= 0 of the DPO family (not bradley_terry, kto, orpo)")
+        if self.label_smoothing and "label_smoothing" not in read:
+            raise ConfigError(f"pref.label_smoothing: applies to {readers('label_smoothing')}, not {self.loss}")
+        if self.center_rewards < 0 or (self.center_rewards and "center_rewards" not in read):
+            raise ConfigError(f"pref.center_rewards: a coefficient >= 0 of pref.loss {readers('center_rewards')}")
+        if self.rpo_alpha < 0 or (self.rpo_alpha and "rpo_alpha" not in read):
+            raise ConfigError(
+                f"pref.rpo_alpha: a coefficient >= 0 of pref.loss {readers('rpo_alpha')}, not {self.loss}"
+            )
         for key in ("desirable_weight", "undesirable_weight"):
             value = getattr(self, key)
-            if not value > 0 or (value != 1.0 and self.loss != "kto"):
-                raise ConfigError(f"pref.{key}: a weight > 0 of pref.loss kto, got {value} (pref.loss {self.loss})")
-        if self.orpo_lambda < 0 or (self.orpo_lambda != 0.1 and self.loss != "orpo"):
-            raise ConfigError(f"pref.orpo_lambda: a weight >= 0 of pref.loss orpo, got {self.orpo_lambda}")
+            if not value > 0 or (value != 1.0 and key not in read):
+                raise ConfigError(f"pref.{key}: a weight > 0 of pref.loss {readers(key)}, got {value} (pref.loss "
+                                  f"{self.loss})")  # fmt: skip
+        if self.orpo_lambda < 0 or (self.orpo_lambda != 0.1 and "orpo_lambda" not in read):
+            raise ConfigError(f"pref.orpo_lambda: a weight >= 0 of pref.loss {readers('orpo_lambda')}, got "
+                              f"{self.orpo_lambda}")  # fmt: skip
         if self.precompute_reference and not self.needs_reference:
             raise ConfigError(f"pref.precompute_reference: pref.loss {self.loss} has no reference")
         if config.data.format != "preference":

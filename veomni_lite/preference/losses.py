@@ -44,12 +44,20 @@ rewards lambda l; kto: `kl` (z0), `rewards/chosen` b d and `logps/chosen` pi ove
 and `logps/rejected` over the undesirable ones (each its own count, as TRL's KTOTrainer), `logits/chosen` and
 `logits/rejected` the mean logit (over the vocabulary) per completion token of the desirable / undesirable rows, and
 `rewards/margins` = `rewards/chosen` - `rewards/rejected`, derived when the window is reduced (`metric_differences`).
+
+Each loss is one registered function (`register_pair_loss`), `fn(chosen, rejected, z0, **hyperparameters) ->
+(losses [P], {metric: [P] values, or ([P] values, [P] weights) for a metric over some pairs})` of the sides' complete
+totals [K, P] (policy log-prob sum, response tokens, reference log-prob sum; unpaired: and the row's label; a reward
+model: score, margin) and kto's reference point z0, registered with its metric names, `needs_reference`, its
+hyperparameters (`PrefConfig` fields, with their defaults), `curves` (the metrics of accuracy_curve.png) and, where
+not the default, `scores=True` (a reward model: one score per sequence) or `paired=False` (unpaired rows, each with a
+mismatched completion, and the step's z0), `differences` (see `metric_differences`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -58,8 +66,10 @@ import torch.nn.functional as F
 
 from veomni_lite.loss_keys import IGNORE_INDEX, SEQUENCE_IDS, seq_starts_key
 from veomni_lite.post_training import sequence_totals
-from veomni_lite.preference.config import PREF, PREF_LOSSES, PREF_MODE, PrefConfig
+from veomni_lite.registries import Entry, Registry
 
+PREF = "pref"  # the head's name: `pref_labels`, `pref_loss`
+PREF_MODE = "seq-mean-token-sum"  # the head's loss mode, always: the mean over the step's pairs
 PREF_LABELS = f"{PREF}_labels"
 PREF_STARTS = seq_starts_key(PREF)
 REF_LOGPROBS = f"{PREF}_ref_logprobs"
@@ -83,9 +93,9 @@ __all__ = [
     "KTO_METRICS",
     "ORPO_METRICS",
     "MARGINS",
+    "PAIR_LOSSES",
     "PREF",
     "PREF_LABELS",
-    "PREF_LOSSES",
     "PREF_MODE",
     "PREF_STARTS",
     "REF_LOGPROBS",
@@ -96,7 +106,11 @@ __all__ = [
     "log1mexp",
     "metric_differences",
     "metric_names",
+    "register_pair_loss",
 ]
+
+PAIR_LOSSES = Registry("pair loss")
+register_pair_loss = PAIR_LOSSES.register  # `pref.loss` (see the module docstring for the function's contract)
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -106,13 +120,14 @@ def log1mexp(x: torch.Tensor) -> torch.Tensor:
 
 def metric_names(loss: str) -> tuple[str, ...]:
     """The metrics `pref.loss` logs (TRL's names)."""
-    return {"bradley_terry": RM_METRICS, "orpo": ORPO_METRICS, "kto": KTO_METRICS}.get(loss, DPO_METRICS)
+    return PAIR_LOSSES.get(loss, "pref.loss").metrics
 
 
 def metric_differences(loss: str) -> dict[str, tuple[str, str]]:
     """The metrics `pref.loss` logs as the difference of two of its recorded means ({name: (a, b)}: a - b, logged
-    when both have a count in the window); kto's `rewards/margins`, as TRL's KTOTrainer."""
-    return dict(KTO_DIFFERENCES) if loss == "kto" else {}
+    when both have a count in the window; registered as `differences`); kto's `rewards/margins`, as TRL's
+    KTOTrainer."""
+    return dict(PAIR_LOSSES.get(loss, "pref.loss").extra.get("differences", {}))
 
 
 def kto_kl_totals(logprobs: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
@@ -137,82 +152,167 @@ def kto_reference_point(totals: torch.Tensor, group: dist.ProcessGroup | None = 
     return (totals[0] / totals[1].clamp(min=1)).clamp(min=0)
 
 
+Values = dict[str, Any]  # {metric: [P] values, or ([P] values, [P] weights)}
+DPO = {"beta": 0.1, "rpo_alpha": 0.0}  # the DPO family's hyperparameters
+ACCURACIES = ("rewards/accuracies", "eval/rewards/accuracies")  # `curves`: accuracy_curve.png's metrics
+
+
+def _logps(
+    chosen: torch.Tensor, rejected: torch.Tensor, averaged: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pi_c, pi_r, ref_c, ref_r) [P]: the sides' summed log-probabilities, or `averaged` over the response tokens."""
+    pi_c, pi_r, ref_c, ref_r = chosen[0], rejected[0], chosen[2], rejected[2]
+    if averaged:
+        n_c, n_r = chosen[1].clamp(min=1), rejected[1].clamp(min=1)
+        pi_c, pi_r, ref_c, ref_r = pi_c / n_c, pi_r / n_r, ref_c / n_c, ref_r / n_r
+    return pi_c, pi_r, ref_c, ref_r
+
+
+def _dpo_family(
+    losses: torch.Tensor, rewards: tuple[torch.Tensor, torch.Tensor], logps: tuple[torch.Tensor, torch.Tensor],
+    chosen: torch.Tensor, rpo_alpha: float,
+) -> tuple[torch.Tensor, Values]:  # fmt: skip
+    """The losses with RPO's NLL term (`rpo_alpha` x the chosen side's mean NLL per token) and the family's metrics."""
+    if rpo_alpha:
+        losses = losses - rpo_alpha * chosen[0] / chosen[1].clamp(min=1)
+    (reward_c, reward_r), (pi_c, pi_r) = rewards, logps
+    return losses, {"rewards/chosen": reward_c, "rewards/rejected": reward_r, "rewards/margins": reward_c - reward_r,
+                    "rewards/accuracies": (reward_c > reward_r).double(), "logps/chosen": pi_c,
+                    "logps/rejected": pi_r}  # fmt: skip
+
+
+@register_pair_loss("sigmoid", metrics=DPO_METRICS, needs_reference=True, curves=ACCURACIES,
+                    hyperparameters={**DPO, "label_smoothing": 0.0})  # fmt: skip
+def sigmoid(
+    chosen: torch.Tensor, rejected: torch.Tensor, z0: Any, beta: float, rpo_alpha: float, label_smoothing: float
+) -> tuple[torch.Tensor, Values]:
+    """DPO (cDPO with label smoothing s): -log sig(b h) (1 - s) - log sig(-b h) s."""
+    pi_c, pi_r, ref_c, ref_r = _logps(chosen, rejected)
+    h, s = (pi_c - ref_c) - (pi_r - ref_r), label_smoothing
+    losses = -F.logsigmoid(beta * h) * (1 - s) - F.logsigmoid(-beta * h) * s
+    return _dpo_family(losses, (beta * (pi_c - ref_c), beta * (pi_r - ref_r)), (pi_c, pi_r), chosen, rpo_alpha)
+
+
+@register_pair_loss("ipo", metrics=DPO_METRICS, needs_reference=True, curves=ACCURACIES, hyperparameters=DPO)
+def ipo(
+    chosen: torch.Tensor, rejected: torch.Tensor, z0: Any, beta: float, rpo_alpha: float
+) -> tuple[torch.Tensor, Values]:
+    """IPO: (h - 1 / (2 b))^2 of the log-probabilities averaged over the response tokens."""
+    pi_c, pi_r, ref_c, ref_r = _logps(chosen, rejected, averaged=True)
+    h = (pi_c - ref_c) - (pi_r - ref_r)
+    losses = (h - 1 / (2 * beta)) ** 2
+    return _dpo_family(losses, (beta * (pi_c - ref_c), beta * (pi_r - ref_r)), (pi_c, pi_r), chosen, rpo_alpha)
+
+
+@register_pair_loss("hinge", metrics=DPO_METRICS, needs_reference=True, curves=ACCURACIES, hyperparameters=DPO)
+def hinge(
+    chosen: torch.Tensor, rejected: torch.Tensor, z0: Any, beta: float, rpo_alpha: float
+) -> tuple[torch.Tensor, Values]:
+    """SLiC's hinge: max(0, 1 - b h)."""
+    pi_c, pi_r, ref_c, ref_r = _logps(chosen, rejected)
+    losses = torch.relu(1 - beta * ((pi_c - ref_c) - (pi_r - ref_r)))
+    return _dpo_family(losses, (beta * (pi_c - ref_c), beta * (pi_r - ref_r)), (pi_c, pi_r), chosen, rpo_alpha)
+
+
+@register_pair_loss(
+    "simpo", metrics=DPO_METRICS, curves=ACCURACIES, hyperparameters={**DPO, "label_smoothing": 0.0, "gamma": 0.5}
+)
+def simpo(
+    chosen: torch.Tensor, rejected: torch.Tensor, z0: Any, beta: float, rpo_alpha: float, label_smoothing: float,
+    gamma: float,
+) -> tuple[torch.Tensor, Values]:  # fmt: skip
+    """SimPO (reference-free): -log sig(b (pi_c - pi_r) - gamma) (1 - s) - ..., log-probabilities averaged."""
+    pi_c, pi_r, _, _ = _logps(chosen, rejected, averaged=True)
+    logits, s = beta * (pi_c - pi_r) - gamma, label_smoothing
+    losses = -F.logsigmoid(logits) * (1 - s) - F.logsigmoid(-logits) * s
+    return _dpo_family(losses, (beta * pi_c, beta * pi_r), (pi_c, pi_r), chosen, rpo_alpha)
+
+
+@register_pair_loss("bradley_terry", metrics=RM_METRICS, hyperparameters={"center_rewards": 0.0}, scores=True,
+                    curves=("rewards/accuracy", "eval/rewards/accuracy"))  # fmt: skip
+def bradley_terry(
+    chosen: torch.Tensor, rejected: torch.Tensor, z0: Any, center_rewards: float
+) -> tuple[torch.Tensor, Values]:
+    """A reward model's: -log sig(r_c - r_r - margin) + c (r_c + r_r)^2 of the sides' (score, margin)."""
+    r_c, r_r, margin = chosen[0], rejected[0], chosen[1]
+    losses = -F.logsigmoid(r_c - r_r - margin) + center_rewards * (r_c + r_r) ** 2
+    return losses, {"rewards/chosen": r_c, "rewards/rejected": r_r, "rewards/margins": r_c - r_r,
+                    "rewards/accuracy": (r_c > r_r).double(), "rewards/mean": (r_c + r_r) / 2}  # fmt: skip
+
+
+@register_pair_loss("kto", metrics=KTO_METRICS, needs_reference=True, paired=False, differences=KTO_DIFFERENCES,
+                    curves=("rewards/chosen", "rewards/rejected"),
+                    hyperparameters={"beta": 0.1, "desirable_weight": 1.0, "undesirable_weight": 1.0})  # fmt: skip
+def kto(
+    chosen: torch.Tensor, rejected: torch.Tensor, z0: Any, beta: float, desirable_weight: float,
+    undesirable_weight: float,
+) -> tuple[torch.Tensor, Values]:  # fmt: skip
+    """KTO of each row (its side 2p; `rejected` is the mismatched side, read by z0's pass only)."""
+    pi, ref, desirable = chosen[0], chosen[2], chosen[3] > 0.5
+    d = pi - ref
+    losses = torch.where(desirable, desirable_weight * (1 - torch.sigmoid(beta * (d - z0))),
+                         undesirable_weight * (1 - torch.sigmoid(beta * (z0 - d))))  # fmt: skip
+    yes, no = desirable.double(), (~desirable).double()
+    return losses, {"kl": torch.zeros_like(pi) + z0, "rewards/chosen": (beta * d, yes),
+                    "rewards/rejected": (beta * d, no), "logps/chosen": (pi, yes),
+                    "logps/rejected": (pi, no)}  # fmt: skip
+
+
+@register_pair_loss("orpo", metrics=ORPO_METRICS, curves=ACCURACIES, hyperparameters={"orpo_lambda": 0.1})
+def orpo(chosen: torch.Tensor, rejected: torch.Tensor, z0: Any, orpo_lambda: float) -> tuple[torch.Tensor, Values]:
+    """ORPO (reference-free): -l_c - lambda log sig(log odds_c - log odds_r), l the mean log-prob per token."""
+    l_c, l_r = chosen[0] / chosen[1].clamp(min=1), rejected[0] / rejected[1].clamp(min=1)
+    log_odds = (l_c - l_r) - (log1mexp(l_c) - log1mexp(l_r))
+    ratio = F.logsigmoid(log_odds)
+    losses = -l_c - orpo_lambda * ratio
+    reward_c, reward_r = orpo_lambda * l_c, orpo_lambda * l_r
+    accuracies = (reward_c > reward_r).double()
+    return losses, {"rewards/chosen": reward_c, "rewards/rejected": reward_r,
+                    "rewards/margins": reward_c - reward_r, "rewards/accuracies": accuracies,
+                    "logps/chosen": l_c, "logps/rejected": l_r, "nll_loss": -l_c, "log_odds_ratio": ratio,
+                    "log_odds_chosen": log_odds}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class PreferenceLoss:
-    """The loss settings (from `PrefConfig`) and the head itself (see the module docstring)."""
+    """The head (see the module docstring) of the registered pair loss `loss` with its `hyperparameters` (over the
+    registered defaults)."""
 
     loss: str = "sigmoid"
-    beta: float = 0.1
-    gamma: float = 0.5
-    label_smoothing: float = 0.0
-    center_rewards: float = 0.0
-    rpo_alpha: float = 0.0
-    desirable_weight: float = 1.0
-    undesirable_weight: float = 1.0
-    orpo_lambda: float = 0.1
+    hyperparameters: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.hyperparameters) - set(self.entry.hyperparameters)
+        if unknown:
+            raise ValueError(f"pair loss {self.loss!r} takes {list(self.entry.hyperparameters)}, not {sorted(unknown)}")
 
     @classmethod
-    def of(cls, pref: PrefConfig) -> PreferenceLoss:
-        return cls(pref.loss, pref.beta, pref.gamma, pref.label_smoothing, pref.center_rewards, pref.rpo_alpha,
-                   pref.desirable_weight, pref.undesirable_weight, pref.orpo_lambda)  # fmt: skip
+    def of(cls, pref: Any) -> PreferenceLoss:
+        """From the `pref` section (a `PrefConfig`): the loss's hyperparameters, each its field of the same name."""
+        return cls(pref.loss, PAIR_LOSSES.get(pref.loss, "pref.loss").read(pref))
+
+    @property
+    def entry(self) -> Entry:
+        """The registered pair loss (`PAIR_LOSSES`)."""
+        return PAIR_LOSSES.get(self.loss, "pref.loss")
+
+    @property
+    def scores(self) -> bool:
+        """A reward model's loss: the model scores each sequence (at its last token) instead of its tokens."""
+        return bool(self.entry.extra.get("scores", False))
+
+    @property
+    def paired(self) -> bool:
+        """Pairs (chosen, rejected); else unpaired rows, each with a mismatched completion and the step's z0."""
+        return bool(self.entry.extra.get("paired", True))
 
     def pair_losses(
         self, chosen: torch.Tensor, rejected: torch.Tensor, z0: torch.Tensor | float = 0.0
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]]:
-        """Each pair's loss L_p [P] and metric values {name: [P]} (or ([P] values, [P] weights) for a metric over some
-        pairs) from the sides' complete totals [K, P]: (policy log-prob sum, response tokens, reference log-prob sum;
-        kto: and the label), or (reward, margin) for bradley_terry. `z0`: kto's reference point."""
-        if self.loss == "kto":
-            pi, ref, desirable = chosen[0], chosen[2], chosen[3] > 0.5
-            d = pi - ref
-            losses = torch.where(desirable, self.desirable_weight * (1 - torch.sigmoid(self.beta * (d - z0))),
-                                 self.undesirable_weight * (1 - torch.sigmoid(self.beta * (z0 - d))))  # fmt: skip
-            yes, no = desirable.double(), (~desirable).double()
-            values: dict[str, Any] = {"kl": torch.zeros_like(pi) + z0, "rewards/chosen": (self.beta * d, yes),
-                                      "rewards/rejected": (self.beta * d, no), "logps/chosen": (pi, yes),
-                                      "logps/rejected": (pi, no)}  # fmt: skip
-            return losses, values
-        if self.loss == "orpo":
-            l_c, l_r = chosen[0] / chosen[1].clamp(min=1), rejected[0] / rejected[1].clamp(min=1)
-            log_odds = (l_c - l_r) - (log1mexp(l_c) - log1mexp(l_r))
-            ratio = F.logsigmoid(log_odds)
-            losses = -l_c - self.orpo_lambda * ratio
-            reward_c, reward_r = self.orpo_lambda * l_c, self.orpo_lambda * l_r
-            accuracies = (reward_c > reward_r).double()
-            return losses, {"rewards/chosen": reward_c, "rewards/rejected": reward_r,
-                            "rewards/margins": reward_c - reward_r, "rewards/accuracies": accuracies,
-                            "logps/chosen": l_c, "logps/rejected": l_r, "nll_loss": -l_c, "log_odds_ratio": ratio,
-                            "log_odds_chosen": log_odds}  # fmt: skip
-        if self.loss == "bradley_terry":
-            r_c, r_r, margin = chosen[0], rejected[0], chosen[1]
-            losses = -F.logsigmoid(r_c - r_r - margin) + self.center_rewards * (r_c + r_r) ** 2
-            values = {"rewards/chosen": r_c, "rewards/rejected": r_r, "rewards/margins": r_c - r_r,
-                      "rewards/accuracy": (r_c > r_r).double(), "rewards/mean": (r_c + r_r) / 2}  # fmt: skip
-            return losses, values
-        pi_c, pi_r, ref_c, ref_r = chosen[0], rejected[0], chosen[2], rejected[2]
-        if self.loss in ("ipo", "simpo"):
-            n_c, n_r = chosen[1].clamp(min=1), rejected[1].clamp(min=1)
-            pi_c, pi_r, ref_c, ref_r = pi_c / n_c, pi_r / n_r, ref_c / n_c, ref_r / n_r
-        b, s = self.beta, self.label_smoothing
-        if self.loss == "simpo":
-            logits = b * (pi_c - pi_r) - self.gamma
-            losses = -F.logsigmoid(logits) * (1 - s) - F.logsigmoid(-logits) * s
-            reward_c, reward_r = b * pi_c, b * pi_r
-        else:
-            h = (pi_c - ref_c) - (pi_r - ref_r)
-            if self.loss == "sigmoid":
-                losses = -F.logsigmoid(b * h) * (1 - s) - F.logsigmoid(-b * h) * s
-            elif self.loss == "ipo":
-                losses = (h - 1 / (2 * b)) ** 2
-            else:
-                losses = torch.relu(1 - b * h)
-            reward_c, reward_r = b * (pi_c - ref_c), b * (pi_r - ref_r)
-        if self.rpo_alpha:
-            losses = losses - self.rpo_alpha * chosen[0] / chosen[1].clamp(min=1)
-        values = {"rewards/chosen": reward_c, "rewards/rejected": reward_r, "rewards/margins": reward_c - reward_r,
-                  "rewards/accuracies": (reward_c > reward_r).double(), "logps/chosen": pi_c,
-                  "logps/rejected": pi_r}  # fmt: skip
-        return losses, values
+    ) -> tuple[torch.Tensor, Values]:
+        """Each pair's loss L_p [P] and metric values from the sides' complete totals [K, P] (the registered
+        function's contract, see the module docstring). `z0`: an unpaired loss's reference point."""
+        entry = self.entry
+        return entry.fn(chosen, rejected, z0, **{**entry.hyperparameters, **self.hyperparameters})
 
     def __call__(
         self,
@@ -237,13 +337,13 @@ class PreferenceLoss:
             value = batch.get(key)
             return torch.zeros_like(labels, dtype=torch.float64) if value is None else value.to(device, torch.float64)
 
-        if self.loss == "bradley_terry":
+        if self.scores:
             channels = [torch.where(valid, output.double(), 0.0), per_position(MARGINS)]
         else:
             channels = [torch.where(valid, output.double(), 0.0), valid.double(), per_position(REF_LOGPROBS)]
-            if self.loss == "kto":
+            if not self.paired:
                 channels.append(per_position(KTO_LABELS))
-        z0 = batch[KL].to(device, torch.float64) if self.loss == "kto" else 0.0
+        z0 = 0.0 if self.paired else batch[KL].to(device, torch.float64)
         totals = sequence_totals(torch.stack(channels), ids, sp_group)
         pairs = totals.shape[1] // 2
         losses, values = self.pair_losses(totals[:, 0 : 2 * pairs : 2], totals[:, 1 : 2 * pairs : 2], z0)
@@ -260,7 +360,7 @@ class PreferenceLoss:
                 else:
                     weight = torch.where(anchors, weight[pair], 0.0)
                     metrics[name] = ((weight * value.detach()[pair]).sum(), weight.sum())
-            if self.loss == "kto" and mean_logits is not None:  # per completion token (sequence 2p), by row label
+            if mean_logits is not None:  # unpaired: per completion token (sequence 2p), by row label
                 completion = valid & (ids % 2 == 0)
                 desirable = totals[3, 0 : 2 * pairs : 2][pair] > 0.5
                 logits = torch.where(completion, mean_logits.detach().to(device, torch.float64), 0.0)

@@ -96,7 +96,7 @@ class PreferenceTrainer(SFTTrainer):
             agree(problem, DataError, self.control_group, where=f"{key}: ")
             rows = PairEncoder(
                 sources, self.encoder, data.columns, data.max_seq_len, data.overlength, data.media_dir, self.images,
-                data.max_tokens_per_micro_batch, data.packing, self.pref.kto,
+                data.max_tokens_per_micro_batch, data.packing, not self.head.paired,
             )  # fmt: skip
             pairs = PairDataset(rows, cache_dir(self.config), self.control_group, key)
             if self.is_main:
@@ -119,14 +119,16 @@ class PreferenceTrainer(SFTTrainer):
                 "data.train_path: preference training needs the pairs (a file, a list, a directory or a glob)"
             )
         directory = read_model_directory(model.pretrained_dir, data.chat_template)
-        if directory.images is not None and self.pref.reward_model:
-            raise DataError("pref.loss bradley_terry: reward models are causal-LM families here, not vision-language")
+        if directory.images is not None and self.head.scores:
+            raise DataError(
+                f"pref.loss {self.pref.loss}: reward models are causal-LM families here, not vision-language"
+            )
         self.model_config, self.tokenizer, self.encoder = directory.config, directory.tokenizer, directory.encoder
         self.images = directory.images
 
     def collate(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         """Pairs -> one micro-batch of their sides (`collate_pairs` over the model's SFT collate)."""
-        return collate_pairs(samples, super().collate, self.pref.reward_model)
+        return collate_pairs(samples, super().collate, self.head.scores)
 
     @property
     def label_limits(self) -> dict[str, int]:
@@ -137,10 +139,10 @@ class PreferenceTrainer(SFTTrainer):
     @property
     def _sharded_build(self) -> bool:
         """A reward model's new score head is seeded on rank 0 and scattered: never read shard by shard."""
-        return super()._sharded_build and not self.pref.reward_model
+        return super()._sharded_build and not self.head.scores
 
     def build_model(self) -> Any:
-        if not self.pref.reward_model:
+        if not self.head.scores:
             return super().build_model()
         torch.manual_seed(self.config.train.seed)  # the new score head
         return HFRewardModel.from_pretrained(
@@ -172,7 +174,7 @@ class PreferenceTrainer(SFTTrainer):
         """[B, S]: a reward model's scores, else the log-probability of each `pref_labels` target (the LM head fused
         with them unless `model.fused_lm_head` is false: `LogprobRequest`)."""
         inputs = {k: v for k, v in batch.items() if not is_labels_key(k)}
-        if self.pref.reward_model:
+        if self.head.scores:
             return self.model(**inputs)["scores"]
         return self.model(**inputs, logprobs=LogprobRequest(batch[PREF_LABELS]))["logprobs"]
 
@@ -184,7 +186,7 @@ class PreferenceTrainer(SFTTrainer):
             with torch.no_grad(), self.reference.active():
                 batch[REF_LOGPROBS] = self.model_output(batch).double()
         sp_group = self.parallel.sp_group if self.parallel.sp_size > 1 else None
-        if not self.pref.kto:
+        if self.head.paired:
             return self.head(self.model_output(batch), batch, sp_group)
         batch[KL] = self._z0
         inputs = {k: v for k, v in batch.items() if not is_labels_key(k)}
@@ -210,7 +212,7 @@ class PreferenceTrainer(SFTTrainer):
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
         """kto: the KL pass over the whole step first (`kto_pass`), then the step."""
-        if self.pref.kto:
+        if not self.head.paired:
             self.kto_pass(micro_batches)
         super().train_step(micro_batches)
 
@@ -222,11 +224,10 @@ class PreferenceTrainer(SFTTrainer):
 
     @property
     def plots(self) -> dict[str, list[str]]:  # type: ignore[override]
-        """`accuracy_curve.png`: the pair accuracy, trained and held out, beside loss_curve.png (kto: the rewards)."""
-        if self.pref.kto:
-            return {"accuracy_curve.png": ["rewards/chosen", "rewards/rejected"]}
-        accuracy = self.metric_names[3]
-        return {"accuracy_curve.png": [accuracy, f"eval/{accuracy}"]}
+        """`accuracy_curve.png` beside loss_curve.png: the curves the loss registered (the pair accuracy, trained and
+        held out; kto: the rewards); none without."""
+        curves = list(self.head.entry.extra.get("curves", ()))
+        return {"accuracy_curve.png": curves} if curves else {}
 
     def metric_specs(self) -> list[MetricSpec]:
         return [MetricSpec(name, "mean") for name in self.metric_names]
@@ -251,7 +252,7 @@ class PreferenceTrainer(SFTTrainer):
         try:
             for number in range(batches):
                 micro_batches = self.eval_micro_batches(loader, number)  # agreed across ranks before any forward
-                if self.pref.kto:
+                if not self.head.paired:
                     self.kto_pass(micro_batches)
                 step = LossStep(micro_batches, self.loss_modes, marked=True)
                 for micro_batch, tokens in step:

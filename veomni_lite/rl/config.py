@@ -13,9 +13,12 @@ from typing import Any, Literal
 
 from veomni_lite.config import ConfigError, build_section
 from veomni_lite.engines.vllm.settings import VLLMSettings
+from veomni_lite.registries import Registry
+from veomni_lite.rl.advantages import ADVANTAGES
 from veomni_lite.rl.critic import CriticSettings
+from veomni_lite.rl.policy_loss import POLICY, POLICY_LOSSES
 
-POLICY = "policy"  # the head's name: `policy_labels`, `policy_loss`
+__all__ = ["POLICY", "DynamicSampling", "OverlongBuffer", "RLConfig"]
 
 
 @dataclass
@@ -41,11 +44,12 @@ class RLConfig:
     rewards: list[dict[str, Any]] = field(default_factory=list)
     """`[{name, function, weight}]`, summed with their weights: `exact_match`, `math`, `regex` (with `pattern`), or a
     user's `path/to/file.py:function` (see `veomni_lite.rl.rewards`)."""
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
-    """Per group: grpo (R - mean) / (std + eps), dr_grpo R - mean, rloo R - mean of the others; reinforce_pp
-    (REINFORCE++, verl's `adv_estimator: reinforce_plus_plus`) R whitened over the whole rollout batch's response tokens
-    (`veomni_lite.rl.advantages.batch_advantages`; the KL stays in the loss, `rl.kl_coef`, as verl's use_kl_loss); gae:
-    PPO with a critic (`rl.critic`, `rl.gamma`, `rl.lam`; see `veomni_lite.rl.critic`)."""
+    advantage: str = "grpo"
+    """A registered advantage estimator (`veomni_lite.rl.advantages`, `register_advantage`). Per group: grpo (R -
+    mean) / (std + eps), dr_grpo R - mean, rloo R - mean of the others; reinforce_pp (REINFORCE++, verl's
+    `adv_estimator: reinforce_plus_plus`) R whitened over the whole rollout batch's response tokens (the KL stays in
+    the loss, `rl.kl_coef`, as verl's use_kl_loss); gae: PPO with a critic (`rl.critic`, `rl.gamma`, `rl.lam`; see
+    `veomni_lite.rl.critic`)."""
     critic: CriticSettings | None = None
     """`rl.advantage: gae`: `{value_head: true | pretrained_dir: DIR, lr, weight_decay, warmup_steps, value_clip}`
     (`veomni_lite.rl.critic.CriticSettings`; verl's critic model path, lr, critic_warmup 0, cliprange_value 0.5)."""
@@ -55,8 +59,9 @@ class RLConfig:
     """GAE's lambda (verl's 1.0; OpenRLHF uses 0.95)."""
     advantage_eps: float = 1e-6
     """eps of grpo's std (verl's 1e-6; TRL adds 1e-4)."""
-    policy_loss: Literal["ppo_clip", "gspo"] = "ppo_clip"
-    """ppo_clip: PPO's clipped token ratio; gspo: the sequence ratio exp(mean of the sequence's log-ratios)."""
+    policy_loss: str = "ppo_clip"
+    """A registered policy loss (`veomni_lite.rl.policy_loss`, `register_policy_loss`). ppo_clip: PPO's clipped token
+    ratio; gspo: the sequence ratio exp(mean of the sequence's log-ratios)."""
     clip_low: float = 0.2
     """Lower clip range: the ratio is clipped at 1 - clip_low (PPO's 0.2; GSPO uses about 3e-4)."""
     clip_high: float = 0.2
@@ -171,14 +176,18 @@ class RLConfig:
             raise ConfigError(f"rl.dual_clip: must be > 1 (or 0: off), got {self.dual_clip}")
         if self.importance_sampling != "none" and self.is_cap <= 0:
             raise ConfigError(f"rl.is_cap: must be > 0, got {self.is_cap}")
-        if self.advantage == "gae" or self.critic:
-            if self.advantage != "gae":
-                raise ConfigError(f"rl.critic: set, but rl.advantage is {self.advantage!r}; the critic is for gae")
+        estimator = ADVANTAGES.get(self.advantage, "rl.advantage")
+        POLICY_LOSSES.get(self.policy_loss, "rl.policy_loss")
+        if estimator.needs_critic or self.critic:
+            if not estimator.needs_critic:
+                raise ConfigError(f"rl.critic: set, but rl.advantage is {self.advantage!r}; the critic is for "
+                                  f"{_flagged(ADVANTAGES, 'needs_critic')}")  # fmt: skip
             CriticSettings.parse(self.critic)
             if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
                 raise ConfigError(f"rl.gamma and rl.lam: must be in [0, 1], got {self.gamma}, {self.lam}")
-        if self.advantage in ("grpo", "rloo") and self.num_generations < 2:
-            raise ConfigError(f"rl.num_generations: {self.advantage} compares a group's responses, needs >= 2")
+        if self.num_generations < estimator.extra.get("min_group_size", 1):
+            raise ConfigError(f"rl.num_generations: {self.advantage} compares a group's responses, needs >= "
+                              f"{estimator.extra['min_group_size']}")  # fmt: skip
         if self.engine == "vllm" and not self.rollouts_path:
             try:
                 VLLMSettings.parse(self.vllm)
@@ -298,3 +307,8 @@ class OverlongBuffer:
         if not made.penalty >= 0:
             raise ConfigError(f"rl.overlong_buffer.penalty: must be >= 0, got {made.penalty}")
         return made
+
+
+def _flagged(registry: Registry, flag: str) -> str:
+    """The names of `registry`'s entries whose `flag` is set, for an error message."""
+    return ", ".join(name for name in registry.names() if getattr(registry.get(name, ""), flag))

@@ -48,13 +48,13 @@ from veomni_lite.config import ConfigError, build_section
 from veomni_lite.loss_keys import IGNORE_INDEX, loss_weights_key
 from veomni_lite.metrics.accumulator import MetricSpec
 from veomni_lite.models.hf_attention import route_attention
+from veomni_lite.rl.advantages import ADVANTAGES, WHITEN_EPS, gae
 
 VALUE = "value"  # the head's name: `value_labels`, `value_loss`
 VALUE_LABELS = f"{VALUE}_labels"
 OLD_VALUES = f"{VALUE}_old_values"
 RETURNS = f"{VALUE}_returns"
 CRITIC_VALUES = (OLD_VALUES, RETURNS)  # float per-token keys of a sample, in the shifted frame like the advantages
-WHITEN_EPS = 1e-8
 
 __all__ = [
     "CRITIC_VALUES",
@@ -104,20 +104,6 @@ class CriticSettings:
         if settings.warmup_steps < 0 or settings.value_clip < 0:
             raise ConfigError("rl.critic.warmup_steps and rl.critic.value_clip: must be >= 0")
         return settings
-
-
-def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages, returns) [T] of one response's token rewards and old values [T] (float64): delta_t = r_t +
-    gamma V_{t+1} - V_t (V_T = 0), A_t = delta_t + gamma lam A_{t+1}, returns = A + V."""
-    rewards, values = rewards.double(), values.double()
-    advantages = torch.zeros_like(values)
-    running, following = 0.0, 0.0
-    for t in range(values.numel() - 1, -1, -1):
-        delta = rewards[t] + gamma * following - values[t]
-        running = delta + gamma * lam * running
-        advantages[t] = running
-        following = values[t]
-    return advantages, advantages + values
 
 
 def whiten(values: torch.Tensor, of: torch.Tensor | None = None, eps: float = WHITEN_EPS) -> torch.Tensor:
@@ -260,8 +246,9 @@ class Critic:
 
     @classmethod
     def of(cls, rl: Any) -> Critic | None:
-        """The critic of the `rl` section, None without `rl.advantage: gae`."""
-        return cls(CriticSettings.parse(rl.critic)) if rl.advantage == "gae" else None
+        """The critic of the `rl` section, None unless its advantage estimator needs one (`gae`)."""
+        needs_critic = ADVANTAGES.get(rl.advantage, "rl.advantage").needs_critic
+        return cls(CriticSettings.parse(rl.critic)) if needs_critic else None
 
     def attach(self, model: nn.Module) -> nn.Module:
         """The policy with its critic (called on the built model, before `model.lora` and FSDP2)."""

@@ -35,7 +35,7 @@ from veomni_lite.data.loader import StepLoader
 from veomni_lite.distributed.parallel_state import ParallelState
 from veomni_lite.engines.base import RolloutEngine
 from veomni_lite.post_training import ReferenceWeights
-from veomni_lite.rl.advantages import batch_advantages, group_advantages
+from veomni_lite.rl.advantages import ADVANTAGES, estimate
 from veomni_lite.rl.config import RLConfig
 from veomni_lite.rl.critic import Critic, gae_advantages
 from veomni_lite.rl.logprob_pass import collate_plans, fill, needs_fill, plan
@@ -105,15 +105,12 @@ class RolloutBatch:
 
 
 def advantages(context: RolloutContext, samples: Sequence[RolloutSample]) -> None:
-    """The advantage stage of the outcome estimators: each sample's `advantage` from the batch's rewards (every rank
-    holds every sample). `gae` sets token advantages later, from the critic's values."""
-    rl = context.rl
+    """The advantage stage of the outcome estimators (`veomni_lite.rl.advantages.estimate`): each sample's `advantage`
+    from the batch's rewards (every rank holds every sample). A critic's estimator (`gae`) sets token advantages
+    later, from the critic's values."""
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
-    if rl.advantage == "reinforce_pp":  # the world's batch
-        lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.int64)
-        values = batch_advantages(rewards, lengths)
-    else:
-        values = group_advantages(rewards, rl.num_generations, rl.advantage, rl.advantage_eps)
+    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.int64)
+    values = estimate(context.rl, rewards, lengths)
     for sample, advantage in zip(samples, values.tolist()):
         sample.advantage = advantage
 
@@ -136,7 +133,7 @@ class RolloutPipeline:
         if restored is None:
             start = time.perf_counter()
             samples, counts = self.source.collect(context, k, step, following)  # generate -> score -> gather
-            if context.rl.advantage != "gae":
+            if not ADVANTAGES.get(context.rl.advantage, "rl.advantage").needs_critic:
                 advantages(context, samples)
             generate_s = time.perf_counter() - start
             metrics = rollout_metrics(self._mine(samples), context.rl.num_generations, self._version(step)) | counts

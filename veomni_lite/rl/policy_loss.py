@@ -8,21 +8,31 @@ absent on policy, with one mini-batch and one epoch, where it is logp_t itself, 
 where `importance_sampling` is on), `sequence_ids`, and `policy_loss_weights` under seq-mean-token-mean.
 
 The model gives logp_t = log softmax(logits / temperature) at the target and the entropy H_t of that distribution
-(`LogprobRequest`: fused with the LM head, the [tokens, vocab] logits never whole); with r_t = exp(logp_t - old_t):
+(`LogprobRequest`: fused with the LM head, the [tokens, vocab] logits never whole). `rl.policy_loss` names a
+registered function giving each token's objective pg_t (`register_policy_loss`); with r_t = exp(logp_t - old_t):
   ppo_clip  pg_t = max(-A r_t, -A clip(r_t, 1 - clip_low, 1 + clip_high)); with dual_clip c and A < 0, min(pg_t, -A c)
   gspo      the same with r_t replaced by s = exp(mean over the sequence's response tokens of (logp - old)), the mean
             taken over the whole sequence (`sequence_sums`, exact under packing and SP, with its gradient)
-  l_t = w_t pg_t + kl_coef kl_t - entropy_coef H_t
+and every policy loss's token loss is l_t = w_t pg_t + kl_coef kl_t - entropy_coef H_t, where
 w_t = min(exp(old_t - engine_t), is_cap) for `importance_sampling: token`, min(exp(sum over the sequence of (old -
 engine)), is_cap) for `sequence`, else 1 (detached; 1 too for rollouts given without the engine's log-probabilities).
 kl_t is `kl_estimator` of d = logp - ref: k1 d, k2 d^2 / 2, k3 exp(-d) + d - 1. `mean_global_loss` then makes the step's
 value exactly the mode's over every micro-batch and rank.
+
+A policy loss is one function `fn(inputs: PolicyInputs, **hyperparameters) -> (pg [B, S], metrics)`, registered with
+the metric names it records ({name: (total, count)} of this shard's tokens, no grad) and its hyperparameters (fields
+of `RLConfig`, with their defaults):
+
+    @register_policy_loss("vanilla", metrics=("rl/ratio",))
+    def vanilla(x: PolicyInputs) -> tuple[torch.Tensor, dict[str, Any]]:
+        ratio = torch.exp(x.logp - x.old)
+        return -x.advantages * ratio, {"rl/ratio": ((ratio.detach() * x.valid).sum(), x.valid.sum().double())}
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -31,8 +41,9 @@ import torch.distributed as dist
 from veomni_lite.loss_keys import IGNORE_INDEX, SEQUENCE_IDS, loss_weights_key
 from veomni_lite.models.heads import token_logprobs
 from veomni_lite.post_training import sequence_sums
-from veomni_lite.rl.config import POLICY, RLConfig
+from veomni_lite.registries import Entry, Registry
 
+POLICY = "policy"  # the head's name: `policy_labels`, `policy_loss`
 POLICY_LABELS = f"{POLICY}_labels"
 ADVANTAGES = f"{POLICY}_advantages"
 OLD_LOGPROBS = f"{POLICY}_old_logprobs"
@@ -46,9 +57,13 @@ __all__ = [
     "OLD_LOGPROBS",
     "POLICY_LABELS",
     "REF_LOGPROBS",
+    "POLICY",
+    "POLICY_LOSSES",
     "TOKEN_VALUES",
+    "PolicyInputs",
     "PolicyLoss",
     "engine_mismatch",
+    "register_policy_loss",
     "token_logprobs",
 ]
 
@@ -62,27 +77,94 @@ def _kl(logp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tensor:
     return torch.exp(-d) + d - 1
 
 
+POLICY_LOSSES = Registry("policy loss")
+register_policy_loss = POLICY_LOSSES.register  # `rl.policy_loss`: fn(PolicyInputs, **hyperparameters) -> (pg, metrics)
+
+
+@dataclass(frozen=True)
+class PolicyInputs:
+    """What a policy loss reads, per position of the SP shard [B, S], float64 and 0 off the valid tokens."""
+
+    logp: torch.Tensor
+    """The policy's log-probability of each target, with its gradient."""
+    old: torch.Tensor
+    """old_t, before the rollout batch's first update (on policy: `logp` detached)."""
+    advantages: torch.Tensor
+    valid: torch.Tensor
+    """bool: a response target of the loss."""
+    sequences: torch.Tensor
+    """Each position's sequence id, for a sequence's sums (`sequence_sums(..., sequences, sp_group)`)."""
+    sp_group: dist.ProcessGroup | None
+
+
+CLIP = {"clip_low": 0.2, "clip_high": 0.2, "dual_clip": 0.0}
+CLIP_METRICS = ("rl/clip_ratio/low", "rl/clip_ratio/high")
+
+
+def clipped(
+    log_ratio: torch.Tensor, x: PolicyInputs, clip_low: float, clip_high: float, dual_clip: float
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """PPO's clipped objective of the ratio exp(`log_ratio`) and the shares of tokens clipped low and high."""
+    advantages, ratio = x.advantages, torch.exp(log_ratio)
+    low, high = 1 - clip_low, 1 + clip_high
+    pg = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(low, high))
+    if dual_clip:
+        pg = torch.where(advantages < 0, torch.minimum(pg, -advantages * dual_clip), pg)
+    with torch.no_grad():
+        count = x.valid.sum().double()
+        clipped_low = (ratio < low) & (advantages < 0) & x.valid
+        clipped_high = (ratio > high) & (advantages > 0) & x.valid
+        metrics = {CLIP_METRICS[0]: (clipped_low.sum().double(), count),
+                   CLIP_METRICS[1]: (clipped_high.sum().double(), count)}  # fmt: skip
+    return pg, metrics
+
+
+@register_policy_loss("ppo_clip", metrics=CLIP_METRICS, hyperparameters=CLIP)
+def ppo_clip(
+    x: PolicyInputs, clip_low: float, clip_high: float, dual_clip: float
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """PPO's clipped token ratio r_t = exp(logp_t - old_t)."""
+    return clipped(torch.where(x.valid, x.logp - x.old, 0.0), x, clip_low, clip_high, dual_clip)
+
+
+@register_policy_loss("gspo", metrics=CLIP_METRICS, hyperparameters=CLIP)
+def gspo(x: PolicyInputs, clip_low: float, clip_high: float, dual_clip: float) -> tuple[torch.Tensor, dict[str, Any]]:
+    """GSPO: the sequence's ratio exp(mean over its response tokens of logp - old) at each of its tokens."""
+    counts = sequence_sums(x.valid.double(), x.sequences, x.sp_group)
+    log_ratio = sequence_sums(torch.where(x.valid, x.logp - x.old, 0.0), x.sequences, x.sp_group)
+    return clipped(log_ratio / counts.clamp(min=1), x, clip_low, clip_high, dual_clip)
+
+
 @dataclass(frozen=True)
 class PolicyLoss:
-    """The settings of the policy loss (from `RLConfig`) and the loss itself (see the module docstring)."""
+    """The settings of the policy loss (from `RLConfig`) and the loss itself (see the module docstring): the terms
+    every policy loss shares, and `hyperparameters`, the named loss's own over its registered defaults."""
 
     policy_loss: str = "ppo_clip"
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float = 0.0
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
     importance_sampling: str = "none"
     is_cap: float = 2.0
     temperature: float = 1.0
+    hyperparameters: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.hyperparameters) - set(self.entry.hyperparameters)
+        if unknown:
+            raise ValueError(f"policy loss {self.policy_loss!r} takes {list(self.entry.hyperparameters)}, not "
+                             f"{sorted(unknown)}")  # fmt: skip
 
     @classmethod
-    def of(cls, rl: RLConfig) -> PolicyLoss:
-        return cls(
-            rl.policy_loss, rl.clip_low, rl.clip_high, rl.dual_clip, rl.kl_coef, rl.kl_estimator, rl.entropy_coef,
-            rl.importance_sampling, rl.is_cap, rl.temperature,
-        )  # fmt: skip
+    def of(cls, rl: Any) -> PolicyLoss:
+        """From the `rl` section (an `RLConfig`): each setting its field of the same name."""
+        shared = {f.name: getattr(rl, f.name) for f in fields(cls) if f.name != "hyperparameters"}
+        return cls(**shared, hyperparameters=POLICY_LOSSES.get(rl.policy_loss, "rl.policy_loss").read(rl))
+
+    @property
+    def entry(self) -> Entry:
+        """The registered policy loss (`POLICY_LOSSES`)."""
+        return POLICY_LOSSES.get(self.policy_loss, "rl.policy_loss")
 
     def __call__(
         self, outputs: Mapping[str, torch.Tensor], batch: Mapping[str, Any], sp_group: dist.ProcessGroup | None = None
@@ -105,15 +187,9 @@ class PolicyLoss:
         on_policy = OLD_LOGPROBS not in batch
         advantages, old = key(ADVANTAGES), logp.detach() if on_policy else key(OLD_LOGPROBS)
         sequences = batch[SEQUENCE_IDS].to(device)
-        log_ratio = torch.where(valid, logp - old, 0.0)
-        if self.policy_loss == "gspo":
-            counts = sequence_sums(mask, sequences, sp_group)
-            log_ratio = sequence_sums(log_ratio, sequences, sp_group) / counts.clamp(min=1)
-        ratio = torch.exp(log_ratio)
-        low, high = 1 - self.clip_low, 1 + self.clip_high
-        pg = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(low, high))
-        if self.dual_clip:
-            pg = torch.where(advantages < 0, torch.minimum(pg, -advantages * self.dual_clip), pg)
+        inputs = PolicyInputs(logp, old, advantages, valid, sequences, sp_group)
+        entry = self.entry
+        pg, loss_metrics = entry.fn(inputs, **{**entry.hyperparameters, **self.hyperparameters})
         metrics: dict[str, Any] = {}
         count = mask.sum()
         engine = key(ENGINE_LOGPROBS) if ENGINE_LOGPROBS in batch else None  # None: rollouts given without them
@@ -138,10 +214,7 @@ class PolicyLoss:
         loss = torch.where(valid, per_token, 0.0).sum() / count.clamp(min=1)
         with torch.no_grad():
             metrics["rl/entropy"] = ((torch.where(valid, entropy, 0.0)).sum(), count)
-            clipped_low = (ratio < low) & (advantages < 0) & valid
-            clipped_high = (ratio > high) & (advantages > 0) & valid
-            metrics["rl/clip_ratio/low"] = (clipped_low.sum().double(), count)
-            metrics["rl/clip_ratio/high"] = (clipped_high.sum().double(), count)
+        metrics.update(loss_metrics)
         return {f"{POLICY}_loss": loss.to(out_dtype), "metrics": metrics}
 
 

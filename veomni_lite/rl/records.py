@@ -20,7 +20,7 @@ import torch
 
 from veomni_lite.metrics.accumulator import MetricSpec
 from veomni_lite.rl.episodes import episode_metrics
-from veomni_lite.rl.policy_loss import engine_mismatch
+from veomni_lite.rl.policy_loss import POLICY_LOSSES, engine_mismatch
 from veomni_lite.rl.rollouts import RolloutSample
 
 ROLLOUTS_FILE = "rollouts.jsonl"
@@ -83,8 +83,7 @@ def rollout_specs(rl: Any, reward_names: Sequence[str]) -> list[MetricSpec]:
         MetricSpec("rl/staleness/max", "max", fmt=".0f"),
         MetricSpec("rl/kl", "mean"),
         MetricSpec("rl/entropy", "mean"),
-        MetricSpec("rl/clip_ratio/low", "mean"),
-        MetricSpec("rl/clip_ratio/high", "mean"),
+        *(MetricSpec(name, "mean") for name in POLICY_LOSSES.get(rl.policy_loss, "rl.policy_loss").metrics),
         MetricSpec("rl/importance_ratio/mean", "mean"),
         MetricSpec("rl/importance_ratio/min", "min"),
         MetricSpec("rl/importance_ratio/max", "max"),
