@@ -21,7 +21,7 @@ from veomni_lite.rl.advantages import ADVANTAGES, estimate
 from veomni_lite.rl.config import RLConfig
 from veomni_lite.rl.policy_loss import ADVANTAGES as ADVANTAGES_KEY
 from veomni_lite.rl.policy_loss import OLD_LOGPROBS, POLICY_LABELS, POLICY_LOSSES, PolicyInputs, PolicyLoss
-from veomni_lite.rl.records import RolloutRecords
+from veomni_lite.rl.records import rollout_specs
 
 
 @pytest.fixture(autouse=True)
@@ -59,8 +59,7 @@ def test_a_registered_policy_loss_is_checked_by_the_config_and_is_the_trainers_l
     assert [float(v) for v in out["metrics"]["rl/capped"]] == [float((ratio > 1.1).sum()), float(valid.sum())]
     assert "rl/clip_ratio/low" not in out["metrics"]  # ppo_clip's, not this loss's
     # the trainer declares the loss's own metrics up front (every rank packs the same keys)
-    trainer = type("Trainer", (), {"rl": rl, "policy": loss, "rewards": []})()
-    names = [spec.name for spec in RolloutRecords(trainer).specs()]
+    names = [spec.name for spec in rollout_specs(rl, reward_names=[])]
     assert "rl/capped" in names and "rl/clip_ratio/low" not in names
     # negative control: a hyperparameter the loss does not take is refused
     with pytest.raises(ValueError, match=r"takes \['clip_high'\], not \['clip_low'\]"):
