@@ -35,9 +35,11 @@ The coefficients multiply the heads: `moe.aux_loss_coef` (None: the model config
 Trainers. `BaseTrainer` runs every trainer's forward (SFT, RL, preference, reward model: whatever output dict it
 builds) inside `RouterLosses.routed`, which adds the heads of the model's last forward, and counts them per
 micro-batch (`RouterLosses.counts` into `LossStep`); the heads are then normalized like any other by the loss core.
-Metric `moe/load_imbalance`: per micro-batch shard, the busiest expert's weighted load over the mean load, worst
-layer; recorded on the device, its window's max taken at log time. `write_loads` (at log steps): the window's exact
-per-layer loads over every rank in `expert_load.jsonl` and `expert_load.png`.
+`write_loads` (at log steps): the window's exact per-layer loads over every rank (the training forwards' weighted
+routed token-slots since the last log step) in `expert_load.jsonl` and `expert_load.png`, and the metric
+`moe/load_imbalance`: the busiest expert's load over the mean load, worst layer, of those window loads (the same on
+every rank; a micro-batch of a few tokens alone is nearly always at its ceiling E / k, so the window is what says
+whether the experts are balanced).
 
 Limits (raised before any collective): `sequence` and a shared prefix need the whole row on the rank (no Ulysses SP).
 Under SP, `micro-batch` is transformers' value per shard (its mean over shards), `global-batch` and `router_z` exact.
@@ -305,8 +307,8 @@ class RouterLosses:
         return out
 
     def heads(self, record: RouterRecord, micro_batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        """{"router_aux_loss", ["router_z_loss"], "metrics"}: the coefficient times each head's local mean, and this
-        micro-batch's load imbalance (busiest expert over the mean, worst layer)."""
+        """{"router_aux_loss", ["router_z_loss"]}: the coefficient times each head's local mean; a training forward's
+        loads join the log window's (`write_loads`)."""
         if not record.logits:
             raise RuntimeError("MoE router loss: no router logits were recorded in this forward")
         weights = _weights(micro_batch).to(record.logits[0].device)
@@ -316,7 +318,6 @@ class RouterLosses:
         if self.z_coef:
             out[loss_key(ROUTER_Z)] = self.z_coef * z_loss(record.logits, weights)
         loads = loads.double()
-        out["metrics"] = {LOAD_IMBALANCE: (loads.max(-1).values / loads.mean(-1).clamp(min=1e-12)).max()}
         if torch.is_grad_enabled():  # training forwards only
             self._window_loads = loads if self._window_loads is None else self._window_loads + loads
         if self.balance == "global-batch" and torch.is_grad_enabled():
@@ -335,8 +336,7 @@ class RouterLosses:
         with router_outputs(model) as record:
             outputs = forward(micro_batch)
         heads = self.heads(record, micro_batch)
-        metrics = {**outputs.get("metrics", {}), **heads.pop("metrics")}
-        return {**outputs, **heads, "metrics": metrics}
+        return {**outputs, **heads}
 
     def step_slots(self, device: torch.device) -> torch.Tensor | None:
         """`global-batch`: the previous step's local counts [E + 1] (zeros before any), the extra slots of this step's
@@ -388,19 +388,21 @@ def router_losses(model: nn.Module, moe: Any, sp_size: int = 1, shared_prefix: b
     return RouterLosses(model, moe.balance, moe.aux_loss_coef, moe.z_loss_coef)
 
 
-def write_loads(router: RouterLosses, step: int, output_dir: Path, group: Any, is_main: bool) -> None:
+def write_loads(router: RouterLosses, step: int, output_dir: Path, group: Any, is_main: bool) -> float | None:
     """At a log step, on every rank: the window's per-layer expert loads (weighted routed token-slots) summed over
     `group` (ONE all-reduce, at log steps only), appended by rank 0 to `expert_load.jsonl` ({step, loads [L][E],
     imbalance [L]: the busiest expert's load over the mean}) and drawn as `expert_load.png` (load / mean, layer x
-    expert)."""
+    expert). Returns the worst layer's imbalance (`moe/load_imbalance`, the same on every rank), None without a
+    training forward in the window."""
     loads = router._window_loads
     router._window_loads = None
     if loads is None:  # no training forward since the last write: every rank alike (the same steps ran)
-        return
+        return None
     loads = all_reduce(loads, op="sum", group=group).cpu()
-    if not is_main:
-        return
     relative = loads / loads.mean(-1, keepdim=True).clamp(min=1e-12)
+    imbalance = float(relative.max())
+    if not is_main:
+        return imbalance
     row = {"step": step, "loads": loads.tolist(), "imbalance": relative.max(-1).values.tolist()}
     with open(output_dir / "expert_load.jsonl", "a") as f:
         f.write(json.dumps(row) + "\n")
@@ -422,3 +424,4 @@ def write_loads(router: RouterLosses, step: int, output_dir: Path, group: Any, i
     tmp = output_dir / "expert_load.tmp.png"
     figure.savefig(tmp, format="png")
     os.replace(tmp, output_dir / "expert_load.png")
+    return imbalance

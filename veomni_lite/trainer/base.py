@@ -67,7 +67,7 @@ from veomni_lite.models.lora import (
     whole_modules,
     write_adapter_config,
 )
-from veomni_lite.models.moe import router_losses, write_loads
+from veomni_lite.models.moe import LOAD_IMBALANCE, router_losses, write_loads
 from veomni_lite.models.pretrained import load_model
 from veomni_lite.models.registry import DTYPES, family_of
 from veomni_lite.models.sharded_load import (
@@ -713,9 +713,12 @@ class BaseTrainer(ABC):
                     self._on_interrupt()
                 self.train_step(micro_batches)
                 self.epoch = epoch
+                if self.router is not None and self.metrics.should_log(self.step):  # the window's expert loads
+                    group = self.parallel.world_group
+                    imbalance = write_loads(self.router, self.step, self.output_dir, group, self.is_main)
+                    if imbalance is not None:
+                        self.metrics.train.record(LOAD_IMBALANCE, imbalance)
                 self.metrics.end_step(self.step, self.epoch, release=micro_batches)
-                if self.router is not None and self.metrics.should_log(self.step):
-                    write_loads(self.router, self.step, self.output_dir, self.parallel.world_group, self.is_main)
                 del micro_batches
                 if progress is not None:
                     progress.update(1)
