@@ -202,3 +202,24 @@ def test_trl_side_by_side_targets(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     quick = by_name(bench.block(tmp_path, quick=True))
     assert launched == [(1, bench.STEPS[True], "")]
     assert quick["DPO, precomputed reference step, ours / TRL, processes 1, proposed target"]["values"] == [0.25]
+
+
+def test_moe_block_counts_collectives_beyond_the_dense_step(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import harness
+    import moe
+
+    dense = {"all_reduce": 2, "all_gather_into_tensor": 8, "reduce_scatter_tensor": 4}
+    counted = {"dense": dense, "micro-batch": dense, "global-batch": {**dense, "all_reduce": 3}}  # one too many
+
+    def fake_torchrun(script: Path, nproc: int, args: list[str], timeout: float, env: Any = None) -> None:
+        variant, out = args[args.index("--worker") + 1], Path(args[args.index("--out") + 1])
+        seconds = [0.10, 0.12, 0.11] if variant == "dense" else [0.13, 0.15, 0.14]
+        out.write_text(json.dumps({"seconds": seconds, "collectives": counted[variant], "parameters": 10, "active": 5}))
+
+    monkeypatch.setattr(moe, "write_models", lambda work_dir, layers: {"dense": tmp_path, "moe": tmp_path})
+    monkeypatch.setattr(harness, "torchrun", fake_torchrun)
+    block = moe.block(tmp_path, quick=True)
+    assert by_name(block)["MoE collectives per step beyond the dense step's"]["values"] == [0, 0, 1]
+    rows = {row[0]: row for row in block["tables"][0]["rows"]}
+    assert rows["micro-batch"][-1] == pytest.approx(0.14 / 0.11) and rows["dense"][-1] == 1.0
+    assert "same collectives in every variant: False" in block["about"]
