@@ -164,17 +164,20 @@ train-dpo: preference-pairs
 train-rm: preference-pairs
 	$(TORCHRUN) trainers/train_preference.py $(RM_CONFIG) $(ARGS)
 
-# The MoE demo (docs/moe.md): a tiny Qwen3-MoE on two domains (help pages, arithmetic), trained with moe.balance
-# micro-batch and global-batch from the same start, exported, then each domain's experts per layer
-# (python -m examples.moe_demo analyze: outputs/moe_*/expert_domains.json, docs/moe_domains.png, docs/moe_curves.png).
+# The MoE demo (docs/moe.md): a tiny Qwen3-MoE on two domains (help pages, arithmetic), trained from the same start
+# with moe.balance micro-batch, global-batch, and no balance loss (aux_loss_coef 0), each exported, then each domain's
+# experts per layer (python -m examples.moe_demo analyze: outputs/moe_*/expert_domains.json, moe_summary.json in the
+# last run, docs/moe_domains.png, docs/moe_curves.png).
 MOE_CONFIG ?= configs/moe_domains.yaml
+MOE_RUNS := outputs/moe_micro-batch outputs/moe_global-batch outputs/moe_off
 train-moe: install
 	$(PY) -m examples.moe_demo write outputs/moe_demo
-	for balance in micro-batch global-batch; do \
-	  $(TORCHRUN) trainers/train_sft.py $(MOE_CONFIG) --moe.balance $$balance --train.output_dir outputs/moe_$$balance \
-	    $(ARGS) && $(PY) -m veomni_lite.export outputs/moe_$$balance outputs/moe_$${balance}_hf || exit 1; \
+	for run in $(MOE_RUNS); do \
+	  case $$run in *_off) moe="--moe.aux_loss_coef 0";; *) moe="--moe.balance $${run#outputs/moe_}";; esac; \
+	  $(TORCHRUN) trainers/train_sft.py $(MOE_CONFIG) $$moe --train.output_dir $$run $(ARGS) \
+	    && $(PY) -m veomni_lite.export $$run $${run}_hf || exit 1; \
 	done
-	$(PY) -m examples.moe_demo analyze outputs/moe_demo docs outputs/moe_micro-batch outputs/moe_global-batch
+	$(PY) -m examples.moe_demo analyze outputs/moe_demo docs $(MOE_RUNS)
 
 bench: install
 	$(PY) benchmarks/run_all.py $(if $(QUICK),--quick,)

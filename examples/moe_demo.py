@@ -13,9 +13,10 @@
 `python -m veomni_lite.export`), routes every held-out row of each domain and writes `RUN_DIR/expert_domains.json`
 (per layer and domain: the share of routed token-slots each expert received) and, to FIGURE_DIR,
 `moe_domains.png` (the distributions side by side) and `moe_curves.png` (each run's loss and `moe/load_imbalance`
-from its `metrics.jsonl`). Two numbers summarize a run: `specialization`, the total-variation distance between the
-two domains' expert distributions averaged over layers (0: both domains use the experts alike; 1: disjoint experts),
-and `imbalance`, the busiest expert's load over the mean on the held-out rows of both domains (worst layer).
+from its `metrics.jsonl`), and the two numbers below of every run to the last run's `moe_summary.json`:
+`specialization`, the total-variation distance between the two domains' expert distributions averaged over layers (0:
+both domains use the experts alike; 1: disjoint experts), and `imbalance`, the busiest expert's load over the mean on
+the held-out rows of both domains (worst layer).
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ def _series(run: Path, key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in points], [p[1] for p in points]
 
 
-def analyze(data: Path, figures: Path, runs: list[Path]) -> dict[str, dict[str, float]]:
+def analyze(data: Path, figures: Path, runs: list[Path]) -> dict[str, float]:
     """Routes each domain's held-out rows through each run's export; writes the JSON and figures (module docstring)."""
     import matplotlib
 
@@ -185,13 +186,15 @@ def analyze(data: Path, figures: Path, runs: list[Path]) -> dict[str, dict[str, 
         loss_ax.plot(*_series(run, "train/foundation_loss"), label=run.name)
         balance_ax.plot(*_series(run, "moe/load_imbalance"), label=run.name)
     loss_ax.set_title("train/foundation_loss")
-    balance_ax.set_title("moe/load_imbalance (busiest expert / mean, worst layer)")
+    balance_ax.set_title("moe/load_imbalance (busiest / mean, worst layer)")
     for ax in (loss_ax, balance_ax):
         ax.set_xlabel("step")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(figures / "moe_curves.png", dpi=90)
-    return {name: {k: v for k, v in r.items() if k != "shares"} for name, r in results.items()}
+    summary = {f"{name} {k}": v for name, r in results.items() for k, v in r.items() if k != "shares"}
+    (runs[-1] / "moe_summary.json").write_text(json.dumps(summary, indent=1) + "\n")  # what docs/moe.md quotes
+    return summary
 
 
 if __name__ == "__main__":
@@ -200,5 +203,4 @@ if __name__ == "__main__":
         print(f"[veomni_lite] MoE demo data and model directory in {write_demo(target).resolve()}")
     else:
         summary = analyze(target, Path(sys.argv[3]), [Path(p) for p in sys.argv[4:]])
-        for name, numbers in summary.items():
-            print(f"[veomni_lite] {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in numbers.items()))
+        print("[veomni_lite] " + ", ".join(f"{k} {v:.3f}" for k, v in summary.items()))
