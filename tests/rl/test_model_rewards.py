@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -264,11 +265,15 @@ def test_judge_requests_overlap_up_to_max_concurrency(judge_server):
     assert serial.max_in_flight == 1 and len(serial.requests) == 4
 
 
-def test_failed_judge_requests_are_retried(judge_server):
+def test_failed_judge_requests_are_retried_with_exponential_backoff(judge_server, monkeypatch):
+    waits: list[float] = []
+    monkeypatch.setattr(model_rewards, "time", SimpleNamespace(sleep=waits.append))
+    monkeypatch.setattr(model_rewards, "RETRY_BACKOFF_S", 0.5)
     server = judge_server(fail_first=2)
     reward = _judge(server.url, retries=2, max_concurrency=1)
     assert reward(["q", "q"], ["7", "9"], [None] * 2, [{"topic": "t"}] * 2) == [0.7, 0.9]
     assert len(server.requests) == 4  # row 0: two failures, then its answer; row 1: its answer
+    assert waits == [0.5, 1.0]
 
 
 def test_a_judge_failing_after_its_retries_is_a_reward_error_naming_the_reward_the_url_and_the_row(judge_server):
@@ -282,7 +287,9 @@ def test_a_judge_failing_after_its_retries_is_a_reward_error_naming_the_reward_t
         f"reward 'judge' (judge 'grader' at {server.url}), data/rl.jsonl, row 1 (0-based): the judge at {server.url} "
         "failed 3 times (retries 2); the last: "
     )
-    assert "answered HTTP 500" in message and "judge overloaded" in message
+    assert message.endswith(
+        """the last: the judge's request (POST /chat/completions) answered HTTP 500: {"error": "judge overloaded"}"""
+    )
     assert len(server.requests) == 1 + 3  # row 0, then row 1 three times; the rows after it are not sent
     # a refused connection (nothing listening) is retried and named alike
     server.close()

@@ -213,11 +213,12 @@ class Judge:
             raise RowFailure(index, f"the rubric's {{{exc.args[0]}}} is no column of the row") from None
 
     def _score(self, index: int, text: str) -> float:
+        from veomni_lite.engines.vllm.settings import NAME as ENGINE
         from veomni_lite.engines.vllm.settings import EngineError
 
         body = {"model": self.model, "messages": [{"role": "user", "content": text}], "temperature": 0.0,
                 "max_tokens": self.max_tokens}  # fmt: skip
-        what = f"the judge's request for batch row {index}"
+        what = "the judge's request"
         problem, answer = "", None
         for attempt in range(self.retries + 1):
             if attempt:
@@ -229,7 +230,9 @@ class Judge:
                     raise TypeError(f"content is {type(content).__name__}")
                 break
             except (EngineError, KeyError, IndexError, TypeError) as exc:
-                problem = str(exc) if isinstance(exc, EngineError) else f"not a chat completion ({exc!r}): {answer!r}"
+                problem = f"not a chat completion ({exc!r}): {answer!r}"
+                if isinstance(exc, EngineError):  # the client's message, less its "vLLM engine at URL: "
+                    problem = str(exc).removeprefix(f"{ENGINE} at {self.url}: ")
         else:
             raise RowFailure(index, f"the judge at {self.url} failed {self.retries + 1} times (retries "
                                     f"{self.retries}); the last: {problem[:600]}")  # fmt: skip
