@@ -36,18 +36,14 @@ ANSWERS = ["5", "The colour of the sky is blue.", "Good day to you, dear friend,
 # ---- reward model ----
 
 
-@pytest.fixture(scope="module")
-def reward_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def write_reward_model(directory: Path, tokenizer: Any) -> Path:
     """A tiny Qwen2 reward model as `make train-rm` exports it (`HFRewardModel`'s `...ForSequenceClassification`,
-    one label), with the demo's ChatML tokenizer, stored in float64; its score head scaled up so that scores are
-    O(1)."""
+    one label) with `tokenizer`, stored in float64; its score head scaled up so that scores are O(1)."""
     from transformers import Qwen2Config
 
-    from examples.sft_demo import write_tokenizer
     from veomni_lite.models.hf_reward_model import HFRewardModel
 
-    directory = tmp_path_factory.mktemp("reward_model")
-    tokenizer = write_tokenizer(directory, QUESTIONS + ANSWERS, vocab_size=300)
+    tokenizer.save_pretrained(str(directory))
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, eos_token_id=tokenizer.eos_token_id,
@@ -61,6 +57,15 @@ def reward_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
+@pytest.fixture(scope="module")
+def reward_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`write_reward_model` with the demo's ChatML tokenizer."""
+    from examples.sft_demo import write_tokenizer
+
+    directory = tmp_path_factory.mktemp("reward_model")
+    return write_reward_model(directory, write_tokenizer(directory, QUESTIONS + ANSWERS, vocab_size=300))
+
+
 def _rendered_prompts(directory: Path) -> list[str]:
     from veomni_lite.models.pretrained import load_tokenizer
 
@@ -69,17 +74,19 @@ def _rendered_prompts(directory: Path) -> list[str]:
             for q in QUESTIONS]  # fmt: skip
 
 
-def _trained_sides(directory: Path) -> list[list[int]]:
-    """Each (question, answer) as the preference data path encodes a pair's side (`PairEncoder`: the prompt's turns
-    frozen, then the assistant's response)."""
+def _trained_sides(directory: Path, messages: list[list[dict[str, str]]] | None = None) -> list[list[int]]:
+    """Each conversation (default: each question and its answer) as the preference data path encodes a pair's side
+    (`PairEncoder`: the prompt's turns frozen, then the last turn, the assistant's response)."""
     from veomni_lite.data.sft import ChatEncoder, Conversation, Turn
     from veomni_lite.models.pretrained import load_tokenizer
 
+    if messages is None:
+        messages = [
+            [{"role": "user", "content": q}, {"role": "assistant", "content": a}] for q, a in zip(QUESTIONS, ANSWERS)
+        ]
     encoder = ChatEncoder(load_tokenizer(directory))
-    return [
-        encoder.encode(Conversation([Turn("user", [q], train=False), Turn("assistant", [a])]), [], f"row {i}").input_ids
-        for i, (q, a) in enumerate(zip(QUESTIONS, ANSWERS))
-    ]
+    turns = [[Turn(m["role"], [m["content"]], train=m is row[-1]) for m in row] for row in messages]
+    return [encoder.encode(Conversation(row), [], f"row {i}").input_ids for i, row in enumerate(turns)]
 
 
 def _own_scores(directory: Path, sequences: list[list[int]], dtype: torch.dtype = torch.float64) -> list[float]:
@@ -138,6 +145,40 @@ def test_weights_and_per_reward_values_combine_a_reward_model_with_the_other_rew
     assert each["rm"].tolist() == alone
     assert each["exact"].tolist() == [1.0, 0.0, 0.0, 1.0, 0.0]
     assert torch.equal(total, 0.5 * each["rm"] + 2.0 * each["exact"])
+
+
+@pytest.mark.slow
+def test_an_rl_runs_reward_model_reward_is_the_models_own_score_of_each_rollouts_conversation(tmp_path):
+    """Through the trainer: every rollout's `rm` reward is the reward model's own score of the row's prompt messages
+    and the rollout's response, encoded as a preference pair's side."""
+    from examples.rl_math import write_demo
+    from tests.rl.test_rl_generation import math_args
+    from veomni_lite.config import load_config
+    from veomni_lite.models.pretrained import load_tokenizer
+    from veomni_lite.rl.config import RLConfig
+    from veomni_lite.rl.trainer import RLTrainer
+
+    demo = write_demo(tmp_path / "demo", sft_rows=16, rl_rows=16, eval_rows=4)
+    rm = write_reward_model(tmp_path / "rm", load_tokenizer(demo / "models/qwen2_math"))
+    rewards = f"[{{name: rm, function: reward_model, path: '{rm}', batch_size: 3, dtype: auto, weight: 0.5}}]"
+    args = math_args(demo, tmp_path / "run", "--rl.rewards", rewards, "--train.max_steps", "1")
+    trainer = RLTrainer(load_config(None, args, sections={"rl": RLConfig}))
+    try:
+        trainer.train()
+    finally:
+        trainer.metrics.close()
+    samples = trainer.rollouts.last
+    rows = [json.loads(line) for line in (demo / "rl_train.jsonl").read_text().splitlines() if line.strip()]
+    conversations = []
+    for sample in samples:
+        messages = rows[int(re.search(r"row (\d+)", sample.where).group(1))]["messages"]
+        prompt = messages[:-1] if messages[-1]["role"] == "assistant" else messages  # the RL prompt: no reply
+        conversations.append([*prompt, {"role": "assistant", "content": sample.response_text}])
+    sides = _trained_sides(rm, conversations)
+    assert len(samples) == 16 and len({len(ids) for ids in sides}) > 1  # batches of 3 pad
+    expected = _own_scores(rm, sides)
+    assert [s.rewards["rm"] for s in samples] == pytest.approx(expected, rel=1e-12, abs=0)
+    assert [s.reward for s in samples] == pytest.approx([0.5 * e for e in expected], rel=1e-12, abs=0)
 
 
 # ---- judge ----
