@@ -181,6 +181,21 @@ def test_an_rl_runs_reward_model_reward_is_the_models_own_score_of_each_rollouts
     assert [s.reward for s in samples] == pytest.approx([0.5 * e for e in expected], rel=1e-12, abs=0)
 
 
+def test_a_sequence_classifier_without_a_decoders_score_head_is_a_named_error(reward_dir, tmp_path):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from veomni_lite.models.pretrained import load_tokenizer
+
+    tokenizer = load_tokenizer(reward_dir)
+    tokenizer.save_pretrained(str(tmp_path))
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, num_labels=1)  # fmt: skip
+    BertForSequenceClassification(config).save_pretrained(str(tmp_path))
+    (reward,) = load_rewards([{"name": "rm", "function": "reward_model", "path": str(tmp_path)}])
+    with pytest.raises(RewardError, match=r"batch row 0: BertForSequenceClassification has no `score` head over"):
+        reward(["q"], ["a"], [None], [{}])
+
+
 # ---- judge ----
 
 

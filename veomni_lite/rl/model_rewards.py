@@ -63,7 +63,6 @@ DEFAULT_PATTERN = r"(?i)score\s*[:=]?\s*(-?\d+(?:\.\d+)?)"
 RETRY_BACKOFF_S = 1.0
 """A failed judge request's n-th retry waits RETRY_BACKOFF_S * 2**(n-1) seconds."""
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
-_ROW_FIELDS = ("prompt", "response", "answer")
 
 
 class RowFailure(Exception):
@@ -130,6 +129,10 @@ class RewardModelScorer:
     @torch.no_grad()
     def __call__(self, prompts: list[str], completions: list[str], answers: list[Any], **_: Any) -> list[float]:
         _, model, device = _load(self.directory, self.device, self.dtype)
+        if not isinstance(getattr(model, "score", None), torch.nn.Module):
+            name = type(model).__name__
+            raise RowFailure(0, f"{name} has no `score` head over its base model (what a decoder's ...ForSequence"
+                                "Classification has; the reward is read from it at the last token)")  # fmt: skip
         sequences = self.sequences(prompts, completions)
         scores: list[float] = []
         for start in range(0, len(sequences), self.batch_size):
