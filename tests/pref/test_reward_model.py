@@ -56,12 +56,12 @@ def test_reward_model_trains_alike_on_sp2_packed_and_exports_for_sequence_classi
                 got = loaded(input_ids=torch.tensor([ids])).logits[0, 0]
             assert float(got) == pytest.approx(float(expected), rel=1e-4, abs=1e-5)
 
-    # the RL trainer's reward function `reward_model` scores the rendered prompt + completion + the end of turn
+    # the RL trainer's reward function `reward_model` scores the rendered prompt + completion + the end of turn (by
+    # default the one the export's chat template writes), batched: the trained rewards of the pair's sides
     from examples.preference_pairs import help_pairs
     from veomni_lite.rl.rewards import load_rewards
 
-    (reward,) = load_rewards([{"name": "rm", "function": "reward_model", "path": str(tmp_path / "export"),
-                               "suffix": "<|im_end|>\n"}])  # fmt: skip
+    (reward,) = load_rewards([{"name": "rm", "function": "reward_model", "path": str(tmp_path / "export")}])
     row, pairs = help_pairs(16)[0], trainer.train_pairs
     prompt = trainer.tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], tokenize=False,
                                                    add_generation_prompt=True)  # fmt: skip

@@ -373,7 +373,8 @@ def test_a_mistyped_key_of_a_reward_entry_is_named_with_the_key_it_resembles_thr
         load_config(None, ["--rl.rewards", "[{name: correct, fuction: math}]"], sections={"rl": RLConfig})
     assert str(caught.value).endswith(
         "rl.rewards[0].fuction: unknown key (did you mean `function`?); a reward entry takes name, function, weight, "
-        "end_of_turn, pattern, path, suffix"
+        "end_of_turn, pattern, path, suffix, batch_size, device, dtype, url, model, rubric, parser, max_score, "
+        "max_tokens, max_concurrency, retries, timeout_s, api_key_env"
     )
 
 

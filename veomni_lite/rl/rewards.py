@@ -20,11 +20,9 @@ Contract:
   symbolically), else 0.0. A missing answer, or one math-verify cannot parse, is an error.
   `regex`: 1.0 when `re.search(pattern, completion)` matches (option `pattern`, required; anchor it with `^...$`, or
   `\\A...\\Z`, to require the whole completion), else 0.0.
-  `reward_model`: the score of a reward model directory (option `path`, required, relative to the config's
-  directory: e.g. a `pref.loss: bradley_terry` run's export, loaded once per process with
-  `AutoModelForSequenceClassification` and the tokenizer as training reads it, local files only) on the rendered
-  prompt + completion + `suffix` (default "": the chat template's end of turn the reward model saw after its
-  responses, e.g. "<|im_end|>\\n" for ChatML).
+  `reward_model` (a sequence-classification reward model directory's score of the rendered prompt + completion, in
+  batches, on a device of its own) and `judge` (an LLM judge behind an OpenAI-compatible URL with a rubric and a
+  parser, its requests concurrent and retried) score the batch at once: `veomni_lite.rl.model_rewards`.
 - A user function is called once per batch as `f(prompts, completions, answers, **columns)`, columns being
   {column name: list of the rows' values} (a row without a column gives None), and returns one real number per row
   (a list, a tuple, or a 1-D tensor or array). A column named `prompts`, `completions` or `answers` is an error.
@@ -66,12 +64,14 @@ import torch
 
 from veomni_lite.config import ConfigError, unknown_key
 from veomni_lite.data.checks import DataError
+from veomni_lite.rl.model_rewards import JUDGE_OPTIONS, REWARD_MODEL_OPTIONS, RowFailure, load_model_reward
 
 BUILT_INS: dict[str, tuple[str, ...]] = {
     "exact_match": ("end_of_turn",),
     "math": (),
     "regex": ("pattern",),
-    "reward_model": ("path", "suffix"),
+    "reward_model": REWARD_MODEL_OPTIONS,
+    "judge": JUDGE_OPTIONS,
 }
 """Each built-in and the options it takes."""
 TRAILING_PUNCTUATION = ".,!?;:。，！？；："
@@ -140,6 +140,8 @@ class RewardFunction:
             raise self._error(_batch(rows), problem + "**columns) already passes; rename the column")
         try:
             out = self.fn(list(prompts), list(completions), list(answers), **{k: list(v) for k, v in columns.items()})
+        except RowFailure as exc:  # a model-based reward names its row itself
+            raise self._error(rows[exc.index], str(exc)) from exc
         except Exception as exc:  # noqa: BLE001 - find the row, then name it
             raise self._row_that_raises(prompts, completions, answers, columns, rows, exc) from exc
         return self._check(out, rows)
@@ -339,26 +341,6 @@ def _math(prompt: str, completion: str, answer: Any) -> float:
     return float(bool(predicted) and verify(reference, predicted, timeout_seconds=timeout))
 
 
-@functools.lru_cache(maxsize=4)
-def _load_reward_model(directory: str) -> tuple[Any, Any]:
-    from transformers import AutoModelForSequenceClassification
-
-    from veomni_lite.models.pretrained import LOCAL_ONLY, load_tokenizer  # the directory's tokenizer as trained with
-
-    model = AutoModelForSequenceClassification.from_pretrained(directory, **LOCAL_ONLY).eval()
-    return load_tokenizer(directory), model
-
-
-def _reward_model(directory: str, suffix: str) -> Callable[[str, str, Any], float]:
-    @torch.no_grad()
-    def reward_model(prompt: str, completion: str, answer: Any) -> float:
-        tokenizer, model = _load_reward_model(directory)
-        ids = tokenizer(prompt + completion + suffix, add_special_tokens=False, return_tensors="pt")["input_ids"]
-        return float(model(input_ids=ids).logits[0, 0])
-
-    return reward_model
-
-
 def _regex(pattern: re.Pattern[str]) -> Callable[[str, str, Any], float]:
     def regex(prompt: str, completion: str, answer: Any) -> float:
         return float(pattern.search(completion) is not None)
@@ -403,8 +385,15 @@ def load_rewards(
         if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
             raise ConfigError(f"{at}.weight: expected a finite number, got {weight!r}")
         options = {k: v for k, v in spec.items() if k not in _SPEC_KEYS}
-        if target in BUILT_INS:
-            fn = _built_in(at, target, options, Path(base_dir))
+        if target in ("reward_model", "judge"):  # batch functions of their own (`veomni_lite.rl.model_rewards`)
+
+            def parser(target: str, at: str = at) -> Callable[..., Any]:
+                return user_object(f"{at}.parser", target, Path(base_dir), modules)[0]
+
+            fn, where = load_model_reward(at, target, options, Path(base_dir), parser)
+            loaded.append(RewardFunction(name, float(weight), where, fn))
+        elif target in BUILT_INS:
+            fn = _built_in(at, target, options)
             check = _ANSWER_CHECKS.get(target)
             loaded.append(RewardFunction(name, float(weight), f"built-in {target}", fn, True, check))
         else:
@@ -430,9 +419,7 @@ def _check_keys(at: str, spec: Mapping[str, Any]) -> None:
             raise unknown_key(at, str(key), known, f"{takes} {', '.join(known)}")
 
 
-def _built_in(
-    at: str, target: str, options: dict[str, Any], base_dir: Path = Path(".")
-) -> Callable[[str, str, Any], float]:
+def _built_in(at: str, target: str, options: dict[str, Any]) -> Callable[[str, str, Any], float]:
     if target == "exact_match":
         end_of_turn = options.get("end_of_turn", ())
         end_of_turn = (end_of_turn,) if isinstance(end_of_turn, str) else end_of_turn
@@ -447,14 +434,6 @@ def _built_in(
             return _regex(re.compile(pattern))
         except re.error as exc:
             raise ConfigError(f"{at}.pattern: {pattern!r} is not a valid regular expression: {exc}") from exc
-    if target == "reward_model":
-        path, suffix = options.get("path"), options.get("suffix", "")
-        if not isinstance(path, str) or not isinstance(suffix, str):
-            raise ConfigError(f"{at}: the built-in 'reward_model' needs a path string (and an optional suffix string)")
-        directory = Path(path) if Path(path).is_absolute() else base_dir / path
-        if not (directory / "config.json").is_file():
-            raise ConfigError(f"{at}.path: {directory} is not a model directory (no config.json)")
-        return _reward_model(str(directory), suffix)
     try:
         import math_verify  # noqa: F401 - fail at load, not at the first rollout
     except ImportError as exc:
