@@ -257,7 +257,9 @@ class RLTrainer(SFTTrainer):
                 functools.partial(probe, context), probe_ids, self.output_dir / "vllm_server.log",
                 renders_prompts=vision,
             )  # fmt: skip
-        return TransformersEngine(engine_model(self.model_config, self.config.parallel.master_dtype), self.device)
+        model = engine_model(self.model_config, self.config.parallel.master_dtype)
+        counts = self.images.token_counts if self.images is not None else None
+        return TransformersEngine(model, self.device, image_tokens=counts)
 
     def close(self) -> None:
         """The engine released too (a launched vLLM server stopped), then the trainer's own."""
