@@ -784,7 +784,8 @@ class BaseTrainer(ABC):
                     for key, value in scaled.items():
                         totals[key] = totals.get(key, 0) + value.detach() / batches
                     for index, name in enumerate(names):
-                        sums[index] += torch.tensor([float(part) for part in outputs["metrics"][name]])
+                        total, count = outputs["metrics"][name]
+                        sums[index] += torch.tensor([float(total), float(count)], dtype=torch.float64)
         finally:
             loader.close()
         extra = self._eval_metric_means(names, sums) if names else {}
