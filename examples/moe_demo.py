@@ -29,10 +29,9 @@ from typing import Any
 
 import torch
 
-from examples.rl_math import TEMPLATE, problems
+from examples.rl_math import problems, write_chat_tokenizer
 from examples.sft_demo import write_jsonl
 
-SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 DOMAINS = ("help", "math")
 MODEL = "models/qwen3_moe"
 MODEL_SHAPE = {
@@ -75,9 +74,7 @@ def math_rows(count: int) -> list[dict[str, Any]]:
 
 def write_demo(out: str | Path, per_domain: int = 1200, held_out: int = 64) -> Path:
     """Everything `write` writes (see the module docstring) under `out`; skipped where it exists."""
-    from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    from examples.pydoc_text import train_bpe
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     out = Path(out)
     done = out / ".complete-v1"
@@ -95,13 +92,7 @@ def write_demo(out: str | Path, per_domain: int = 1200, held_out: int = 64) -> P
     write_jsonl(out / "train.jsonl", train)
     texts = ["user", "assistant"] + [m["content"] for r in train for m in r["messages"]]
     directory = out / MODEL
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=train_bpe(texts, 1024, SPECIAL),
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        chat_template=TEMPLATE,
-    )
-    tokenizer.save_pretrained(str(directory))
+    tokenizer = write_chat_tokenizer(directory, texts, 1024)
     config = Qwen3MoeConfig(
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.pad_token_id,

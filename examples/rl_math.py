@@ -103,12 +103,10 @@ def write_data(out: Path, sft_rows: int, rl_rows: int, eval_rows: int, seed: int
     return ["user", "assistant"] + [text for r in drawn for text in (r["question"], r["solution"])]
 
 
-def write_model(
-    directory: Path, texts: list[str], vocab_size: int = 512, hidden_size: int = 64, head_dim: int = 16
-) -> None:
-    """The tiny Qwen2 `from_pretrained` directory: weights (seed 0), tokenizer and chat template. 4 heads of
-    `head_dim` = `hidden_size` / 4 (vLLM's CPU attention needs a head dim of at least 32: hidden 128)."""
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+def write_chat_tokenizer(directory: Path, texts: list[str], vocab_size: int) -> Any:
+    """A byte-level BPE tokenizer trained on `texts` with ChatML's special tokens and `TEMPLATE`, saved into
+    `directory` (the demos' model directories: this one's and `examples.moe_demo`'s)."""
+    from transformers import PreTrainedTokenizerFast
 
     from examples.pydoc_text import train_bpe
 
@@ -119,6 +117,17 @@ def write_model(
         chat_template=TEMPLATE,
     )
     tokenizer.save_pretrained(str(directory))
+    return tokenizer
+
+
+def write_model(
+    directory: Path, texts: list[str], vocab_size: int = 512, hidden_size: int = 64, head_dim: int = 16
+) -> None:
+    """The tiny Qwen2 `from_pretrained` directory: weights (seed 0), tokenizer and chat template. 4 heads of
+    `head_dim` = `hidden_size` / 4 (vLLM's CPU attention needs a head dim of at least 32: hidden 128)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    tokenizer = write_chat_tokenizer(directory, texts, vocab_size)
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,

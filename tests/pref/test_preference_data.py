@@ -2,8 +2,8 @@
 only the responses as targets; jsonl, json and parquet read alike; bad rows are DataErrors naming the file and row;
 `data.overlength` truncates, drops or refuses a side, and a pair over the token budget. The pairs go through the SFT
 Arrow cache: a second build reads it without encoding a row, every changed input is a new cache, two gloo ranks
-share the rows and a bad pair in one share is the same error on both, and a VL pair's images are referenced, not
-decoded, at build time."""
+share the rows and a bad pair in one share is the same error on both, a VL pair's images are referenced, not decoded,
+at build time, and a tool-calling prompt keeps its calls, results and the row's tools."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from veomni_lite.data.sft import ChatEncoder, read_sources
 from veomni_lite.loss_keys import IGNORE_INDEX
 from veomni_lite.models.pretrained import load_tokenizer
 from veomni_lite.preference.losses import PREF_LABELS
-from veomni_lite.preference.pairs import PairDataset, PairEncoder
+from veomni_lite.preference.pairs import SIDES, PairDataset, PairEncoder
 
 
 @pytest.fixture(scope="module")
@@ -261,6 +261,51 @@ def test_two_ranks_share_the_rows_and_a_bad_pair_in_one_share_is_the_same_error_
     assert messages[0] == messages[1] == f"{tmp_path / 'pairs6.jsonl'}, row 6 (0-based): identical sides: chosen and " \
         "rejected are the same response"  # fmt: skip
     assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith(".tmp-")], "a failed build cleans up"
+
+
+# ---------------------------------------------------------------- tool calling
+
+
+@pytest.mark.parametrize("layout", ["explicit", "implicit"])
+def test_a_tool_calling_prompt_keeps_its_calls_results_and_tools_in_both_sides(tmp_path, layout):
+    """A prompt in the standard tool-calling shape (assistant `tool_calls`, `tool` turns, the row's `tools`) renders
+    as the model's template renders it with `tools=`, in both layouts; only the final answers train."""
+    from tests.data.test_sft_tools import QWEN25, TOOLS, tool_row, tool_tokenizer
+
+    tokenizer = tool_tokenizer(tmp_path / "model", QWEN25)
+    prompt = tool_row()["messages"][:-1]  # system, user, the calls, their two results
+    answers = {"chosen": "General Kenobi 37", "rejected": "General Kenobi 36"}
+    row = {"prompt": prompt, "tools": TOOLS}
+    row |= {side: [{"role": "assistant", "content": text}] for side, text in answers.items()}
+    if layout == "implicit":
+        row = {"tools": TOOLS, **{side: prompt + row[side] for side in answers}}
+    pairs = read(write_jsonl(tmp_path / "pairs.jsonl", [row]), ChatEncoder(tokenizer), tmp_path / "cache")
+    reference = tool_row(arguments_as_text=False)["messages"][:-1]  # the template's shape: dict arguments
+    reference[2]["content"] = ""  # OpenAI's null content, as the encoder hands it to the template
+    for which, text in answers.items():
+        ids, labels = (part.tolist() for part in pairs.side(0, which))
+        messages = reference + [{"role": "assistant", "content": text}]
+        assert tokenizer.decode(ids) == tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False)
+        assert tokenizer.decode([t for t in labels if t != IGNORE_INDEX]) == text + "<|im_end|>"
+    # negative control: the prompt without its tool fields and tools renders otherwise (what was lost before)
+    bare = [{"role": m["role"], "content": m["content"] or ""} for m in reference]
+    plain = tokenizer.apply_chat_template(bare + [{"role": "assistant", "content": answers["chosen"]}], tokenize=False)
+    assert tokenizer.decode(pairs.side(0, "chosen")[0].tolist()) != plain
+
+
+def test_implicit_conversations_differing_only_in_a_tool_call_share_no_more_than_before_it(tmp_path):
+    """The shared prompt of the implicit layout compares tool fields too: two conversations whose assistant turns
+    differ only in their call's arguments have that turn in their responses, not in the prompt."""
+    from tests.data.test_sft_tools import QWEN25, TOOLS, tool_row, tool_tokenizer
+
+    tokenizer = tool_tokenizer(tmp_path / "model", QWEN25)
+    chosen = tool_row()["messages"][:3]  # system, user, the calls
+    rejected = json.loads(json.dumps(chosen))
+    rejected[2]["tool_calls"][0]["function"]["arguments"] = json.dumps({"a": 1, "b": 3})
+    row = {"tools": TOOLS, "chosen": chosen, "rejected": rejected}
+    pairs = read(write_jsonl(tmp_path / "pairs.jsonl", [row]), ChatEncoder(tokenizer), tmp_path / "cache")
+    trained = {w: tokenizer.decode([t for t in pairs.side(0, w)[1].tolist() if t != IGNORE_INDEX]) for w in SIDES}
+    assert '"b": 2' in trained["chosen"] and '"b": 3' in trained["rejected"]
 
 
 # ---------------------------------------------------------------- images

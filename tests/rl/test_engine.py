@@ -301,13 +301,17 @@ def vl_request(directory: Path, heights: list[int], text: str, seeds: list[int])
 def test_vision_language_prompts_generate_alone_as_in_a_batch(vl_dir: Path) -> None:
     from transformers import Qwen2VLForConditionalGeneration
 
+    from veomni_lite.models.pretrained import read_model_directory
+
     model = Qwen2VLForConditionalGeneration.from_pretrained(str(vl_dir), dtype=torch.float32)
     image_token = model.config.image_token_id
     one = vl_request(vl_dir, [8], "What digit is this?", [1, 2])
     two = vl_request(vl_dir, [8, 16], "What digits are these? What digits?", [3, 4])
     assert len(one.prompt_ids) < len(two.prompt_ids) and one.prompt_ids.count(image_token) == 4
     settings = SamplingSettings(max_new_tokens=6, temperature=1.0)
-    engine = TransformersEngine(model, CPU)
+    with pytest.raises(ValueError, match="Qwen2VLForConditionalGeneration takes images; pass image_tokens"):
+        TransformersEngine(model, CPU)  # the placeholder count is the family's rule, which the engine does not guess
+    engine = TransformersEngine(model, CPU, image_tokens=read_model_directory(vl_dir).images.token_counts)
     batched = engine.generate([two, one], settings)
     assert responses(engine.generate([one], settings)) == responses(batched[1:])
     assert responses(engine.generate([two], settings)) == responses(batched[:1])

@@ -13,6 +13,7 @@ import pytest
 from tests.dist_helpers import run_ranks
 from tests.rl.test_agent import ScriptedEngine, _settings, demo, tokenizer  # noqa: F401 - fixtures
 from veomni_lite.config import ConfigError
+from veomni_lite.rl.config import RLConfig
 from veomni_lite.rl.tools import MIN_TOOL_CALLS, ToolCall, ToolErrors, ToolFailureError, load_tools, run_tool_calls
 
 TOOLS = '''
@@ -86,8 +87,10 @@ def test_below_the_rate_or_the_minimum_of_calls_the_run_goes_on_and_each_kind_is
     assert "16 of its 32 calls in this rollout batch failed" in caplog.records[0].getMessage()
     never = ToolErrors(tools, 1.0)
     never.check([("lookup", OFFLINE)] * 100)  # 1: never
-    with pytest.raises(ConfigError, match=r"rl.max_tool_error_rate: must be in \[0, 1\]"):
-        ToolErrors(tools, 1.5)
+    with pytest.raises(ConfigError, match=r"rl.max_tool_error_rate: must be in \[0, 1\].*got 1.5"):
+        RLConfig(max_tool_error_rate=1.5).validate_multi_turn(None)  # checked with the other multi-turn keys
+    with pytest.raises(ConfigError, match=r"rl.max_tool_error_rate: must be in \[0, 1\].*got -0.1"):
+        RLConfig(max_tool_error_rate=-0.1).validate_multi_turn(None)
 
 
 def _ranked(rank: int, world: int, path: str, runs_by_rank: dict[int, list[tuple[str, str]]]) -> dict:

@@ -109,3 +109,18 @@ def test_an_attention_the_model_or_machine_cannot_run_is_a_config_error(tmp_path
     config = replace(tiny_config(kind, tmp_path), model={"attn_implementation": "flash_attention_2"})
     with pytest.raises(ConfigError, match=message):
         TRAINERS[kind][0](config)
+
+
+def test_the_eval_loops_metric_means_are_pooled_totals_over_counts_with_their_differences():
+    """`eval/<name>` = total / count of the (total, count) rows summed over micro-batches (and ranks); a difference
+    only where both sides counted something (the preference trainer's kto margins)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from veomni_lite.trainer.base import BaseTrainer
+
+    trainer = SimpleNamespace(control_group=None, metric_differences={"d": ("a", "b"), "e": ("a", "c")})
+    sums = torch.tensor([[3.0, 4.0], [1.0, 2.0], [0.0, 0.0]], dtype=torch.float64)
+    means = BaseTrainer._eval_metric_means(trainer, ("a", "b", "c"), sums)
+    assert means == {"eval/a": 0.75, "eval/b": 0.5, "eval/c": 0.0, "eval/d": 0.25}

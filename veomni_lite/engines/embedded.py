@@ -19,12 +19,13 @@ at the step that samples it (the trainer recomputes the same quantity), so no [r
 Vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): a request's `model_inputs` (`pixel_values`,
 `image_grid_thw` as the image processor returns them) are concatenated over a call's rows in row order, each prompt's
 images once per sample, and `mm_token_type_ids` is derived from the placeholder ids, from which transformers computes
-the M-RoPE positions of the left-padded rows.
+the M-RoPE positions of the left-padded rows. How many placeholders an image takes is the family's rule, given as
+`image_tokens` (the model directory's `ImageProcessing.token_counts`); the engine names no family.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -127,22 +128,34 @@ class TransformersEngine(RolloutEngine):
     name = "transformers"
 
     def __init__(
-        self, hf_model: PreTrainedModel, device: torch.device, batch_size: int = 64, share_prompts: bool = True
+        self,
+        hf_model: PreTrainedModel,
+        device: torch.device,
+        batch_size: int = 64,
+        share_prompts: bool = True,
+        image_tokens: Callable[[torch.Tensor], list[int]] | None = None,
     ) -> None:
+        """`image_tokens`: a vision-language model's placeholder tokens of each image of an `image_grid_thw`
+        (`ImageProcessing.token_counts`: the family's rule); required for one, unused otherwise."""
         from transformers import GenerationConfig
 
         if batch_size < 1:
             raise ValueError(f"TransformersEngine batch_size must be >= 1, got {batch_size}")
+        config = hf_model.config
+        self.placeholders = {1: getattr(config, "image_token_id", None), 2: getattr(config, "video_token_id", None)}
+        self.vision = self.placeholders[1] is not None
+        if self.vision and image_tokens is None:
+            raise ValueError(
+                f"TransformersEngine: {type(hf_model).__name__} takes images; pass image_tokens (the model directory's "
+                "ImageProcessing.token_counts) so each request's placeholders can be checked against its images"
+            )
+        self.image_tokens = image_tokens
         self.model = hf_model.to(device).eval().requires_grad_(False)
         self.model.generation_config = GenerationConfig()
         self.device = torch.device(device)
         self.batch_size = batch_size
         self.share_prompts = share_prompts
-        config = self.model.config
         self.pad_id = config.get_text_config().pad_token_id
-        self.placeholders = {1: getattr(config, "image_token_id", None), 2: getattr(config, "video_token_id", None)}
-        self.vision = self.placeholders[1] is not None
-        self.merge = getattr(getattr(config, "vision_config", None), "spatial_merge_size", 1)
 
     def sync_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         expected = set(self.model.state_dict())
@@ -247,7 +260,7 @@ class TransformersEngine(RolloutEngine):
         without pixels as text)."""
         placeholders = request.prompt_ids.count(self.placeholders[1])
         grid = request.model_inputs.get("image_grid_thw")
-        tokens = 0 if grid is None else int(grid.prod(-1).sum()) // self.merge**2
+        tokens = 0 if grid is None else sum(self.image_tokens(grid))
         if placeholders != tokens:
             raise ValueError(
                 f"TransformersEngine.generate: request {index} has {placeholders} image placeholder tokens but its "

@@ -7,6 +7,8 @@ Rows, in TRL's column layouts (names changeable with `data.columns`: `prompt`, `
   implicit  {"chosen": messages, "rejected": messages}: whole conversations; the prompt is their longest shared
             prefix of messages and each side's response the rest, which must start with an assistant turn;
 plus optional `images` (one image set per pair, both sides see it) and, for reward models, a numeric `margin`.
+Messages take SFT's tool-calling shape (an assistant turn's `tool_calls`, `tool` turns with `name` / `tool_call_id`)
+and a row's `tools` column (JSON schemas) reaches both sides' chat template (`tools=`), as in SFT.
   kto       {"prompt": text | messages, "completion": text | messages, "label": bool} (TRL's unpaired layout; true =
             desirable; columns `prompt`, `completion`, `label`): stored as a pair whose chosen side is prompt +
             completion and whose rejected side is prompt + a MISMATCHED completion, that of the row before it in
@@ -36,6 +38,7 @@ written by `PreferenceTrainer`), which `attach_reference` maps beside the pairs.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -80,6 +83,20 @@ def _missing(value: Any) -> bool:
     return value is None or value == "" or value == []
 
 
+def _same(a: Sequence[Turn], b: Sequence[Turn]) -> bool:
+    """The turns say the same: roles, text and tool fields (`tool_calls`, `name`, `tool_call_id`)."""
+    return [(t.role, t.parts, t.extra) for t in a] == [(t.role, t.parts, t.extra) for t in b]
+
+
+def row_tools(row: Mapping[str, Any], columns: Mapping[str, Any], where: str) -> list[dict[str, Any]] | None:
+    """The row's tool schemas (column `tools`, renamed by `data.columns`), read and checked as the SFT data path reads
+    them (`to_conversation`); both sides render with them (`tools=` of the chat template). None without any."""
+    column = columns.get("tools", "tools")
+    if _missing(row.get(column)):
+        return None
+    return to_conversation({"messages": [], column: row[column]}, "messages", {"tools": column}, where).tools
+
+
 def to_pair_turns(row: Mapping[str, Any], columns: Mapping[str, Any], where: str) -> tuple[list, list, list, list]:
     """(prompt turns, chosen response turns, rejected response turns, images) of a row (see the module docstring)."""
     c = {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected", "images": "images", **columns}
@@ -98,7 +115,7 @@ def to_pair_turns(row: Mapping[str, Any], columns: Mapping[str, Any], where: str
         whole = {which: _turns(row[c[which]], "assistant", columns, where, c[which]) for which in SIDES}
         shared = 0
         for a, b in zip(whole["chosen"], whole["rejected"]):
-            if (a.role, a.parts) != (b.role, b.parts):
+            if not _same([a], [b]):
                 break
             shared += 1
         if shared == 0:
@@ -110,7 +127,7 @@ def to_pair_turns(row: Mapping[str, Any], columns: Mapping[str, Any], where: str
     for which, turns in (("chosen", chosen), ("rejected", rejected)):
         if not turns or turns[0].role != "assistant":
             raise DataError(f"{where}: the {which} response must start with an assistant turn after the prompt")
-    if [(t.role, t.parts) for t in chosen] == [(t.role, t.parts) for t in rejected]:
+    if _same(chosen, rejected):
         raise DataError(f"{where}: identical sides: chosen and rejected are the same response")
     return prompt, chosen, rejected, images
 
@@ -217,10 +234,11 @@ class PairEncoder(RowEncoder):
         else:
             prompt, chosen, rejected, values = to_pair_turns(row, self.columns, where)
         references, lengths = self.measure_images(index, values, where)
-        frozen = [Turn(t.role, t.parts, train=False) for t in prompt]
+        frozen = [dataclasses.replace(t, train=False) for t in prompt]  # its tool fields kept
+        tools = row_tools(row, self.columns, where)
         sides = []
         for which, response in (("chosen", chosen), ("rejected", rejected)):
-            encoded = self.encoder.encode(Conversation(frozen + response, list(values)), lengths, where)
+            encoded = self.encoder.encode(Conversation(frozen + response, list(values), tools=tools), lengths, where)
             if all(label == IGNORE_INDEX for label in encoded.labels):
                 raise DataError(f"{where}: the {which} response has no token to train on")
             sides.append((encoded.input_ids, encoded.labels))

@@ -10,8 +10,8 @@ micro-batch before the policy's forward, or with `pref.precompute_reference` com
 share of the pairs, into an Arrow cache inside the pair cache's directory (`<pair cache>/reference/<fingerprint>/`,
 keyed by the weights files and the master dtype; reused by a later run or a resume, read memory-mapped, nothing loaded
 runs code). The pairs themselves are preprocessed once into `data.cache_dir` (`PairDataset`) and read memory-mapped.
-KTO's reference point z0 is the whole step's KL estimate: `train_step` (and each eval step) runs `kto_pass` over all
-of the step's micro-batches first (reference and no-grad policy forwards, one all-reduce), then the loss pass.
+KTO's reference point z0 is the whole step's KL estimate: every train and eval step (`_loss_step`) runs `kto_pass`
+over all of the step's micro-batches first (reference and no-grad policy forwards, one all-reduce), then the loss pass.
 Metrics (TRL's names, pair-weighted over micro-batches, ranks and the log window) and `eval/...` the same on
 `data.eval_path`.
 """
@@ -26,7 +26,7 @@ import torch
 
 from veomni_lite.data.checks import DataError
 from veomni_lite.data.sft import read_sources
-from veomni_lite.distributed.collectives import agree, all_reduce
+from veomni_lite.distributed.collectives import agree
 from veomni_lite.distributed.sequence_parallel import slice_micro_batch
 from veomni_lite.loss_keys import is_labels_key
 from veomni_lite.metrics.accumulator import MetricSpec
@@ -60,6 +60,8 @@ __all__ = ["PreferenceTrainer"]
 
 class PreferenceTrainer(SFTTrainer):
     """See the module docstring. `config.pref` is the `pref` section (`PrefConfig`)."""
+
+    evaluates_starting_weights = True
 
     def __init__(self, config: Any) -> None:
         self.pref: PrefConfig = config.pref
@@ -210,11 +212,11 @@ class PreferenceTrainer(SFTTrainer):
         self._z0 = kto_reference_point(totals, group)
         return self._z0
 
-    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
-        """kto: the KL pass over the whole step first (`kto_pass`), then the step."""
+    def _loss_step(self, micro_batches: list[dict[str, torch.Tensor]], train: bool) -> LossStep:
+        """kto: the KL pass over the whole step first (`kto_pass`), in a train step and an eval step alike."""
         if not self.head.paired:
             self.kto_pass(micro_batches)
-        super().train_step(micro_batches)
+        return super()._loss_step(micro_batches, train)
 
     # ------------------------------------------------------------------ metrics and eval
 
@@ -237,50 +239,11 @@ class PreferenceTrainer(SFTTrainer):
         """Metrics logged as the difference of two recorded means (kto's `rewards/margins`)."""
         return metric_differences(self.pref.loss)
 
-    @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """`eval/pref_loss` and `eval/<metric>` over `train.eval_batches` global batches of `data.eval_path`'s pairs
-        (the same on every rank, pair-weighted)."""
-        if self.eval_dataset is None or self.config.train.eval_batches == 0:
-            return {}
-        was_training = self.model.training
-        self.model.eval()
-        loader = self._make_loader(self.eval_dataset, self.config.train.seed + 1)
-        batches = self.config.train.eval_batches
-        totals: dict[str, torch.Tensor] = {}
-        sums = torch.zeros(2 * len(self.metric_names), dtype=torch.float64)
-        try:
-            for number in range(batches):
-                micro_batches = self.eval_micro_batches(loader, number)  # agreed across ranks before any forward
-                if not self.head.paired:
-                    self.kto_pass(micro_batches)
-                step = LossStep(micro_batches, self.loss_modes, marked=True)
-                for micro_batch, tokens in step:
-                    outputs = self.forward(micro_batch)
-                    for key, value in step.scaled({f"{PREF}_loss": outputs[f"{PREF}_loss"]}, tokens).items():
-                        totals[key] = totals.get(key, 0) + value.detach() / batches
-                    for index, name in enumerate(self.metric_names):
-                        total, count = outputs["metrics"][name]
-                        sums[2 * index] += float(total)
-                        sums[2 * index + 1] += float(count)
-        finally:
-            loader.close()
-        reduced = all_reduce(sums.tolist(), op="sum", group=self.control_group)
-        extra = {
-            f"eval/{name}": reduced[2 * i] / max(reduced[2 * i + 1], 1.0) for i, name in enumerate(self.metric_names)
-        }
-        counts = {name: reduced[2 * i + 1] for i, name in enumerate(self.metric_names)}
-        for name, (a, b) in self.metric_differences.items():
-            if counts[a] and counts[b]:
-                extra[f"eval/{name}"] = extra[f"eval/{a}"] - extra[f"eval/{b}"]
-        self.model.train(was_training)
-        return self.metrics.log_eval(self.step, self.epoch, totals, extra)
+    @property
+    def eval_metric_names(self) -> tuple[str, ...]:
+        """`eval/<metric>` of every metric the loss records, beside `eval/pref_loss` (pair-weighted)."""
+        return self.metric_names
 
     def extra_eval_metrics(self) -> dict[str, float]:
+        """None: SFT's answer accuracy is not a pair's."""
         return {}
-
-    def train(self) -> dict[str, float]:
-        """The loop; a fresh run with evaluation on first evaluates the starting weights (logged at step 1)."""
-        if self.step == 0 and self.config.train.eval_interval and self.eval_dataset is not None:
-            self.evaluate()
-        return super().train()

@@ -250,6 +250,10 @@ class RLConfig:
             raise ConfigError(f"rl.max_turns: must be >= 1, got {self.max_turns}")
         if not self.tool_timeout_s > 0:
             raise ConfigError(f"rl.tool_timeout_s: must be > 0, got {self.tool_timeout_s}")
+        if not 0.0 <= self.max_tool_error_rate <= 1.0:
+            raise ConfigError(
+                f"rl.max_tool_error_rate: must be in [0, 1] (1: never fail the run), got {self.max_tool_error_rate}"
+            )
         if self.max_episode_tokens < 0 or self.max_episode_tokens > config.data.max_seq_len:
             raise ConfigError(
                 f"rl.max_episode_tokens: must be in [0, data.max_seq_len = {config.data.max_seq_len}] (0: that), got "

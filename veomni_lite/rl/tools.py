@@ -222,16 +222,12 @@ def run_tool_calls(
 
 @dataclass
 class ToolErrors:
-    """The tools' own failures against `max_rate` (`rl.max_tool_error_rate`; see the module docstring). `reported`:
-    the (tool, kind of error) pairs already named on the console."""
+    """The tools' own failures against `max_rate` (`rl.max_tool_error_rate`, in [0, 1]: `RLConfig.validate_multi_turn`
+    checks it; see the module docstring). `reported`: the (tool, kind of error) pairs already named on the console."""
 
     tools: Sequence[Tool]
     max_rate: float = 0.5
     reported: set[tuple[str, str]] = field(default_factory=set)
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.max_rate <= 1.0:
-            raise ConfigError(f"rl.max_tool_error_rate: must be in [0, 1] (1: never fail the run), got {self.max_rate}")
 
     def check(self, runs: Sequence[tuple[str, str]], group: Any = None, log: bool = True, where: str = "") -> None:
         """Collective on every rank of `group`: this rank's (tool name, failure or "") `runs` of a rollout batch summed

@@ -64,6 +64,8 @@ __all__ = ["RLTrainer"]
 class RLTrainer(SFTTrainer):
     """See the module docstring. `config.rl` is the `rl` section (`veomni_lite.rl.config.RLConfig`)."""
 
+    evaluates_starting_weights = True
+
     plots: dict[str, list[Panel]] = {  # the policy loss alone (it sits near 0), each quantity on its own axes
         "loss_curve.png": [("policy loss", ["train/policy_loss"]), ("KL", ["rl/kl"]), ("entropy", ["rl/entropy"])],
         "reward_curve.png": [
@@ -255,7 +257,9 @@ class RLTrainer(SFTTrainer):
                 functools.partial(probe, context), probe_ids, self.output_dir / "vllm_server.log",
                 renders_prompts=vision,
             )  # fmt: skip
-        return TransformersEngine(engine_model(self.model_config, self.config.parallel.master_dtype), self.device)
+        model = engine_model(self.model_config, self.config.parallel.master_dtype)
+        counts = self.images.token_counts if self.images is not None else None
+        return TransformersEngine(model, self.device, image_tokens=counts)
 
     def close(self) -> None:
         """The engine released too (a launched vLLM server stopped), then the trainer's own."""
@@ -303,13 +307,6 @@ class RLTrainer(SFTTrainer):
     def metric_specs(self) -> list[MetricSpec]:
         specs = rollout_specs(self.rl, [r.name for r in getattr(self, "rewards", [])])
         return specs + (self.critic.specs() if self.critic is not None else [])
-
-    def train(self) -> dict[str, float]:
-        """The loop; a fresh run with evaluation on first evaluates the starting weights (logged at step 1, the step
-        that trains them; steps count from 1)."""
-        if self.step == 0 and self.config.train.eval_interval:
-            self.evaluate()
-        return super().train()
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

@@ -41,7 +41,7 @@ from veomni_lite.config import Config, ConfigError, OptimConfig
 from veomni_lite.data.checks import DataError, data_problem, validate_micro_batch
 from veomni_lite.data.loader import MicroBatchLoader
 from veomni_lite.data.packing import padding_micro_batch
-from veomni_lite.distributed.collectives import agree, all_gather_objects, destroy_process_groups
+from veomni_lite.distributed.collectives import agree, all_gather_objects, all_reduce, destroy_process_groups
 from veomni_lite.distributed.fsdp import (
     apply_fsdp,
     check_sharded,
@@ -207,6 +207,7 @@ class BaseTrainer(ABC):
     """Build everything from a Config, then `train()`. Subclasses implement the three `build_*` hooks."""
 
     plots: dict[str, list[str] | list[Panel]] = {}  # figures: {file name: series keys or panels} (see MetricLogger)
+    evaluates_starting_weights = False  # a fresh run evaluates before its first step too (post-training's curves)
 
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -694,7 +695,10 @@ class BaseTrainer(ABC):
 
     def train(self) -> dict[str, float]:
         """Run until `self.max_steps` (`train.max_steps` or `train.epochs`); returns the last logged metrics. Every
-        exit path flushes the metrics."""
+        exit path flushes the metrics. With `evaluates_starting_weights` and evaluation on, a fresh run first evaluates
+        the starting weights (logged at step 1, the step that trains them; steps count from 1)."""
+        if self.evaluates_starting_weights and self.step == 0 and self.config.train.eval_interval:
+            self.evaluate()
         train = self.config.train
         save_interval = self.config.checkpoint.save_interval
         previous_handlers = self._install_signal_handlers()
@@ -762,27 +766,52 @@ class BaseTrainer(ABC):
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Eval losses (each head's loss mode, per eval step, averaged over `train.eval_batches` steps), logged under
-        eval/."""
+        """The one eval loop: eval losses (each head's loss mode, per eval step, averaged over `train.eval_batches`
+        steps), `eval/<name>` for every `eval_metric_names` entry (its (total, count) summed over the micro-batches
+        and ranks) and `extra_eval_metrics`, logged under eval/. Each eval step is a `_loss_step` (a subclass's
+        pass before the forwards included) and each forward the trainer's own `forward`."""
         if self.eval_dataset is None or self.config.train.eval_batches == 0:
             return {}
         was_training = self.model.training
         self.model.eval()
         loader = self._make_loader(self.eval_dataset, self.config.train.seed + 1)
+        batches, names = self.config.train.eval_batches, self.eval_metric_names
         totals: dict[str, torch.Tensor] = {}
+        sums = torch.zeros(len(names), 2, dtype=torch.float64)
         try:
-            for number in range(self.config.train.eval_batches):
+            for number in range(batches):
                 step = self._loss_step(self.eval_micro_batches(loader, number), train=False)
                 for micro_batch, tokens in step:
-                    outputs = self._routed(micro_batch, lambda batch: self.model(**self.preforward(batch)))
+                    outputs = self._routed(micro_batch, self.forward)
                     scaled = step.scaled({key: outputs[key] for key in self.loss_keys}, tokens)
                     for key, value in scaled.items():
-                        totals[key] = totals.get(key, 0) + value.detach() / self.config.train.eval_batches
+                        totals[key] = totals.get(key, 0) + value.detach() / batches
+                    for index, name in enumerate(names):
+                        total, count = outputs["metrics"][name]
+                        sums[index] += torch.tensor([float(total), float(count)], dtype=torch.float64)
         finally:
             loader.close()
-        extra = self.extra_eval_metrics()
+        extra = self._eval_metric_means(names, sums) if names else {}
+        extra |= self.extra_eval_metrics()
         self.model.train(was_training)
         return self.metrics.log_eval(self.step, self.epoch, totals, extra)
+
+    @property
+    def eval_metric_names(self) -> tuple[str, ...]:
+        """The `outputs["metrics"]` entries ({name: (total, count)}) evaluation logs as `eval/<name>` = their total /
+        count over every eval micro-batch and rank (a subclass hook; none here)."""
+        return ()
+
+    def _eval_metric_means(self, names: Sequence[str], sums: torch.Tensor) -> dict[str, float]:
+        """Collective: `eval/<name>` of each (total, count) row of `sums` summed over the ranks (one all-reduce), and
+        `metric_differences` among them where both sides counted anything."""
+        reduced = all_reduce(sums.flatten().tolist(), op="sum", group=self.control_group)
+        totals, counts = dict(zip(names, reduced[::2])), dict(zip(names, reduced[1::2]))
+        extra = {f"eval/{name}": totals[name] / max(counts[name], 1.0) for name in names}
+        for name, (a, b) in self.metric_differences.items():
+            if counts.get(a) and counts.get(b):
+                extra[f"eval/{name}"] = extra[f"eval/{a}"] - extra[f"eval/{b}"]
+        return extra
 
     def eval_micro_batches(self, loader: Any, number: int) -> list[dict[str, torch.Tensor]]:
         """Collective: this rank's micro-batches of eval batch `number` (read, collated, sharded and validated), agreed
