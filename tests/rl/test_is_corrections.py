@@ -176,3 +176,13 @@ def test_the_config_reads_and_checks_the_corrections():
         rl_config("--rl.importance_sampling", "token_mask", "--rl.is_cap", "0", "--rl.is_low", "0")
     with pytest.raises(ValueError, match=r"correction 'token' takes \['is_cap'\], not \['is_low'\]"):
         PolicyLoss(importance_sampling="token", is_hyperparameters={"is_low": 0.5})
+
+
+def test_async_generation_needs_a_correction_or_decoupled_ppo():
+    args = ["--rl.engine", "vllm", "--rl.vllm", "{url: 'http://127.0.0.1:1'}", "--rl.async_steps", "1",
+            "--rl.rewards", "[{name: m, function: exact_match, weight: 1.0}]", "--rl.prompts_per_step", "2",
+            "--rl.num_generations", "2", "--train.global_batch_size", "4", "--train.micro_batch_size", "1"]  # fmt: skip
+    with pytest.raises(ConfigError, match=r"rl.async_steps: .* set rl.importance_sampling \(token, .*icepop\) or rl.d"):
+        load_config(None, args, world_size=1, sections={"rl": RLConfig})
+    for extra in (["--rl.decoupled", "true"], ["--rl.importance_sampling", "sequence_mask"]):
+        load_config(None, [*args, *extra], world_size=1, sections={"rl": RLConfig})
