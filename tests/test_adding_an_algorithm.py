@@ -1,7 +1,8 @@
 """Adding an algorithm is one registered function (docs/architecture.md, "Adding an algorithm"): a toy policy loss,
-advantage estimator and pair loss, each registered here (and gone after the test), go through the real config check
-(a typo is named with the closest registered name; the entry's flags and hyperparameters are read by name) and are
-what the trainer's loss object or advantage call computes, against a hand computation in float64."""
+advantage estimator, importance-sampling correction and pair loss, each registered here (and gone after the test), go
+through the real config check (a typo is named with the closest registered name; the entry's flags and
+hyperparameters are read by name) and are what the trainer's loss object or advantage call computes, against a hand
+computation in float64."""
 
 from __future__ import annotations
 
@@ -16,18 +17,26 @@ from veomni_lite.loss_keys import IGNORE_INDEX
 from veomni_lite.preference import register_pair_loss
 from veomni_lite.preference.config import PrefConfig
 from veomni_lite.preference.losses import PAIR_LOSSES, PreferenceLoss, metric_names
-from veomni_lite.rl import register_advantage, register_policy_loss
+from veomni_lite.rl import register_advantage, register_is_correction, register_policy_loss
 from veomni_lite.rl.advantages import ADVANTAGES, estimate
 from veomni_lite.rl.config import RLConfig
 from veomni_lite.rl.policy_loss import ADVANTAGES as ADVANTAGES_KEY
-from veomni_lite.rl.policy_loss import OLD_LOGPROBS, POLICY_LABELS, POLICY_LOSSES, PolicyInputs, PolicyLoss
+from veomni_lite.rl.policy_loss import (
+    ENGINE_LOGPROBS,
+    IS_CORRECTIONS,
+    OLD_LOGPROBS,
+    POLICY_LABELS,
+    POLICY_LOSSES,
+    PolicyInputs,
+    PolicyLoss,
+)
 from veomni_lite.rl.records import rollout_specs
 
 
 @pytest.fixture(autouse=True)
 def scratch_registries(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each test registers into copies of the registries; monkeypatch puts the originals back after it."""
-    for registry in (ADVANTAGES, POLICY_LOSSES, PAIR_LOSSES):
+    for registry in (ADVANTAGES, POLICY_LOSSES, IS_CORRECTIONS, PAIR_LOSSES):
         monkeypatch.setattr(registry, "_entries", dict(registry._entries))
 
 
@@ -84,6 +93,32 @@ def test_a_registered_advantage_estimator_is_checked_by_the_config_and_is_what_t
     assert got.tolist() == [0.0, -0.5, -2.0, 0.0]
 
 
+def test_a_registered_importance_sampling_correction_is_checked_by_the_config_and_weighs_the_trainers_loss():
+    @register_is_correction("two_sided", metrics=("rl/is/low_share",), hyperparameters={"is_low": 0.5, "is_cap": 2.0})
+    def two_sided(d: torch.Tensor, x: PolicyInputs, is_low: float, is_cap: float) -> tuple[torch.Tensor, dict]:
+        ratio = torch.exp(d)  # old - engine, 0 off the valid tokens
+        return ratio.clamp(is_low, is_cap), {"rl/is/low_share": (((ratio < is_low) & x.valid).sum(), x.valid.sum())}
+
+    with pytest.raises(ConfigError, match=r"rl.importance_sampling: unknown .* 'two_side' \(did you mean `two_sided`"):
+        rl_config("--rl.importance_sampling", "two_side")
+    rl = rl_config("--rl.importance_sampling", "two_sided", "--rl.is_low", "0.9", "--rl.is_cap", "1.1").rl
+    loss = PolicyLoss.of(rl)
+    assert loss.is_hyperparameters == {"is_low": 0.9, "is_cap": 1.1}
+    logits, micro_batch = batch()
+    out = loss(outputs_of(logits, micro_batch), micro_batch)
+    valid = micro_batch[POLICY_LABELS] != IGNORE_INDEX
+    logp = torch.log_softmax(logits.detach(), -1).gather(-1, micro_batch[POLICY_LABELS].clamp(min=0)[..., None])[..., 0]
+    old, engine, a = (micro_batch[k][valid] for k in (OLD_LOGPROBS, ENGINE_LOGPROBS, ADVANTAGES_KEY))
+    ratio, weight = torch.exp(logp[valid] - old), torch.exp(old - engine)
+    expected = (torch.maximum(-a * ratio, -a * ratio.clamp(0.8, 1.2)) * weight.clamp(0.9, 1.1)).mean()
+    assert torch.allclose(out["policy_loss"], expected, rtol=1e-12)
+    assert [float(v) for v in out["metrics"]["rl/is/low_share"]] == [float((weight < 0.9).sum()), float(valid.sum())]
+    assert "rl/is/low_share" in [spec.name for spec in rollout_specs(rl, reward_names=[])]
+    # negative control: with no correction the engine's log-probabilities weigh nothing
+    plain = PolicyLoss.of(rl_config().rl)(outputs_of(logits, micro_batch), micro_batch)
+    assert not torch.allclose(plain["policy_loss"], expected, rtol=1e-3)
+
+
 def test_a_registered_pair_loss_is_checked_by_the_config_and_is_the_trainers_head(demo):
     @register_pair_loss("margin_hinge", metrics=("rewards/margins",), hyperparameters={"beta": 0.1})
     def margin_hinge(
@@ -115,7 +150,8 @@ def test_a_registered_pair_loss_is_checked_by_the_config_and_is_the_trainers_hea
 
 def test_every_registered_hyperparameter_is_its_config_field_with_the_same_default():
     """`Entry.read` passes a config field by the hyperparameter's name: each is a field, defaulting alike."""
-    sections = ((ADVANTAGES, RLConfig()), (POLICY_LOSSES, RLConfig()), (PAIR_LOSSES, PrefConfig()))
+    sections = ((ADVANTAGES, RLConfig()), (POLICY_LOSSES, RLConfig()), (IS_CORRECTIONS, RLConfig()),
+                (PAIR_LOSSES, PrefConfig()))  # fmt: skip
     for registry, section in sections:
         for name in registry.names():
             entry = registry.get(name, "")

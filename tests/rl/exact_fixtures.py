@@ -46,15 +46,26 @@ class Case:
     loss: PolicyLoss
 
     def __str__(self) -> str:
-        return f"{self.mode}/{self.loss.policy_loss}/kl{self.loss.kl_coef}"
+        decoupled = "/decoupled" if self.loss.decoupled else ""
+        return f"{self.mode}/{self.loss.policy_loss}/{self.loss.importance_sampling}{decoupled}/kl{self.loss.kl_coef}"
 
     @property
     def modes(self) -> LossModes:
         return LossModes(self.mode, {}, SCALE)
 
 
-def cases() -> list[Case]:
-    """Every loss mode x {ppo_clip (dual clip, token IS), gspo (sequence IS)} x kl {0, k3}, entropy on."""
+# the IS corrections beyond truncation, with bounds the batch's engine log-probabilities cross on both sides
+CORRECTIONS = (
+    ("token_mask", {"is_low": 0.9, "is_cap": 1.1}, False),
+    ("icepop", {"is_low": 0.95, "is_cap": 1.04}, False),
+    ("sequence_mask", {"is_low": 0.85, "is_cap": 1.2}, False),
+    ("none", {}, True),  # decoupled PPO, its behaviour weight unbounded
+)
+
+
+def cases(corrections: bool = True) -> list[Case]:
+    """Every loss mode x {ppo_clip (dual clip, token IS), gspo (sequence IS)} x kl {0, k3}, entropy on; with
+    `corrections`, ppo_clip with each of `CORRECTIONS` at token-mean and seq-mean-token-mean, kl k3."""
     modes = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
     out = []
     for mode in modes:
@@ -63,10 +74,30 @@ def cases() -> list[Case]:
                 clip = (0.2, 0.28) if kind == "ppo_clip" else (0.1, 0.15)
                 sampling = "token" if kind == "ppo_clip" else "sequence"
                 dual_clip = 3.0 if kind == "ppo_clip" else 0.0
-                loss = PolicyLoss(kind, kl, "k3", 0.01, sampling, 1.5, TEMPERATURE,
-                                  {"clip_low": clip[0], "clip_high": clip[1], "dual_clip": dual_clip})  # fmt: skip
+                loss = PolicyLoss(kind, kl, "k3", 0.01, sampling, TEMPERATURE,
+                                  {"clip_low": clip[0], "clip_high": clip[1], "dual_clip": dual_clip},
+                                  {"is_cap": 1.5})  # fmt: skip
                 out.append(Case(mode, loss))
+    for mode in ("token-mean", "seq-mean-token-mean") if corrections else ():
+        for name, bounds, decoupled in CORRECTIONS:
+            clip = {"clip_low": 0.2, "clip_high": 0.28, "dual_clip": 3.0}
+            out.append(Case(mode, PolicyLoss("ppo_clip", 0.1, "k3", 0.01, name, TEMPERATURE, clip, bounds, decoupled)))
     return out
+
+
+def importance_weight(loss: PolicyLoss, old: torch.Tensor, engine: torch.Tensor) -> torch.Tensor:
+    """One sample's importance weights from the definitions (float64): of each token, or of its whole sequence."""
+    bounds = loss.is_hyperparameters
+    d = old - engine
+    if loss.importance_sampling in ("sequence", "sequence_mask"):
+        d = d.sum().expand_as(d)
+    ratio = torch.exp(d)
+    if loss.importance_sampling == "none":
+        return ratio if loss.decoupled else torch.ones_like(ratio)
+    if loss.importance_sampling in ("token", "sequence"):
+        return torch.clamp(ratio, max=bounds["is_cap"])
+    inside = (ratio >= bounds["is_low"]) & (ratio <= bounds["is_cap"])
+    return torch.where(inside, ratio, torch.zeros_like(ratio))
 
 
 def build_model() -> torch.nn.Module:
@@ -162,10 +193,9 @@ def hand_reference(case: Case, episodes: bool = False) -> list[list[torch.Tensor
             a = sample.advantage
             if rl.policy_loss == "gspo":
                 ratio = torch.exp((logp - old).mean()).expand_as(logp)
-                weight = torch.exp((old - engine).sum()).clamp(max=rl.is_cap)
             else:
                 ratio = torch.exp(logp - old)
-                weight = torch.exp(old - engine).clamp(max=rl.is_cap)
+            weight = importance_weight(rl, old, engine)
             clip_low, clip_high, dual_clip = (rl.hyperparameters[k] for k in ("clip_low", "clip_high", "dual_clip"))
             pg = torch.maximum(-a * ratio, -a * ratio.clamp(1 - clip_low, 1 + clip_high))
             if dual_clip and a < 0:

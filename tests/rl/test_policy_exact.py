@@ -1,7 +1,9 @@
-"""The policy loss is exact: every loss mode x {ppo_clip, gspo} x kl {0, k3}, 2 mini-batches x 2 epochs, at GA, DP=2,
-SP=2, DP=2 x SP=2 and packed with a token budget, against a hand-written float64 one-process reference; one loss
-all-reduce per optimizer step. Negative controls: each micro-batch normalized alone, and GSPO with each SP shard
-reducing only its own part of a sequence, are not exact."""
+"""The policy loss is exact: every loss mode x {ppo_clip, gspo} x kl {0, k3}, and the importance-sampling corrections
+(masked token / sequence IS, IcePop, decoupled PPO) at two modes, 2 mini-batches x 2 epochs, at GA, DP=2, SP=2,
+DP=2 x SP=2 and packed with a token budget, against a hand-written float64 one-process reference with the batch's
+given engine (behaviour) log-probabilities; one loss all-reduce per optimizer step. Negative controls: each
+micro-batch normalized alone, and GSPO and the sequence-level corrections with each SP shard reducing only its own
+part of a sequence, are not exact."""
 
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ def test_every_mode_and_loss_is_exact_at_every_layout(layout, expected):
 
 @pytest.mark.slow
 def test_each_micro_batch_normalized_alone_is_not_exact(expected):
-    normalized = [c for c in cases() if c.mode != "token-sum" and c.loss.kl_coef]  # token-sum has no denominator
+    normalized = [c for c in cases(corrections=False) if c.mode != "token-sum" and c.loss.kl_coef]  # token-sum: none
     result = _run(Layout(1, 1, 2), alone=True, only=normalized)
     wrong = [str(c) for c in normalized if relative_error(result[str(c)]["grads"][0], expected[str(c)][0]) > 1e-3]
     assert len(wrong) == len(normalized) == 8, wrong
@@ -59,8 +61,8 @@ def test_each_micro_batch_normalized_alone_is_not_exact(expected):
 @pytest.mark.slow
 def test_gspo_with_each_shard_reducing_its_own_tokens_is_not_exact(expected):
     """The negative control of the sequence reduction: without the SP all-reduce, GSPO's ratio (and the sequence
-    importance weight) are each shard's partial ones."""
-    gspo = [c for c in cases() if c.loss.policy_loss == "gspo"]
+    importance weight, truncated or masked) are each shard's partial ones."""
+    gspo = [c for c in cases() if c.loss.policy_loss == "gspo" or c.loss.importance_sampling == "sequence_mask"]
     result = _run(Layout(1, 2, 4), shard_local=True, only=gspo)
     errors = {str(c): relative_error(result[str(c)]["grads"][0], expected[str(c)][0]) for c in gspo}
     assert all(error > 1e-3 for error in errors.values()), errors

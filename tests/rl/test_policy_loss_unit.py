@@ -37,7 +37,7 @@ def outputs_of(logits: torch.Tensor, micro_batch: dict, temperature: float = 1.0
 def test_the_loss_and_its_metrics_are_the_hand_computation():
     logits, micro_batch = batch()
     clip = {"clip_low": 0.2, "clip_high": 0.28, "dual_clip": 3.0}
-    loss = PolicyLoss("ppo_clip", 0.1, "k2", 0.01, "token", 1.5, temperature=0.7, hyperparameters=clip)
+    loss = PolicyLoss("ppo_clip", 0.1, "k2", 0.01, "token", 0.7, clip, is_hyperparameters={"is_cap": 1.5})
     out = loss(outputs_of(logits, micro_batch, 0.7), micro_batch)
     labels = micro_batch[POLICY_LABELS]
     valid = labels != IGNORE_INDEX

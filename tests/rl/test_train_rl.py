@@ -194,6 +194,9 @@ def test_rollout_metrics_equal_a_hand_computation_over_the_window_at_dp2(demo, r
         "rl/frac_reward_zero_std": (groups == groups[:, :1]).all(1).double().mean(),
         "rl/importance_ratio/mean": (old - engine).exp().mean(), "rl/importance_ratio/min": (old - engine).exp().min(),
         "rl/importance_ratio/max": (old - engine).exp().max(), "rl/logprob_diff": (old - engine).abs().mean(),
+        "rl/mismatch/kl": (engine - old).mean(),  # verl's kl and ppl_ratio (a mean over the responses)
+        "rl/mismatch/ppl_ratio": torch.stack([(torch.tensor(s["engine_logprobs"], dtype=torch.float64)
+            - torch.tensor(s["old_logprobs"], dtype=torch.float64)).mean().exp() for s in samples]).mean(),
     }  # fmt: skip
     for key, value in expected.items():
         assert event[key] == pytest.approx(float(value), rel=1e-9, abs=1e-12), key

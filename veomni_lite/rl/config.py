@@ -16,7 +16,7 @@ from veomni_lite.engines.vllm.settings import VLLMSettings
 from veomni_lite.registries import Registry
 from veomni_lite.rl.advantages import ADVANTAGES
 from veomni_lite.rl.critic import CriticSettings
-from veomni_lite.rl.policy_loss import POLICY, POLICY_LOSSES
+from veomni_lite.rl.policy_loss import IS_CORRECTIONS, POLICY, POLICY_LOSSES
 
 __all__ = ["POLICY", "DynamicSampling", "OverlongBuffer", "RLConfig"]
 
@@ -75,11 +75,22 @@ class RLConfig:
     """k1 logp - ref, k2 (logp - ref)^2 / 2, k3 exp(ref - logp) - (ref - logp) - 1 (TRL's and verl's low_var_kl)."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (verl's entropy_coeff 0)."""
-    importance_sampling: Literal["none", "token", "sequence"] = "none"
-    """Truncated importance sampling of the rollout engine's log-probabilities against the trainer's (verl's TIS):
-    each token's (or sequence's) min(exp(old - engine), is_cap) weights its policy loss."""
+    importance_sampling: str = "none"
+    """A registered correction of the rollout engine's (behaviour) log-probabilities against the trainer's old ones
+    (`veomni_lite.rl.policy_loss`, `register_is_correction`), weighting each token's policy loss: token / sequence
+    truncated IS min(exp(old - engine), is_cap) of the token (of the whole sequence's sum; verl's TIS); token_mask /
+    sequence_mask the weight exp(old - engine) kept inside [is_low, is_cap] and 0 outside (the token / the whole
+    sequence dropped; verl's masked IS); icepop token_mask's weight (IcePop); none: no weight."""
     is_cap: float = 2.0
-    """The truncation of `importance_sampling` (verl's 2.0)."""
+    """The upper bound of `importance_sampling`: the truncation of token / sequence, the mask's upper edge (verl's
+    rollout_is_threshold 2.0; IcePop's beta 5)."""
+    is_low: float = 0.5
+    """The mask's lower edge of token_mask / sequence_mask / icepop (verl's default 1 / 2.0; IcePop's alpha 0.5)."""
+    decoupled: bool = False
+    """AReaL's decoupled PPO: the ratio clipped around the old pass's (proximal) policy, every token weighted by the
+    behaviour policy's importance weight exp(old - engine), bounded by `importance_sampling` (none: unbounded,
+    AReaL's default; token_mask with is_low 0 and is_cap C: AReaL's behav_imp_weight_cap C). The other corrections
+    apply their weight so already."""
     epochs: int = 1
     """Passes over each rollout batch (TRL's num_iterations, verl's ppo_epochs: 1)."""
     mask_truncated: bool = False
@@ -174,8 +185,11 @@ class RLConfig:
                 raise ConfigError(f"{key}: must be >= 0, got {value}")
         if self.dual_clip and self.dual_clip <= 1:
             raise ConfigError(f"rl.dual_clip: must be > 1 (or 0: off), got {self.dual_clip}")
-        if self.importance_sampling != "none" and self.is_cap <= 0:
+        correction = IS_CORRECTIONS.get(self.importance_sampling, "rl.importance_sampling")
+        if "is_cap" in correction.hyperparameters and not self.is_cap > 0:
             raise ConfigError(f"rl.is_cap: must be > 0, got {self.is_cap}")
+        if "is_low" in correction.hyperparameters and not 0 <= self.is_low < self.is_cap:
+            raise ConfigError(f"rl.is_low: must be in [0, rl.is_cap = {self.is_cap}), got {self.is_low}")
         estimator = ADVANTAGES.get(self.advantage, "rl.advantage")
         POLICY_LOSSES.get(self.policy_loss, "rl.policy_loss")
         if estimator.needs_critic or self.critic:
@@ -202,10 +216,11 @@ class RLConfig:
                 "rl.async_steps: 1 generates on a vLLM server while the trainer trains: needs rl.engine: vllm and no "
                 "rl.rollouts_path"
             )
-        if self.async_steps and self.importance_sampling == "none":
+        if self.async_steps and self.importance_sampling == "none" and not self.decoupled:
             raise ConfigError(
                 "rl.async_steps: 1 samples with the weights one rollout batch old: set rl.importance_sampling "
-                "(token or sequence) so the engine's log-probabilities correct it"
+                f"({', '.join(n for n in IS_CORRECTIONS.names() if n != 'none')}) or rl.decoupled so the engine's "
+                "log-probabilities correct it"
             )
         if self.environment_kwargs and not self.environment:
             raise ConfigError("rl.environment_kwargs: set, but rl.environment is not; name the class it is for")

@@ -13,9 +13,20 @@ registered function giving each token's objective pg_t (`register_policy_loss`);
   ppo_clip  pg_t = max(-A r_t, -A clip(r_t, 1 - clip_low, 1 + clip_high)); with dual_clip c and A < 0, min(pg_t, -A c)
   gspo      the same with r_t replaced by s = exp(mean over the sequence's response tokens of (logp - old)), the mean
             taken over the whole sequence (`sequence_sums`, exact under packing and SP, with its gradient)
-and every policy loss's token loss is l_t = w_t pg_t + kl_coef kl_t - entropy_coef H_t, where
-w_t = min(exp(old_t - engine_t), is_cap) for `importance_sampling: token`, min(exp(sum over the sequence of (old -
-engine)), is_cap) for `sequence`, else 1 (detached; 1 too for rollouts given without the engine's log-probabilities).
+and every policy loss's token loss is l_t = w_t pg_t + kl_coef kl_t - entropy_coef H_t, where w_t is the
+importance weight of the rollout engine's (the behaviour policy's) log-probabilities: `rl.importance_sampling` names a
+registered correction (`register_is_correction`) of the log-ratio d_t = old_t - engine_t (detached; w = 1 for rollouts
+given without the engine's log-probabilities):
+  none           w = 1; under `rl.decoupled` the raw weight exp(d_t)
+  token          min(exp(d_t), is_cap) (truncated IS, verl's token TIS)
+  sequence       min(exp(D), is_cap), D the sum of d over the whole sequence (`sequence_sums`: exact under packing
+                 and SP), at each of its tokens (verl's sequence TIS)
+  token_mask     exp(d_t) where is_low <= exp(d_t) <= is_cap, else 0: the token dropped, not truncated (masked IS)
+  sequence_mask  exp(D) where is_low <= exp(D) <= is_cap, else 0 at every token of the sequence (verl's seq-MIS)
+  icepop         token_mask's weight (IcePop's M(k) = k in [alpha, beta], else 0; its paper takes [0.5, 5])
+A dropped token keeps its place in the denominators (its policy-gradient term is 0; its KL and entropy terms stay).
+With the old pass (off policy) the ratio r_t is the proximal policy's and w_t the behaviour's: AReaL's decoupled PPO
+objective, which `rl.decoupled` makes explicit for `none` too.
 kl_t is `kl_estimator` of d = logp - ref: k1 d, k2 d^2 / 2, k3 exp(-d) + d - 1. `mean_global_loss` then makes the step's
 value exactly the mode's over every micro-batch and rank.
 
@@ -62,7 +73,9 @@ __all__ = [
     "TOKEN_VALUES",
     "PolicyInputs",
     "PolicyLoss",
+    "IS_CORRECTIONS",
     "engine_mismatch",
+    "register_is_correction",
     "register_policy_loss",
     "token_logprobs",
 ]
@@ -135,6 +148,58 @@ def gspo(x: PolicyInputs, clip_low: float, clip_high: float, dual_clip: float) -
     return clipped(log_ratio / counts.clamp(min=1), x, clip_low, clip_high, dual_clip)
 
 
+IS_CORRECTIONS = Registry("importance-sampling correction")
+register_is_correction = IS_CORRECTIONS.register  # `rl.importance_sampling`: fn(d, PolicyInputs, **hp) -> (w, metrics)
+TRUNCATED_SHARE, MASKED_SHARE = "rl/is/truncated_ratio", "rl/is/masked_ratio"  # shares of the response tokens
+CAP = {"is_cap": 2.0}
+BOUNDS = {"is_low": 0.5, "is_cap": 2.0}
+
+
+def _share(flags: torch.Tensor, x: PolicyInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(valid tokens flagged, valid tokens) of this shard."""
+    return (flags & x.valid).sum().double(), x.valid.sum().double()
+
+
+@register_is_correction("none")
+def raw_weight(log_ratio: torch.Tensor, x: PolicyInputs) -> tuple[torch.Tensor, dict[str, Any]]:
+    """exp(d_t) unbounded: applied only under `rl.decoupled` (AReaL's decoupled PPO without a weight cap)."""
+    return torch.exp(log_ratio), {}
+
+
+@register_is_correction("token", metrics=(TRUNCATED_SHARE,), hyperparameters=CAP)
+def truncated_token(log_ratio: torch.Tensor, x: PolicyInputs, is_cap: float) -> tuple[torch.Tensor, dict[str, Any]]:
+    """min(exp(d_t), is_cap)."""
+    ratio = torch.exp(log_ratio)
+    return ratio.clamp(max=is_cap), {TRUNCATED_SHARE: _share(ratio > is_cap, x)}
+
+
+@register_is_correction("sequence", metrics=(TRUNCATED_SHARE,), hyperparameters=CAP)
+def truncated_sequence(log_ratio: torch.Tensor, x: PolicyInputs, is_cap: float) -> tuple[torch.Tensor, dict[str, Any]]:
+    """min(exp(the sequence's sum of d), is_cap) at each of its tokens (collective over the SP group)."""
+    return truncated_token(sequence_sums(log_ratio, x.sequences, x.sp_group), x, is_cap)
+
+
+@register_is_correction("token_mask", metrics=(MASKED_SHARE,), hyperparameters=BOUNDS)
+def masked_token(
+    log_ratio: torch.Tensor, x: PolicyInputs, is_low: float, is_cap: float
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """exp(d_t) inside [is_low, is_cap], else 0."""
+    ratio = torch.exp(log_ratio)
+    kept = (ratio >= is_low) & (ratio <= is_cap)
+    return torch.where(kept, ratio, 0.0), {MASKED_SHARE: _share(~kept, x)}
+
+
+@register_is_correction("sequence_mask", metrics=(MASKED_SHARE,), hyperparameters=BOUNDS)
+def masked_sequence(
+    log_ratio: torch.Tensor, x: PolicyInputs, is_low: float, is_cap: float
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """exp(the sequence's sum of d) inside [is_low, is_cap], else 0, at each of its tokens (collective over SP)."""
+    return masked_token(sequence_sums(log_ratio, x.sequences, x.sp_group), x, is_low, is_cap)
+
+
+register_is_correction("icepop", metrics=(MASKED_SHARE,), hyperparameters=BOUNDS)(masked_token)
+
+
 @dataclass(frozen=True)
 class PolicyLoss:
     """The settings of the policy loss (from `RLConfig`) and the loss itself (see the module docstring): the terms
@@ -145,26 +210,39 @@ class PolicyLoss:
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
     importance_sampling: str = "none"
-    is_cap: float = 2.0
     temperature: float = 1.0
     hyperparameters: Mapping[str, Any] = field(default_factory=dict)
+    is_hyperparameters: Mapping[str, Any] = field(default_factory=dict)
+    """The IS correction's own (`is_cap`, `is_low`), over its registered defaults."""
+    decoupled: bool = False
 
     def __post_init__(self) -> None:
-        unknown = set(self.hyperparameters) - set(self.entry.hyperparameters)
-        if unknown:
-            raise ValueError(f"policy loss {self.policy_loss!r} takes {list(self.entry.hyperparameters)}, not "
-                             f"{sorted(unknown)}")  # fmt: skip
+        for kind, entry, given in (
+            ("policy loss", self.entry, self.hyperparameters),
+            ("importance-sampling correction", self.correction, self.is_hyperparameters),
+        ):
+            unknown = set(given) - set(entry.hyperparameters)
+            if unknown:
+                raise ValueError(f"{kind} {entry.name!r} takes {list(entry.hyperparameters)}, not {sorted(unknown)}")
 
     @classmethod
     def of(cls, rl: Any) -> PolicyLoss:
         """From the `rl` section (an `RLConfig`): each setting its field of the same name."""
-        shared = {f.name: getattr(rl, f.name) for f in fields(cls) if f.name != "hyperparameters"}
-        return cls(**shared, hyperparameters=POLICY_LOSSES.get(rl.policy_loss, "rl.policy_loss").read(rl))
+        read = {"hyperparameters", "is_hyperparameters"}
+        shared = {f.name: getattr(rl, f.name) for f in fields(cls) if f.name not in read}
+        correction = IS_CORRECTIONS.get(rl.importance_sampling, "rl.importance_sampling")
+        return cls(**shared, hyperparameters=POLICY_LOSSES.get(rl.policy_loss, "rl.policy_loss").read(rl),
+                   is_hyperparameters=correction.read(rl))  # fmt: skip
 
     @property
     def entry(self) -> Entry:
         """The registered policy loss (`POLICY_LOSSES`)."""
         return POLICY_LOSSES.get(self.policy_loss, "rl.policy_loss")
+
+    @property
+    def correction(self) -> Entry:
+        """The registered importance-sampling correction (`IS_CORRECTIONS`)."""
+        return IS_CORRECTIONS.get(self.importance_sampling, "rl.importance_sampling")
 
     def __call__(
         self, outputs: Mapping[str, torch.Tensor], batch: Mapping[str, Any], sp_group: dist.ProcessGroup | None = None
@@ -193,13 +271,14 @@ class PolicyLoss:
         metrics: dict[str, Any] = {}
         count = mask.sum()
         engine = key(ENGINE_LOGPROBS) if ENGINE_LOGPROBS in batch else None  # None: rollouts given without them
-        if self.importance_sampling != "none" and engine is not None:
-            diff = torch.where(valid, old - engine, 0.0)
-            if self.importance_sampling == "sequence":
-                diff = sequence_sums(diff, sequences, sp_group)
-            pg = pg * torch.exp(diff).clamp(max=self.is_cap)
+        if (self.importance_sampling != "none" or self.decoupled) and engine is not None:
+            correction = self.correction
+            settings = {**correction.hyperparameters, **self.is_hyperparameters}
+            weights, is_metrics = correction.fn(torch.where(valid, old - engine, 0.0), inputs, **settings)
+            pg = pg * weights
+            metrics.update(is_metrics)
         if on_policy and engine is not None:  # else the trainer records these from the old pass
-            metrics.update(engine_mismatch(old, engine, valid))
+            metrics.update(engine_mismatch(old, engine, valid, sequences, sp_group))
         per_token = pg
         if self.kl_coef:
             kl = _kl(logp, key(REF_LOGPROBS), self.kl_estimator)
@@ -219,14 +298,32 @@ class PolicyLoss:
 
 
 @torch.no_grad()
-def engine_mismatch(old: torch.Tensor, engine: torch.Tensor, valid: torch.Tensor) -> dict[str, Any]:
-    """`rl/importance_ratio/{mean,min,max}` exp(old - engine) and `rl/logprob_diff` |old - engine| over the `valid`
-    tokens (metric values: (total, count) for means, tensors for extrema, +-inf without valid tokens; no host read)."""
-    ratio = torch.exp(old - engine)
+def engine_mismatch(
+    old: torch.Tensor,
+    engine: torch.Tensor,
+    valid: torch.Tensor,
+    sequences: torch.Tensor,
+    sp_group: dist.ProcessGroup | None = None,
+) -> dict[str, Any]:
+    """The mismatch of the engine's (behaviour) log-probabilities with `old` over the `valid` tokens of [B, S] values:
+    `rl/importance_ratio/{mean,min,max}` exp(old - engine), `rl/logprob_diff` |old - engine|, `rl/mismatch/kl` the
+    mean of engine - old (verl's direct estimator of KL(engine || old)) and `rl/mismatch/ppl_ratio` the mean over
+    sequences of exp(the sequence's mean of engine - old) (the old policy's perplexity over the engine's, verl's
+    ppl_ratio; whole sequences by `sequences`, collective over `sp_group`). Metric values: (total, count) for means,
+    tensors for extrema, +-inf without valid tokens; no host read."""
+    diff = torch.where(valid, old - engine, 0.0)
+    ratio = torch.exp(diff)
     count = valid.sum().double()
+    lengths = sequence_sums(valid.double(), sequences, sp_group).clamp(min=1)
+    per_sequence = torch.exp(-sequence_sums(diff, sequences, sp_group) / lengths)  # each of its tokens: 1 / length
     return {
         "rl/importance_ratio/mean": (torch.where(valid, ratio, 0.0).sum(), count),
         "rl/importance_ratio/min": torch.where(valid, ratio, torch.inf).min(),
         "rl/importance_ratio/max": torch.where(valid, ratio, -torch.inf).max(),
-        "rl/logprob_diff": (torch.where(valid, (old - engine).abs(), 0.0).sum(), count),
+        "rl/logprob_diff": (diff.abs().sum(), count),
+        "rl/mismatch/kl": (-diff.sum(), count),
+        "rl/mismatch/ppl_ratio": (
+            torch.where(valid, per_sequence / lengths, 0.0).sum(),
+            torch.where(valid, 1 / lengths, 0.0).sum(),
+        ),
     }

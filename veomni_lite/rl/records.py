@@ -3,7 +3,8 @@
 `RolloutRecords`, which records them and the rollouts sample.
 
 Each rollout batch's metrics (`rl/reward/...`, `rl/rewards/<name>`, `rl/advantage/...`, response lengths, truncation,
-staleness; off policy the engine's mismatch `rl/importance_ratio/...` and `rl/logprob_diff`) are this rank's share
+staleness; off policy the engine's mismatch `rl/importance_ratio/...`, `rl/logprob_diff`, `rl/mismatch/kl` and
+`rl/mismatch/ppl_ratio`) are this rank's share
 (each sample recorded by one rank; `rl/dynamic_sampling/...`, the world's counts per batch, by rank 0), kept until
 the step that trains the batch's first part records them; at log steps the main rank appends the batch's first
 `rl.rollouts_sample` rollouts to rollouts.jsonl and TensorBoard's text tab.
@@ -20,7 +21,7 @@ import torch
 
 from veomni_lite.metrics.accumulator import MetricSpec
 from veomni_lite.rl.episodes import episode_metrics
-from veomni_lite.rl.policy_loss import POLICY_LOSSES, engine_mismatch
+from veomni_lite.rl.policy_loss import IS_CORRECTIONS, POLICY_LOSSES, engine_mismatch
 from veomni_lite.rl.rollouts import RolloutSample
 
 ROLLOUTS_FILE = "rollouts.jsonl"
@@ -84,6 +85,12 @@ def rollout_specs(rl: Any, reward_names: Sequence[str]) -> list[MetricSpec]:
         MetricSpec("rl/kl", "mean"),
         MetricSpec("rl/entropy", "mean"),
         *(MetricSpec(name, "mean") for name in POLICY_LOSSES.get(rl.policy_loss, "rl.policy_loss").metrics),
+        *(
+            MetricSpec(name, "mean")
+            for name in IS_CORRECTIONS.get(rl.importance_sampling, "rl.importance_sampling").metrics
+        ),
+        MetricSpec("rl/mismatch/kl", "mean", fmt=".2e"),
+        MetricSpec("rl/mismatch/ppl_ratio", "mean"),
         MetricSpec("rl/importance_ratio/mean", "mean"),
         MetricSpec("rl/importance_ratio/min", "min"),
         MetricSpec("rl/importance_ratio/max", "max"),
@@ -137,15 +144,16 @@ def rollout_metrics(samples: Sequence[RolloutSample], group_size: int, step: int
 
 
 def engine_mismatch_metrics(samples: Sequence[RolloutSample]) -> dict[str, Any]:
-    """`rl/importance_ratio` exp(old - engine) and `rl/logprob_diff` |old - engine| over the response tokens."""
+    """The engine's mismatch with the old log-probabilities over the model's response tokens (`engine_mismatch`)."""
     pairs = [
         _model_tokens(s, s.old_logprobs, s.engine_logprobs) for s in samples if s.engine_logprobs and s.old_logprobs
     ]
     if not pairs:
         return {}
-    old = torch.tensor([x for o, _ in pairs for x in o], dtype=torch.float64)
-    engine = torch.tensor([x for _, e in pairs for x in e], dtype=torch.float64)
-    return engine_mismatch(old, engine, torch.ones_like(old, dtype=torch.bool))
+    old = torch.tensor([[x for o, _ in pairs for x in o]], dtype=torch.float64)
+    engine = torch.tensor([[x for _, e in pairs for x in e]], dtype=torch.float64)
+    sequences = torch.tensor([[i for i, (o, _) in enumerate(pairs) for _ in o]])
+    return engine_mismatch(old, engine, torch.ones_like(old, dtype=torch.bool), sequences)
 
 
 class RolloutRecords:
