@@ -16,6 +16,11 @@ vision-language models), so `num_generations` samples cost one prompt forward, n
 Log-probabilities: each sampled token's log-softmax of the raw logits / temperature (before top-k and top-p), taken
 at the step that samples it (the trainer recomputes the same quantity), so no [rows, steps, vocab] logits are kept.
 
+Routing replay (`record_experts`, `rl.routing_replay: rollout`): every forward of a `generate` call records each
+MoE layer's chosen experts (`record_every_forward`: the (shared) prefill, then one token per row per decode step),
+and each rollout gets its prompt's and response's [tokens, layers, top_k] (`Rollout.routed_experts`); a shared
+prefill's experts are its request's rows' alike.
+
 Vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): a request's `model_inputs` (`pixel_values`,
 `image_grid_thw` as the image processor returns them) are concatenated over a call's rows in row order, each prompt's
 images once per sample, and `mm_token_type_ids` is derived from the placeholder ids, from which transformers computes
@@ -24,12 +29,14 @@ the M-RoPE positions of the left-padded rows.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from veomni_lite.engines.base import Rollout, RolloutEngine, RolloutRequest, SamplingSettings
+from veomni_lite.models.routing import compact_experts, record_every_forward
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -122,12 +129,18 @@ class _Chosen:
 class TransformersEngine(RolloutEngine):
     """Rollouts from a plain (unsharded) transformers model through its own `generate` (see the module docstring).
     The engine owns `hf_model`: it moves it to `device`, puts it in eval mode and replaces its generation config with
-    transformers' defaults, so no sampling setting of a model directory (a repetition penalty, say) applies."""
+    transformers' defaults, so no sampling setting of a model directory (a repetition penalty, say) applies.
+    `record_experts`: each rollout carries the experts its tokens were routed to (module docstring)."""
 
     name = "transformers"
 
     def __init__(
-        self, hf_model: PreTrainedModel, device: torch.device, batch_size: int = 64, share_prompts: bool = True
+        self,
+        hf_model: PreTrainedModel,
+        device: torch.device,
+        batch_size: int = 64,
+        share_prompts: bool = True,
+        record_experts: bool = False,
     ) -> None:
         from transformers import GenerationConfig
 
@@ -138,6 +151,7 @@ class TransformersEngine(RolloutEngine):
         self.device = torch.device(device)
         self.batch_size = batch_size
         self.share_prompts = share_prompts
+        self.record_experts = record_experts
         config = self.model.config
         self.pad_id = config.get_text_config().pad_token_id
         self.placeholders = {1: getattr(config, "image_token_id", None), 2: getattr(config, "video_token_id", None)}
@@ -203,7 +217,8 @@ class TransformersEngine(RolloutEngine):
         seeds = [requests[i].seeds[j] for i, j in rows]
         processors, record = _processors(settings, seeds, width, self.device)
         inputs = {key: value.to(self.device) for key, value in inputs.items()}
-        with torch.no_grad():
+        recording = record_every_forward(self.model) if self.record_experts else contextlib.nullcontext()
+        with torch.no_grad(), recording as calls:
             if self.share_prompts and not self.vision:
                 inputs.update(self._shared_prefill(rows, inputs["input_ids"], inputs["attention_mask"]))
             generated = self.model.generate(**inputs, generation_config=config, logits_processor=processors)
@@ -219,8 +234,38 @@ class TransformersEngine(RolloutEngine):
             if chosen[row][: len(response)] != response:  # a processor after ours changed the scores
                 raise RuntimeError("TransformersEngine: generate did not take the sampler's tokens")
             reason = "length" if end is None else "stop"
-            rollouts.append(Rollout(response, logprobs[row][: len(response)], reason))
+            experts = None
+            if calls is not None:
+                experts = self._sample_experts(calls, rows, "cache" in inputs, width, row, prompts[row], response)
+            rollouts.append(Rollout(response, logprobs[row][: len(response)], reason, experts))
         return rollouts
+
+    @staticmethod
+    def _sample_experts(
+        calls: list[list[torch.Tensor]],
+        rows: Sequence[tuple[int, int]],
+        shared: bool,
+        width: int,
+        row: int,
+        prompt: Sequence[int],
+        response: Sequence[int],
+    ) -> torch.Tensor:
+        """Row `row`'s [prompt + response, layers, top_k] experts from a call's recording (per layer, per forward:
+        [rows x columns, top_k], columns left-padded prompt then one per decode step); `shared`: the first forward
+        was the shared prefill of each request's first row, all but the last prompt column."""
+        owner = torch.tensor([i for i, _ in rows]).unique_consecutive(return_inverse=True)[1]
+        per_layer = []
+        for forwards in calls:
+            top_k = forwards[0].shape[-1]
+            if shared:
+                prefill = forwards[0].view(-1, width - 1, top_k)[owner[row]]
+                later = torch.cat([f.view(len(rows), -1, top_k)[row] for f in forwards[1:]])
+                columns = torch.cat([prefill, later])
+            else:
+                columns = torch.cat([f.view(len(rows), -1, top_k)[row] for f in forwards])
+            fed = columns[width - len(prompt) : width + len(response) - 1]  # the last response token never runs
+            per_layer.append(torch.cat([fed.cpu(), torch.arange(top_k, dtype=fed.dtype)[None]]))
+        return compact_experts(torch.stack(per_layer, dim=1))
 
     def _shared_prefill(
         self, rows: Sequence[tuple[int, int]], input_ids: torch.Tensor, attention_mask: torch.Tensor
