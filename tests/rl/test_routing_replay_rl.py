@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -25,7 +27,8 @@ import torch
 
 from tests.models.moe_configs import VOCAB, make_moe
 from tests.models.test_routing_replay import experts_see
-from veomni_lite.config import ConfigError
+from tests.trainer.helpers import read_events, train_built
+from veomni_lite.config import ConfigError, load_config
 from veomni_lite.data.collator import collate
 from veomni_lite.distributed.sequence_parallel import slice_micro_batch
 from veomni_lite.engines.base import RolloutRequest, SamplingSettings
@@ -241,8 +244,9 @@ def test_replayed_forward_hands_the_experts_exactly_the_stored_ones() -> None:
 
 def test_rollout_replay_matches_the_generation() -> None:
     """Same weights: the trainer's log-probs under the generation's experts are the engine's (float64 weights, KV
-    cache against a full forward; the engine's log-softmax is float32's). An engine whose routers differ (another precision's rounding, made large): without
-    replay the trainer routes its own way; replay keeps it on the generation's experts, nearer its log-probs."""
+    cache against a full forward; the engine's log-softmax is float32's). An engine whose routers differ (another
+    precision's rounding, made large): without replay the trainer routes its own way; replay keeps it on the
+    generation's experts, nearer its log-probs."""
     model = moe().eval()
     settings = SamplingSettings(temperature=1.0, max_new_tokens=6)
     requests = [RolloutRequest([5, 9, 11, 4, 7, 3], [1, 2]), RolloutRequest([8, 6, 13], [3, 4])]
@@ -280,8 +284,6 @@ def test_rollout_replay_matches_the_generation() -> None:
 
 
 def test_rollout_replay_needs_an_engine_that_records() -> None:
-    from veomni_lite.config import load_config
-
     base = ["--model.pretrained_dir", "x", "--data.train_path", "x", "--rl.rewards", "[{name: c, function: math}]"]
     with pytest.raises(ConfigError, match="vLLM engine does not return"):
         load_config(None, [*base, "--rl.routing_replay", "rollout", "--rl.engine", "vllm", "--rl.vllm",
@@ -290,3 +292,64 @@ def test_rollout_replay_needs_an_engine_that_records() -> None:
         load_config(None, [*base, "--rl.routing_replay", "rollout", "--rl.rollouts_path", "r.jsonl"], world_size=1,
                     sections={"rl": RLConfig})  # fmt: skip
     load_config(None, [*base, "--rl.routing_replay", "old"], world_size=1, sections={"rl": RLConfig})
+
+
+# ----------------------------------------------------------------- the trainer, end to end
+
+
+@pytest.fixture(scope="module")
+def math_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The math demo's prompts, and a tiny Qwen3-MoE directory with its Qwen2's tokenizer (`models/qwen3_moe`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from examples.rl_math import write_demo
+
+    demo = write_demo(tmp_path_factory.mktemp("rl_math"), sft_rows=16, rl_rows=32, eval_rows=4)
+    source, out = demo / "models/qwen2_math", demo / "models/qwen3_moe"
+    shutil.copytree(
+        source, out, ignore=shutil.ignore_patterns("*.safetensors", "config.json", "generation_config.json")
+    )
+    text = AutoConfig.from_pretrained(source)
+    config = AutoConfig.for_model(
+        "qwen3_moe", vocab_size=text.vocab_size, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_experts=8, num_experts_per_tok=TOP_K, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=512, router_aux_loss_coef=0.01,
+        eos_token_id=text.eos_token_id, pad_token_id=text.pad_token_id, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(out), safe_serialization=True)
+    return demo
+
+
+def rl_run(demo: Path, out: Path, model: str, *extra: str) -> RLTrainer:
+    """Rollout batches of 4 prompts x 4 samples in 2 mini-batches (off policy: the old pass runs), 2 steps."""
+    args = [
+        "--model.arch", "auto", "--model.pretrained_dir", str(demo / "models" / model),
+        "--data.train_path", str(demo / "rl_train.jsonl"), "--data.format", "messages", "--data.max_seq_len", "64",
+        "--rl.prompts_per_step", "4", "--rl.num_generations", "4", "--rl.max_new_tokens", "8",
+        "--rl.rewards", "[{name: correct, function: math}]",
+        "--train.micro_batch_size", "2", "--train.global_batch_size", "8", "--train.max_steps", "2",
+        "--train.output_dir", str(out), "--optim.lr", "1e-3", "--optim.warmup_steps", "0",
+        "--logging.log_interval", "1", "--logging.progress_bar", "false", "--logging.tensorboard", "false",
+        "--logging.plot", "false", *extra,
+    ]  # fmt: skip
+    return RLTrainer(load_config(None, args, world_size=1, sections={"rl": RLConfig}))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("replay", ["old", "rollout"])
+def test_rl_trains_an_moe_policy_with_routing_replay(math_moe: Path, tmp_path: Path, replay: str) -> None:
+    """Each step records `rl/routing/mismatch` (a share); the router's balance coefficient is RL's default 0."""
+    trainer = rl_run(math_moe, tmp_path, "qwen3_moe", "--rl.routing_replay", replay, "--data.packing", "true")
+    assert trainer.router is not None and trainer.router.aux_coef == 0.0
+    train_built(trainer)
+    events = [e for e in read_events(tmp_path) if "rl/routing/mismatch" in e]
+    assert [e["step"] for e in events] == [1, 2]
+    assert all(0.0 <= e["rl/routing/mismatch"] <= 1.0 for e in events)
+    if replay == "old":  # step 1's weights are the old pass's: the replayed routing is the training forward's own
+        assert events[0]["rl/routing/mismatch"] == 0.0
+
+
+def test_routing_replay_needs_an_moe_policy(math_moe: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="has no mixture-of-experts router"):
+        rl_run(math_moe, tmp_path, "qwen2_math", "--rl.routing_replay", "old")
