@@ -353,3 +353,43 @@ def test_rl_trains_an_moe_policy_with_routing_replay(math_moe: Path, tmp_path: P
 def test_routing_replay_needs_an_moe_policy(math_moe: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="has no mixture-of-experts router"):
         rl_run(math_moe, tmp_path, "qwen2_math", "--rl.routing_replay", "old")
+
+
+def _ranked(rank: int, world: int, args: list[str]) -> None:
+    train_built(RLTrainer(load_config(None, args, world_size=world, sections={"rl": RLConfig})))
+
+
+@pytest.mark.slow
+def test_old_replay_places_each_samples_experts_on_every_layout(math_moe: Path, tmp_path: Path) -> None:
+    """`old` on given rollouts (2 mini-batches x 2 epochs: the old pass runs) at one process, DP=2, SP=2 (packed,
+    a token budget) and packed with shared prefixes: the first step trains the old pass's weights, so its replayed
+    experts are its own top-k exactly where each sample's recording went back to its tokens' positions after
+    planning, packing, the SP gather and the SP slice: `rl/routing/mismatch` 0 at step 1 on every layout (a
+    misplaced recording counts its tokens' other experts; the later steps, after updates, move some decisions)."""
+    from tests.dist_helpers import run_distributed
+    from tests.rl.test_train_rl import rl_args, write_rollouts
+
+    rollouts = write_rollouts(tmp_path / "rollouts.jsonl", vocab=400)
+    layouts = {
+        "one": (1, []),
+        "packed": (1, ["--data.packing", "true"]),
+        "dp2": (2, []),
+        "sp2": (2, ["--parallel.sp_size", "2", "--data.packing", "true", "--data.shared_prefix", "false",
+                    "--data.max_tokens_per_micro_batch", "40"]),
+    }  # fmt: skip
+    moved = {}
+    for name, (world, extra) in layouts.items():
+        args = rl_args(math_moe, rollouts, tmp_path / name, "--rl.routing_replay", "old", "--train.max_steps", "4",
+                       "--optim.lr", "5e-2", *extra)  # fmt: skip
+        args[args.index("--model.pretrained_dir") + 1] = str(math_moe / "models/qwen3_moe")
+        if world == 1:
+            _ranked(0, 1, args)
+        else:
+            run_distributed(_ranked, world, args, timeout_s=600)
+        series = {
+            e["step"]: e["rl/routing/mismatch"] for e in read_events(tmp_path / name) if "rl/routing/mismatch" in e
+        }
+        assert sorted(series) == [1, 2, 3, 4], (name, series)
+        assert series[1] == 0.0, (name, series)
+        moved[name] = series
+    assert any(v > 0 for series in moved.values() for v in series.values()), f"no update moved a decision: {moved}"
