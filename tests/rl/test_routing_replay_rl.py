@@ -239,6 +239,39 @@ def test_replayed_forward_hands_the_experts_exactly_the_stored_ones() -> None:
         assert same == (shift == 0)
 
 
+def test_replay_holds_through_an_activation_checkpointing_recompute() -> None:
+    """With each decoder layer checkpointed, the backward recomputes the forward: the trainer keeps the replay on
+    until the micro-batch's backward has run, so the gradients are those without checkpointing; closing it before
+    the backward (negative control) recomputes with the router's own experts: other gradients, or torch's
+    checkpoint error."""
+    from veomni_lite.distributed.fsdp import checkpoint_activations
+
+    model = moe().eval()
+    samples = rollouts()
+    fill(context_for(model, samples, "old", False), samples, [[(samples, [0, 1, 2, 3])]])
+    whole = batch_of(samples)
+    nudge_routers(model, 0.3)
+
+    def gradients(checkpointed: bool, close_early: bool = False) -> list[torch.Tensor]:
+        each = copy.deepcopy(model)
+        if checkpointed:
+            checkpoint_activations(list(each.layers))
+        trainer, outputs, _ = trainer_forward(each, dict(whole))
+        if close_early:
+            trainer.replay.close()
+        outputs["policy_loss"].backward()
+        trainer.replay.close()
+        return [p.grad.clone() for p in each.parameters() if p.grad is not None]
+
+    plain = gradients(False)
+    assert all(torch.allclose(a, b, rtol=1e-12, atol=0) for a, b in zip(gradients(True), plain))
+    try:  # torch's checkpoint often notices the other experts' computation itself (other tensors saved)
+        early = gradients(True, close_early=True)
+    except torch.utils.checkpoint.CheckpointError:
+        return
+    assert not all(torch.allclose(a, b, rtol=1e-12, atol=0) for a, b in zip(early, plain))
+
+
 # ----------------------------------------------------------------- rollout: the generation's experts
 
 
