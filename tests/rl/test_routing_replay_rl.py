@@ -426,3 +426,28 @@ def test_old_replay_places_each_samples_experts_on_every_layout(math_moe: Path, 
         assert series[1] == 0.0, (name, series)
         moved[name] = series
     assert any(v > 0 for series in moved.values() for v in series.values()), f"no update moved a decision: {moved}"
+
+
+@pytest.mark.slow
+def test_a_resumed_rollout_batch_replays_the_experts_its_checkpoint_holds(math_moe: Path, tmp_path: Path) -> None:
+    """Stopped at step 3 of a batch of 4 steps and resumed: the checkpoint's samples hold their recorded experts
+    (no old pass runs again), so step 4 replays them as the uninterrupted run does."""
+    from tests.rl.test_train_rl import rl_args, write_rollouts
+
+    rollouts = write_rollouts(tmp_path / "rollouts.jsonl", vocab=400)
+
+    def args(out: str, *extra: str) -> list[str]:
+        args = rl_args(math_moe, rollouts, tmp_path / out, "--rl.routing_replay", "old", "--train.max_steps", "4",
+                       "--optim.lr", "5e-2", *extra)  # fmt: skip
+        args[args.index("--model.pretrained_dir") + 1] = str(math_moe / "models/qwen3_moe")
+        return args
+
+    def series(out: str) -> dict[int, tuple[float, float]]:
+        keys = ("rl/routing/mismatch", "train/policy_loss")
+        return {e["step"]: tuple(e[k] for k in keys) for e in read_events(tmp_path / out) if keys[0] in e}
+
+    _ranked(0, 1, args("whole"))
+    train_built(RLTrainer(load_config(None, args("cut"), world_size=1, sections={"rl": RLConfig})), stop_after=3)
+    assert sorted(series("cut")) == [1, 2, 3]
+    _ranked(0, 1, args("cut", "--checkpoint.resume", "true"))
+    assert series("cut")[4] == pytest.approx(series("whole")[4], rel=1e-6, abs=1e-9)
