@@ -227,6 +227,7 @@ class TransformersEngine(RolloutEngine):
         chosen = torch.stack(record.tokens[:steps], dim=1).tolist()
         logprobs = torch.stack(record.logprobs[:steps], dim=1).tolist()
         stops = set(settings.stop_ids)
+        columns = self._routed_columns(calls, rows, "cache" in inputs, width) if calls is not None else None
         rollouts = []
         for row, response in enumerate(tokens):
             end = next((t + 1 for t, token in enumerate(response) if token in stops), None)
@@ -235,37 +236,28 @@ class TransformersEngine(RolloutEngine):
                 raise RuntimeError("TransformersEngine: generate did not take the sampler's tokens")
             reason = "length" if end is None else "stop"
             experts = None
-            if calls is not None:
-                experts = self._sample_experts(calls, rows, "cache" in inputs, width, row, prompts[row], response)
+            if columns is not None:  # the last response token never runs: experts 0..top_k-1
+                fed = columns[row, width - len(prompts[row]) : width + len(response) - 1]
+                experts = compact_experts(torch.cat([fed, torch.arange(fed.shape[-1]).expand(1, *fed.shape[1:])]))
             rollouts.append(Rollout(response, logprobs[row][: len(response)], reason, experts))
         return rollouts
 
     @staticmethod
-    def _sample_experts(
-        calls: list[list[torch.Tensor]],
-        rows: Sequence[tuple[int, int]],
-        shared: bool,
-        width: int,
-        row: int,
-        prompt: Sequence[int],
-        response: Sequence[int],
+    def _routed_columns(
+        calls: list[list[torch.Tensor]], rows: Sequence[tuple[int, int]], shared: bool, width: int
     ) -> torch.Tensor:
-        """Row `row`'s [prompt + response, layers, top_k] experts from a call's recording (per layer, per forward:
-        [rows x columns, top_k], columns left-padded prompt then one per decode step); `shared`: the first forward
-        was the shared prefill of each request's first row, all but the last prompt column."""
+        """A call's recording (per layer, per forward: [rows x columns, top_k]) as [rows, columns, layers, top_k] on
+        the host, the columns the left-padded prompt's then one per decode step; `shared`: the first forward was the
+        shared prefill of each request's first row (all but the last prompt column), repeated to its rows."""
         owner = torch.tensor([i for i, _ in rows]).unique_consecutive(return_inverse=True)[1]
-        per_layer = []
+        layers = []
         for forwards in calls:
-            top_k = forwards[0].shape[-1]
-            if shared:
-                prefill = forwards[0].view(-1, width - 1, top_k)[owner[row]]
-                later = torch.cat([f.view(len(rows), -1, top_k)[row] for f in forwards[1:]])
-                columns = torch.cat([prefill, later])
-            else:
-                columns = torch.cat([f.view(len(rows), -1, top_k)[row] for f in forwards])
-            fed = columns[width - len(prompt) : width + len(response) - 1]  # the last response token never runs
-            per_layer.append(torch.cat([fed.cpu(), torch.arange(top_k, dtype=fed.dtype)[None]]))
-        return compact_experts(torch.stack(per_layer, dim=1))
+            top_k, first = forwards[0].shape[-1], forwards[0]
+            first = (
+                first.view(-1, width - 1, top_k)[owner.to(first.device)] if shared else first.view(len(rows), -1, top_k)
+            )
+            layers.append(torch.cat([first, *(f.view(len(rows), -1, top_k) for f in forwards[1:])], dim=1))
+        return torch.stack(layers, dim=2).cpu()
 
     def _shared_prefill(
         self, rows: Sequence[tuple[int, int]], input_ids: torch.Tensor, attention_mask: torch.Tensor
