@@ -238,7 +238,8 @@ class TransformersEngine(RolloutEngine):
             experts = None
             if columns is not None:  # the last response token never runs: experts 0..top_k-1
                 fed = columns[row, width - len(prompts[row]) : width + len(response) - 1]
-                experts = compact_experts(torch.cat([fed, torch.arange(fed.shape[-1]).expand(1, *fed.shape[1:])]))
+                last = torch.arange(fed.shape[-1], dtype=fed.dtype).expand(1, *fed.shape[1:])
+                experts = torch.cat([fed, last])
             rollouts.append(Rollout(response, logprobs[row][: len(response)], reason, experts))
         return rollouts
 
@@ -257,7 +258,7 @@ class TransformersEngine(RolloutEngine):
                 first.view(-1, width - 1, top_k)[owner.to(first.device)] if shared else first.view(len(rows), -1, top_k)
             )
             layers.append(torch.cat([first, *(f.view(len(rows), -1, top_k) for f in forwards[1:])], dim=1))
-        return torch.stack(layers, dim=2).cpu()
+        return compact_experts(torch.stack(layers, dim=2))  # uint8 on the host for up to 256 experts
 
     def _shared_prefill(
         self, rows: Sequence[tuple[int, int]], input_ids: torch.Tensor, attention_mask: torch.Tensor
