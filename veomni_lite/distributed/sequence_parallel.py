@@ -27,6 +27,7 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 _SEQUENCE_PAD = {"input_ids": None, "position_ids": None, "image_feature_index": -1, SEQUENCE_IDS: -1}
+_SEQUENCE_PAD["routed_experts"] = 0  # RL routing replay's [B, S, layers, top_k] experts (`veomni_lite.rl.rollouts`)
 # Per-position values of a head, padded with 0: `mark_sequences`' keys, and the RL policy head's per-token values
 # (`veomni_lite.rl.policy_loss`: advantages and log-probabilities, in the labels' shifted frame), the critic's old
 # values and returns (`veomni_lite.rl.critic`) and the preference head's per-pair margins and KTO labels

@@ -72,6 +72,9 @@ class Rollout:
     """Per response token: its log-probability under softmax(logits / temperature), before top-k and top-p."""
     finish_reason: str
     """"stop" (ended with a stop id) or "length" (cut at max_new_tokens)."""
+    routed_experts: torch.Tensor | None = None
+    """Routing replay (an engine asked to record them): the experts each token of prompt + response was routed to,
+    [tokens, MoE layers, top_k] (the last response token, never run, holds experts 0..top_k-1)."""
 
 
 class RolloutEngine(ABC):

@@ -16,6 +16,11 @@ vision-language models), so `num_generations` samples cost one prompt forward, n
 Log-probabilities: each sampled token's log-softmax of the raw logits / temperature (before top-k and top-p), taken
 at the step that samples it (the trainer recomputes the same quantity), so no [rows, steps, vocab] logits are kept.
 
+Routing replay (`record_experts`, `rl.routing_replay: rollout`): every forward of a `generate` call records each
+MoE layer's chosen experts (`record_every_forward`: the (shared) prefill, then one token per row per decode step),
+and each rollout gets its prompt's and response's [tokens, layers, top_k] (`Rollout.routed_experts`); a shared
+prefill's experts are its request's rows' alike.
+
 Vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): a request's `model_inputs` (`pixel_values`,
 `image_grid_thw` as the image processor returns them) are concatenated over a call's rows in row order, each prompt's
 images once per sample, and `mm_token_type_ids` is derived from the placeholder ids, from which transformers computes
@@ -25,12 +30,14 @@ the M-RoPE positions of the left-padded rows. How many placeholders an image tak
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from veomni_lite.engines.base import Rollout, RolloutEngine, RolloutRequest, SamplingSettings
+from veomni_lite.models.routing import compact_experts, record_every_forward
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -123,7 +130,8 @@ class _Chosen:
 class TransformersEngine(RolloutEngine):
     """Rollouts from a plain (unsharded) transformers model through its own `generate` (see the module docstring).
     The engine owns `hf_model`: it moves it to `device`, puts it in eval mode and replaces its generation config with
-    transformers' defaults, so no sampling setting of a model directory (a repetition penalty, say) applies."""
+    transformers' defaults, so no sampling setting of a model directory (a repetition penalty, say) applies.
+    `record_experts`: each rollout carries the experts its tokens were routed to (module docstring)."""
 
     name = "transformers"
 
@@ -134,6 +142,7 @@ class TransformersEngine(RolloutEngine):
         batch_size: int = 64,
         share_prompts: bool = True,
         image_tokens: Callable[[torch.Tensor], list[int]] | None = None,
+        record_experts: bool = False,
     ) -> None:
         """`image_tokens`: a vision-language model's placeholder tokens of each image of an `image_grid_thw`
         (`ImageProcessing.token_counts`: the family's rule); required for one, unused otherwise."""
@@ -155,6 +164,7 @@ class TransformersEngine(RolloutEngine):
         self.device = torch.device(device)
         self.batch_size = batch_size
         self.share_prompts = share_prompts
+        self.record_experts = record_experts
         self.pad_id = config.get_text_config().pad_token_id
 
     def sync_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
@@ -216,7 +226,8 @@ class TransformersEngine(RolloutEngine):
         seeds = [requests[i].seeds[j] for i, j in rows]
         processors, record = _processors(settings, seeds, width, self.device)
         inputs = {key: value.to(self.device) for key, value in inputs.items()}
-        with torch.no_grad():
+        recording = record_every_forward(self.model) if self.record_experts else contextlib.nullcontext()
+        with torch.no_grad(), recording as calls:
             if self.share_prompts and not self.vision:
                 inputs.update(self._shared_prefill(rows, inputs["input_ids"], inputs["attention_mask"]))
             generated = self.model.generate(**inputs, generation_config=config, logits_processor=processors)
@@ -225,6 +236,7 @@ class TransformersEngine(RolloutEngine):
         chosen = torch.stack(record.tokens[:steps], dim=1).tolist()
         logprobs = torch.stack(record.logprobs[:steps], dim=1).tolist()
         stops = set(settings.stop_ids)
+        columns = self._routed_columns(calls, rows, "cache" in inputs, width) if calls is not None else None
         rollouts = []
         for row, response in enumerate(tokens):
             end = next((t + 1 for t, token in enumerate(response) if token in stops), None)
@@ -232,8 +244,30 @@ class TransformersEngine(RolloutEngine):
             if chosen[row][: len(response)] != response:  # a processor after ours changed the scores
                 raise RuntimeError("TransformersEngine: generate did not take the sampler's tokens")
             reason = "length" if end is None else "stop"
-            rollouts.append(Rollout(response, logprobs[row][: len(response)], reason))
+            experts = None
+            if columns is not None:  # the last response token never runs: experts 0..top_k-1
+                fed = columns[row, width - len(prompts[row]) : width + len(response) - 1]
+                last = torch.arange(fed.shape[-1], dtype=fed.dtype).expand(1, *fed.shape[1:])
+                experts = torch.cat([fed, last])
+            rollouts.append(Rollout(response, logprobs[row][: len(response)], reason, experts))
         return rollouts
+
+    @staticmethod
+    def _routed_columns(
+        calls: list[list[torch.Tensor]], rows: Sequence[tuple[int, int]], shared: bool, width: int
+    ) -> torch.Tensor:
+        """A call's recording (per layer, per forward: [rows x columns, top_k]) as [rows, columns, layers, top_k] on
+        the host, the columns the left-padded prompt's then one per decode step; `shared`: the first forward was the
+        shared prefill of each request's first row (all but the last prompt column), repeated to its rows."""
+        owner = torch.tensor([i for i, _ in rows]).unique_consecutive(return_inverse=True)[1]
+        layers = []
+        for forwards in calls:
+            top_k, first = forwards[0].shape[-1], forwards[0]
+            first = (
+                first.view(-1, width - 1, top_k)[owner.to(first.device)] if shared else first.view(len(rows), -1, top_k)
+            )
+            layers.append(torch.cat([first, *(f.view(len(rows), -1, top_k) for f in forwards[1:])], dim=1))
+        return compact_experts(torch.stack(layers, dim=2))  # uint8 on the host for up to 256 experts
 
     def _shared_prefill(
         self, rows: Sequence[tuple[int, int]], input_ids: torch.Tensor, attention_mask: torch.Tensor

@@ -6,6 +6,9 @@ forwards inside it: that layer's chosen expert indices, [tokens, top_k] int64 (d
 tokens = the forward's flattened [B, S] in row-major order, this rank's shard under SP). A later forward overwrites
 the entries (an activation-checkpointing recompute writes the same values).
 
+`record_every_forward(model)`: the same, keeping every forward's (a generation's prefill and each decode step's):
+per MoE layer a list of [tokens, top_k], one per forward in call order.
+
 `replay_routing(model, routing)` is a context manager in which every MoE layer uses the experts `routing[layer]`
 ([tokens, top_k], e.g. a recording) instead of its own top-k, with routing weights recomputed from this forward's
 router logits at those experts by the family's own rule (`ROUTER_SCORES`: softmax of the logits gathered at the
@@ -13,6 +16,9 @@ experts, renormalized over them where the family normalizes its top-k, e.g. `nor
 gathered logits; DeepSeek-V3: sigmoid, normalized, times `routed_scaling_factor`), so the router gets the gradient
 of the replayed choice. Replaying a forward's own recording reproduces that forward exactly. With activation
 checkpointing, run the backward inside the context too (the recompute must replay the same experts).
+
+`compact_experts(experts)`: indices in the smallest integer type holding them (uint8 below 256 experts), on the host:
+how RL keeps a sample's recorded experts.
 
 `routing_mismatch(a, b, mask)`: (decisions that differ, decisions counted) between two recordings, a decision being
 one token's set of experts in one layer (the order within the top-k ignored): the metric `rl/routing/mismatch` is
@@ -115,6 +121,20 @@ def record_routing(model: nn.Module) -> Iterator[list[Tensor | None]]:
 
 
 @contextlib.contextmanager
+def record_every_forward(model: nn.Module) -> Iterator[list[list[Tensor]]]:
+    """Yield a list that the forwards inside fill with each MoE layer's chosen experts of every forward, in call
+    order (module docstring)."""
+    record: list[list[Tensor]] = []
+
+    def keep(layer: int, module: nn.Module, output: object) -> None:
+        record[layer].append(_indices(module, output).detach())
+
+    with _hooks(model, keep) as layers:
+        record.extend([] for _ in layers)
+        yield record
+
+
+@contextlib.contextmanager
 def replay_routing(model: nn.Module, routing: Sequence[Tensor]) -> Iterator[None]:
     """Inside, every MoE layer routes each token to the experts `routing[layer]` gives (module docstring); a
     `ValueError` names a router class without a rule, a wrong number of layers, or a layer's wrong shape."""
@@ -137,6 +157,14 @@ def replay_routing(model: nn.Module, routing: Sequence[Tensor]) -> Iterator[None
 
     with _hooks(model, replay):
         yield
+
+
+def compact_experts(experts: torch.Tensor) -> torch.Tensor:
+    """Expert indices in the smallest integer type that holds them (uint8 below 256 experts, int16, int32), on the
+    host: what a sample keeps."""
+    top = int(experts.max()) if experts.numel() else 0
+    dtype = torch.uint8 if top < 256 else torch.int16 if top < 2**15 else torch.int32
+    return experts.to("cpu", dtype)
 
 
 def routing_mismatch(a: Sequence[Tensor], b: Sequence[Tensor], mask: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -28,6 +28,13 @@ class RLConfig:
     engine: Literal["transformers", "vllm"] = "transformers"
     """What samples the rollouts: transformers' `generate` on each rank's copy of the current weights (embedded), or a
     vLLM server (`rl.vllm`)."""
+    routing_replay: Literal["none", "old", "rollout"] = "none"
+    """Mixture-of-experts policies: the experts the training forward routes each token to. `none`: its own top-k;
+    `old`: the ones the old log-probabilities' pass chose (off policy; on policy that pass is the training forward
+    itself, so nothing changes); `rollout`: the ones the embedded engine chose while generating (R3), replayed by
+    the old and reference passes too. The router's weights are recomputed from the training forward's logits at
+    the replayed experts, so the router still trains (`veomni_lite.models.routing`). Default none: replay needs an
+    MoE policy (a dense one is a ConfigError) and keeps [tokens, layers, top_k] experts per sample (docs/rl.md)."""
     prompts_per_step: int = 8
     """Prompts per rollout batch (each sampled `num_generations` times); the batch is `rl.epochs` passes of optimizer
     steps of `train.global_batch_size` responses."""
@@ -209,6 +216,21 @@ class RLConfig:
                 raise ConfigError(str(exc)) from None
         elif self.vllm and self.engine != "vllm":
             raise ConfigError(f"rl.vllm: set, but rl.engine is {self.engine!r}; set rl.engine: vllm or drop rl.vllm")
+        if self.routing_replay == "rollout" and (self.engine == "vllm" or self.rollouts_path):
+            raise ConfigError(
+                "rl.routing_replay: rollout replays the experts the engine routed each token to; "
+                + (
+                    "rl.rollouts_path's rollouts carry none"
+                    if self.rollouts_path
+                    else "the vLLM engine does not return the experts its server routed to"
+                )
+                + ": use rl.routing_replay old, or rl.engine transformers"
+            )
+        if self.routing_replay == "rollout" and self.multi_turn:
+            raise ConfigError(
+                "rl.routing_replay: rollout records the experts of one generate call per response; an episode's "
+                "turns are several, with environment tokens between them: use rl.routing_replay old"
+            )
         if self.async_steps not in (0, 1):
             raise ConfigError(f"rl.async_steps: 0 (synchronous) or 1 (one-step-async), got {self.async_steps}")
         if self.async_steps and (self.engine != "vllm" or self.rollouts_path):

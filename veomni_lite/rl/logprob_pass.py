@@ -10,8 +10,9 @@ training forward's own are the old ones) and, with `rl.kl_coef`, the reference's
 micro-batches, every rank running the same count of forwards (agreed in one all-reduce with any error collating
 them, before the first forward), then kept per sample (so a checkpoint holds the batch, and resumes it on any
 layout); with the critic (`rl.advantage: gae`) its old values too, and GAE's advantages from them
-(`veomni_lite.rl.critic`). `probe`: the current weights' log-probabilities of a token sequence, for the vLLM
-engine's sync check.
+(`veomni_lite.rl.critic`). Routing replay (`rl.routing_replay`): every forward of a micro-batch carrying
+`routed_experts` replays them (`replayed`); with `old` the old pass records each sample's experts (`routed_experts`).
+`probe`: the current weights' log-probabilities of a token sequence, for the vLLM engine's sync check.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ from veomni_lite.data.checks import DataError, data_problem
 from veomni_lite.distributed.collectives import agree, all_gather_objects
 from veomni_lite.loss_keys import IGNORE_INDEX, SEQUENCE_IDS, is_labels_key
 from veomni_lite.models.heads import LogprobRequest
+from veomni_lite.models.routing import compact_experts, record_routing, replay_routing
 from veomni_lite.post_training import ReferenceWeights
 from veomni_lite.rl.critic import OLD_VALUES
 from veomni_lite.rl.policy_loss import OLD_LOGPROBS, POLICY_LABELS, REF_LOGPROBS
-from veomni_lite.rl.rollouts import RolloutSample
+from veomni_lite.rl.rollouts import ROUTED_EXPERTS, RolloutSample, prefix_positions
 from veomni_lite.trainer.base import to_device
 
 __all__ = [
@@ -41,6 +43,7 @@ __all__ = [
     "plan",
     "policy_logprobs",
     "probe",
+    "replayed",
     "whole_sequence",
 ]
 
@@ -102,6 +105,8 @@ def fill(context: Any, samples: list[RolloutSample], plans: Plans) -> None:
         passes.append((OLD_VALUES, None))
     if context.reference is not None:
         passes.append((REF_LOGPROBS, context.reference))
+    records = context.rl.routing_replay == "old" and not context.on_policy  # the old pass's experts, kept per sample
+    routing: dict[int, torch.Tensor] = {}
     prepared: list[tuple[list[RolloutSample], dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
     problem: Exception | str | None = None
     try:
@@ -124,8 +129,14 @@ def fill(context: Any, samples: list[RolloutSample], plans: Plans) -> None:
                 with (
                     reference.active() if reference is not None else contextlib.nullcontext(),
                     critic.paused() if key == REF_LOGPROBS and critic is not None else contextlib.nullcontext(),
+                    record_routing(model) if records and key == OLD_LOGPROBS else contextlib.nullcontext() as record,
                 ):  # the reference's pass computes no critic values
                     values = context.logprobs(sliced, temperature)
+                if record is not None:  # every rank of the SP group gathers, the padding micro-batch's too
+                    experts = whole_sequence(context, _per_token(record, sliced), whole["input_ids"].shape[1])
+                    if real and parallel.sp_rank == 0:
+                        for position, sample in enumerate(members):
+                            routing[index_of[id(sample)]] = _sample_experts(whole, experts, members, position)
             if not real:
                 continue
             values = whole_sequence(context, values, whole["input_ids"].shape[1])
@@ -143,12 +154,46 @@ def fill(context: Any, samples: list[RolloutSample], plans: Plans) -> None:
             continue
         for index, sample in enumerate(samples):
             setattr(sample, attribute, merged[index])
+    if records:
+        for part in all_gather_objects(routing, context.control_group):
+            for index, experts in part.items():
+                samples[index].routed_experts = experts
 
 
 def model_logprobs(model: torch.nn.Module, batch: Mapping[str, Any], request: LogprobRequest) -> dict[str, Any]:
     """The model's {"logprobs", "entropy"} of `request` on a prepared micro-batch (the LM head fused with them
     unless `model.fused_lm_head` is false: `LogprobRequest`)."""
     return model(**{k: v for k, v in batch.items() if not is_labels_key(k)}, logprobs=request)
+
+
+def replayed(model: torch.nn.Module, batch: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
+    """Pops the micro-batch's `routed_experts` ([B, S, layers, top_k], this rank's shard) and returns the context
+    in which `model` routes its tokens to them (`replay_routing`); a null context where the batch carries none."""
+    experts = batch.pop(ROUTED_EXPERTS, None)
+    if experts is None:
+        return contextlib.nullcontext()
+    return replay_routing(model, list(experts.flatten(0, 1).unbind(1)))
+
+
+def _per_token(record: list[torch.Tensor | None], batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """A forward's recording (`record_routing`: per layer [B * S, top_k]) as [B, S, layers, top_k] on the host."""
+    rows, length = batch["input_ids"].shape[:2]
+    return torch.stack(record, dim=1).view(rows, length, len(record), -1).cpu()  # type: ignore[arg-type]
+
+
+def _sample_experts(
+    whole: Mapping[str, torch.Tensor], experts: torch.Tensor, members: Sequence[RolloutSample], position: int
+) -> torch.Tensor:
+    """Sample `position`'s [len(sample), layers, top_k] experts from a collated micro-batch's [B, S, layers, top_k]
+    (packed: its branch, after its shared prefix's)."""
+    sample = members[position]
+    ids = whole[SEQUENCE_IDS]
+    if ids.shape[0] == len(members):
+        return compact_experts(experts[position, : len(sample)])
+    at = torch.nonzero(ids[0] == position)[:, 0]
+    shared = len(sample) - len(at)
+    prefix = experts[0, prefix_positions(ids[0], int(at[0]), shared)] if shared else experts[0, :0]
+    return compact_experts(torch.cat([prefix, experts[0, at]]))
 
 
 @torch.no_grad()
@@ -159,7 +204,8 @@ def policy_logprobs(
     weights (float64, host; the caller sets eval mode): the pipeline's forward (`RolloutContext.logprobs`)."""
     batch = to_device(micro_batch, device, model.host_inputs)
     request = LogprobRequest(batch[POLICY_LABELS], temperature)
-    return model_logprobs(model, batch, request)["logprobs"].double().cpu()
+    with replayed(model, batch):
+        return model_logprobs(model, batch, request)["logprobs"].double().cpu()
 
 
 def whole_sequence(context: Any, values: torch.Tensor, length: int) -> torch.Tensor:

@@ -159,7 +159,7 @@ def _samples_of(
                     truncated=rollout.finish_reason == "length", engine_logprobs=list(rollout.logprobs),
                     model_inputs=prompt.model_inputs, prompt_text=prompt.text,
                     response_text=context.tokenizer.decode(rollout.response_ids, skip_special_tokens=True),
-                    where=prompt.where, version=version,
+                    where=prompt.where, version=version, routed_experts=rollout.routed_experts,
                 )
             )  # fmt: skip
     score(context, k, samples, [prompts[s.group] for s in samples], version)

@@ -7,6 +7,9 @@ log-probabilities of its response tokens (filled after the rollout, `RolloutBatc
 micro-batch: `input_ids` = prompt + response, `policy_labels` the response (IGNORE_INDEX for the prompt, and for the
 whole response where `mask_truncated` drops it), and each float per-token key of `veomni_lite.rl.policy_loss` in the
 same shifted frame (the value of response token i sits where it is predicted), padded or packed like the ids.
+`routed_experts` (routing replay, `rl.routing_replay`): a sample's recorded experts, [prompt + response, MoE layers,
+top_k] (uint8 up to 256 experts, else int16 / int32), laid out unshifted like the ids as `ROUTED_EXPERTS` [B, S,
+layers, top_k] int32 (padding: experts 0..top_k-1, a valid choice that no kept value depends on).
 
 `rl.rollouts_path`, one JSON object per line: `group` (consecutive rows of the same group, `num_generations` of them),
 the prompt (`prompt_ids`, or `prompt` as messages or text, rendered like the prompts of the data files), the response
@@ -40,7 +43,18 @@ from veomni_lite.rl.policy_loss import (
     TOKEN_VALUES,
 )
 
-__all__ = ["EVALUATION", "RolloutSample", "batch_name", "collate_rollouts", "read_rollouts"]
+__all__ = [
+    "EVALUATION",
+    "ROUTED_EXPERTS",
+    "RolloutSample",
+    "batch_name",
+    "collate_rollouts",
+    "prefix_positions",
+    "read_rollouts",
+]
+
+ROUTED_EXPERTS = "routed_experts"
+"""The micro-batch key of the replayed experts, [B, S, MoE layers, top_k] (sliced under SP like the ids)."""
 
 EVALUATION = -1
 """The batch number of an evaluation's greedy generation (`RLTrainer.evaluate`), which is no rollout batch."""
@@ -77,6 +91,7 @@ class RolloutSample:
     token_advantages: list[float] | None = None  # GAE's per token; else `advantage` at every token
     response_mask: list[int] | None = None  # multi-turn: 1 at the model's tokens, 0 at the environment's (None: all 1)
     episode: dict[str, Any] = field(default_factory=dict)  # multi-turn: turns and counts (`veomni_lite.rl.episodes`)
+    routed_experts: torch.Tensor | None = None  # routing replay: [len(self), MoE layers, top_k] (module docstring)
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
@@ -98,6 +113,8 @@ class RolloutSample:
         if mask_truncated and self.truncated:
             labels[:] = IGNORE_INDEX
         out = {"input_ids": ids, POLICY_LABELS: labels, **self.model_inputs}
+        if self.routed_experts is not None:
+            out[ROUTED_EXPERTS] = self.routed_experts
         values = {
             ADVANTAGES: self.token_advantages if self.token_advantages is not None else [self.advantage] * response,
             OLD_LOGPROBS: self.old_logprobs,
@@ -114,6 +131,15 @@ class RolloutSample:
         return out
 
 
+def prefix_positions(sequence_ids: torch.Tensor, first: int, shared: int) -> slice:
+    """In a packed row's `sequence_ids` (1-D), the positions of the shared prefix (`shared` tokens, -2) before the
+    branch starting at `first`: the group's prefix run precedes its branches (`veomni_lite.data.collator.pack`)."""
+    end = first
+    while int(sequence_ids[end - 1]) != -2:
+        end -= 1
+    return slice(end - shared, end)
+
+
 def _shift(value: torch.Tensor) -> torch.Tensor:
     return torch.cat([value[1:], value.new_zeros(1)])
 
@@ -126,7 +152,8 @@ def collate_rollouts(
     padded with 0 (or packed at the sample's positions; 0 for a sample without it). With the critic's returns,
     `value_labels` is a copy of `policy_labels`."""
     floats = TOKEN_VALUES + CRITIC_VALUES
-    base = [{("labels" if k == POLICY_LABELS else k): v for k, v in s.items() if k not in floats} for s in samples]
+    kept = (*floats, ROUTED_EXPERTS)
+    base = [{("labels" if k == POLICY_LABELS else k): v for k, v in s.items() if k not in kept} for s in samples]
     batch = collate(base)
     batch[POLICY_LABELS] = batch.pop("labels")
     rows, length = batch["input_ids"].shape[:2]
@@ -146,9 +173,44 @@ def collate_rollouts(
             for row, value in enumerate(shifted):
                 out[row, : value.numel()] = value
             batch[key] = out
+    if any(ROUTED_EXPERTS in s for s in samples):
+        batch[ROUTED_EXPERTS] = _lay_out_experts(samples, batch, where)
     if RETURNS in batch:  # the critic's head trains on the policy's tokens
         batch[VALUE_LABELS] = batch[POLICY_LABELS].clone()
     return batch
+
+
+def _lay_out_experts(
+    samples: Sequence[Mapping[str, torch.Tensor]], batch: Mapping[str, torch.Tensor], where: list[torch.Tensor]
+) -> torch.Tensor:
+    """The samples' `routed_experts` at their tokens' positions in the collated `batch` (unshifted, like the ids):
+    [B, S, layers, top_k] int32; a packed shared prefix gets its first sample's (the same tokens, run once)."""
+    missing = [i for i, s in enumerate(samples) if ROUTED_EXPERTS not in s]
+    if missing:
+        raise ValueError(f"routing replay: samples {missing} of the micro-batch have no recorded experts")
+    layers, top_k = samples[0][ROUTED_EXPERTS].shape[1:]
+    rows, length = batch["input_ids"].shape[:2]
+    out = torch.arange(top_k, dtype=torch.int32).expand(rows, length, layers, top_k).clone()
+    filled: set[int] = set()
+    for index, sample in enumerate(samples):
+        experts = sample[ROUTED_EXPERTS].to(torch.int32)
+        if experts.shape != (len(sample["input_ids"]), layers, top_k):
+            raise ValueError(
+                f"routing replay: sample {index} holds experts {tuple(experts.shape)} for "
+                f"{len(sample['input_ids'])} tokens, {layers} layers, top_k {top_k}"
+            )
+        if not where:
+            out[index, : len(experts)] = experts
+            continue
+        at = torch.nonzero(where[index])[:, 0]
+        shared = len(experts) - len(at)
+        out[0, at] = experts[shared:]
+        if shared:
+            prefix = prefix_positions(batch[SEQUENCE_IDS][0], int(at[0]), shared)
+            if prefix.start not in filled:  # the group's first sample's
+                filled.add(prefix.start)
+                out[0, prefix] = experts[:shared]
+    return out
 
 
 def _ids(value: Any, where: str, key: str, vocab_size: int) -> list[int]:

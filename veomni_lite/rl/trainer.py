@@ -14,10 +14,18 @@ Each optimizer step then runs the loop's step (the loop marks and SP-slices the 
 step; `RLTrainer.forward` asks the model for the response tokens' log-probabilities and entropies (`LogprobRequest`:
 the LM head fused with them, the [tokens, vocab] logits never whole) and turns them into the policy loss
 (`PolicyLoss`). `evaluate`: greedy responses to the eval prompts.
+
+Mixture-of-experts policies: RL's router load-balancing coefficient defaults to 0 (`moe.aux_loss_coef` unset; set it
+to train the head): the balance term is not the reward's, and its gradient moves the router away from the routing
+the rollouts were sampled with (TRL and Unsloth set it to 0 for GRPO). `rl.routing_replay` (`old` or `rollout`): a
+micro-batch carries the experts to route to (`routed_experts`); `forward` replays them, its record of the model's
+own choices giving `rl/routing/mismatch`, and keeps the replay on until the micro-batch's backward has run (an
+activation-checkpointing recompute replays the same experts).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -29,6 +37,7 @@ from typing import Any
 
 import torch
 
+from veomni_lite.config import ConfigError
 from veomni_lite.data.checks import DataError
 from veomni_lite.data.loader import StepLoader
 from veomni_lite.data.sft import read_sources
@@ -36,23 +45,25 @@ from veomni_lite.distributed.collectives import agree, all_reduce
 from veomni_lite.engines.base import RolloutEngine
 from veomni_lite.engines.embedded import TransformersEngine
 from veomni_lite.engines.weights import engine_model
+from veomni_lite.loss_keys import IGNORE_INDEX
 from veomni_lite.metrics.accumulator import MetricSpec
 from veomni_lite.metrics.sinks import Panel
 from veomni_lite.models.heads import LogprobRequest
 from veomni_lite.models.pretrained import read_model_directory
+from veomni_lite.models.routing import record_routing, routers, routing_mismatch
 from veomni_lite.post_training import ReferenceWeights
 from veomni_lite.rl.config import POLICY, RLConfig
 from veomni_lite.rl.critic import VALUE, VALUE_LABELS, Critic
 from veomni_lite.rl.episodes import make_agent
 from veomni_lite.rl.loader import RolloutLoader
-from veomni_lite.rl.logprob_pass import model_logprobs, policy_logprobs, probe
+from veomni_lite.rl.logprob_pass import model_logprobs, policy_logprobs, probe, replayed
 from veomni_lite.rl.pipeline import RolloutContext, RolloutPipeline
 from veomni_lite.rl.policy_loss import POLICY_LABELS, PolicyLoss
 from veomni_lite.rl.prompts import PromptSet, encode_row, read_prompts
 from veomni_lite.rl.records import RolloutRecords, rollout_specs
 from veomni_lite.rl.rewards import check_answers, load_rewards
 from veomni_lite.rl.rollout_batch import generate, sampling
-from veomni_lite.rl.rollouts import EVALUATION, RolloutSample, collate_rollouts, read_rollouts
+from veomni_lite.rl.rollouts import EVALUATION, ROUTED_EXPERTS, RolloutSample, collate_rollouts, read_rollouts
 from veomni_lite.trainer.base import shard_micro_batch
 from veomni_lite.trainer.sft import SFTTrainer
 
@@ -82,6 +93,9 @@ class RLTrainer(SFTTrainer):
         self.agent: Any = None  # multi-turn: the episodes' `Agent`
         self.rollouts: RolloutPipeline | None = None  # built once the model and the engine exist (`on_model_built`)
         self.critic = Critic.of(self.rl)  # rl.advantage: gae: the value head and its loss (`veomni_lite.rl.critic`)
+        self.replay = contextlib.ExitStack()  # a micro-batch's routing replay, from its forward through its backward
+        if config.moe.aux_loss_coef is None:  # RL trains no load balancing unless asked (the module docstring)
+            config.moe.aux_loss_coef = 0.0
         super().__init__(config)
         self.records = RolloutRecords(self.output_dir, self.is_main, self.rl.rollouts_sample)
         self.records.trim_file(self.step)
@@ -211,6 +225,11 @@ class RLTrainer(SFTTrainer):
     def on_model_built(self) -> None:
         """The reference (the initial weights, where `rl.kl_coef` > 0), the rollout engine, and the rollout pipeline
         with its context."""
+        if self.rl.routing_replay != "none" and not routers(self.model):
+            raise ConfigError(
+                f"rl.routing_replay: {self.rl.routing_replay}, but the policy "
+                f"({type(self.model).__name__}) has no mixture-of-experts router; set rl.routing_replay none"
+            )
         if self.rl.kl_coef:
             skip = self.critic.parameters(self.model) if self.critic is not None else ()
             self.reference = ReferenceWeights(self.model, skip)
@@ -259,7 +278,8 @@ class RLTrainer(SFTTrainer):
             )  # fmt: skip
         model = engine_model(self.model_config, self.config.parallel.master_dtype)
         counts = self.images.token_counts if self.images is not None else None
-        return TransformersEngine(model, self.device, image_tokens=counts)
+        record = self.rl.routing_replay == "rollout"
+        return TransformersEngine(model, self.device, image_tokens=counts, record_experts=record)
 
     def close(self) -> None:
         """The engine released too (a launched vLLM server stopped), then the trainer's own."""
@@ -287,10 +307,18 @@ class RLTrainer(SFTTrainer):
 
     def forward(self, micro_batch: Mapping[str, Any]) -> Mapping[str, Any]:
         """The policy loss of one micro-batch from the model's log-probabilities and entropies (see `PolicyLoss`)."""
+        self.replay.close()  # the previous micro-batch's backward has run
         batch = self.preforward(micro_batch)
+        given = batch.get(ROUTED_EXPERTS)
+        own = self.replay.enter_context(record_routing(self.model)) if given is not None else None
+        self.replay.enter_context(replayed(self.model, batch))  # after the record: it sees the model's own top-k
         request = LogprobRequest(batch[POLICY_LABELS], self.rl.temperature, entropy=True)
         outputs = model_logprobs(self.model, batch, request)
         loss = self.policy(outputs, batch, self.parallel.sp_group if self.parallel.sp_size > 1 else None)
+        if own is not None:
+            valid = batch[POLICY_LABELS] != IGNORE_INDEX  # the positions whose predictions train
+            experts = list(given.flatten(0, 1).unbind(1))
+            loss["metrics"]["rl/routing/mismatch"] = routing_mismatch(own, experts, valid)
         if self.critic is None:
             return loss
         return self.critic.add_value_loss(loss, batch, f"{POLICY}_loss", self.step)
@@ -299,13 +327,18 @@ class RLTrainer(SFTTrainer):
         """The loop's step, with the metrics of the rollout batch it starts (if it starts one), its times and the
         rollouts sample recorded (`RolloutRecords.flush`)."""
         start = time.perf_counter()
-        super().train_step(micro_batches)
+        try:
+            super().train_step(micro_batches)
+        finally:
+            self.replay.close()
         self.metrics.train.record("time/train_s", time.perf_counter() - start)
         self.loader.trained = self.step
         self.records.flush(self.metrics, self.step, self.loader.take_made(), self.rollouts.last)
 
     def metric_specs(self) -> list[MetricSpec]:
         specs = rollout_specs(self.rl, [r.name for r in getattr(self, "rewards", [])])
+        if self.rl.routing_replay != "none":
+            specs.append(MetricSpec("rl/routing/mismatch", "mean"))
         return specs + (self.critic.specs() if self.critic is not None else [])
 
     @torch.no_grad()
