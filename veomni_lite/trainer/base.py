@@ -129,6 +129,21 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float, decay_on: str 
     return [{"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0}]
 
 
+def by_mesh(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each group split into one per device mesh of its parameters (same settings): AdamW's foreach and fused kernels
+    cannot mix DTensors of two meshes, as expert parallelism's experts and FSDP2's other parameters are. One mesh:
+    the groups unchanged."""
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for group in groups:
+        meshes: dict[int | None, list[torch.nn.Parameter]] = {}
+        for param in group["params"]:
+            meshes.setdefault(id(param.device_mesh) if isinstance(param, DTensor) else None, []).append(param)
+        out += [{**group, "params": params} for params in meshes.values()] if len(meshes) > 1 else [group]
+    return out
+
+
 # optim.implementation -> AdamW's (foreach, fused); auto is torch's own choice.
 ADAMW_KERNELS: dict[str, tuple[bool | None, bool | None]] = {
     "auto": (None, None),
@@ -141,10 +156,11 @@ ADAMW_KERNELS: dict[str, tuple[bool | None, bool | None]] = {
 def build_optimizer(
     model: torch.nn.Module, optim: OptimConfig, groups: list[dict[str, Any]] | None = None
 ) -> torch.optim.AdamW:
-    """AdamW over `groups` (default `parameter_groups`), with the config's lr, betas, eps and kernels."""
+    """AdamW over `groups` (default `parameter_groups`), with the config's lr, betas, eps and kernels; each group
+    split by the parameters' device mesh (`by_mesh`)."""
     foreach, fused = ADAMW_KERNELS[optim.implementation]
     return torch.optim.AdamW(
-        parameter_groups(model, optim.weight_decay, optim.weight_decay_on) if groups is None else groups,
+        by_mesh(parameter_groups(model, optim.weight_decay, optim.weight_decay_on) if groups is None else groups),
         lr=optim.lr,
         betas=(optim.betas[0], optim.betas[1]),
         eps=optim.eps,
@@ -217,6 +233,7 @@ class BaseTrainer(ABC):
             config.parallel.sp_size,
             timeout_s=config.parallel.collective_timeout_s,
             dp_replicate=config.parallel.dp_replicate,
+            ep_size=config.parallel.ep_size,
         )
         self.rank = self.parallel.rank
         self.is_main = self.rank == 0

@@ -1,0 +1,231 @@
+"""Expert parallelism (`parallel.ep_size`) on real gloo ranks, float64 (the tiny Qwen3-MoE of `moe_fixtures`: 8
+experts, top-2, 2 layers, float64 routers), against ep_size 1 on the same layout, step by step.
+
+Each layout trains 3 optimizer steps the trainer's way (`LossStep` with the router heads' counts and the previous
+step's global-batch counts in its one all-reduce, `RouterLosses.routed`, FSDP2 via `apply_fsdp`, the clipped global
+grad norm, AdamW): every head's global loss (foundation, router_aux, router_z), the grad norm and every parameter
+after each step equal ep_size 1's to float64 rounding. The micro-batches hold uneven expert loads (a micro-batch of
+one 2-token row: most experts get no row from that rank; checked, not assumed), an empty micro-batch (a padding copy
+on every rank but one) and gradient accumulation; each rank makes the same number of all-to-alls on the ep group
+(counted), 5 per MoE layer and micro-batch (3 forward, 2 backward). A dispatch that sends rows to the wrong experts
+fails the comparison (negative control). A DCP checkpoint of ep_size 2 resumes at ep_size 1 and 4 with the next step
+of the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.dist_helpers import run_distributed
+from tests.models.moe_fixtures import moe_samples, padded, tiny_moe
+from veomni_lite.config_sections import OptimConfig
+from veomni_lite.data.packing import padding_micro_batch
+from veomni_lite.distributed import expert_parallel
+from veomni_lite.distributed.collectives import all_reduce
+from veomni_lite.distributed.fsdp import apply_fsdp, checkpoint_activations, set_gradient_sync
+from veomni_lite.distributed.grad_norm import clip_global_grad_norm
+from veomni_lite.distributed.parallel_state import destroy_parallel_state, get_parallel_state, init_parallel_state
+from veomni_lite.distributed.sequence_parallel import slice_micro_batch
+from veomni_lite.models.moe import RouterLosses
+from veomni_lite.plain_loop import LossStep
+from veomni_lite.trainer.base import build_optimizer
+from veomni_lite.trainer.checkpoint import CheckpointManager
+from veomni_lite.utils.loss_utils import step_slots
+
+STEPS = 3
+GA = 2
+F64 = 1e-10  # float64 rounding, amplified by AdamW where a gradient is tiny (g / sqrt(v))
+
+
+def _micro_batches(step: int, dp: int, dp_rank: int, sp: int, sp_rank: int) -> list[dict[str, torch.Tensor]]:
+    """This rank's micro-batches of `step`: its share of 8 samples in GA micro-batches, then one micro-batch that
+    holds a 2-token row on dp rank 0 and is an empty (padding) copy of it elsewhere."""
+    samples = moe_samples(seed=10 + step)
+    mine = samples[dp_rank::dp]
+    per = len(mine) // GA
+    batches = [padded(mine[i * per : (i + 1) * per]) for i in range(GA)]
+    tiny = padded([{"input_ids": samples[0]["input_ids"][:2], "labels": samples[0]["input_ids"][:2]}])
+    batches.append(tiny if dp_rank == 0 else padding_micro_batch(tiny))
+    return [slice_micro_batch(batch, sp_rank, sp) for batch in batches]
+
+
+@contextlib.contextmanager
+def counting_ep_all_to_alls(log: list[int]) -> Iterator[None]:
+    """Count `all_to_all_single` calls on the ep group (Ulysses' own on the sp group are not counted)."""
+    import torch.distributed as dist
+
+    original = dist.all_to_all_single
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        group = kwargs.get("group", args[4] if len(args) > 4 else None)
+        if group is not None and group is get_parallel_state().ep_group:
+            log.append(1)
+        return original(*args, **kwargs)
+
+    dist.all_to_all_single = counted
+    try:
+        yield
+    finally:
+        dist.all_to_all_single = original
+
+
+def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole (collective: every rank, same order)."""
+    return {
+        name: (param.full_tensor() if hasattr(param, "full_tensor") else param).detach().clone()
+        for name, param in model.named_parameters()
+    }
+
+
+def _build(world: int, sp: int, ep: int, checkpointing: bool = False) -> tuple[Any, RouterLosses, Any]:
+    state = init_parallel_state(world // sp, sp, timeout_s=120, ep_size=ep)
+    model = tiny_moe()
+    router = RouterLosses(model, "global-batch", aux_coef=0.1, z_coef=0.01)
+    if sp > 1:
+        model.enable_sequence_parallel(state.sp_group)
+    if checkpointing:
+        checkpoint_activations(model.layers)
+    model = apply_fsdp(model, state, model.layers)
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-2, weight_decay=0.01))
+    return model, router, optimizer
+
+
+def _train_steps(model: Any, router: RouterLosses, optimizer: Any, steps: range) -> list[dict[str, Any]]:
+    """The trainer's step sequence (see the module docstring); per step: the heads' global losses, the grad norm,
+    the ep all-to-alls of this rank, whether some expert got no row from this rank in some forward, the parameters."""
+    state = get_parallel_state()
+    keys = ("foundation_loss", *router.loss_keys)
+    idle: list[bool] = []
+    hooks = [
+        experts.register_forward_pre_hook(
+            lambda _m, args: idle.append(bool((torch.bincount(args[1].reshape(-1), minlength=8) == 0).any()))
+        )
+        for experts in expert_parallel.expert_modules(model)
+    ]
+    records = []
+    for step_index in steps:
+        batches = _micro_batches(step_index, state.dp_size, state.dp_rank, state.sp_size, state.sp_rank)
+        calls: list[int] = []
+        with counting_ep_all_to_alls(calls):
+            step = LossStep(batches, marked=True, extra_counts=router.counts, slots=router.step_slots(torch.device("cpu")))
+            router.set_global_counts(step_slots(keys, step.tokens))
+            heads = torch.zeros(len(keys), dtype=torch.float64)
+            for index, (batch, tokens) in enumerate(step):
+                set_gradient_sync(model, index == len(step) - 1)
+                outputs = router.routed(model, batch, lambda b: model(**b))
+                scaled = step.scaled({key: outputs[key] for key in keys}, tokens)
+                sum(scaled.values()).backward()
+                heads += torch.stack([scaled[key].detach() for key in keys])
+            params = [p for p in model.parameters() if p.requires_grad]
+            norm, _ = clip_global_grad_norm(params, 0.5, heads.sum(), state.world_group)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        heads = all_reduce(heads, op="sum", group=state.world_group)
+        records.append(
+            {"heads": dict(zip(keys, heads.tolist())), "grad_norm": float(norm), "all_to_alls": len(calls)}
+            | {"idle_expert": any(idle), "params": _full(model)}
+        )
+        idle.clear()
+    for hook in hooks:
+        hook.remove()
+    return records
+
+
+def _layouts(rank: int, world: int, layouts: list[tuple[int, int, bool]], broken: bool = False) -> dict[str, Any]:
+    """Train each (sp, ep, activation checkpointing) layout from the same start; `broken`: the experts' dispatch
+    sends each row to the next local expert (the negative control)."""
+    if broken:
+        original = expert_parallel.grouped_linear
+        expert_parallel.grouped_linear = lambda x, w, counts, t: original(x, w.roll(1, 0), counts, t)
+    out = {}
+    for sp, ep, checkpointing in layouts:
+        model, router, optimizer = _build(world, sp, ep, checkpointing)
+        out[f"sp{sp}_ep{ep}" + ("_ac" if checkpointing else "")] = _train_steps(model, router, optimizer, range(STEPS))
+        destroy_parallel_state()
+    return out
+
+
+def assert_steps_equal(got: list[dict[str, Any]], want: list[dict[str, Any]], what: str) -> float:
+    """Every head, the grad norm and every parameter of each step equal to float64 rounding; returns the worst
+    relative difference."""
+    worst = 0.0
+    for step, (have, ref) in enumerate(zip(got, want, strict=True)):
+        for key, value in ref["heads"].items():
+            worst = max(worst, abs(have["heads"][key] - value) / abs(value))
+        worst = max(worst, abs(have["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"])
+        for name, param in ref["params"].items():
+            worst = max(worst, float((have["params"][name] - param).abs().max() / param.abs().max()))
+        assert worst < F64, f"{what} step {step + 1}: {worst:.2e}"
+    return worst
+
+
+def _check_against_ep1(results: list[dict[str, Any]], layouts: list[tuple[int, int, bool]]) -> None:
+    for rank_result in results:  # every rank gathered the same whole parameters
+        for sp, ep, ac in layouts:
+            name = f"sp{sp}_ep{ep}" + ("_ac" if ac else "")
+            reference = rank_result[f"sp{sp}_ep1"]
+            worst = assert_steps_equal(rank_result[name], reference, name)
+            print(f"{name}: worst relative difference to ep 1 over {STEPS} steps {worst:.1e}")
+            for step in rank_result[name]:
+                layers, micro_batches = 2, GA + 1
+                assert step["all_to_alls"] == (5 + 3 * ac) * layers * micro_batches if ep > 1 else 0, name
+    assert any(step["idle_expert"] for r in results for step in r["sp1_ep2"]), "no rank left an expert idle"
+    first = results[0]["sp1_ep1"]
+    assert all(step["heads"]["router_aux_loss"] > 0 and step["heads"]["router_z_loss"] > 0 for step in first)
+    assert first[0]["params"].keys() == first[-1]["params"].keys()
+    moved = max(float((a - b).abs().max()) for a, b in zip(first[0]["params"].values(), first[-1]["params"].values()))
+    assert moved > 1e-4  # the steps train
+
+
+@pytest.mark.slow
+def test_dp2_ep2_with_activation_checkpointing_equals_ep1_and_a_wrong_dispatch_does_not():
+    layouts = [(1, 1, False), (1, 2, False), (1, 2, True)]
+    _check_against_ep1(run_distributed(_layouts, 2, layouts, timeout_s=600), layouts)
+    broken = run_distributed(_layouts, 2, [(1, 1, False), (1, 2, False)], True, timeout_s=600)[0]
+    with pytest.raises(AssertionError, match="sp1_ep2 step 1"):
+        assert_steps_equal(broken["sp1_ep2"], broken["sp1_ep1"], "sp1_ep2")
+
+
+@pytest.mark.slow
+def test_dp4_ep2_dp4_ep4_and_dp2_sp2_ep2_equal_ep1():
+    layouts = [(1, 1, False), (1, 2, False), (1, 4, False), (2, 1, False), (2, 2, False)]
+    _check_against_ep1(run_distributed(_layouts, 4, layouts, timeout_s=900), layouts)
+
+
+# ---------------------------------------------------------------- checkpoints across ep sizes
+
+
+def _resume_across(rank: int, world: int, root: str) -> dict[str, Any]:
+    """ep 2: 2 steps, a DCP checkpoint (model, optimizer, the router's counts), the 3rd step; then ep 1 and ep 4 each
+    resume from the checkpoint and train the 3rd step."""
+    out = {}
+    model, router, optimizer = _build(world, 1, 2)
+    _train_steps(model, router, optimizer, range(2))
+    manager = CheckpointManager(Path(root))
+    state = get_parallel_state()
+    router_state = router.state_dict(state.world_group, rank == 0)
+    manager.save(2, model, optimizer, {"router": router_state}, {})
+    out["uninterrupted"] = _train_steps(model, router, optimizer, range(2, 3))
+    destroy_parallel_state()
+    for ep in (1, 4):
+        model, router, optimizer = _build(world, 1, ep)
+        step, trainer_state, _ = manager.load_latest(model, optimizer)
+        assert step == 2
+        router.load_state_dict(trainer_state["router"], rank == 0)
+        out[f"ep{ep}"] = _train_steps(model, router, optimizer, range(2, 3))
+        destroy_parallel_state()
+    return out
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_ep2_resumes_at_ep1_and_ep4_with_the_uninterrupted_step(tmp_path):
+    result = run_distributed(_resume_across, 4, str(tmp_path / "checkpoints"), timeout_s=900)[0]
+    for ep in (1, 4):
+        worst = assert_steps_equal(result[f"ep{ep}"], result["uninterrupted"], f"resumed at ep {ep}")
+        print(f"resumed at ep {ep}: worst relative difference {worst:.1e}")
