@@ -174,7 +174,7 @@ def _check_against_ep1(results: list[dict[str, Any]], layouts: list[tuple[int, i
             print(f"{name}: worst relative difference to ep 1 over {STEPS} steps {worst:.1e}")
             for step in rank_result[name]:
                 layers, micro_batches = 2, GA + 1
-                assert step["all_to_alls"] == (5 + 3 * ac) * layers * micro_batches if ep > 1 else 0, name
+                assert step["all_to_alls"] == ((5 + 3 * ac) * layers * micro_batches if ep > 1 else 0), name
     assert any(step["idle_expert"] for r in results for step in r["sp1_ep2"]), "no rank left an expert idle"
     first = results[0]["sp1_ep1"]
     assert all(step["heads"]["router_aux_loss"] > 0 and step["heads"]["router_z_loss"] > 0 for step in first)
