@@ -229,3 +229,150 @@ def test_a_checkpoint_of_ep2_resumes_at_ep1_and_ep4_with_the_uninterrupted_step(
     for ep in (1, 4):
         worst = assert_steps_equal(result[f"ep{ep}"], result["uninterrupted"], f"resumed at ep {ep}")
         print(f"resumed at ep {ep}: worst relative difference {worst:.1e}")
+
+
+# ---------------------------------------------------------------- weights: a transformers directory, whole tensors out
+
+
+def _load_directory(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """At ep 1, 2 and 4: the directory read into the shards (bytes each rank reads, which experts), every parameter
+    gathered against transformers' whole load, and the engines' whole weights (`full_hf_state`)."""
+    from torch.distributed.checkpoint import hf_storage
+
+    from veomni_lite.engines.weights import full_hf_state
+    from veomni_lite.models.registry import family_of
+    from veomni_lite.models.sharded_load import build_on_meta, load_into_shards
+
+    whole = family_of(build_on_meta(directory).config).load(directory).state_dict()
+    read: list[tuple[str, int, int]] = []  # (stored name, its expert or -1, bytes read)
+    original = hf_storage.HuggingFaceStorageReader._process_read_request
+
+    def counted(self: Any, f: Any, req: Any, planner: Any) -> None:
+        name = req.storage_index.fqn
+        expert = int(name.split(".experts.")[1].split(".")[0]) if ".experts." in name else -1
+        width = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2}[f.get_slice(name).get_dtype()]
+        read.append((name, expert, torch.Size(req.lengths).numel() * width))
+        original(self, f, req, planner)
+
+    hf_storage.HuggingFaceStorageReader._process_read_request = counted
+    out = {}
+    try:
+        for ep in (1, 2, 4):
+            state = init_parallel_state(world, 1, timeout_s=120, ep_size=ep)
+            model = build_on_meta(directory)
+            apply_fsdp(model, state, model.layers)
+            model.to_empty(device="cpu")
+            read.clear()
+            load_into_shards(model, directory)
+            diffs = {n: float((p.full_tensor() - whole[n]).abs().max()) for n, p in model.state_dict().items()}
+            engine = full_hf_state(model)
+            whole_experts = all(
+                torch.equal(engine[n.removeprefix("hf_model.")], whole[n]) for n in whole if "experts" in n
+            )
+            out[ep] = {
+                "bytes": sum(n for _, _, n in read),
+                "expert_bytes": sum(n for _, e, n in read if e >= 0),
+                "experts": sorted({e for _, e, _ in read if e >= 0}),
+                "diff": max(diffs.values()),
+                "engine_whole_experts": whole_experts,
+            }
+            destroy_parallel_state()
+    finally:
+        hf_storage.HuggingFaceStorageReader._process_read_request = original
+    return out
+
+
+@pytest.mark.slow
+def test_a_transformers_directory_loads_into_expert_shards_and_the_engines_get_whole_experts(tmp_path):
+    """4 ranks, ep 1, 2 and 4: each rank reads only its 2 of the 8 experts (a quarter of the experts' bytes) and
+    about a quarter of the rest; gathered, every parameter equals transformers' whole load; `full_hf_state` (the
+    vLLM weight sync) gives every expert whole."""
+    from tests.models.moe_configs import make_moe
+
+    make_moe("qwen3_moe").save_pretrained(tmp_path)
+    results = run_distributed(_load_directory, 4, str(tmp_path), timeout_s=900)
+    total = sum(p.numel() * p.element_size() for p in make_moe("qwen3_moe").parameters())
+    experts_total = sum(
+        p.numel() * p.element_size() for n, p in make_moe("qwen3_moe").named_parameters() if "experts" in n
+    )
+    for ep in (1, 2, 4):
+        per_rank = [r[ep] for r in results]
+        print(f"ep {ep}: bytes read per rank {[r['bytes'] for r in per_rank]} of {total} (experts "
+              f"{[r['expert_bytes'] for r in per_rank]} of {experts_total}); experts {[r['experts'] for r in per_rank]}")
+        for rank, r in enumerate(per_rank):
+            assert r["diff"] == 0.0 and r["engine_whole_experts"], (ep, rank)
+            assert len(r["experts"]) == 2 and r["expert_bytes"] == experts_total // 4, (ep, rank, r)
+        assert sorted(e for r in per_rank for e in r["experts"]) == list(range(8))
+
+
+# ---------------------------------------------------------------- the trainer (float32): config, resume, export
+
+
+def _trainer_runs(rank: int, world: int, root: str, runs: dict[str, list[str]]) -> dict[str, Any]:
+    """The text example on a tiny Qwen3-MoE (4 experts, top-2) for each run's arguments, one after the other: rank
+    0's logged events and every rank's whole parameters after the run."""
+    from examples.qwen2_pydoc_text import PydocLMTrainer
+    from tests.models.small_hf import CONFIGS, RUN, SMALL
+    from tests.models.test_moe_families import MOE_RUN
+    from tests.trainer.helpers import read_events
+    from veomni_lite.config import load_config
+
+    out = {}
+    for name, extra in runs.items():
+        directory = str(Path(root) / name)
+        args = [*RUN, *SMALL["text"], *MOE_RUN, "--moe.z_loss_coef", "0.001", "--train.output_dir", directory, *extra]
+        trainer = PydocLMTrainer(load_config(CONFIGS["text"], args, world_size=world))
+        try:
+            trainer.train()
+        finally:
+            trainer.metrics.close()
+            trainer.loader.close()
+        out[name] = {"events": read_events(directory) if rank == 0 else None, "params": _full(trainer.model)}
+        destroy_parallel_state()
+    return out
+
+
+TRAINER_KEYS = ("train/loss", "train/foundation_loss", "train/router_aux_loss", "train/router_z_loss", "train/grad_norm")
+
+
+@pytest.mark.slow
+def test_the_trainer_at_ep2_equals_ep1_resumes_and_exports_transformers_layout(tmp_path):
+    """2 ranks, `parallel.ep_size 2` in the trainer (a model built on rank 0 and scattered into the expert shards,
+    `model.load_sharded`): every logged head and the grad norm equal ep 1's, with LoRA too (experts frozen); a
+    2-step run's checkpoint at ep 2 resumed at ep 1 trains step 3 as the uninterrupted ep 2 run; its export (`python
+    -m veomni_lite.export`) is transformers' layout, which `from_pretrained` loads to the trained parameters."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.trainer.helpers import losses_by_step
+    from veomni_lite.export import export
+
+    constant = ["--optim.schedule", "constant"]  # runs of 2 and 3 steps share their first 2
+    lora = ["--model.lora", "{rank: 4, alpha: 8}"]
+    runs = {
+        "ep1": [*constant, "--train.max_steps", "3"],
+        "ep2": [*constant, "--train.max_steps", "3", "--parallel.ep_size", "2"],
+        "cut": [*constant, "--checkpoint.save_interval", "2", "--parallel.ep_size", "2"],
+        "ep1_lora": [*lora, "--parallel.ep_size", "1"],
+        "ep2_lora": [*lora, "--parallel.ep_size", "2"],
+    }
+    results = run_distributed(_trainer_runs, 2, str(tmp_path), runs, timeout_s=900)[0]
+    resume = [*constant, "--train.max_steps", "3", "--checkpoint.resume", "true", "--parallel.ep_size", "1"]
+    resumed = run_distributed(_trainer_runs, 2, str(tmp_path), {"cut": resume}, timeout_s=900)[0]
+    for ours, ref in ((results["ep2"], results["ep1"]), (results["ep2_lora"], results["ep1_lora"])):
+        for key in TRAINER_KEYS:
+            want, have = losses_by_step(ref["events"], key), losses_by_step(ours["events"], key)
+            assert want and want.keys() == have.keys(), key
+            assert all(have[s] == pytest.approx(want[s], rel=1e-5) for s in want), (key, have, want)
+        for name, value in ref["params"].items():
+            assert torch.allclose(ours["params"][name], value, rtol=1e-5, atol=1e-6), name
+    lora_trained = [n for n in results["ep2_lora"]["params"] if "lora_" in n]
+    assert lora_trained and not any("experts" in n for n in lora_trained)
+    for key in TRAINER_KEYS:  # step 3 of the resumed run (ep 1, from ep 2's checkpoint) = the uninterrupted ep 2
+        uninterrupted = losses_by_step(results["ep2"]["events"], key)[3]
+        assert losses_by_step(resumed["cut"]["events"], key)[3] == pytest.approx(uninterrupted, rel=1e-5), key
+
+    export(tmp_path / "cut", tmp_path / "exported")  # its step-2 checkpoint, written at ep 2
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "exported", dtype=torch.float32).state_dict()
+    trained = {n.removeprefix("hf_model."): p for n, p in results["cut"]["params"].items()}
+    assert loaded.keys() == trained.keys()
+    assert all(torch.equal(loaded[n], trained[n]) for n in loaded), "export round trip"

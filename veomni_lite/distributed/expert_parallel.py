@@ -116,16 +116,26 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, 
     """Rows `x` [N, in] sorted by expert (`counts` [E] rows each) through their expert's `weight` ([E, out, in], or
     [E, in, out] when `transposed`): `torch._grouped_mm` for the dtypes it takes, else one zero-padded `bmm` (float64:
     exact, every row's product alone)."""
-    w = weight if transposed else weight.transpose(1, 2)  # [E, in, out]
-    if x.dtype in _GROUPED_DTYPES and (x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) >= (8, 0)):
-        return torch._grouped_mm(x, w.to(x.dtype), offs=torch.cumsum(counts, 0, dtype=torch.int32))
+    w = (weight if transposed else weight.transpose(1, 2)).to(x.dtype)  # [E, in, out]
+    if _grouped_mm_takes(x, w):
+        return torch._grouped_mm(x, w, offs=torch.cumsum(counts, 0, dtype=torch.int32))
     experts = counts.numel()
     expert = torch.repeat_interleave(torch.arange(experts, device=x.device), counts, output_size=x.shape[0])
     starts = torch.cumsum(counts, 0) - counts
     slot = torch.arange(x.shape[0], device=x.device) - starts[expert]
     longest = int(counts.max()) if experts else 0
     padded = x.new_zeros((experts, longest, x.shape[1])).index_put((expert, slot), x)
-    return torch.bmm(padded, w.to(x.dtype))[expert, slot]
+    return torch.bmm(padded, w)[expert, slot]
+
+
+def _grouped_mm_takes(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` runs these operands: its dtypes, a CUDA device of compute capability 8.0+ (or the
+    CPU), and 16-byte aligned data and strides."""
+    if x.dtype not in _GROUPED_DTYPES or (x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (8, 0)):
+        return False
+    return all(
+        t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride() if s != 1) for t in (x, w)
+    )
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:

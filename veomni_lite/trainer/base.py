@@ -129,18 +129,18 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float, decay_on: str 
     return [{"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0}]
 
 
-def by_mesh(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each group split into one per device mesh of its parameters (same settings): AdamW's foreach and fused kernels
-    cannot mix DTensors of two meshes, as expert parallelism's experts and FSDP2's other parameters are. One mesh:
-    the groups unchanged."""
-    from torch.distributed.tensor import DTensor
+def experts_apart(model: torch.nn.Module, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each group split in two (same settings) where it holds fused routed experts (`expert_modules`) and other
+    parameters: under expert parallelism the experts are DTensors of another mesh than FSDP2's other parameters, which
+    AdamW's foreach and fused kernels cannot mix; split at every ep_size alike, so a checkpoint's groups are the same
+    at every ep size. A model without routed experts: the groups unchanged."""
+    from veomni_lite.distributed.expert_parallel import expert_modules
 
+    experts = {id(p) for module in expert_modules(model) for p in module.parameters()}
     out = []
     for group in groups:
-        meshes: dict[int | None, list[torch.nn.Parameter]] = {}
-        for param in group["params"]:
-            meshes.setdefault(id(param.device_mesh) if isinstance(param, DTensor) else None, []).append(param)
-        out += [{**group, "params": params} for params in meshes.values()] if len(meshes) > 1 else [group]
+        parts = [[p for p in group["params"] if id(p) not in experts], [p for p in group["params"] if id(p) in experts]]
+        out += [{**group, "params": part} for part in parts if part] if all(parts) else [group]
     return out
 
 
@@ -157,10 +157,12 @@ def build_optimizer(
     model: torch.nn.Module, optim: OptimConfig, groups: list[dict[str, Any]] | None = None
 ) -> torch.optim.AdamW:
     """AdamW over `groups` (default `parameter_groups`), with the config's lr, betas, eps and kernels; each group
-    split by the parameters' device mesh (`by_mesh`)."""
+    with the routed experts apart (`experts_apart`)."""
     foreach, fused = ADAMW_KERNELS[optim.implementation]
     return torch.optim.AdamW(
-        by_mesh(parameter_groups(model, optim.weight_decay, optim.weight_decay_on) if groups is None else groups),
+        experts_apart(
+            model, parameter_groups(model, optim.weight_decay, optim.weight_decay_on) if groups is None else groups
+        ),
         lr=optim.lr,
         betas=(optim.betas[0], optim.betas[1]),
         eps=optim.eps,
