@@ -102,18 +102,21 @@ def _train_steps(model: Any, router: RouterLosses, optimizer: Any, steps: range)
     state = get_parallel_state()
     keys = ("foundation_loss", *router.loss_keys)
     idle: list[bool] = []
-    hooks = [
-        experts.register_forward_pre_hook(
-            lambda _m, args: idle.append(bool((torch.bincount(args[1].reshape(-1), minlength=8) == 0).any()))
-        )
-        for experts in expert_parallel.expert_modules(model)
-    ]
+    gathered: list[int] = []  # the experts a forward holds whole (after FSDP2's all-gather)
+
+    def hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        idle.append(bool((torch.bincount(args[1].reshape(-1), minlength=8) == 0).any()))
+        gathered.append(expert_parallel._local(module.gate_up_proj).shape[0])
+
+    hooks = [experts.register_forward_pre_hook(hook) for experts in expert_parallel.expert_modules(model)]
     records = []
     for step_index in steps:
         batches = _micro_batches(step_index, state.dp_size, state.dp_rank, state.sp_size, state.sp_rank)
         calls: list[int] = []
         with counting_ep_all_to_alls(calls):
-            step = LossStep(batches, marked=True, extra_counts=router.counts, slots=router.step_slots(torch.device("cpu")))
+            step = LossStep(
+                batches, marked=True, extra_counts=router.counts, slots=router.step_slots(torch.device("cpu"))
+            )
             router.set_global_counts(step_slots(keys, step.tokens))
             heads = torch.zeros(len(keys), dtype=torch.float64)
             for index, (batch, tokens) in enumerate(step):
@@ -129,9 +132,10 @@ def _train_steps(model: Any, router: RouterLosses, optimizer: Any, steps: range)
         heads = all_reduce(heads, op="sum", group=state.world_group)
         records.append(
             {"heads": dict(zip(keys, heads.tolist())), "grad_norm": float(norm), "all_to_alls": len(calls)}
-            | {"idle_expert": any(idle), "params": _full(model)}
+            | {"idle_expert": any(idle), "gathered_experts": max(gathered), "params": _full(model)}
         )
         idle.clear()
+        gathered.clear()
     for hook in hooks:
         hook.remove()
     return records
@@ -175,6 +179,11 @@ def _check_against_ep1(results: list[dict[str, Any]], layouts: list[tuple[int, i
             for step in rank_result[name]:
                 layers, micro_batches = 2, GA + 1
                 assert step["all_to_alls"] == ((5 + 3 * ac) * layers * micro_batches if ep > 1 else 0), name
+                assert step["gathered_experts"] == 8 // ep, name
+            print(
+                f"{name}: ep all-to-alls per step {rank_result[name][0]['all_to_alls']} ({layers} MoE layers x "
+                f"{micro_batches} micro-batches), experts held whole per forward {step['gathered_experts']} of 8"
+            )
     assert any(step["idle_expert"] for r in results for step in r["sp1_ep2"]), "no rank left an expert idle"
     first = results[0]["sp1_ep1"]
     assert all(step["heads"]["router_aux_loss"] > 0 and step["heads"]["router_z_loss"] > 0 for step in first)
@@ -264,6 +273,7 @@ def _load_directory(rank: int, world: int, directory: str) -> dict[str, Any]:
             model.to_empty(device="cpu")
             read.clear()
             load_into_shards(model, directory)
+            stored, gathered = expert_parallel.expert_bytes(model, ep)
             diffs = {n: float((p.full_tensor() - whole[n]).abs().max()) for n, p in model.state_dict().items()}
             engine = full_hf_state(model)
             whole_experts = all(
@@ -275,6 +285,8 @@ def _load_directory(rank: int, world: int, directory: str) -> dict[str, Any]:
                 "experts": sorted({e for _, e, _ in read if e >= 0}),
                 "diff": max(diffs.values()),
                 "engine_whole_experts": whole_experts,
+                "stored": stored,
+                "gathered": gathered,
             }
             destroy_parallel_state()
     finally:
@@ -297,11 +309,15 @@ def test_a_transformers_directory_loads_into_expert_shards_and_the_engines_get_w
     )
     for ep in (1, 2, 4):
         per_rank = [r[ep] for r in results]
-        print(f"ep {ep}: bytes read per rank {[r['bytes'] for r in per_rank]} of {total} (experts "
-              f"{[r['expert_bytes'] for r in per_rank]} of {experts_total}); experts {[r['experts'] for r in per_rank]}")
+        print(
+            f"ep {ep}: bytes read per rank {[r['bytes'] for r in per_rank]} of {total} (experts "
+            f"{[r['expert_bytes'] for r in per_rank]} of {experts_total}); experts {[r['experts'] for r in per_rank]}; "
+            f"experts held whole by a layer's forward {per_rank[0]['gathered']} bytes"
+        )
         for rank, r in enumerate(per_rank):
             assert r["diff"] == 0.0 and r["engine_whole_experts"], (ep, rank)
-            assert len(r["experts"]) == 2 and r["expert_bytes"] == experts_total // 4, (ep, rank, r)
+            assert len(r["experts"]) == 2 and r["expert_bytes"] == r["stored"] == experts_total // 4, (ep, rank, r)
+            assert r["gathered"] == experts_total // 2 // ep  # one of the 2 layers' experts, E / ep of them
         assert sorted(e for r in per_rank for e in r["experts"]) == list(range(8))
 
 
@@ -309,18 +325,17 @@ def test_a_transformers_directory_loads_into_expert_shards_and_the_engines_get_w
 
 
 def _trainer_runs(rank: int, world: int, root: str, runs: dict[str, list[str]]) -> dict[str, Any]:
-    """The text example on a tiny Qwen3-MoE (4 experts, top-2) for each run's arguments, one after the other: rank
-    0's logged events and every rank's whole parameters after the run."""
+    """The text example for each run's arguments, one after the other: rank 0's logged events and every rank's whole
+    parameters after the run."""
     from examples.qwen2_pydoc_text import PydocLMTrainer
-    from tests.models.small_hf import CONFIGS, RUN, SMALL
-    from tests.models.test_moe_families import MOE_RUN
+    from tests.models.small_hf import CONFIGS, RUN
     from tests.trainer.helpers import read_events
     from veomni_lite.config import load_config
 
     out = {}
     for name, extra in runs.items():
         directory = str(Path(root) / name)
-        args = [*RUN, *SMALL["text"], *MOE_RUN, "--moe.z_loss_coef", "0.001", "--train.output_dir", directory, *extra]
+        args = [*RUN, "--data.seq_len", "32", "--moe.z_loss_coef", "0.001", "--train.output_dir", directory, *extra]
         trainer = PydocLMTrainer(load_config(CONFIGS["text"], args, world_size=world))
         try:
             trainer.train()
@@ -332,7 +347,13 @@ def _trainer_runs(rank: int, world: int, root: str, runs: dict[str, list[str]]) 
     return out
 
 
-TRAINER_KEYS = ("train/loss", "train/foundation_loss", "train/router_aux_loss", "train/router_z_loss", "train/grad_norm")
+TRAINER_KEYS = (
+    "train/loss",
+    "train/foundation_loss",
+    "train/router_aux_loss",
+    "train/router_z_loss",
+    "train/grad_norm",
+)
 
 
 @pytest.mark.slow
@@ -343,21 +364,27 @@ def test_the_trainer_at_ep2_equals_ep1_resumes_and_exports_transformers_layout(t
     -m veomni_lite.export`) is transformers' layout, which `from_pretrained` loads to the trained parameters."""
     from transformers import AutoModelForCausalLM
 
+    from tests.models.small_hf import SMALL
+    from tests.models.test_moe_families import MOE_RUN
     from tests.trainer.helpers import losses_by_step
     from veomni_lite.export import export
 
+    tiny = [*SMALL["text"], *MOE_RUN]  # a tiny Qwen3-MoE (4 experts, top-2) built from the config on rank 0
     constant = ["--optim.schedule", "constant"]  # runs of 2 and 3 steps share their first 2
-    lora = ["--model.lora", "{rank: 4, alpha: 8}"]
     runs = {
-        "ep1": [*constant, "--train.max_steps", "3"],
-        "ep2": [*constant, "--train.max_steps", "3", "--parallel.ep_size", "2"],
-        "cut": [*constant, "--checkpoint.save_interval", "2", "--parallel.ep_size", "2"],
-        "ep1_lora": [*lora, "--parallel.ep_size", "1"],
-        "ep2_lora": [*lora, "--parallel.ep_size", "2"],
+        "ep1": [*tiny, *constant, "--train.max_steps", "3"],
+        "ep2": [*tiny, *constant, "--train.max_steps", "3", "--parallel.ep_size", "2"],
+        "cut": [*tiny, *constant, "--checkpoint.save_interval", "2", "--parallel.ep_size", "2"],
     }
     results = run_distributed(_trainer_runs, 2, str(tmp_path), runs, timeout_s=900)[0]
-    resume = [*constant, "--train.max_steps", "3", "--checkpoint.resume", "true", "--parallel.ep_size", "1"]
-    resumed = run_distributed(_trainer_runs, 2, str(tmp_path), {"cut": resume}, timeout_s=900)[0]
+    export(tmp_path / "cut", tmp_path / "exported")  # its step-2 checkpoint, written at ep 2
+    exported = {n.removeprefix("hf_model."): p for n, p in results["cut"]["params"].items()}
+    # LoRA on the exported directory, read into the expert shards (`load_into_shards`)
+    lora = ["--model.arch", "auto", "--model.pretrained_dir", str(tmp_path / "exported")]
+    lora += ["--model.lora", "{rank: 4, alpha: 8}"]
+    resume = [*tiny, *constant, "--train.max_steps", "3", "--checkpoint.resume", "true", "--parallel.ep_size", "1"]
+    later = {"cut": resume, "ep1_lora": lora, "ep2_lora": [*lora, "--parallel.ep_size", "2"]}
+    results |= run_distributed(_trainer_runs, 2, str(tmp_path), later, timeout_s=900)[0]
     for ours, ref in ((results["ep2"], results["ep1"]), (results["ep2_lora"], results["ep1_lora"])):
         for key in TRAINER_KEYS:
             want, have = losses_by_step(ref["events"], key), losses_by_step(ours["events"], key)
@@ -369,10 +396,28 @@ def test_the_trainer_at_ep2_equals_ep1_resumes_and_exports_transformers_layout(t
     assert lora_trained and not any("experts" in n for n in lora_trained)
     for key in TRAINER_KEYS:  # step 3 of the resumed run (ep 1, from ep 2's checkpoint) = the uninterrupted ep 2
         uninterrupted = losses_by_step(results["ep2"]["events"], key)[3]
-        assert losses_by_step(resumed["cut"]["events"], key)[3] == pytest.approx(uninterrupted, rel=1e-5), key
+        assert losses_by_step(results["cut"]["events"], key)[3] == pytest.approx(uninterrupted, rel=1e-5), key
 
-    export(tmp_path / "cut", tmp_path / "exported")  # its step-2 checkpoint, written at ep 2
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "exported", dtype=torch.float32).state_dict()
-    trained = {n.removeprefix("hf_model."): p for n, p in results["cut"]["params"].items()}
-    assert loaded.keys() == trained.keys()
-    assert all(torch.equal(loaded[n], trained[n]) for n in loaded), "export round trip"
+    assert loaded.keys() == exported.keys()
+    assert all(torch.equal(loaded[n], exported[n]) for n in loaded), "export round trip"
+
+
+def _dense_at_ep2(rank: int, world: int, root: str) -> None:
+    from examples.qwen2_pydoc_text import PydocLMTrainer
+    from tests.models.small_hf import CONFIGS, RUN, SMALL
+    from veomni_lite.config import load_config
+
+    args = [*RUN, *SMALL["text"], "--train.output_dir", root, "--parallel.ep_size", "2"]
+    PydocLMTrainer(load_config(CONFIGS["text"], args, world_size=world))
+
+
+@pytest.mark.slow
+def test_ep_size_on_a_dense_model_is_a_config_error_on_every_rank(tmp_path):
+    from tests.dist_helpers import run_ranks
+
+    outcomes = run_ranks(_dense_at_ep2, 2, str(tmp_path), timeout_s=300)
+    for status, value in outcomes.values():
+        assert (
+            status == "error" and "ConfigError: parallel.ep_size (2): HFCausalLM has no fused routed experts" in value
+        )

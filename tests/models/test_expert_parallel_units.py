@@ -51,21 +51,30 @@ def test_ep_size_that_cannot_split_the_experts_is_a_config_error_naming_it():
     assert len(expert_modules(moe)) == 2
     check_expert_parallel(moe, 2)
     check_expert_parallel(moe, 3)
-    with pytest.raises(ConfigError, match=r"parallel\.ep_size \(4\) does not divide the 6 experts of Qwen3MoeExperts"):
+    with pytest.raises(ValueError, match=r"parallel\.ep_size \(4\) does not divide the 6 experts of Qwen3MoeExperts"):
         check_expert_parallel(moe, 4)
     dense = HFCausalLM.from_config(
-        hf_config_from_dict({"model_type": "qwen3", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
-                             "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-                             "head_dim": 8})  # fmt: skip
+        hf_config_from_dict(
+            {
+                "model_type": "qwen3",
+                "vocab_size": 64,
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 8,
+            }
+        )  # fmt: skip
     )
     check_expert_parallel(dense, 1)
-    with pytest.raises(ConfigError, match=r"parallel\.ep_size \(2\): HFCausalLM has no fused routed experts"):
+    with pytest.raises(ValueError, match=r"parallel\.ep_size \(2\): HFCausalLM has no fused routed experts"):
         check_expert_parallel(dense, 2)
 
 
 def test_ep_size_not_dividing_the_world_or_with_hsdp_is_a_config_error(tmp_path):
-    from veomni_lite.config import load_config
     from tests.models.small_hf import CONFIGS, RUN, SMALL
+    from veomni_lite.config import load_config
 
     def config(world: int, *extra: str):
         args = [*RUN, *SMALL["text"], *MOE_RUN, "--train.output_dir", str(tmp_path), *extra]

@@ -33,10 +33,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from veomni_lite.config_sections import ConfigError
 from veomni_lite.distributed.parallel_state import ParallelState
 
-__all__ = ["EXPERT_PARAMS", "check_expert_parallel", "ep_forward", "expert_modules", "grouped_linear", "shard_experts"]
+__all__ = [
+    *("EXPERT_PARAMS", "check_expert_parallel", "ep_forward", "expert_bytes", "expert_modules", "grouped_linear"),
+    "shard_experts",
+]
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what torch's grouped_mm takes
@@ -53,29 +55,41 @@ def expert_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def check_expert_parallel(model: nn.Module, ep_size: int) -> None:
-    """Raise ConfigError (every rank alike: from the model and config, before any collective) naming what cannot be
-    split over `ep_size` ranks: a model without fused experts, a layer whose number of experts ep_size does not
-    divide, experts with biases or a post-expert norm (GPT-OSS)."""
+    """Raise ValueError (every rank alike: from the model and config, before any collective; the trainer raises it as
+    a ConfigError) naming what cannot be split over `ep_size` ranks: a model without fused experts, a layer whose
+    number of experts ep_size does not divide, experts with biases or a post-expert norm (GPT-OSS)."""
     if ep_size == 1:
         return
     modules = expert_modules(model)
     if not modules:
-        raise ConfigError(
+        raise ValueError(
             f"parallel.ep_size ({ep_size}): {type(model).__name__} has no fused routed experts (not a mixture of "
             "experts transformers holds as 3-D gate_up_proj / down_proj); set parallel.ep_size 1"
         )
     for module in modules:
         experts = module.gate_up_proj.shape[0]
         if experts % ep_size:
-            raise ConfigError(
+            raise ValueError(
                 f"parallel.ep_size ({ep_size}) does not divide the {experts} experts of {type(module).__name__}: "
                 "each ep rank holds the same number of whole experts"
             )
         if module.has_bias or module.has_post_expert_norm or not module.has_gate:
-            raise ConfigError(
+            raise ValueError(
                 f"parallel.ep_size ({ep_size}): {type(module).__name__}'s experts (biases, a post-expert norm or no "
                 "gate) are not supported under expert parallelism; set parallel.ep_size 1"
             )
+
+
+def expert_bytes(model: nn.Module, ep_size: int) -> tuple[int, int]:
+    """(the bytes of the routed experts this rank stores: its shards, E / world of every layer's under FSDP2 at any
+    ep size; the bytes one MoE layer's forward holds whole after FSDP2's all-gather: its E / ep_size experts, the
+    largest layer's). Local: no collective."""
+    stored = gathered = 0
+    for module in expert_modules(model):
+        params = [getattr(module, name) for name in EXPERT_PARAMS]
+        stored += sum(_local(p).numel() * p.element_size() for p in params)
+        gathered = max(gathered, sum(p.numel() // ep_size * p.element_size() for p in params))
+    return stored, gathered
 
 
 def shard_experts(model: nn.Module, state: ParallelState) -> list[nn.Module]:
@@ -131,7 +145,9 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, 
 def _grouped_mm_takes(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether `torch._grouped_mm` runs these operands: its dtypes, a CUDA device of compute capability 8.0+ (or the
     CPU), and 16-byte aligned data and strides."""
-    if x.dtype not in _GROUPED_DTYPES or (x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (8, 0)):
+    if x.dtype not in _GROUPED_DTYPES or (
+        x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (8, 0)
+    ):
         return False
     return all(
         t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride() if s != 1) for t in (x, w)

@@ -42,6 +42,7 @@ from veomni_lite.data.checks import DataError, data_problem, validate_micro_batc
 from veomni_lite.data.loader import MicroBatchLoader
 from veomni_lite.data.packing import padding_micro_batch
 from veomni_lite.distributed.collectives import agree, all_gather_objects, all_reduce, destroy_process_groups
+from veomni_lite.distributed.expert_parallel import check_expert_parallel
 from veomni_lite.distributed.fsdp import (
     apply_fsdp,
     check_sharded,
@@ -252,6 +253,10 @@ class BaseTrainer(ABC):
         model, scatter, weights = self._build_model()
         on_meta = any(param.is_meta for param in model.parameters())  # filled shard by shard after fully_shard
         model = check_model_contract(model if on_meta else model.to(self.device))
+        try:  # before any collective of the layout: every rank has the same model and config
+            check_expert_parallel(model, config.parallel.ep_size)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         self.loss_keys: tuple[str, ...] = self.trained_loss_keys(model)
         self.labeled_loss_keys = self.loss_keys  # the heads whose `<name>_labels` every micro-batch carries
         shared = config.data.packing and config.data.shared_prefix
