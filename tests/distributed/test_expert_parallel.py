@@ -421,3 +421,43 @@ def test_ep_size_on_a_dense_model_is_a_config_error_on_every_rank(tmp_path):
         assert (
             status == "error" and "ConfigError: parallel.ep_size (2): HFCausalLM has no fused routed experts" in value
         )
+
+
+# ---------------------------------------------------------------- the other families with fused experts
+
+
+def _family_grads(rank: int, world: int, families: tuple[str, ...]) -> dict[str, float]:
+    """Per family: one forward and backward of this rank's half of a batch at ep 1 and ep 2 (float64 experts,
+    transformers' float32 routing weights); the largest relative difference of the loss and every whole gradient."""
+    from tests.models.moe_configs import make_moe, token_batch
+
+    out = {}
+    for family in families:
+        runs = []
+        for ep in (1, 2):
+            state = init_parallel_state(world, 1, timeout_s=120, ep_size=ep)
+            model = make_moe(family, seed=3, dtype=torch.float64)
+            assert len(expert_parallel.expert_modules(model)) >= 1
+            model = apply_fsdp(model, state, model.layers)
+            batch = {key: value[rank::world] for key, value in token_batch(batch=4, seq=10, seed=5).items()}
+            loss = model(**batch)["foundation_loss"]
+            loss.backward()
+            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+            runs.append((float(loss), grads))
+            destroy_parallel_state()
+        (loss1, grads1), (loss2, grads2) = runs
+        diffs = [abs(loss2 - loss1) / abs(loss1)]
+        diffs += [float((grads2[n] - g).abs().max() / g.abs().max().clamp(min=1e-30)) for n, g in grads1.items()]
+        assert grads1.keys() == grads2.keys() and any("experts" in n for n in grads1)
+        out[family] = max(diffs)
+    return out
+
+
+@pytest.mark.slow
+def test_qwen2_moe_mixtral_olmoe_and_deepseek_v3_at_ep2_equal_ep1():
+    """Every transformers family whose experts are fused 3-D parameters: the loss and every gradient at ep 2 equal
+    ep 1's, up to transformers' float32 routing weights (a float64 rounding difference moves one by a float32 ulp)."""
+    families = ("qwen2_moe", "mixtral", "olmoe", "deepseek_v3")
+    for rank_result in run_distributed(_family_grads, 2, families, timeout_s=900):
+        print(rank_result)
+        assert all(diff < 1e-6 for diff in rank_result.values()), rank_result
