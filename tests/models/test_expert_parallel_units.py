@@ -86,3 +86,15 @@ def test_ep_size_not_dividing_the_world_or_with_hsdp_is_a_config_error(tmp_path)
     with pytest.raises(ConfigError, match=r"parallel\.ep_size \(2\) with parallel\.dp_replicate \(2\)"):
         config(4, "--parallel.ep_size", "2", "--parallel.dp_replicate", "2", "--train.global_batch_size", "8")
     assert small_config("text", tmp_path).parallel.ep_size == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_grouped_linear_of_no_row_gives_zero_gradients(dtype):
+    """A rank that no other rank sent a row to: nothing out, zero expert gradients (torch's grouped_mm backward fails
+    on zero rows, so this runs the padded bmm)."""
+    x = torch.zeros(0, 8, dtype=dtype, requires_grad=True)
+    weight = torch.randn(4, 16, 8, dtype=dtype, requires_grad=True)
+    out = grouped_linear(x, weight, torch.zeros(4, dtype=torch.long), transposed=False)
+    assert out.shape == (0, 16)
+    out.sum().backward()
+    assert weight.grad is not None and not weight.grad.any()

@@ -144,7 +144,10 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, 
 
 def _grouped_mm_takes(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether `torch._grouped_mm` runs these operands: its dtypes, a CUDA device of compute capability 8.0+ (or the
-    CPU), and 16-byte aligned data and strides."""
+    CPU), 16-byte aligned data and strides, and at least one row (its backward fails on none: a rank no row was sent
+    to runs the padded bmm of nothing)."""
+    if not x.shape[0]:
+        return False
     if x.dtype not in _GROUPED_DTYPES or (
         x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (8, 0)
     ):
