@@ -215,7 +215,8 @@ class ParallelConfig:
     ep_size: int = 1
     """Expert parallelism: each MoE layer's routed experts sharded over groups of ep_size consecutive ranks (carved
     from the dp x sp ranks), tokens sent to their experts' ranks and back by all-to-all; 1: FSDP2 alone. Must divide
-    the world size (dp x sp) and every MoE layer's number of experts (docs/moe.md, "Expert parallelism")."""
+    the world size (dp x sp) / dp_replicate and every MoE layer's number of experts (docs/moe.md, "Expert
+    parallelism")."""
     gradient_sync: Literal["every_micro_batch", "last_micro_batch"] = "every_micro_batch"
     """Under gradient accumulation: every_micro_batch reduce-scatters each micro-batch's gradients, so only sharded
     gradients are kept (the memory-safe choice, torchtitan's default; HSDP's replica all-reduce still runs once per

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -83,8 +83,28 @@ def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def _build(world: int, sp: int, ep: int, checkpointing: bool = False) -> tuple[Any, RouterLosses, Any]:
-    state = init_parallel_state(world // sp, sp, timeout_s=120, ep_size=ep)
+class EPLayout(NamedTuple):
+    sp: int
+    ep: int
+    ac: bool = False  # activation checkpointing
+    replicate: int = 1  # HSDP
+
+    @property
+    def name(self) -> str:
+        return (
+            f"sp{self.sp}_ep{self.ep}" + ("_ac" if self.ac else "") + (f"_hsdp{self.replicate}" * (self.replicate > 1))
+        )
+
+    @property
+    def reference(self) -> str:
+        """The layout's name at ep 1 (activation checkpointing off)."""
+        return EPLayout(self.sp, 1, False, self.replicate).name
+
+
+def _build(
+    world: int, sp: int, ep: int, checkpointing: bool = False, replicate: int = 1
+) -> tuple[Any, RouterLosses, Any]:
+    state = init_parallel_state(world // sp, sp, timeout_s=120, dp_replicate=replicate, ep_size=ep)
     model = tiny_moe()
     router = RouterLosses(model, "global-batch", aux_coef=0.1, z_coef=0.01)
     if sp > 1:
@@ -151,16 +171,16 @@ def _train_steps(model: Any, router: RouterLosses, optimizer: Any, steps: range)
     return records
 
 
-def _layouts(rank: int, world: int, layouts: list[tuple[int, int, bool]], broken: bool = False) -> dict[str, Any]:
-    """Train each (sp, ep, activation checkpointing) layout from the same start; `broken`: the experts' dispatch
+def _layouts(rank: int, world: int, layouts: list[EPLayout], broken: bool = False) -> dict[str, Any]:
+    """Train each layout from the same start; `broken`: the experts' dispatch
     sends each row to the next local expert (the negative control)."""
     if broken:
         original = expert_parallel.grouped_linear
         expert_parallel.grouped_linear = lambda x, w, counts, t: original(x, w.roll(1, 0), counts, t)
     out = {}
-    for sp, ep, checkpointing in layouts:
-        model, router, optimizer = _build(world, sp, ep, checkpointing)
-        out[f"sp{sp}_ep{ep}" + ("_ac" if checkpointing else "")] = _train_steps(model, router, optimizer, range(STEPS))
+    for layout in layouts:
+        model, router, optimizer = _build(world, *layout)
+        out[layout.name] = _train_steps(model, router, optimizer, range(STEPS))
         destroy_parallel_state()
     return out
 
@@ -179,11 +199,11 @@ def assert_steps_equal(got: list[dict[str, Any]], want: list[dict[str, Any]], wh
     return worst
 
 
-def _check_against_ep1(results: list[dict[str, Any]], layouts: list[tuple[int, int, bool]]) -> None:
+def _check_against_ep1(results: list[dict[str, Any]], layouts: list[EPLayout]) -> None:
     for index, rank_result in enumerate(results):  # every rank gathered the same whole parameters
-        for sp, ep, ac in layouts:
-            name = f"sp{sp}_ep{ep}" + ("_ac" if ac else "")
-            reference = rank_result[f"sp{sp}_ep1"]
+        for layout in layouts:
+            name, ep, ac = layout.name, layout.ep, layout.ac
+            reference = rank_result[layout.reference]
             worst = assert_steps_equal(rank_result[name], reference, name)
             for step in rank_result[name]:
                 layers, micro_batches = 2, GA + 1
@@ -208,16 +228,17 @@ def _check_against_ep1(results: list[dict[str, Any]], layouts: list[tuple[int, i
 
 @pytest.mark.slow
 def test_dp2_ep2_with_activation_checkpointing_equals_ep1_and_a_wrong_dispatch_does_not():
-    layouts = [(1, 1, False), (1, 2, False), (1, 2, True)]
+    layouts = [EPLayout(1, 1), EPLayout(1, 2), EPLayout(1, 2, ac=True)]
     _check_against_ep1(run_distributed(_layouts, 2, layouts, timeout_s=600), layouts)
-    broken = run_distributed(_layouts, 2, [(1, 1, False), (1, 2, False)], True, timeout_s=600)[0]
+    broken = run_distributed(_layouts, 2, layouts[:2], True, timeout_s=600)[0]
     with pytest.raises(AssertionError, match="sp1_ep2 step 1"):
         assert_steps_equal(broken["sp1_ep2"], broken["sp1_ep1"], "sp1_ep2")
 
 
 @pytest.mark.slow
-def test_dp4_ep2_dp4_ep4_and_dp2_sp2_ep2_equal_ep1():
-    layouts = [(1, 1, False), (1, 2, False), (1, 4, False), (2, 1, False), (2, 2, False)]
+def test_dp4_ep2_dp4_ep4_dp2_sp2_ep2_and_hsdp_ep2_equal_ep1():
+    layouts = [EPLayout(1, 1), EPLayout(1, 2), EPLayout(1, 4), EPLayout(2, 1), EPLayout(2, 2)]
+    layouts += [EPLayout(1, 1, replicate=2), EPLayout(1, 2, replicate=2)]  # HSDP: 2 shard blocks of 2 ranks
     _check_against_ep1(run_distributed(_layouts, 4, layouts, timeout_s=900), layouts)
 
 
@@ -262,6 +283,7 @@ def _load_directory(rank: int, world: int, directory: str) -> dict[str, Any]:
     gathered against transformers' whole load, and the engines' whole weights (`full_hf_state`)."""
     from torch.distributed.checkpoint import hf_storage
 
+    from tests.models.moe_configs import token_batch
     from veomni_lite.engines.weights import full_hf_state
     from veomni_lite.models.registry import family_of
     from veomni_lite.models.sharded_load import build_on_meta, load_into_shards
@@ -288,6 +310,9 @@ def _load_directory(rank: int, world: int, directory: str) -> dict[str, Any]:
             read.clear()
             load_into_shards(model, directory)
             stored, gathered = expert_parallel.expert_bytes(model, ep)
+            batch = {key: value[rank::world] for key, value in token_batch(batch=8, seq=10, seed=5).items()}
+            model(**batch)["foundation_loss"].backward()  # float32: FSDP2's reductions of the experts on gloo
+            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
             diffs = {n: float((p.full_tensor() - whole[n]).abs().max()) for n, p in model.state_dict().items()}
             engine = full_hf_state(model)
             whole_experts = all(
@@ -299,6 +324,7 @@ def _load_directory(rank: int, world: int, directory: str) -> dict[str, Any]:
                 "experts": sorted({e for _, e, _ in read if e >= 0}),
                 "diff": max(diffs.values()),
                 "engine_whole_experts": whole_experts,
+                "grads": grads,
                 "stored": stored,
                 "gathered": gathered,
             }
@@ -312,7 +338,7 @@ def _load_directory(rank: int, world: int, directory: str) -> dict[str, Any]:
 def test_a_transformers_directory_loads_into_expert_shards_and_the_engines_get_whole_experts(tmp_path):
     """4 ranks, ep 1, 2 and 4: each rank reads only its 2 of the 8 experts (a quarter of the experts' bytes) and
     about a quarter of the rest; gathered, every parameter equals transformers' whole load; `full_hf_state` (the
-    vLLM weight sync) gives every expert whole."""
+    vLLM weight sync) gives every expert whole; a float32 forward and backward gives ep 1's gradients."""
     from tests.models.moe_configs import make_moe
 
     make_moe("qwen3_moe").save_pretrained(tmp_path)
@@ -332,6 +358,8 @@ def test_a_transformers_directory_loads_into_expert_shards_and_the_engines_get_w
             assert r["diff"] == 0.0 and r["engine_whole_experts"], (ep, rank)
             assert len(r["experts"]) == 2 and r["expert_bytes"] == r["stored"] == experts_total // 4, (ep, rank, r)
             assert r["gathered"] == experts_total // 2 // ep  # one of the 2 layers' experts, E / ep of them
+            for name, grad in results[rank][1]["grads"].items():
+                torch.testing.assert_close(r["grads"][name], grad, rtol=1e-5, atol=1e-7)
         assert sorted(e for r in per_rank for e in r["experts"]) == list(range(8))
 
 

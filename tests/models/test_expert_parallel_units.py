@@ -72,7 +72,7 @@ def test_ep_size_that_cannot_split_the_experts_is_a_config_error_naming_it():
         check_expert_parallel(dense, 2)
 
 
-def test_ep_size_not_dividing_the_world_or_with_hsdp_is_a_config_error(tmp_path):
+def test_ep_size_not_dividing_the_world_or_an_hsdp_block_is_a_config_error(tmp_path):
     from tests.models.small_hf import CONFIGS, RUN, SMALL
     from veomni_lite.config import load_config
 
@@ -83,8 +83,9 @@ def test_ep_size_not_dividing_the_world_or_with_hsdp_is_a_config_error(tmp_path)
     config(4, "--parallel.ep_size", "4", "--train.global_batch_size", "8")
     with pytest.raises(ConfigError, match=r"parallel\.ep_size \(3\) must be >= 1 and divide the world size \(4 = dp 4"):
         config(4, "--parallel.ep_size", "3", "--train.global_batch_size", "8")
-    with pytest.raises(ConfigError, match=r"parallel\.ep_size \(2\) with parallel\.dp_replicate \(2\)"):
-        config(4, "--parallel.ep_size", "2", "--parallel.dp_replicate", "2", "--train.global_batch_size", "8")
+    config(4, "--parallel.ep_size", "2", "--parallel.dp_replicate", "2", "--train.global_batch_size", "8")
+    with pytest.raises(ConfigError, match=r"\(4 = dp 4 x sp 1\) / parallel\.dp_replicate \(2\): the experts are"):
+        config(4, "--parallel.ep_size", "4", "--parallel.dp_replicate", "2", "--train.global_batch_size", "8")
     assert small_config("text", tmp_path).parallel.ep_size == 1
 
 

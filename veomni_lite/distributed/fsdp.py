@@ -53,19 +53,24 @@ def apply_fsdp(model: nn.Module, state: ParallelState, blocks: list[nn.Module], 
         shard_experts(model, state)
     for block in blocks:
         for experts in expert_modules(block) if state.ep_mesh is not None else ():
-            fully_shard(experts, **{**kwargs, "mesh": state.ep_mesh["efsdp"]})
-            reduce_dtype = torch.float32 if bf16 else experts.gate_up_proj.dtype
-            experts.set_gradient_divide_factor(_divide_factor(state, reduce_dtype))
+            fully_shard(experts, **{**kwargs, "mesh": state.ep_mesh[_EXPERT_DATA_DIMS[state.ep_mesh.ndim]]})
+            experts.set_force_sum_reduction_for_comms(
+                True
+            )  # a factor but the group's size is a PREMUL_SUM: not on gloo
+            experts.set_gradient_divide_factor(_divide_factor(state))
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model
 
 
-def _divide_factor(state: ParallelState, reduce_dtype: torch.dtype) -> float:
-    """The factor that makes FSDP2 divide the experts' gradients by the world size. torch 2.13's FSDP2 on a mesh of
-    one rank (efsdp 1: ep_size = world) divides by the factor and, for a reduce dtype other than float32 / bfloat16
-    (float64, float16), again by its own pre / post split of it, whose product is the factor: sqrt(world) there."""
-    if state.world_size == state.ep_size and reduce_dtype not in (torch.float32, torch.bfloat16):
+_EXPERT_DATA_DIMS = {2: "efsdp", 3: ("replicate", "efsdp")}  # the experts' FSDP2 (HSDP) mesh in `state.ep_mesh`
+
+
+def _divide_factor(state: ParallelState) -> float:
+    """The factor that makes FSDP2 (with sum-only reductions) divide the experts' gradients by the world size. torch
+    2.13's FSDP2 sharding over one rank (efsdp 1: ep_size = the shard block) divides by the factor twice: sqrt(world)
+    there."""
+    if state.world_size // state.dp_replicate == state.ep_size:
         return math.sqrt(state.world_size)
     return float(state.world_size)
 
