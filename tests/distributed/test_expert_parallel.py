@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests.dist_helpers import run_distributed
-from tests.models.moe_fixtures import moe_samples, padded, tiny_moe
+from tests.models.moe_fixtures import moe_samples, packed_shared, padded, tiny_moe
 from veomni_lite.config_sections import OptimConfig
 from veomni_lite.data.packing import padding_micro_batch
 from veomni_lite.distributed import expert_parallel
@@ -43,13 +43,17 @@ GA = 2
 F64 = 1e-10  # float64 rounding, amplified by AdamW where a gradient is tiny (g / sqrt(v))
 
 
-def _micro_batches(step: int, dp: int, dp_rank: int, sp: int, sp_rank: int) -> list[dict[str, torch.Tensor]]:
-    """This rank's micro-batches of `step`: its share of 8 samples in GA micro-batches, then one micro-batch that
-    holds a 2-token row on dp rank 0 and is an empty (padding) copy of it elsewhere."""
+def _micro_batches(
+    step: int, dp: int, dp_rank: int, sp: int, sp_rank: int, packed: bool = False
+) -> list[dict[str, torch.Tensor]]:
+    """This rank's micro-batches of `step`: its share of 8 samples in GA micro-batches (padded, or packed into one
+    row with their shared prompts once), then one micro-batch that holds a 2-token row on dp rank 0 and is an empty
+    (padding) copy of it elsewhere."""
     samples = moe_samples(seed=10 + step)
     mine = samples[dp_rank::dp]
     per = len(mine) // GA
-    batches = [padded(mine[i * per : (i + 1) * per]) for i in range(GA)]
+    collate = packed_shared if packed else padded
+    batches = [collate(mine[i * per : (i + 1) * per]) for i in range(GA)]
     tiny = padded([{"input_ids": samples[0]["input_ids"][:2], "labels": samples[0]["input_ids"][:2]}])
     batches.append(tiny if dp_rank == 0 else padding_micro_batch(tiny))
     return [slice_micro_batch(batch, sp_rank, sp) for batch in batches]
@@ -88,21 +92,21 @@ class EPLayout(NamedTuple):
     ep: int
     ac: bool = False  # activation checkpointing
     replicate: int = 1  # HSDP
+    packed: bool = False  # packed rows with shared prompts
 
     @property
     def name(self) -> str:
-        return (
-            f"sp{self.sp}_ep{self.ep}" + ("_ac" if self.ac else "") + (f"_hsdp{self.replicate}" * (self.replicate > 1))
-        )
+        flags = ("_ac" if self.ac else "") + (f"_hsdp{self.replicate}" if self.replicate > 1 else "")
+        return f"sp{self.sp}_ep{self.ep}{flags}" + ("_packed" if self.packed else "")
 
     @property
     def reference(self) -> str:
         """The layout's name at ep 1 (activation checkpointing off)."""
-        return EPLayout(self.sp, 1, False, self.replicate).name
+        return EPLayout(self.sp, 1, False, self.replicate, self.packed).name
 
 
 def _build(
-    world: int, sp: int, ep: int, checkpointing: bool = False, replicate: int = 1
+    world: int, sp: int, ep: int, checkpointing: bool = False, replicate: int = 1, packed: bool = False
 ) -> tuple[Any, RouterLosses, Any]:
     state = init_parallel_state(world // sp, sp, timeout_s=120, dp_replicate=replicate, ep_size=ep)
     model = tiny_moe()
@@ -116,7 +120,9 @@ def _build(
     return model, router, optimizer
 
 
-def _train_steps(model: Any, router: RouterLosses, optimizer: Any, steps: range) -> list[dict[str, Any]]:
+def _train_steps(
+    model: Any, router: RouterLosses, optimizer: Any, steps: range, packed: bool = False
+) -> list[dict[str, Any]]:
     """The trainer's step sequence (see the module docstring); per step: the heads' global losses, the grad norm,
     the ep all-to-alls of this rank, whether some expert got no row from this rank in some forward, the parameters."""
     state = get_parallel_state()
@@ -134,7 +140,7 @@ def _train_steps(model: Any, router: RouterLosses, optimizer: Any, steps: range)
     expert_parallel.grouped_linear = lambda x, *args: no_row.append(not x.shape[0]) or grouped(x, *args)
     records = []
     for step_index in steps:
-        batches = _micro_batches(step_index, state.dp_size, state.dp_rank, state.sp_size, state.sp_rank)
+        batches = _micro_batches(step_index, state.dp_size, state.dp_rank, state.sp_size, state.sp_rank, packed)
         calls: list[int] = []
         with counting_ep_all_to_alls(calls):
             step = LossStep(
@@ -180,7 +186,7 @@ def _layouts(rank: int, world: int, layouts: list[EPLayout], broken: bool = Fals
     out = {}
     for layout in layouts:
         model, router, optimizer = _build(world, *layout)
-        out[layout.name] = _train_steps(model, router, optimizer, range(STEPS))
+        out[layout.name] = _train_steps(model, router, optimizer, range(STEPS), layout.packed)
         destroy_parallel_state()
     return out
 
@@ -227,8 +233,9 @@ def _check_against_ep1(results: list[dict[str, Any]], layouts: list[EPLayout]) -
 
 
 @pytest.mark.slow
-def test_dp2_ep2_with_activation_checkpointing_equals_ep1_and_a_wrong_dispatch_does_not():
-    layouts = [EPLayout(1, 1), EPLayout(1, 2), EPLayout(1, 2, ac=True)]
+def test_dp2_ep2_with_activation_checkpointing_or_packing_equals_ep1_and_a_wrong_dispatch_does_not():
+    layouts = [EPLayout(1, 1), EPLayout(1, 2), EPLayout(1, 2, ac=True), EPLayout(1, 1, packed=True)]
+    layouts += [EPLayout(1, 2, packed=True)]
     _check_against_ep1(run_distributed(_layouts, 2, layouts, timeout_s=600), layouts)
     broken = run_distributed(_layouts, 2, layouts[:2], True, timeout_s=600)[0]
     with pytest.raises(AssertionError, match="sp1_ep2 step 1"):
