@@ -36,7 +36,6 @@ from veomni_lite.models.moe import RouterLosses
 from veomni_lite.plain_loop import LossStep
 from veomni_lite.trainer.base import build_optimizer
 from veomni_lite.trainer.checkpoint import CheckpointManager
-from veomni_lite.utils.loss_utils import step_slots
 
 STEPS = 3
 GA = 2
@@ -146,7 +145,7 @@ def _train_steps(
             step = LossStep(
                 batches, marked=True, extra_counts=router.counts, slots=router.step_slots(torch.device("cpu"))
             )
-            router.set_global_counts(step_slots(keys, step.tokens))
+            router.set_global_counts(step.step_slots(keys))
             heads = torch.zeros(len(keys), dtype=torch.float64)
             for index, (batch, tokens) in enumerate(step):
                 set_gradient_sync(model, index == len(step) - 1)
