@@ -24,7 +24,7 @@ $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
-	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install --quiet -e ".[dev,hf]"
+	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install --quiet -e ".[dev,hf,envs]"
 	touch $(STAMP)
 
 test: install
