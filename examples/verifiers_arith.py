@@ -1,22 +1,24 @@
-"""A verifiers environment written in verifiers' own API (`verifiers.v1`), for `make train-envs`: the arithmetic word
-problems of `examples.rl_math` that its warm start did not train on, two tries each.
+"""A verifiers environment written in verifiers' own API (`verifiers.v1`), for `make train-envs`: arithmetic word
+problems that `make train-rl-math`'s warm start did not train on, two tries each.
 
-`rl.environment: verifiers:examples/verifiers_arith.py` loads it (`veomni_lite.rl.hubs`); as a package installed from
-the Environments Hub it would be `verifiers:NAME`. Its parts, as verifiers runs them:
-- `ArithTaskset.load`: the tasks (a prompt and its `answer`): `examples.rl_math.problems` of the demo's draw after its
-  `sft_rows` warm-start rows (`rl_math.write_data`'s `rl_train` and `rl_eval` problems, in order), `size` of them;
-- `ArithTask.correct` (`@vf.reward`): 1.0 when the last number of the final reply is the answer on the first try, 0.5
-  on the second, else 0;
+`rl.environment: verifiers:examples/verifiers_arith.py` loads it (`veomni_lite.rl.hubs`); a package installed from the
+Environments Hub would be `verifiers:NAME`. Its parts, as verifiers runs them:
+- `ArithTaskset.load`: the tasks (a prompt and its `answer`), read from the JSON Lines files of `paths` (default: the
+  held-out `rl_eval.jsonl`, 200 problems, then `rl_train.jsonl` of `python -m examples.rl_math outputs/rl_math`; the
+  warm start trained on neither);
+- `ArithTask.correct` (`@vf.reward`): 1.0 when the final reply is the answer on the first try, 0.5 on the second,
+  else 0; "is the answer" as `make train-rl-math`'s `math` reward judges it (math-verify's equivalence, which also
+  counts a reply whose expression evaluates to it, "4 + 6" for 10);
 - `ArithEnv.run`: the turn logic: the model answers; a wrong answer gets "Not quite. Try again." and one more turn.
+The file is self-contained (the trainer imports it by path): verifiers and math-verify are its only imports.
 """
 
 from __future__ import annotations
 
-import re
+import json
+from pathlib import Path
 
 import verifiers.v1 as vf
-
-from examples.rl_math import problems
 
 RETRY = "Not quite. Try again."
 
@@ -29,23 +31,24 @@ class ArithTask(vf.Task[ArithData]):
     @vf.reward
     async def correct(self, trace: vf.Trace) -> float:
         replies = [message.content or "" for message in trace.assistant_messages]
-        if not replies or last_number(replies[-1]) != self.data.answer:
+        if not replies or not is_answer(replies[-1], self.data.answer):
             return 0.0
         return 1.0 if len(replies) == 1 else 0.5
 
 
 class ArithTasksetConfig(vf.TasksetConfig):
-    sft_rows: int = 300
-    """The warm start's rows of the draw, skipped (`examples.rl_math.write_demo`'s default)."""
-    draw: int = 4500
-    """The demo's draw (`sft_rows + rl_rows + eval_rows` of `rl_math.write_demo`: the same problems, in order)."""
-    seed: int = 0
+    paths: list[str] = ["outputs/rl_math/rl_eval.jsonl", "outputs/rl_math/rl_train.jsonl"]
+    """JSON Lines of `messages` (the user's question) and `answer` rows, read in order."""
 
 
 class ArithTaskset(vf.Taskset[ArithTask, ArithTasksetConfig]):
     def load(self):
-        for row in problems(self.config.draw, self.config.seed)[self.config.sft_rows :]:
-            yield ArithTask(ArithData(prompt=row["question"], answer=row["answer"]), self.config.task)
+        for path in self.config.paths:
+            for line in Path(path).read_text().splitlines():
+                row = json.loads(line)
+                yield ArithTask(
+                    ArithData(prompt=row["messages"][-1]["content"], answer=row["answer"]), self.config.task
+                )
 
 
 class ArithEnvConfig(vf.EnvConfig):
@@ -58,14 +61,18 @@ class ArithEnv(vf.Env[ArithEnvConfig]):
         async with agents.solver.interaction(task) as chat:
             segment = await chat.turn()
             for _ in range(self.config.tries - 1):
-                if segment.terminated or last_number(segment.last_reply) == task.data.answer:
+                if segment.terminated or is_answer(segment.last_reply, task.data.answer):
                     break
                 segment = await chat.turn(RETRY)
 
 
-def last_number(text: str) -> str | None:
-    numbers = re.findall(r"-?\d+", text)
-    return numbers[-1] if numbers else None
+def is_answer(reply: str, answer: str) -> bool:
+    """math-verify's equivalence of the reply and the answer (the `math` reward's; the episode's environment runs on
+    the main thread, where math-verify's own timeouts work)."""
+    from math_verify import parse, verify
+
+    predicted = parse(reply)
+    return bool(predicted) and verify(parse(answer), predicted)
 
 
 __all__ = ["ArithEnv", "ArithTaskset"]

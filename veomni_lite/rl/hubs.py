@@ -33,11 +33,11 @@ it, the row and the turn, raised on every rank (`agree`).
 from __future__ import annotations
 
 import asyncio
-import functools
 import importlib
 import json
 import math
 import numbers
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -129,7 +129,9 @@ class HubSource:
         yield from ((i, self.rows[i]) for i in range(start, min(stop, len(self.rows))))
 
 
-def hub_sources(spec: Any, key: str, environment: str = "", environment_kwargs: Mapping[str, Any] | None = None):
+def hub_sources(
+    spec: Any, key: str, environment: str = "", environment_kwargs: Mapping[str, Any] | None = None
+) -> list[HubSource] | None:
     """`[HubSource]` for a `reasoning_gym:` or `verifiers:` spec (a string, or a list of one), else None (files).
     A verifiers source reads its taskset with the config of `environment_kwargs` when `environment` names it."""
     specs = [spec] if isinstance(spec, str) else list(spec or [])
@@ -146,7 +148,7 @@ def hub_sources(spec: Any, key: str, environment: str = "", environment_kwargs: 
     if unknown:
         raise unknown_key(key, unknown[0], ("skip", "take"), "a verifiers source takes skip, take")
     same = split_kind(environment, ENVIRONMENT_KINDS) == ("verifiers", name)
-    hub = verifiers_hub(name, json.dumps(dict(environment_kwargs or {}) if same else {}, sort_keys=True), key)
+    hub = verifiers_hub(name, json.dumps(dict(environment_kwargs or {}) if same else {}, sort_keys=True), key=key)
     return [HubSource(specs[0], hub.rows(int(views.get("skip", 0)), views.get("take")))]
 
 
@@ -177,7 +179,7 @@ def _reasoning_gym_rows(target: str, key: str) -> list[dict[str, Any]]:
 def hub_environment(kind: str, target: str, kwargs: Mapping[str, Any], key: str) -> tuple[type, dict[str, Any], str]:
     """(the episode class, its constructor's keyword arguments, where) of `rl.environment: kind:target`."""
     if kind == "verifiers":
-        hub = verifiers_hub(target, json.dumps(dict(kwargs), sort_keys=True), key)
+        hub = verifiers_hub(target, json.dumps(dict(kwargs), sort_keys=True), key=key)
         return VerifiersEpisode, {"hub": hub}, f"verifiers:{target}"
     require("openenv", key)
     for name in kwargs:
@@ -287,10 +289,16 @@ def _action_class(cls: type) -> type:
 # ---- verifiers
 
 
-@functools.lru_cache(maxsize=8)
+_HUBS: dict[tuple[str, str], VerifiersHub] = {}
+
+
 def verifiers_hub(name: str, kwargs_json: str, key: str) -> VerifiersHub:
-    """The loaded environment `name` with the `[env]` block `kwargs_json`, once per process."""
-    return VerifiersHub(name, json.loads(kwargs_json), key)
+    """The loaded environment `name` with the `[env]` block `kwargs_json`, once per process (the prompt sources and
+    `rl.environment` share it); a ConfigError naming `key`."""
+    hub = _HUBS.get((name, kwargs_json))
+    if hub is None:
+        hub = _HUBS[name, kwargs_json] = VerifiersHub(name, json.loads(kwargs_json), key)
+    return hub
 
 
 class VerifiersHub:
@@ -300,8 +308,10 @@ class VerifiersHub:
         vf = require("verifiers", key)
         self.vf, self.name = vf, name
         taskset_id = name
-        if name.endswith(".py"):  # a file: its module, registered under a name verifiers imports
-            taskset_id = _user_module(key, name, Path(".")).__name__
+        if name.endswith(".py"):  # a file: its module, registered under a name verifiers imports (lowercase)
+            module = _user_module(key, name, Path("."))
+            taskset_id = module.__name__.lower()
+            sys.modules[taskset_id] = module
         block = dict(kwargs)
         taskset = dict(block.pop("taskset", None) or {})
         try:
@@ -393,7 +403,7 @@ class VerifiersEpisode:
     # the environment's side (coroutines on self.loop)
 
     def open(self, seat: _Seat, task: Any) -> _Chat:
-        if self.seat is not None and self.seat is not seat or self.trace is not None and self.trace.is_completed:
+        if (self.seat is not None and self.seat is not seat) or (self.trace is not None and self.trace.is_completed):
             raise RuntimeError(f"the environment runs a second agent ({seat.name}); one seat is the policy's")
         if not seat.trainable:
             raise RuntimeError(f"the environment's agent {seat.name!r} is not trainable (a model of its own), "
