@@ -142,18 +142,14 @@ train-agent: install
 
 # Environments and tasks from the hubs (docs/agents.md, docs/rl.md; the `envs` extra): a reasoning-gym task as the
 # prompt source, scored by the task itself (configs/rg_arith.yaml, after a short SFT warm start on other questions of
-# it: python -m examples.reasoning_gym_demo, configs/rg_arith_sft.yaml), then a verifiers environment written in
-# verifiers' own API (examples/verifiers_arith.py: two tries at make train-rl-math's held-out problems) trained from
-# make train-rl-math's warm start (configs/verifiers_arith.yaml).
+# it: python -m examples.reasoning_gym_demo, configs/rg_arith_sft.yaml), then, from the same warm start, a verifiers
+# environment written in verifiers' own API (examples/verifiers_arith.py: tasks of its own, two tries each;
+# configs/verifiers_arith.yaml).
 train-envs: install
 	$(PY) -m examples.reasoning_gym_demo outputs/reasoning_gym
 	$(TORCHRUN) trainers/train_sft.py configs/rg_arith_sft.yaml
 	$(PY) -m veomni_lite.export outputs/rg_arith_sft outputs/rg_arith_sft_hf
 	$(TORCHRUN) trainers/train_rl.py configs/rg_arith.yaml $(ARGS)
-	$(PY) -m examples.rl_math outputs/rl_math
-	test -f outputs/rl_math_sft_hf/model.safetensors || ( \
-	  $(TORCHRUN) trainers/train_sft.py configs/rl_math_sft.yaml && \
-	  $(PY) -m veomni_lite.export outputs/rl_math_sft outputs/rl_math_sft_hf )
 	$(TORCHRUN) trainers/train_rl.py configs/verifiers_arith.yaml $(ARGS)
 
 # Preference training (docs/preference.md): the arithmetic problems of examples/rl_math, an SFT warm start
