@@ -36,6 +36,7 @@ import torch
 import yaml
 
 from tests.dist_helpers import run_distributed
+from tests.rl.fake_vllm_server import answer, fake_logprobs
 from tests.trainer.helpers import read_events
 from veomni_lite.config import ConfigError, load_config
 from veomni_lite.rl.config import RLConfig
@@ -437,12 +438,14 @@ def test_vision_language_prompts_go_to_the_chat_route_with_their_pixels_and_are_
 
 class _Completions(BaseHTTPRequestHandler):
     """A fake vLLM that answers like one: /v1/models, the weight routes, a sample as a function of its prompt and seed
-    alone, and a probe's prompt log-probabilities as a function of the prompt (`_fake_logprobs`). It records each
+    alone, and a probe's prompt log-probabilities as a function of the prompt (`fake_logprobs`). It records each
     request's route, Authorization header and body in `seen` (a list per subclass: one per server); with `failing`,
-    every sample is an HTTP 500."""
+    every sample is an HTTP 500; with `dies_after` N, the server dies at its sample N + 1: it closes that connection
+    unanswered and stops listening."""
 
     seen: list[tuple[str, str, dict[str, Any]]] = []
     failing = False
+    dies_after: int | None = None
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         type(self).seen.append((self.path, self.headers.get("Authorization", ""), {}))
@@ -451,24 +454,16 @@ class _Completions(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
         type(self).seen.append((self.path, self.headers.get("Authorization", ""), body))
-        if self.path != "/v1/completions":
-            return self._answer(200, {})
-        prompt = body["prompt"]
-        if body.get("prompt_logprobs") is not None:
-            entries = [None] + [{str(t): {"logprob": v}} for t, v in zip(prompt[1:], _fake_logprobs(prompt))]
-            return self._answer(200, {"choices": [{"prompt_logprobs": entries}]})
-        if self.failing:
+        if self.dies_after is not None and sum("seed" in seen for _, _, seen in self.seen) > self.dies_after:
+            self.close_connection = True
+            threading.Thread(target=lambda: (self.server.shutdown(), self.server.server_close())).start()
+            return None
+        if self.failing and self.path == "/v1/completions" and body.get("prompt_logprobs") is None:
             return self._answer(500, {"error": "boom"})
-        ids = [3 + (sum(prompt) * 31 + body["seed"] * 17 + k) % 90 for k in range(body["max_tokens"])]
-        choice = {"token_ids": ids, "finish_reason": "length", "logprobs": {"token_logprobs": [-0.25] * len(ids)}}
-        self._answer(200, {"choices": [choice]})
+        self._answer(200, answer(self.path, body))
 
     _answer = _FailingServer._answer
     log_message = _FailingServer.log_message
-
-
-def _fake_logprobs(ids: list[int]) -> list[float]:
-    return [-0.5 - 0.01 * t for t in ids[1:]]
 
 
 @contextlib.contextmanager
@@ -500,7 +495,7 @@ def test_a_wave_is_spread_over_several_servers_each_synced_with_the_key(tmp_path
 
     def engine(urls: list[str]) -> VLLMEngine:
         settings = VLLMSettings.parse({"urls": urls, "api_key_env": "TEST_VLLM_KEY", "sync_dir": str(tmp_path)})
-        return VLLMEngine(settings, str(tmp_path), None, _fake_logprobs, [11, 12, 13, 14])
+        return VLLMEngine(settings, str(tmp_path), None, fake_logprobs, [11, 12, 13, 14])
 
     with _fakes(2) as (handlers, urls):
         two = engine(urls)
@@ -543,6 +538,68 @@ def test_a_wave_is_spread_over_several_servers_each_synced_with_the_key(tmp_path
     with pytest.raises(EngineError, match="rl.vllm.api_key_env names the environment variable TEST_VLLM_KEY, which "
                        "is unset or empty on rank 0"):  # fmt: skip
         engine(["http://127.0.0.1:1"])
+
+
+def _rollouts(results: list[list[Any]]) -> list[list[tuple[list[int], list[float], str]]]:
+    return [[(r.response_ids, r.logprobs, r.finish_reason) for r in group] for group in results]
+
+
+def test_a_dead_servers_samples_go_to_the_others_with_their_seeds_and_it_rejoins(tmp_path):
+    """Without vLLM: three fake servers as `urls`; the second dies at its third sample, mid-wave (that connection closed
+    unanswered, then nothing listening). The wave's rollouts equal those of the three alive (and of one server alone):
+    the dead server's samples went to the others with their own seeds. Control: other seeds give other rollouts, so a
+    failover that lost a sample's seed would fail. The server, listening again on its port, rejoins before the next
+    wave: it reloads the synced weights, passes its probe check, and serves its share again. Every server dead: an
+    EngineError saying no server is left, naming the last failure."""
+    from veomni_lite.engines.base import RolloutRequest, SamplingSettings
+    from veomni_lite.engines.vllm import EngineError, VLLMEngine, VLLMSettings
+
+    requests = [RolloutRequest([5 + i, 6, 7], [4 * i + j for j in range(4)]) for i in range(4)]  # 16 samples
+    sampling = SamplingSettings(max_new_tokens=3)
+
+    def engine(urls: list[str]) -> VLLMEngine:
+        made = VLLMEngine(VLLMSettings.parse({"urls": urls, "sync_dir": str(tmp_path)}), str(tmp_path), None,
+                          fake_logprobs, [11, 12, 13, 14])  # fmt: skip
+        made.sync_weights({"w": torch.ones(2)}, 0)
+        return made
+
+    with _fakes(3) as (_, urls):
+        healthy = engine(urls)
+        expected = _rollouts(healthy.generate(requests, sampling))
+        reseeded = [RolloutRequest(r.prompt_ids, [seed + 100 for seed in r.seeds]) for r in requests]
+        assert _rollouts(healthy.generate(reseeded, sampling)) != expected  # the control
+        healthy.close()
+        alone = engine(urls[:1])
+        assert _rollouts(alone.generate(requests, sampling)) == expected
+        alone.close()
+    with _fakes(3) as (handlers, urls):
+        handlers[1].dies_after = 2
+        failing = engine(urls)
+        assert _rollouts(failing.generate(requests, sampling)) == expected
+        samples = [sorted(body["seed"] for _, _, body in h.seen if "seed" in body) for h in handlers]
+        answered = samples[1][:2]  # the dead server's first two, in arrival order; the third it dropped
+        assert len(samples[1]) >= 3 and sorted(samples[0] + samples[2]) == sorted(set(range(16)) - set(answered))
+        assert [e.state for e in failing.endpoints] == ["serving", "joining", "serving"]
+        # back on its port: it rejoins before the next wave, on the synced weights
+        handlers[1].seen, handlers[1].dies_after = [], None
+        port = int(urls[1].rsplit(":", 1)[1])
+        back = ThreadingHTTPServer(("127.0.0.1", port), handlers[1])
+        threading.Thread(target=back.serve_forever, daemon=True).start()
+        try:
+            assert _rollouts(failing.generate(requests, sampling)) == expected
+            routes = [route for route, _, body in handlers[1].seen if "seed" not in body]
+            assert routes == ["/v1/models", "/collective_rpc", "/reset_prefix_cache", "/v1/completions"], routes
+            assert len([body for _, _, body in handlers[1].seen if "seed" in body]) == 5  # its share of 16 on 3
+            assert [e.state for e in failing.endpoints] == ["serving"] * 3
+        finally:
+            back.shutdown()
+            back.server_close()
+        for handler in handlers:
+            handler.dies_after = 0
+        with pytest.raises(EngineError, match=r"vLLM engine: no server left of 3; the last failure: vLLM engine at "
+                           r"http://127.0.0.1:\d+: rank 0's request \d, sample \d \(prompt of 3 tokens\)"):  # fmt: skip
+            failing.generate(requests, sampling)
+        failing.close()
 
 
 @pytest.fixture
@@ -643,15 +700,16 @@ def test_end_group_kills_what_ignores_sigterm(tmp_path):
 
 
 def test_a_dead_launched_server_is_named_dead_not_running(fake_vllm, tmp_path):
-    """A launched server killed a moment before a request: the EngineError names the server and its exit code."""
+    """A launched server killed a moment before a request, with no relaunch (`max_restarts: 0`) and no other server:
+    the EngineError says no server is left and names the server and its exit code."""
     import sys
 
     from veomni_lite.engines.base import RolloutRequest, SamplingSettings
     from veomni_lite.engines.vllm import EngineError, VLLMEngine, VLLMSettings
     from veomni_lite.engines.vllm.boot import members
 
-    settings = VLLMSettings.parse({"launch": 1, "python": sys.executable, "sync_dir": str(tmp_path)})
-    engine = VLLMEngine(settings, str(tmp_path), None, _fake_logprobs, [1, 2], tmp_path / "vllm_server.log")
+    settings = VLLMSettings.parse({"launch": 1, "python": sys.executable, "sync_dir": str(tmp_path), "max_restarts": 0})
+    engine = VLLMEngine(settings, str(tmp_path), None, fake_logprobs, [1, 2], tmp_path / "vllm_server.log")
     try:
         engine._ready()
         (server,) = engine.servers
@@ -659,12 +717,62 @@ def test_a_dead_launched_server_is_named_dead_not_running(fake_vllm, tmp_path):
         with pytest.raises(EngineError) as caught:
             engine.generate([RolloutRequest([1, 2, 3], [1])], SamplingSettings(max_new_tokens=2))
         message = str(caught.value)
+        assert "no server left of 1; relaunches used: 0 of rl.vllm.max_restarts = 0; the last failure:" in message
         assert f"vLLM engine at {server.url}: rank 0's request 0, sample 0" in message, message
         assert f"(launched server pid {server.pid} exited with code -9; log {tmp_path / 'vllm_server.log'})" in message
         assert "still running" not in message
     finally:
         engine.close()
     assert not members(server.pid)
+
+
+def test_a_killed_launched_server_is_relaunched_synced_and_rejoins(fake_vllm, tmp_path):
+    """Without vLLM (`launch: 2` of the stand-in, `max_restarts: 1`): the first server killed (SIGKILL) before a wave:
+    the wave's rollouts equal those before (its samples went to the other server with their seeds), nothing of its
+    process group is left, and a new server is started in its place, which once up reloads the synced weights and
+    serves its share of the next wave (its log: its pid, each route and seed). Both killed, the relaunch used: an
+    EngineError saying no server is left, and no process of any server's group left."""
+    import sys
+
+    from veomni_lite.engines.base import RolloutRequest, SamplingSettings
+    from veomni_lite.engines.vllm import EngineError, VLLMEngine, VLLMSettings
+    from veomni_lite.engines.vllm.boot import members
+
+    settings = VLLMSettings.parse(
+        {"launch": 2, "python": sys.executable, "sync_dir": str(tmp_path), "max_restarts": 1, "start_timeout_s": 120}
+    )
+    engine = VLLMEngine(settings, str(tmp_path), None, fake_logprobs, [1, 2, 3], tmp_path / "vllm_server.log")
+    requests = [RolloutRequest([5 + i, 6, 7], [4 * i + j for j in range(4)]) for i in range(3)]  # 12 samples
+    sampling = SamplingSettings(max_new_tokens=3)
+    groups = []
+    try:
+        engine.sync_weights({"w": torch.ones(2)}, 0)
+        expected = _rollouts(engine.generate(requests, sampling))
+        killed, other = engine.servers
+        groups += [killed.pid, other.pid]
+        os.kill(killed.pid, signal.SIGKILL)
+        assert _rollouts(engine.generate(requests, sampling)) == expected
+        assert engine.pool.restarts == 1 and _ended(killed.pid, 30), members(killed.pid)
+        fresh = engine.servers[0]
+        groups.append(fresh.pid)
+        assert fresh.pid != killed.pid and engine.servers[1] is other and fresh.log_path == killed.log_path
+        fresh.wait_ready(120, time.monotonic())
+        assert _rollouts(engine.generate(requests, sampling)) == expected
+        served = [
+            line.split()[1:] for line in fresh.log_path.read_text().splitlines() if line.startswith(f"{fresh.pid} ")
+        ]
+        assert served[:3] == [["/collective_rpc"], ["/reset_prefix_cache"], ["/v1/completions"]], served
+        assert sorted(int(seed) for _, seed in served[3:]) == list(range(6))  # the first half of the 12 samples
+        assert [e.state for e in engine.endpoints] == ["serving", "serving"]
+        for server in engine.servers:
+            os.kill(server.pid, signal.SIGKILL)
+        with pytest.raises(EngineError, match=r"no server left of 2; relaunches used: 1 of rl.vllm.max_restarts = 1; "
+                           r"the last failure: vLLM engine at .* exited with code -9"):  # fmt: skip
+            engine.generate(requests, sampling)
+        assert all(_ended(pgid, 30) for pgid in groups), [members(pgid) for pgid in groups]
+    finally:
+        engine.close()
+    assert not [members(pgid) for pgid in groups if members(pgid)]
 
 
 # ---------------------------------------------------------------------- with vLLM

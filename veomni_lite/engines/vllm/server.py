@@ -105,6 +105,7 @@ class VLLMServer:
                 boot, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
             )
         self.pid = self.process.pid  # also the process group's id (a session of its own)
+        self.started = time.monotonic()
         atexit.register(self.stop)
         logger.info("%s: started pid %d on %s (log %s)", NAME, self.pid, self.url, self.log_path)
 
@@ -140,31 +141,34 @@ class VLLMServer:
     def wait_ready(self, timeout_s: float, started: float) -> None:
         """Until GET /health answers 200; EngineError (server stopped) when it exits or `timeout_s` after
         `started` (a `time.monotonic()`) passes."""
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        while True:
-            code = self.exited()
-            if code is not None:
-                self.stop()
-                raise EngineError(
-                    f"{NAME} (launched, pid {self.pid}) exited with code {code} before it was ready; the end of its "
-                    f"log {self.log_path}:\n{self.log_tail()}"
-                )
-            with (
-                contextlib.suppress(OSError, urllib.error.URLError),
-                urllib.request.urlopen(
-                    urllib.request.Request(self.url + "/health", headers=headers), timeout=5
-                ) as answer,
-            ):
-                if answer.status == 200:
-                    return
-            if time.monotonic() - started > timeout_s:
-                self.stop()
-                raise EngineError(
-                    f"{NAME} (launched, pid {self.pid}) did not answer GET {self.url}/health within "
-                    f"rl.vllm.start_timeout_s = {timeout_s:g} s; stopped it. The end of its log {self.log_path}:\n"
-                    f"{self.log_tail()}"
-                )
+        while not self.ready_now(timeout_s, started):
             time.sleep(0.5)
+
+    def ready_now(self, timeout_s: float, started: float) -> bool:
+        """One look: whether GET /health answers 200 now; EngineError (server stopped) when the server has exited or
+        `timeout_s` after `started` (a `time.monotonic()`) has passed."""
+        code = self.exited()
+        if code is not None:
+            self.stop()
+            raise EngineError(
+                f"{NAME} (launched, pid {self.pid}) exited with code {code} before it was ready; the end of its "
+                f"log {self.log_path}:\n{self.log_tail()}"
+            )
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        with (
+            contextlib.suppress(OSError, urllib.error.URLError),
+            urllib.request.urlopen(urllib.request.Request(self.url + "/health", headers=headers), timeout=5) as answer,
+        ):
+            if answer.status == 200:
+                return True
+        if time.monotonic() - started > timeout_s:
+            self.stop()
+            raise EngineError(
+                f"{NAME} (launched, pid {self.pid}) did not answer GET {self.url}/health within "
+                f"rl.vllm.start_timeout_s = {timeout_s:g} s; stopped it. The end of its log {self.log_path}:\n"
+                f"{self.log_tail()}"
+            )
+        return False
 
     def terminate(self) -> None:
         """Ask the server's whole process group to shut down (SIGTERM), without waiting; `stop` finishes."""
