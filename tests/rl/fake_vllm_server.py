@@ -1,7 +1,8 @@
 """A stand-in for `python -m vllm.entrypoints.openai.api_server` where vLLM is absent (`VLLMServer.MODULE` in
 tests/rl/test_vllm.py): like vLLM, it starts an "engine core" child process (same process group), which outlives it
 when it is killed, and answers GET /health and /v1/models on --host/--port, and POSTs as `answer` does (printing each
-to its log: its pid, the route and a sample's seed). On SIGTERM it stops its child and exits, as vLLM shuts down."""
+to its log: its pid, the route and a sample's seed). It maps a shared memory segment, which it unlinks on SIGTERM
+before it stops its child and exits, as vLLM shuts down; killed, it leaves the segment in /dev/shm."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 
@@ -66,14 +68,19 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     args, _ = parser.parse_known_args()
     core = subprocess.Popen([sys.executable, "-c", "import time\nwhile True:\n    time.sleep(1)"])
+    # like vLLM's message queues: unlinked at a shutdown, left in /dev/shm when the process is killed (untracked)
+    segment = shared_memory.SharedMemory(create=True, size=1 << 16)
+    resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
 
     def shut_down(*_: Any) -> None:
+        segment.close()
+        segment.unlink()
         core.terminate()
         core.wait()
         sys.exit(0)
 
     signal.signal(signal.SIGTERM, shut_down)
-    print(f"fake vLLM server: engine core pid {core.pid}", flush=True)
+    print(f"fake vLLM server: engine core pid {core.pid}, shared memory /dev/shm{segment._name}", flush=True)
     ThreadingHTTPServer((args.host, args.port), _Handler).serve_forever()
 
 

@@ -2,7 +2,8 @@
 
 Without vLLM (every `make test`): the `rl.vllm` settings are checked by name; a server that refuses connections,
 answers with an HTTP error or not within `request_timeout_s` is an EngineError naming the engine and the request on
-every rank (a stdlib fake server).
+every rank (a stdlib fake server); with several fake servers, a dead one's samples go to the others with their seeds
+(the rollouts unchanged), a launched stand-in is relaunched and rejoins, and no server left is a named error.
 
 With vLLM's CPU build in `.venv-vllm` (`make vllm-env`; `make test-vllm` runs the tests marked `vllm`, skipped
 without it): one float32 server for the session on a Qwen2 of head dim 32 (the smallest vLLM's CPU attention takes).
@@ -11,12 +12,12 @@ bounded), a seeded request repeats and stop ids end a response; the same config 
 metric keys on `vllm` and on `transformers`, with the engine's log-probabilities matching the trainer's
 (`rl/logprob_diff`); a sync skipped on purpose is caught by the probe on every rank (negative control); a launched
 server that does not start in time is stopped and named; a wave of seeded requests over a CPU server's token budget
-completes (vLLM's CPU build dies on chunked prefill of a seeded request: the negative control); a launched server
-killed mid-run ends the run with a named
-error on every rank, and the run resumes from its checkpoint with a fresh launched server. Vision-language (a second
-server, of a tiny Qwen2-VL; without it, a fake chat route checks the request and the rendering check): the images
-reach the server through its chat route with the trainer's pixels, the prompt it renders is the trainer's, and a sync
-resets its encoder cache.
+completes (vLLM's CPU build dies on chunked prefill of a seeded request: the negative control); a launched server killed
+mid-run with no relaunch ends the run with a named error on every rank, and the run resumes from its checkpoint with a
+fresh launched server; of two launched servers, one killed mid-wave leaves the run's rollouts unchanged and is
+relaunched, synced and serves again. Vision-language (a second server, of a tiny Qwen2-VL; without it, a fake chat route
+checks the request and the rendering check): the images reach the server through its chat route with the trainer's
+pixels, the prompt it renders is the trainer's, and a sync resets its encoder cache.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from tests.dist_helpers import run_distributed
 from tests.rl.fake_vllm_server import answer, fake_logprobs
 from tests.trainer.helpers import read_events
 from veomni_lite.config import ConfigError, load_config
+from veomni_lite.engines.vllm.server import shared_memory
 from veomni_lite.rl.config import RLConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -105,17 +107,6 @@ def write_config(demo: Path, out: Path, engine: str, vllm: dict[str, Any] | None
     return path
 
 
-def _shared_memory(pids: list[int]) -> set[str]:
-    """The /dev/shm segments the processes `pids` map (vLLM's message queues)."""
-    found = set()
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            found |= {
-                line.split()[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if "/dev/shm/" in line
-            }
-    return found
-
-
 def _ended(pgid: int, within_s: float) -> bool:
     """Whether no process of group `pgid` is left (zombies aside) within `within_s` seconds."""
     from veomni_lite.engines.vllm.boot import members
@@ -130,7 +121,10 @@ def train(rank: int, world: int, path: str, extra: list[str], hook: str = "") ->
     """One rank's run of the config at `path`: None when it finishes, the EngineError's message when it fails with one.
     `hook`: "skip_sync" (rank 0 writes the weights only at the first sync), "kill" (rank 0 kills the launched server
     process alone after step 2, then checks, before the run closes anything, that its whole process group ends and
-    leaves no shared memory behind)."""
+    leaves no shared memory behind), "failover" (`launch: 2`, `max_restarts: 1`, rollout batches of 2 steps: rank 0
+    kills the first server's process alone at its 4th sample of the second batch, mid-wave; after step 3 checks that its
+    group ended and waits for the relaunched server's /health; checks that it served samples of the third batch; after
+    step 6 kills both servers, and checks at the error that no process of any server's group is left)."""
     from veomni_lite.engines.vllm import EngineError, VLLMEngine
     from veomni_lite.engines.vllm.boot import members
     from veomni_lite.rl.trainer import RLTrainer
@@ -153,15 +147,54 @@ def train(rank: int, world: int, path: str, extra: list[str], hook: str = "") ->
             step(micro_batches)
             if trainer.step == 2 and trainer.engine.servers:
                 pgid = trainer.engine.servers[0].pid
-                killed.update(pgid=pgid, group=members(pgid), shm=_shared_memory(members(pgid)))
+                killed.update(pgid=pgid, group=members(pgid), shm=shared_memory(members(pgid)))
                 os.kill(pgid, signal.SIGKILL)  # the server process alone: its engine core and the rest live on
 
         trainer.train_step = kill_after_step_2
+    if hook == "failover":
+        from veomni_lite.engines.vllm.client import Client
+
+        step, sample = trainer.train_step, Client.sample
+        answered: list[tuple[int, str]] = []  # (rollout batch, server URL) of every answered sample
+
+        def failing_sample(self: Client, endpoint: Any, *args: Any) -> Any:
+            batch = trainer.step // 2 + 1
+            if batch == 2 and "pgid" not in killed and endpoint.server is trainer.engine.servers[0]:
+                calls = killed.setdefault("calls", [])
+                calls.append(1)
+                if len(calls) == 4:  # mid-wave: the server's other samples in flight or queued
+                    pgid = endpoint.server.pid
+                    killed.update(pgid=pgid, group=members(pgid), shm=shared_memory(members(pgid)))
+                    os.kill(pgid, signal.SIGKILL)
+            out = sample(self, endpoint, *args)
+            answered.append((batch, endpoint.url))
+            return out
+
+        def steps_with_faults(micro_batches: list) -> None:
+            step(micro_batches)
+            if trainer.step == 3 and trainer.engine.servers:
+                assert "pgid" in killed and _ended(killed["pgid"], 30), killed
+                assert killed["shm"] and not [f for f in killed["shm"] if Path(f).exists()], killed["shm"]
+                assert trainer.engine.pool.restarts == 1
+                fresh = trainer.engine.servers[0]
+                assert fresh.pid != killed["pgid"]
+                fresh.wait_ready(900, time.monotonic())  # so that it rejoins at the next sync (the test's timing)
+                killed["fresh"] = fresh.url
+            if trainer.step == 6 and trainer.engine.servers:
+                assert killed["fresh"] in {url for batch, url in answered if batch == 3}, answered
+                killed["all"] = [server.pid for server in trainer.engine.servers] + [killed["pgid"]]
+                for server in trainer.engine.servers:
+                    os.kill(server.pid, signal.SIGKILL)
+
+        Client.sample = failing_sample
+        trainer.train_step = steps_with_faults
     try:
         trainer.train()
         return None
     except EngineError as exc:
-        if killed:  # before close(): the group ends by itself (boot.py's watchdog)
+        for pgid in killed.get("all", []):  # before close()
+            assert _ended(pgid, 30), f"a killed server's group lives on: {members(pgid)}"
+        if killed and hook == "kill":  # before close(): the group ends by itself (boot.py's watchdog)
             assert len(killed["group"]) >= 3, killed  # the server, its engine core, the watchdog: a group to end
             assert _ended(killed["pgid"], 30), f"the killed server's group lives on: {members(killed['pgid'])}"
             assert killed["shm"] and not [f for f in killed["shm"] if Path(f).exists()], killed["shm"]
@@ -212,6 +245,10 @@ def test_rl_vllm_settings_are_checked_by_name(math_demo, tmp_path):
     assert VLLMSettings.parse({"url": "http://a:1/"}).server_urls == ["http://a:1"]
     assert [VLLMSettings.parse({"launch": n}).launch for n in (True, 1, 3)] == [1, 1, 3]
     assert VLLMSettings.parse({"launch": 2}).server_urls == []
+    assert (
+        VLLMSettings.parse({"launch": 2}).max_restarts == 3
+        and VLLMSettings.parse({"url": "http://a:1"}).max_restarts == 3
+    )
     assert config("vllm", {"urls": urls, "api_key_env": "VLLM_KEY"}).rl.vllm.api_key_env == "VLLM_KEY"
     for bad, message in (
         ({"url": "http://a:1", "urls": urls}, "exactly one of url"),
@@ -223,6 +260,8 @@ def test_rl_vllm_settings_are_checked_by_name(math_demo, tmp_path):
         ({"urls": ["http://a:1", "ftp://b:2"]}, "rl.vllm.urls: must start with http:// or https://, got 'ftp://b:2'"),
         ({"urls": ["http://a:1", "http://a:1/"]}, "rl.vllm.urls: a server is listed twice"),
         ({"launch": True, "api_key_env": "MY-KEY"}, "rl.vllm.api_key_env: the name of an environment variable"),
+        ({"launch": 2, "max_restarts": -1}, r"rl.vllm.max_restarts: must be an integer >= 0, got -1"),
+        ({"launch": 2, "max_restarts": "many"}, "rl.vllm.max_restarts: expected int, got 'many'"),
     ):
         with pytest.raises(ConfigError, match=message):
             config("vllm", bad)
@@ -602,6 +641,34 @@ def test_a_dead_servers_samples_go_to_the_others_with_their_seeds_and_it_rejoins
         failing.close()
 
 
+@pytest.mark.slow
+def test_a_server_dying_mid_run_changes_no_rollout_on_any_rank(math_demo, tmp_path):
+    """Without vLLM, 2 ranks, `urls` of two fake servers (a sample a function of its prompt and seed): the second dies
+    at its 21st sample, mid-wave in the third rollout batch (16 samples a batch, 8 a server). The run's rollouts
+    (rollouts.jsonl: both ranks' samples) and losses equal the run's with both alive. Both servers dying in the second
+    batch: the same named error on both ranks, "no server left"."""
+    vllm = {"probe_tolerance": 100.0, "request_timeout_s": 60}  # the fake's probe is not the model's: no check
+
+    def run(name: str, dies_after: tuple[int | None, int | None]) -> list[str | None]:
+        with _fakes(2) as (handlers, urls):
+            for handler, after in zip(handlers, dies_after):
+                handler.dies_after = after
+            config = write_config(math_demo, tmp_path / name, "vllm", {"urls": urls, **vllm}, max_steps=6,
+                                  eval_interval=0)  # fmt: skip
+            return run_distributed(train, 2, str(config), ["--rl.rollouts_sample", "16"], timeout_s=600)
+
+    assert run("healthy", (None, None)) == [None, None]
+    assert run("failing", (None, 20)) == [None, None]
+    losses = [by_step(tmp_path / name, "train/policy_loss") for name in ("healthy", "failing")]
+    assert sorted(losses[0]) == [1, 2, 3, 4, 5, 6] and losses[1] == losses[0]
+    rows = [(tmp_path / name / "rollouts.jsonl").read_text().splitlines() for name in ("healthy", "failing")]
+    assert len(rows[0]) == 6 * 16 and rows[1] == rows[0]
+    errors = run("dead", (10, 10))
+    assert errors[0] == errors[1] and "vLLM engine: generate: rank 0: vLLM engine: no server left of 2; the last " \
+        "failure: vLLM engine at http://127.0.0.1:" in errors[0], errors  # fmt: skip
+    assert sorted(by_step(tmp_path / "dead", "train/policy_loss")) == [1, 2]
+
+
 @pytest.fixture
 def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Any:
     """`VLLMServer` runs tests/rl/fake_vllm_server.py in place of vLLM (an "engine core" child that outlives it)."""
@@ -666,14 +733,22 @@ def test_a_launched_servers_process_group_ends_however_the_server_ends(fake_vllm
     finally:
         trainer.kill()
         trainer.wait()
+        for line in (tmp_path / "orphan.log").read_text().splitlines():  # killed with its trainer: nobody unlinks it
+            if ", shared memory " in line:
+                Path(line.split(", shared memory ")[1]).unlink(missing_ok=True)
     # control: without the watchdog, the engine core outlives its killed server
     from veomni_lite.engines.vllm import free_port
 
     plain = subprocess.Popen([sys.executable, "-m", "tests.rl.fake_vllm_server", "--port", str(free_port())],
                              start_new_session=True, stdout=subprocess.DEVNULL)  # fmt: skip
+    segments: set[str] = set()
     try:
         deadline = time.monotonic() + 30
         while len(members(plain.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        deadline = time.monotonic() + 30
+        while not segments and time.monotonic() < deadline:
+            segments = shared_memory([plain.pid])
             time.sleep(0.1)
         plain.kill()
         plain.wait()
@@ -681,6 +756,9 @@ def test_a_launched_servers_process_group_ends_however_the_server_ends(fake_vllm
     finally:
         end_group(plain.pid, grace_s=1)
     assert _ended(plain.pid, 10)
+    assert segments and all(Path(f).exists() for f in segments)  # killed: its shared memory left behind
+    for f in segments:
+        os.unlink(f)
 
 
 def test_end_group_kills_what_ignores_sigterm(tmp_path):
@@ -750,9 +828,11 @@ def test_a_killed_launched_server_is_relaunched_synced_and_rejoins(fake_vllm, tm
         expected = _rollouts(engine.generate(requests, sampling))
         killed, other = engine.servers
         groups += [killed.pid, other.pid]
+        (segment,) = shared_memory(members(killed.pid))
         os.kill(killed.pid, signal.SIGKILL)
         assert _rollouts(engine.generate(requests, sampling)) == expected
         assert engine.pool.restarts == 1 and _ended(killed.pid, 30), members(killed.pid)
+        assert not Path(segment).exists()  # killed before it unlinked it (the control below): stop() did
         fresh = engine.servers[0]
         groups.append(fresh.pid)
         assert fresh.pid != killed.pid and engine.servers[1] is other and fresh.log_path == killed.log_path
@@ -1244,7 +1324,7 @@ def test_vision_language_runs_on_vllm_train_as_on_the_embedded_engine(vl_demo, v
 def test_a_killed_engine_is_a_named_error_on_every_rank_and_the_run_resumes(math_demo, vllm_server, tmp_path):
     vllm_server.stop()  # one server at a time on this machine: the run launches its own (the session's last test)
     vllm = {"launch": True, "python": str(VLLM_PYTHON), "start_timeout_s": 600, "request_timeout_s": 60,
-            "server_args": SERVER_ARGS, "probe_tolerance": 1e-4}  # fmt: skip
+            "server_args": SERVER_ARGS, "probe_tolerance": 1e-4, "max_restarts": 0}  # fmt: skip
     path = write_config(math_demo, tmp_path / "run", "vllm", vllm, max_steps=6, eval_interval=0)
     save = ["--checkpoint.save_interval", "1"]
     errors = run_distributed(train, 2, str(path), save, "kill", timeout_s=900)
@@ -1257,6 +1337,39 @@ def test_a_killed_engine_is_a_named_error_on_every_rank_and_the_run_resumes(math
     assert sorted(by_step(tmp_path / "run", "train/policy_loss")) == [1, 2, 3, 4, 5, 6]
     diff = by_step(tmp_path / "run", "rl/logprob_diff")
     assert sorted(diff) == [1, 3, 5] and all(value < 1e-5 for value in diff.values())
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@requires_vllm
+def test_a_server_killed_mid_run_leaves_the_rollouts_unchanged_and_is_relaunched(math_demo, tmp_path):
+    """`launch: 2`, `max_restarts: 1`, 2 ranks, rollout batches of 4 prompts x 4 samples over 2 steps. The first
+    server's process killed alone (SIGKILL) mid-wave in the second batch: its samples go to the other server, its group
+    ends by itself and unlinks its shared memory, a new server is launched in its place, and (once up) is synced and
+    serves samples of the third batch. Every rollout of the 6 steps (rollouts.jsonl: both ranks' 16 a batch) equals the
+    run's without the failure, and so do the losses. Both servers then killed, the relaunch used: the next sync is a
+    named error on every rank ("no server left"), and no process of any server's group is left. The session's servers
+    are stopped first (two servers at a time on this machine)."""
+    for server in _SERVED:
+        server.stop()
+    vllm = {"launch": 2, "python": str(VLLM_PYTHON), "start_timeout_s": 900, "request_timeout_s": 120,
+            "server_args": SERVER_ARGS, "probe_tolerance": 1e-4, "max_restarts": 1}  # fmt: skip
+    extra = ["--rl.rollouts_sample", "16", "--parallel.collective_timeout_s", "1200"]
+    healthy = write_config(math_demo, tmp_path / "healthy", "vllm", vllm, max_steps=6, eval_interval=0)
+    assert run_distributed(train, 2, str(healthy), extra, timeout_s=1200) == [None, None]
+    failing = write_config(math_demo, tmp_path / "failing", "vllm", vllm, max_steps=8, eval_interval=0)
+    errors = run_distributed(train, 2, str(failing), extra, "failover", timeout_s=1800)
+    named = (
+        "vLLM engine, weight sync of version 6: rank 0: vLLM engine: no server left of 2; relaunches used: 1 of "
+        "rl.vllm.max_restarts = 1; the last failure: vLLM engine at"
+    )
+    for message in errors:
+        assert message is not None and named in message, message
+    losses = [by_step(tmp_path / run, "train/policy_loss") for run in ("healthy", "failing")]
+    assert sorted(losses[1]) == [1, 2, 3, 4, 5, 6] and all(abs(losses[1][s] - losses[0][s]) < 1e-6 for s in losses[0])
+    rows = [(tmp_path / run / "rollouts.jsonl").read_text().splitlines() for run in ("healthy", "failing")]
+    print(f"\nfailover: the {len(rows[0])} rollouts of 6 steps equal with and without the killed server")
+    assert len(rows[0]) == 6 * 16 and rows[1] == rows[0]  # the 16 samples of the batch each step trains
 
 
 @pytest.mark.vllm

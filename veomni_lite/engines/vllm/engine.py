@@ -9,9 +9,10 @@ of rank 0's node, which other nodes cannot reach, and one wave holding the whole
 better than world-size smaller ones. A server that is gone (its connection refused or reset, or a launched server
 exited) is the pool's (`pool`): its samples go to the servers that serve, with their own seeds, a launched one is
 relaunched and rejoins on the synced weights; rank 0 alone decides, so no rank's collectives change. Any other failure
-on rank 0 (no answer within `request_timeout_s`, an HTTP error, no server left) is the same `EngineError` on every
-rank, naming the engine, the server's URL and the request (`agree`). While rank 0 waits on the servers, every rank joins a small all-reduce each second, so no collective waits
-on rank 0 for long (`parallel.collective_timeout_s` need not cover a server's start or a batch's generation).
+on rank 0 (no answer within `request_timeout_s`, an HTTP error, no server left) is the same `EngineError` on every rank,
+naming the engine, the server's URL and the request (`agree`). While rank 0 waits on the servers, every rank joins a
+small all-reduce each second, so no collective waits on rank 0 for long (`parallel.collective_timeout_s` need not cover
+a server's start or a batch's generation).
 
 One-step-async rollouts (`rl.async_steps: 1`): `start_generate` starts a rollout batch's generation in a thread of rank
 0 that makes no collective, `finish_generate` collects it; a weight sync waits for a generation in flight first.

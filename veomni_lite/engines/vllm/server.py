@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from veomni_lite.engines.vllm.boot import end_group
+from veomni_lite.engines.vllm.boot import end_group, members
 from veomni_lite.engines.vllm.settings import NAME, EngineError
 
 logger = logging.getLogger(__name__)
@@ -46,6 +46,19 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def shared_memory(pids: Sequence[int]) -> set[str]:
+    """The shared memory segments of Python's `multiprocessing.shared_memory` (/dev/shm/psm_*) the processes `pids`
+    map (a launched server's: vLLM's message queues)."""
+    found = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                path = line.split(maxsplit=5)[-1]  # "address perms offset dev inode [path[ (deleted)]]"
+                if path.startswith("/dev/shm/psm_") and not path.endswith(" (deleted)"):
+                    found.add(path)
+    return found
 
 
 def cpu_server_args(server_args: Sequence[str]) -> list[str]:
@@ -86,6 +99,7 @@ class VLLMServer:
         self.api_key = api_key
         self._code: int | None = None
         self._stopped = False
+        self._shm: set[str] = set()  # the shared memory segments its group mapped (`stop` unlinks those left)
         args = [
             "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager",
             "--trust-request-chat-template" if renders_prompts else "--skip-tokenizer-init", "--generation-config",
@@ -160,6 +174,7 @@ class VLLMServer:
             urllib.request.urlopen(urllib.request.Request(self.url + "/health", headers=headers), timeout=5) as answer,
         ):
             if answer.status == 200:
+                self._shm |= shared_memory(members(self.pid))  # vLLM's message queues, made at its start
                 return True
         if time.monotonic() - started > timeout_s:
             self.stop()
@@ -178,10 +193,15 @@ class VLLMServer:
 
     def stop(self) -> None:
         """End the server's whole process group (`boot.end_group`: SIGTERM, up to 10 s, SIGKILL), whether the
-        server runs or has exited, then reap it (idempotent)."""
+        server runs or has exited, then reap it, and unlink the shared memory its group mapped that is left
+        (idempotent)."""
         if self._stopped:
             return
+        self._shm |= shared_memory(members(self.pid))
         end_group(self.pid)  # the server is not reaped yet: its pid still names its group
+        for path in self._shm:  # left when the group was killed before vLLM's shutdown unlinked them
+            with contextlib.suppress(OSError):
+                os.unlink(path)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=30)
         self._code = self.process.returncode if self._code is None else self._code
