@@ -183,6 +183,7 @@ def train(rank: int, world: int, path: str, extra: list[str], hook: str = "") ->
             if trainer.step == 6 and trainer.engine.servers:
                 assert killed["fresh"] in {url for batch, url in answered if batch == 3}, answered
                 killed["all"] = [server.pid for server in trainer.engine.servers] + [killed["pgid"]]
+                killed["all_shm"] = shared_memory([pid for pgid in killed["all"] for pid in members(pgid)])
                 for server in trainer.engine.servers:
                     os.kill(server.pid, signal.SIGKILL)
 
@@ -194,6 +195,8 @@ def train(rank: int, world: int, path: str, extra: list[str], hook: str = "") ->
     except EngineError as exc:
         for pgid in killed.get("all", []):  # before close()
             assert _ended(pgid, 30), f"a killed server's group lives on: {members(pgid)}"
+        if "all" in killed:
+            assert killed["all_shm"] and not [f for f in killed["all_shm"] if Path(f).exists()], killed["all_shm"]
         if killed and hook == "kill":  # before close(): the group ends by itself (boot.py's watchdog)
             assert len(killed["group"]) >= 3, killed  # the server, its engine core, the watchdog: a group to end
             assert _ended(killed["pgid"], 30), f"the killed server's group lives on: {members(killed['pgid'])}"
@@ -475,6 +478,9 @@ def test_vision_language_prompts_go_to_the_chat_route_with_their_pixels_and_are_
         server.shutdown()
 
 
+_ARRIVAL = threading.Lock()
+
+
 class _Completions(BaseHTTPRequestHandler):
     """A fake vLLM that answers like one: /v1/models, the weight routes, a sample as a function of its prompt and seed
     alone, and a probe's prompt log-probabilities as a function of the prompt (`fake_logprobs`). It records each
@@ -492,8 +498,10 @@ class _Completions(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
-        type(self).seen.append((self.path, self.headers.get("Authorization", ""), body))
-        if self.dies_after is not None and sum("seed" in seen for _, _, seen in self.seen) > self.dies_after:
+        with _ARRIVAL:  # `seen` in the order the samples are counted
+            type(self).seen.append((self.path, self.headers.get("Authorization", ""), body))
+            samples = sum("seed" in seen for _, _, seen in self.seen)
+        if self.dies_after is not None and samples > self.dies_after:
             self.close_connection = True
             threading.Thread(target=lambda: (self.server.shutdown(), self.server.server_close())).start()
             return None
@@ -615,8 +623,8 @@ def test_a_dead_servers_samples_go_to_the_others_with_their_seeds_and_it_rejoins
         handlers[1].dies_after = 2
         failing = engine(urls)
         assert _rollouts(failing.generate(requests, sampling)) == expected
-        samples = [sorted(body["seed"] for _, _, body in h.seen if "seed" in body) for h in handlers]
-        answered = samples[1][:2]  # the dead server's first two, in arrival order; the third it dropped
+        samples = [[body["seed"] for _, _, body in h.seen if "seed" in body] for h in handlers]  # in arrival order
+        answered = samples[1][:2]  # the dead server's first two; it dropped the third and any after
         assert len(samples[1]) >= 3 and sorted(samples[0] + samples[2]) == sorted(set(range(16)) - set(answered))
         assert [e.state for e in failing.endpoints] == ["serving", "joining", "serving"]
         # back on its port: it rejoins before the next wave, on the synced weights

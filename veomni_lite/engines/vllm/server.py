@@ -48,16 +48,22 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def shared_memory(pids: Sequence[int]) -> set[str]:
-    """The shared memory segments of Python's `multiprocessing.shared_memory` (/dev/shm/psm_*) the processes `pids`
-    map (a launched server's: vLLM's message queues)."""
-    found = set()
+def shared_memory(pids: Sequence[int]) -> dict[str, int]:
+    """The files in /dev/shm of Python's multiprocessing that the processes `pids` map, with their inodes: shared
+    memory segments (psm_*; a launched server's: vLLM's message queues) and named semaphores (sem.mp-*, mapped under
+    a temporary name, so found by inode)."""
+    inodes = set()
     for pid in pids:
         with contextlib.suppress(OSError):
             for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-                path = line.split(maxsplit=5)[-1]  # "address perms offset dev inode [path[ (deleted)]]"
-                if path.startswith("/dev/shm/psm_") and not path.endswith(" (deleted)"):
-                    found.add(path)
+                fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
+                if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+                    inodes.add(int(fields[4]))
+    found = {}
+    with contextlib.suppress(OSError), os.scandir("/dev/shm") as entries:
+        for entry in entries:
+            if entry.name.startswith(("psm_", "sem.mp-")) and entry.inode() in inodes:
+                found[entry.path] = entry.inode()
     return found
 
 
@@ -99,7 +105,7 @@ class VLLMServer:
         self.api_key = api_key
         self._code: int | None = None
         self._stopped = False
-        self._shm: set[str] = set()  # the shared memory segments its group mapped (`stop` unlinks those left)
+        self._shm: dict[str, int] = {}  # the shared memory its group mapped, by inode (`stop` unlinks what is left)
         args = [
             "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager",
             "--trust-request-chat-template" if renders_prompts else "--skip-tokenizer-init", "--generation-config",
@@ -174,7 +180,7 @@ class VLLMServer:
             urllib.request.urlopen(urllib.request.Request(self.url + "/health", headers=headers), timeout=5) as answer,
         ):
             if answer.status == 200:
-                self._shm |= shared_memory(members(self.pid))  # vLLM's message queues, made at its start
+                self._shm |= shared_memory(members(self.pid))  # vLLM's queues and semaphores, made at its start
                 return True
         if time.monotonic() - started > timeout_s:
             self.stop()
@@ -199,9 +205,10 @@ class VLLMServer:
             return
         self._shm |= shared_memory(members(self.pid))
         end_group(self.pid)  # the server is not reaped yet: its pid still names its group
-        for path in self._shm:  # left when the group was killed before vLLM's shutdown unlinked them
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+        for path, inode in self._shm.items():  # left when the group was killed before vLLM or its resource tracker
+            with contextlib.suppress(OSError):  # unlinked them; the inode: still that file, not a new one of the name
+                if os.stat(path).st_ino == inode:
+                    os.unlink(path)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=30)
         self._code = self.process.returncode if self._code is None else self._code
