@@ -60,7 +60,8 @@ class Pool:
                 return  # a user's server tried again: still down
             relaunch = endpoint.server is not None and not self._closed
             relaunch = relaunch and self.restarts < self.settings.max_restarts
-            self.restarts += relaunch
+            if relaunch:
+                self.restarts += 1
             endpoint.state = "joining" if endpoint.server is None else "gone"
             self.last_cause = cause
         logger.warning("%s at %s is down (%s)", NAME, endpoint.url, cause)
