@@ -4,7 +4,7 @@ float32: the trainers' dtype): at `parallel.ep_size` 2 every logged metric (the 
 ep_size 1's on the same layout:
 
 - GRPO on given rollouts (`rl.rollouts_path`) with routing replay `old` and the KL reference (its weights swapped
-  into the expert shards);
+  into the expert shards), at DP=2 and at SP=2 (packed; ep 2 = the whole world there);
 - GRPO generating with the embedded engine (a whole model on each rank, synced from the shards by
   `full_hf_state`), routing replay `rollout` (the engine's recorded experts replayed by the sharded forward);
 - DPO (the live reference) and a reward model (`bradley_terry`, the score head on the MoE decoder).
@@ -28,6 +28,8 @@ from veomni_lite.distributed import expert_parallel
 from veomni_lite.distributed.parallel_state import destroy_parallel_state
 
 EP2 = ("--parallel.ep_size", "2")
+SP2 = ("--parallel.sp_size", "2", "--data.packing", "true", "--data.shared_prefix", "false",
+       "--data.max_tokens_per_micro_batch", "40")  # fmt: skip
 ROUTER = ("--moe.aux_loss_coef", "0.01", "--moe.z_loss_coef", "0.001")  # both router heads train (RL's aux is 0)
 # what a run logs that is not the model's arithmetic
 UNTIMED = ("_s", "_mb", "tflops", "mfu")  # seconds, memory, throughput
@@ -99,9 +101,10 @@ def _trained(run: dict[str, Any]) -> bool:
 
 @pytest.mark.slow
 def test_grpo_with_routing_replay_old_and_rollout_at_ep2_equals_ep1(math_moe: Path, tmp_path: Path) -> None:  # noqa: F811
-    """Given rollouts (random rewards) with `old` replay and a KL reference (4 steps); the embedded engine's
-    generations (the tiny policy earns no reward: the KL and router heads train) with `rollout` replay, packed with
-    shared prompts (2 steps): at ep 2 the same metrics (`rl/routing/mismatch` included) and parameters."""
+    """Given rollouts (random rewards) with `old` replay and a KL reference (4 steps; DP=2, and SP=2 packed under a
+    token budget); the embedded engine's generations (the tiny policy earns no reward: the KL and router heads
+    train) with `rollout` replay, packed with shared prompts (2 steps): at ep 2 the same metrics
+    (`rl/routing/mismatch` included) and parameters."""
     rollouts = write_rollouts(tmp_path / "rollouts.jsonl", vocab=400)
     policy = str(math_moe / "models/qwen3_moe")
 
@@ -118,14 +121,16 @@ def test_grpo_with_routing_replay_old_and_rollout_at_ep2_equals_ep1(math_moe: Pa
     runs = {
         "old_ep1": ("rl", given("old_ep1")),
         "old_ep2": ("rl", given("old_ep2", *EP2)),
+        "old_sp2_ep1": ("rl", given("old_sp2_ep1", *SP2)),
+        "old_sp2_ep2": ("rl", given("old_sp2_ep2", *SP2, *EP2)),
         "rollout_ep1": ("rl", generated("rollout_ep1")),
         "rollout_ep2": ("rl", generated("rollout_ep2", *EP2)),
     }
     results = run_distributed(_runs, 2, runs, timeout_s=900)[0]
-    for replay in ("old", "rollout"):
+    for replay in ("old", "old_sp2", "rollout"):
         ep1, ep2 = results[f"{replay}_ep1"], results[f"{replay}_ep2"]
         assert any(key == "rl/routing/mismatch" for _, key in _metrics(ep1["events"])), replay
-        print(f"GRPO, routing replay {replay}: ep 2 against ep 1, worst relative metric difference "
+        print(f"GRPO {replay}: ep 2 against ep 1, worst relative metric difference "
               f"{assert_runs_equal(ep2, ep1, replay):.1e}")  # fmt: skip
         assert _trained(ep1), replay
 
