@@ -4,7 +4,7 @@ float32: the trainers' dtype): at `parallel.ep_size` 2 every logged metric (the 
 ep_size 1's on the same layout:
 
 - GRPO on given rollouts (`rl.rollouts_path`) with routing replay `old` and the KL reference (its weights swapped
-  into the expert shards), at DP=2 and at SP=2 (packed; ep 2 = the whole world there);
+  into the expert shards), at DP=2 and at SP=2 (packed; ep 2 = the whole world there); PPO with a value-head critic;
 - GRPO generating with the embedded engine (a whole model on each rank, synced from the shards by
   `full_hf_state`), routing replay `rollout` (the engine's recorded experts replayed by the sharded forward);
 - DPO (the live reference) and a reward model (`bradley_terry`, the score head on the MoE decoder).
@@ -100,12 +100,14 @@ def _trained(run: dict[str, Any]) -> bool:
 
 
 @pytest.mark.slow
-def test_grpo_with_routing_replay_old_and_rollout_at_ep2_equals_ep1(math_moe: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_grpo_and_ppo_with_routing_replay_old_and_rollout_at_ep2_equal_ep1(math_moe: Path, tmp_path: Path) -> None:  # noqa: F811
     """Given rollouts (random rewards) with `old` replay and a KL reference (4 steps; DP=2, and SP=2 packed under a
-    token budget); the embedded engine's generations (the tiny policy earns no reward: the KL and router heads
-    train) with `rollout` replay, packed with shared prompts (2 steps): at ep 2 the same metrics
-    (`rl/routing/mismatch` included) and parameters."""
+    token budget), and PPO with a value-head critic on the MoE decoder; the embedded engine's generations (the tiny
+    policy earns no reward: the KL and router heads train) with `rollout` replay, packed with shared prompts (2
+    steps): at ep 2 the same metrics (`rl/routing/mismatch` included) and parameters."""
     rollouts = write_rollouts(tmp_path / "rollouts.jsonl", vocab=400)
+    critic = '{"value_head": true, "lr": 0.01}'
+    PPO = ("--rl.advantage", "gae", "--rl.critic", critic, "--rl.kl_coef", "0")  # noqa: N806
     policy = str(math_moe / "models/qwen3_moe")
 
     def given(name: str, *extra: str) -> list[str]:
@@ -123,14 +125,16 @@ def test_grpo_with_routing_replay_old_and_rollout_at_ep2_equals_ep1(math_moe: Pa
         "old_ep2": ("rl", given("old_ep2", *EP2)),
         "old_sp2_ep1": ("rl", given("old_sp2_ep1", *SP2)),
         "old_sp2_ep2": ("rl", given("old_sp2_ep2", *SP2, *EP2)),
+        "ppo_ep1": ("rl", given("ppo_ep1", *PPO)),
+        "ppo_ep2": ("rl", given("ppo_ep2", *PPO, *EP2)),
         "rollout_ep1": ("rl", generated("rollout_ep1")),
         "rollout_ep2": ("rl", generated("rollout_ep2", *EP2)),
     }
     results = run_distributed(_runs, 2, runs, timeout_s=900)[0]
-    for replay in ("old", "old_sp2", "rollout"):
+    for replay in ("old", "old_sp2", "ppo", "rollout"):
         ep1, ep2 = results[f"{replay}_ep1"], results[f"{replay}_ep2"]
         assert any(key == "rl/routing/mismatch" for _, key in _metrics(ep1["events"])), replay
-        print(f"GRPO {replay}: ep 2 against ep 1, worst relative metric difference "
+        print(f"RL {replay}: ep 2 against ep 1, worst relative metric difference "
               f"{assert_runs_equal(ep2, ep1, replay):.1e}")  # fmt: skip
         assert _trained(ep1), replay
 
