@@ -103,8 +103,9 @@ def _trained(run: dict[str, Any]) -> bool:
 def test_grpo_and_ppo_with_routing_replay_old_and_rollout_at_ep2_equal_ep1(math_moe: Path, tmp_path: Path) -> None:  # noqa: F811
     """Given rollouts (random rewards) with `old` replay and a KL reference (4 steps; DP=2, and SP=2 packed under a
     token budget), and PPO with a value-head critic on the MoE decoder; the embedded engine's generations (the tiny
-    policy earns no reward: the KL and router heads train) with `rollout` replay, packed with shared prompts (2
-    steps): at ep 2 the same metrics (`rl/routing/mismatch` included) and parameters."""
+    policy earns no reward: the KL and router heads train) with `rollout` replay, packed with shared prompts (4
+    steps, 2 generations: the second from weights synced out of the expert shards): at ep 2 the same metrics
+    (`rl/routing/mismatch` included) and parameters."""
     rollouts = write_rollouts(tmp_path / "rollouts.jsonl", vocab=400)
     critic = '{"value_head": true, "lr": 0.01}'
     PPO = ("--rl.advantage", "gae", "--rl.critic", critic, "--rl.kl_coef", "0")  # noqa: N806
@@ -118,7 +119,8 @@ def test_grpo_and_ppo_with_routing_replay_old_and_rollout_at_ep2_equal_ep1(math_
 
     def generated(name: str, *extra: str) -> list[str]:
         return rl_run_args(math_moe, tmp_path / name, "qwen3_moe", "--rl.routing_replay", "rollout",
-                           "--rl.kl_coef", "0.1", "--data.packing", "true", *ROUTER, *extra)  # fmt: skip
+                           "--rl.kl_coef", "0.1", "--data.packing", "true", "--train.max_steps", "4", *ROUTER,
+                           *extra)  # fmt: skip
 
     runs = {
         "old_ep1": ("rl", given("old_ep1")),
