@@ -121,18 +121,19 @@ class RolloutPipeline:
 
     def __init__(self, context: RolloutContext) -> None:
         self.context = context
-        self.source = RolloutSource()
+        self.source = RolloutSource(context.rl)
         self.last: list[RolloutSample] = []
 
-    def make(self, k: int, step: int, following: bool, restored: list[RolloutSample] | None = None) -> RolloutBatch:
+    def make(self, k: int, step: int, last: int | None, restored: list[RolloutSample] | None = None) -> RolloutBatch:
         """Rollout batch `k` (collective), made when `step` optimizer steps have trained (the current weights'
-        version); `following`: another batch follows in the run; `restored`: the batch's samples from a checkpoint."""
+        version); `last`: the run's last rollout batch (None: no end); `restored`: the batch's samples from a
+        checkpoint."""
         context = self.context
         metrics: dict[str, Any] = {}
         generate_s = 0.0
         if restored is None:
             start = time.perf_counter()
-            samples, counts = self.source.collect(context, k, step, following)  # generate -> score -> gather
+            samples, counts = self.source.collect(context, k, step, last)  # generate -> score -> gather
             if not ADVANTAGES.get(context.rl.advantage, "rl.advantage").needs_critic:
                 advantages(context, samples)
             generate_s = time.perf_counter() - start
