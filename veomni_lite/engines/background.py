@@ -5,7 +5,8 @@ The worker runs its jobs in the order they were given: `start_generate` queues a
 `finish_generate` waits for the oldest one still queued, `sync_weights` queues a load of a private copy of the weights
 (the trainer keeps updating its own) and `generate` queues one and waits. So a generation uses the weights of the
 last `sync_weights` given before it, however late the worker runs it, and each rank's engine runs alike. The worker
-makes no collective; an error of a job is raised by the `finish_generate` or `generate` that collects it.
+makes no collective; an error of a job is raised by the `finish_generate` or `generate` that collects it (the
+rollout queue agrees on it: a `GenerationError` on every rank).
 """
 
 from __future__ import annotations
@@ -19,9 +20,13 @@ import torch
 
 from veomni_lite.engines.base import Rollout, RolloutEngine, RolloutRequest, SamplingSettings
 
-__all__ = ["BackgroundEngine"]
+__all__ = ["BackgroundEngine", "GenerationError"]
 
 T = TypeVar("T")
+
+
+class GenerationError(RuntimeError):
+    """A generation collected from the engine's queue failed on some rank (raised on every rank alike)."""
 
 
 class BackgroundEngine(RolloutEngine):
@@ -46,20 +51,27 @@ class BackgroundEngine(RolloutEngine):
         self._last_sync = self.call(lambda: self.engine.sync_weights(copy, version))
         self._version = version
 
-    def _generate(self, requests: Sequence[RolloutRequest], settings: SamplingSettings) -> list[list[Rollout]]:
-        """On the worker: the last sync's error first (it ran before this job), then the generation."""
-        if self._last_sync is not None:
-            self._last_sync.result()
-        return self.engine.generate(requests, settings)
+    def _queue_generate(
+        self, requests: Sequence[RolloutRequest], settings: SamplingSettings
+    ) -> Future[list[list[Rollout]]]:
+        """A generation queued: on the worker, the error of the sync before it first (it has run), then the job."""
+        sync = self._last_sync
+
+        def job() -> list[list[Rollout]]:
+            if sync is not None:
+                sync.result()
+            return self.engine.generate(requests, settings)
+
+        return self.call(job)
 
     def generate(self, requests: Sequence[RolloutRequest], settings: SamplingSettings) -> list[list[Rollout]]:
         """Queued after every job before it, waited for."""
-        return self.call(lambda: self._generate(requests, settings)).result()
+        return self._queue_generate(requests, settings).result()
 
     def start_generate(self, everyone: Sequence[Sequence[RolloutRequest]], settings: SamplingSettings) -> None:
         """Not collective: this rank's requests (`everyone[rank]`) queued; `finish_generate` collects them."""
         requests = list(everyone[self.rank])
-        self._pending.append(self.call(lambda: self._generate(requests, settings)))
+        self._pending.append(self._queue_generate(requests, settings))
 
     def finish_generate(self) -> list[list[Rollout]]:
         """The rollouts of the oldest generation `start_generate` queued (waiting for it)."""

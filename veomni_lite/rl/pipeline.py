@@ -150,6 +150,11 @@ class RolloutPipeline:
             metrics |= engine_mismatch_metrics(self._mine(samples))
         return RolloutBatch(k, samples, collate_plans(context, plans), metrics, generate_s)
 
+    def start_ahead(self, step: int) -> None:
+        """Async rollouts: once the batch just made starts training (at `step`), the blocks after it start generating
+        by the current weights (`RolloutSource.start_ahead`; collective)."""
+        self.source.start_ahead(self.context, step)
+
     def _mine(self, samples: list[RolloutSample]) -> list[RolloutSample]:
         """The samples this rank records (each sample one rank's)."""
         parallel = self.context.parallel

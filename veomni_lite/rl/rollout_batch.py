@@ -175,7 +175,16 @@ class RolloutSource:
         from veomni_lite.rl.rollout_queue import RolloutQueue  # it builds on this module's stages
 
         self.queue = RolloutQueue(rl.async_steps, rl.partial_rollouts) if rl.async_steps else None
+        self.ahead: list[int] | None = None  # async: the blocks to start once the batch just made starts training
         self.block_ends: dict[int, int] = {}
+
+    def start_ahead(self, context: Any, step: int) -> None:
+        """Async (`rl.async_steps`): the blocks ahead of the batch just made start generating (`RolloutQueue.advance`)
+        by the weights of `step`, the ones its first optimizer step is about to update (collective); called once that
+        step starts, so a checkpoint saved between the make and it holds the queue as it was before the make."""
+        if self.queue is not None and self.ahead is not None:
+            self.queue.advance(context, self.ahead, sampling(context, greedy=False), step)
+            self.ahead = None
 
     def start_block(self, context: Any, k: int) -> int:
         """The prompt block of rollout batch k's first round: k, or under dynamic sampling the block after batch
@@ -204,8 +213,7 @@ class RolloutSource:
             counts = {}
             if self.queue is not None:
                 mine_, counts["staleness/dropped"] = self.queue.take(context, k, prompts, settings, step)
-                ahead = range(k + 1, k + rl.async_steps + 1)
-                self.queue.advance(context, [b for b in ahead if last is None or b <= last], settings, step)
+                self.ahead = [b for b in range(k + 1, k + rl.async_steps + 1) if last is None or b <= last]
             else:
                 mine_ = generate(context, k, prompts, settings, step)
             samples = gather(context, mine_)
@@ -249,8 +257,8 @@ class RolloutSource:
             )
         self.block_ends = {b: end for b, end in self.block_ends.items() if b >= k - 1}  # the loader may need k-1's
         self.block_ends[k] = block  # the next batch starts here (the loader checkpoints it)
-        if self.queue is not None and following:
-            self.queue.advance(context, [block], settings, step)
+        if self.queue is not None:
+            self.ahead = [block] if following else []
         batch = [sample for group in kept for sample in group]
         for index, sample in enumerate(batch):
             sample.group = index // rl.num_generations

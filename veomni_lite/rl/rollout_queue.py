@@ -37,7 +37,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from veomni_lite.distributed.collectives import all_gather_objects
+from veomni_lite.distributed.collectives import agree, all_gather_objects
+from veomni_lite.engines.background import GenerationError
 from veomni_lite.engines.base import Rollout, RolloutRequest, SamplingSettings
 from veomni_lite.rl.rollout_batch import mine, request, samples_of, sync_engine
 from veomni_lite.rl.rollouts import RolloutSample
@@ -54,7 +55,8 @@ def chunk_bounds(max_new_tokens: int, chunks: int) -> list[int]:
 class Flight:
     """A prompt block generating ahead of its batch: `version`, its first tokens' weights; `rows[i][j]`, this rank's
     sample j of prompt i so far (a `Rollout`) and the version of each of its tokens; `chunks`, the chunks started;
-    `pending`, whether the last of them is still in the engine's queue; `latest`, that chunk's weights version."""
+    `pending`, whether the last of them is still in the engine's queue; `latest`, that chunk's weights version;
+    `taken`, whether its batch has been made from it."""
 
     block: int
     version: int
@@ -62,6 +64,7 @@ class Flight:
     chunks: int = 0
     pending: bool = False
     latest: int = 0
+    taken: bool = False
 
 
 class RolloutQueue:
@@ -81,6 +84,8 @@ class RolloutQueue:
         dropped as too stale first (module docstring). `step`: the optimizer steps trained now."""
         dropped = 0
         flight = self.flights.get(block)
+        if flight is not None and flight.taken:  # made again (a checkpoint's): it continues as it was
+            flight.taken = False
         if flight is not None and step - flight.version > self.async_steps * context.steps_per_rollout:
             self._finish_through(context, block)
             dropped = len(prompts) * context.rl.num_generations
@@ -93,12 +98,14 @@ class RolloutQueue:
             if not self._continues(context, flight):
                 break
             self.start(context, block, prompts, settings, step)
-        del self.flights[block]
+        flight.taken = True  # kept until `advance`: a checkpoint before then holds it, so a resume takes it again
         return self._samples(context, flight, prompts), dropped
 
     def advance(self, context: Any, blocks: Sequence[int], settings: SamplingSettings, step: int) -> None:
-        """Partial rollouts: each block in flight continues by the current weights (its chunk collected, the next
-        started); then each of `blocks` not yet in flight starts (its first chunk), all by the weights of `step`."""
+        """After a take, once its batch starts training (by the weights of `step`, synced now): the taken blocks
+        leave; under partial rollouts each block in flight continues (its chunk collected, the next started); then
+        each of `blocks` not yet in flight starts (its first chunk)."""
+        self.flights = {block: flight for block, flight in self.flights.items() if not flight.taken}
         if self.chunks > 1:
             for block in list(self.flights):
                 self._finish_through(context, block)
@@ -165,7 +172,14 @@ class RolloutQueue:
     def _finish(self, context: Any, block: int) -> None:
         """The oldest chunk in the engine's queue (`block`'s) merged into its rows."""
         flight = self.flights[block]
-        results = context.engine.finish_generate()
+        problem, results = None, []
+        try:
+            results = context.engine.finish_generate()
+        except Exception as exc:  # noqa: BLE001 - agreed below: a failure on one rank is every rank's error
+            if getattr(exc, "agreed", False):  # the engine's own agreed error (vLLM)
+                raise
+            problem = exc
+        agree(problem, GenerationError, context.control_group, where=f"prompt block {block}: generation: ")
         flight.pending = False
         if flight.chunks == 1:
             indices = mine(context, context.rl.prompts_per_step)
@@ -207,7 +221,8 @@ class RolloutQueue:
         out = []
         for block, flight in self.flights.items():
             rows = {i: row for rank_rows in everyone for i, row in rank_rows[0][block].items()}
-            out.append({"block": block, "version": flight.version, "chunks": flight.chunks, "rows": rows})
+            out.append({"block": block, "version": flight.version, "chunks": flight.chunks, "rows": rows,
+                        "taken": flight.taken})  # fmt: skip
         return out
 
     def load(self, context: Any, state: Sequence[Mapping[str, Any]]) -> None:
@@ -218,3 +233,4 @@ class RolloutQueue:
             rows = {int(i): [(Rollout(*r), list(v)) for r, v in row] for i, row in saved["rows"].items() if i in own}
             self.flights[int(saved["block"])] = Flight(int(saved["block"]), int(saved["version"]), rows,
                                                        int(saved["chunks"]))  # fmt: skip
+        # a taken block is taken again: the batch made from it had not trained when the checkpoint was saved

@@ -335,6 +335,7 @@ class RLTrainer(SFTTrainer):
         """The loop's step, with the metrics of the rollout batch it starts (if it starts one), its times and the
         rollouts sample recorded (`RolloutRecords.flush`)."""
         start = time.perf_counter()
+        self.rollouts.start_ahead(self.step)  # async: the batches ahead generate while this step trains
         try:
             super().train_step(micro_batches)
         finally:
