@@ -274,7 +274,8 @@ def test_the_background_engine_runs_its_jobs_in_the_order_given():
     engine.close()
 
 
-def test_async_configs_are_checked(tmp_path):
+@pytest.mark.slow  # the demo's model directory (written once for the module: ~10 s)
+def test_async_configs_are_checked(math_demo, tmp_path):
     cases = {
         ("--rl.async_steps", "-1"): r"rl.async_steps: the staleness bound in rollout batches, >= 0; got -1",
         ("--rl.partial_rollouts", "true", "--rl.async_steps", "1"): r"rl.partial_rollouts: needs rl.async_steps >= 2",
@@ -284,4 +285,4 @@ def test_async_configs_are_checked(tmp_path):
     }
     for extra, message in cases.items():
         with pytest.raises(ConfigError, match=message):
-            load_config(None, async_args(tmp_path, tmp_path / "bad", *extra), sections={"rl": RLConfig})
+            load_config(None, async_args(math_demo, tmp_path / "bad", *extra), sections={"rl": RLConfig})

@@ -146,17 +146,13 @@ class RLConfig:
     ranks; once it ran `veomni_lite.rl.tools.MIN_TOOL_CALLS` = 16 times there) fails the run, naming the tool and its
     first error; in [0, 1], 1: never. The model's malformed calls do not count."""
     async_steps: int = 0
-    """The staleness bound k: rollouts generate up to k rollout batches ahead of training, a sample training only when
-    the weights that sampled its tokens are at most k batches (k `steps_per_rollout` optimizer steps) older than the
-    current ones (`rl/staleness/{mean,max}` in optimizer steps; an older one is dropped and generated again,
-    `rl/staleness/dropped`). 0: synchronous; 1: batch k+1 generates while batch k trains; k: batch b is sampled by the
-    weights of batch b - k (`veomni_lite.rl.rollout_queue`). Off policy, so `rl.importance_sampling` (or
-    `rl.decoupled`) corrects by the engine's log-probabilities (prime-rl's max_async_level, AReaL's
-    max_head_offpolicyness, verl's staleness_threshold)."""
+    """The staleness bound k in rollout batches (`veomni_lite.rl.rollout_queue`): 0 synchronous; k: batch b is sampled
+    by the weights of batch b - k while the batches before it train; an older sample is dropped and generated again
+    (`rl/staleness/{mean,max,dropped}`); `rl.importance_sampling` or `rl.decoupled` corrects by the engine's
+    log-probabilities (prime-rl's max_async_level, AReaL's max_head_offpolicyness, verl's staleness_threshold)."""
     partial_rollouts: bool = False
-    """With `rl.async_steps` k >= 2: a block's responses generate in k chunks, each by the weights synced at the
-    rollout batch it starts in, so a generation continues across weight updates, each token keeping its own version
-    and log-probability (`RolloutSample.versions`; verl's partial_rollout, in-flight weight updates)."""
+    """k >= 2: responses generate in k chunks, each by the weights of the batch it starts at, so a generation
+    continues across weight updates, each token with its own version and log-probability (verl's partial_rollout)."""
 
     @property
     def filter_groups(self) -> DynamicSampling | None:
@@ -246,10 +242,8 @@ class RLConfig:
         if self.async_steps and self.rollouts_path:
             raise ConfigError("rl.async_steps: generates rollouts while the trainer trains; rl.rollouts_path has them")
         if self.partial_rollouts and self.async_steps < 2:
-            raise ConfigError(
-                f"rl.partial_rollouts: needs rl.async_steps >= 2 (got {self.async_steps}): with 1 a rollout batch "
-                "generates within one batch's training, across no weight update"
-            )
+            raise ConfigError(f"rl.partial_rollouts: needs rl.async_steps >= 2 (got {self.async_steps}): with 1 "
+                              "a batch generates within one batch's training, across no update")  # fmt: skip
         if self.partial_rollouts and self.max_new_tokens < self.async_steps:
             raise ConfigError(f"rl.partial_rollouts: rl.max_new_tokens ({self.max_new_tokens}) must be >= "
                               f"rl.async_steps ({self.async_steps}), the chunks a response generates in")  # fmt: skip
@@ -257,10 +251,8 @@ class RLConfig:
             raise ConfigError("rl.partial_rollouts: a response of several chunks has no one routing record; use "
                               "rl.routing_replay old")  # fmt: skip
         if self.async_steps > 1 and self.dynamic_sampling:
-            raise ConfigError(
-                f"rl.async_steps: {self.async_steps} with rl.dynamic_sampling: a batch's first prompt block is known "
-                "only once the batch before it is filtered; use rl.async_steps 0 or 1"
-            )
+            raise ConfigError(f"rl.async_steps: {self.async_steps} with rl.dynamic_sampling: a batch's first "
+                              "block is known once the one before is filtered; use 0 or 1")  # fmt: skip
         if self.async_steps and self.importance_sampling == "none" and not self.decoupled:
             raise ConfigError(
                 f"rl.async_steps: {self.async_steps} samples with weights up to that many rollout batches old: set "

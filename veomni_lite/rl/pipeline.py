@@ -41,6 +41,7 @@ from veomni_lite.rl.critic import Critic, gae_advantages
 from veomni_lite.rl.logprob_pass import collate_plans, fill, needs_fill, plan
 from veomni_lite.rl.records import engine_mismatch_metrics, rollout_metrics
 from veomni_lite.rl.rollout_batch import RolloutSource
+from veomni_lite.rl.rollout_queue import RolloutQueue
 from veomni_lite.rl.rollouts import RolloutSample
 
 __all__ = ["RolloutBatch", "RolloutContext", "RolloutPipeline", "advantages"]
@@ -121,7 +122,8 @@ class RolloutPipeline:
 
     def __init__(self, context: RolloutContext) -> None:
         self.context = context
-        self.source = RolloutSource(context.rl)
+        rl = context.rl
+        self.source = RolloutSource(RolloutQueue(rl.async_steps, rl.partial_rollouts) if rl.async_steps else None)
         self.last: list[RolloutSample] = []
 
     def make(self, k: int, step: int, last: int | None, restored: list[RolloutSample] | None = None) -> RolloutBatch:

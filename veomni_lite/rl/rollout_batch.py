@@ -8,8 +8,9 @@ Rollout batch k (collective, made when the loader first needs it): its `rl.promp
 weights (synced when they changed: one gather of the full weights); each rank scores its own samples
 (`veomni_lite.rl.rewards.score`), a reward function failing on any rank being the same `RewardError` on every rank
 (`agree`); the samples are then all-gathered in batch order (every rank holds every sample).
-Given rollouts (`rl.rollouts_path`) skip the generation. Under `rl.async_steps: 1` batch k+1 is generated in the
-background while batch k trains (the vLLM engine).
+Given rollouts (`rl.rollouts_path`) skip the generation. Under `rl.async_steps: k` >= 1 batches k+1 .. k+k are
+generated in the background while batch k trains, by the engine's queue (`veomni_lite.rl.rollout_queue`: the
+schedule, the staleness bound, partial rollouts, the queue in checkpoints).
 
 `rl.dynamic_sampling` (DAPO, verl's filter_groups): batch k is made of rounds; round r generates prompt block b (block
 b = `PromptSet.batch(b, prompts_per_step)`, the prompt order's next; seeds by (seed, b, i, j)), gathers it, drops the
@@ -167,14 +168,13 @@ def samples_of(
 
 
 class RolloutSource:
-    """Where rollout batches come from: the engine (generated and scored, under `rl.async_steps: 1` one prompt block
-    in flight in the background, under `rl.dynamic_sampling` in rounds) or the given rollouts. State: the block in
-    flight and `block_ends` (rollout batch -> the prompt block after its last; the loader checkpoints it)."""
+    """Where rollout batches come from: the engine (generated and scored, under `rl.async_steps` the prompt blocks
+    ahead in flight in `queue`, under `rl.dynamic_sampling` in rounds) or the given rollouts. State: the queue, the
+    blocks to start once the batch just made trains (`ahead`) and `block_ends` (rollout batch -> the prompt block after
+    its last; the loader checkpoints it and the queue)."""
 
-    def __init__(self, rl: Any) -> None:
-        from veomni_lite.rl.rollout_queue import RolloutQueue  # it builds on this module's stages
-
-        self.queue = RolloutQueue(rl.async_steps, rl.partial_rollouts) if rl.async_steps else None
+    def __init__(self, queue: Any = None) -> None:
+        self.queue = queue  # async: the `veomni_lite.rl.rollout_queue.RolloutQueue` (None: synchronous)
         self.ahead: list[int] | None = None  # async: the blocks to start once the batch just made starts training
         self.block_ends: dict[int, int] = {}
 
