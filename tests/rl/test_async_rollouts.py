@@ -4,10 +4,12 @@ as a negative control); partial rollouts continue across weight syncs, each toke
 log-probability of the weights that sampled it, and with unchanged weights they are the whole generations; a resume
 (at a batch boundary or inside a batch) trains the samples of the uninterrupted run; DP=2 makes the same rollouts as
 one process; a block older than the bound is dropped and generated again; a generation failing on one rank is the
-same named error on every rank; the background engine keeps its jobs' order."""
+same named error on every rank; the background engine keeps its jobs' order; the truncated correction weighs each
+token by its own version's behaviour log-probability, against a float64 reference at GA and DP=2 x GA."""
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -286,3 +288,40 @@ def test_async_configs_are_checked(math_demo, tmp_path):
     for extra, message in cases.items():
         with pytest.raises(ConfigError, match=message):
             load_config(None, async_args(math_demo, tmp_path / "bad", *extra), sections={"rl": RLConfig})
+
+
+VARIED = """
+def score(prompts, completions, answers, **columns):
+    return [float(sum(map(ord, c)) % 7) for c in completions]
+"""
+
+
+def first_step_reference(samples: list[Mapping[str, Any]], is_cap: float, flip: bool = False) -> float:
+    """Float64: the policy loss of a rollout batch's first optimizer step (mini-batch 0, the first `P * G // S`
+    samples), where the training forward's weights are the old pass's (ratio 1, no clip): the token-mean over its
+    response tokens of -A min(exp(old_t - engine_t), is_cap), each token against its own behaviour log-probability
+    (`flip`: each response's behaviour log-probabilities reversed, the negative control)."""
+    total, count = 0.0, 0
+    for sample in samples[: P * G // S]:
+        engine = sample["engine_logprobs"][::-1] if flip else sample["engine_logprobs"]
+        for old, behaviour in zip(sample["old_logprobs"], engine):
+            total += -sample["advantage"] * min(math.exp(old - behaviour), is_cap)
+            count += 1
+    return total / count
+
+
+@pytest.mark.slow
+def test_the_correction_weighs_each_token_by_its_own_versions_behaviour_logprob_at_ga_and_dp2(math_demo, tmp_path):
+    reward = tmp_path / "varied.py"
+    reward.write_text(VARIED)
+    extra = ("--rl.partial_rollouts", "true", "--rl.entropy_coef", "0", "--rl.is_cap", "1.5",
+             "--rl.rewards", f"[{{name: varied, function: '{reward}:score'}}]")  # fmt: skip
+    one = run(async_args(math_demo, tmp_path / "one", *extra))  # GA 4
+    two = run_distributed(_ranked, 2, async_args(math_demo, tmp_path / "two", *extra), timeout_s=900)[0]  # DP 2 x GA 2
+    for result in (one, two):
+        last = result["last"]
+        assert any(len(set(s["versions"])) == 2 for s in last[: P * G // S])  # tokens of two versions
+        assert any(s["advantage"] != 0 for s in last[: P * G // S])
+        logged = series(result["events"], "train/policy_loss")[7]  # batch 3's first step
+        assert logged == pytest.approx(first_step_reference(last, 1.5), abs=1e-6)
+        assert abs(logged - first_step_reference(last, 1.5, flip=True)) > 1e-4
