@@ -79,7 +79,7 @@ def block(work_dir: Path, quick: bool) -> dict[str, Any]:
 
     from harness import math_model, prose
 
-    batches, new_tokens, rounds = (3, 16, 1) if quick else (8, 48, 3)
+    batches, new_tokens, rounds = (3, 16, 1) if quick else (6, 48, 2)
     work_dir.mkdir(parents=True, exist_ok=True)
     model_dir = math_model(work_dir, MODEL)
     out = work_dir / "rl_async.json"
@@ -89,7 +89,7 @@ def block(work_dir: Path, quick: bool) -> dict[str, Any]:
                str(model_dir), "--batches", str(batches), "--new-tokens", str(new_tokens), "--rounds", str(rounds),
                "--out", str(out)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    subprocess.run(command, env=env, check=True, capture_output=True, text=True, timeout=900)
+    subprocess.run(command, env=env, check=True, capture_output=True, text=True, timeout=1800)
     results = {name: max(runs, key=lambda r: r["tokens"] / r["seconds"]) for name, runs in json.loads(
         out.read_text()).items()}  # fmt: skip
     rate = {name: r["tokens"] / r["seconds"] for name, r in results.items()}
