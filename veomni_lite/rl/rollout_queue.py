@@ -84,8 +84,6 @@ class RolloutQueue:
         dropped as too stale first (module docstring). `step`: the optimizer steps trained now."""
         dropped = 0
         flight = self.flights.get(block)
-        if flight is not None and flight.taken:  # made again (a checkpoint's): it continues as it was
-            flight.taken = False
         if flight is not None and step - flight.version > self.async_steps * context.steps_per_rollout:
             self._finish_through(context, block)
             dropped = len(prompts) * context.rl.num_generations
@@ -221,8 +219,7 @@ class RolloutQueue:
         out = []
         for block, flight in self.flights.items():
             rows = {i: row for rank_rows in everyone for i, row in rank_rows[0][block].items()}
-            out.append({"block": block, "version": flight.version, "chunks": flight.chunks, "rows": rows,
-                        "taken": flight.taken})  # fmt: skip
+            out.append({"block": block, "version": flight.version, "chunks": flight.chunks, "rows": rows})
         return out
 
     def load(self, context: Any, state: Sequence[Mapping[str, Any]]) -> None:
@@ -233,4 +230,4 @@ class RolloutQueue:
             rows = {int(i): [(Rollout(*r), list(v)) for r, v in row] for i, row in saved["rows"].items() if i in own}
             self.flights[int(saved["block"])] = Flight(int(saved["block"]), int(saved["version"]), rows,
                                                        int(saved["chunks"]))  # fmt: skip
-        # a taken block is taken again: the batch made from it had not trained when the checkpoint was saved
+        # a taken block comes back untaken: the batch made from it had not trained when the checkpoint was saved
