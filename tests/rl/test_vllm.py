@@ -1126,7 +1126,7 @@ def test_one_step_async_samples_with_the_weights_one_batch_old(math_demo, vllm_s
     assert run_distributed(train, 2, str(path), extra, timeout_s=900) == [None, None]
     assert sorted(by_step(tmp_path / "async", "train/policy_loss")) == [1, 2, 3, 4, 5, 6]
     # batch 0 sampled by the weights it trains (step 0); batches 1 and 2 during the previous batch's 2 steps
-    assert by_step(tmp_path / "async", "rl/staleness") == {1: 0.0, 3: 2.0, 5: 2.0}
+    assert by_step(tmp_path / "async", "rl/staleness/mean") == {1: 0.0, 3: 2.0, 5: 2.0}
     assert by_step(tmp_path / "async", "rl/staleness/max") == {1: 0.0, 3: 2.0, 5: 2.0}
     diff = by_step(tmp_path / "async", "rl/logprob_diff")
     ratio = by_step(tmp_path / "async", "rl/importance_ratio/mean")
@@ -1313,7 +1313,7 @@ def test_vision_language_runs_on_vllm_train_as_on_the_embedded_engine(vl_demo, v
     assert sorted(diff) == [1, 3] and all(value < 1e-2 for value in diff.values())
     asynchronous = write_config(vl_demo, tmp_path / "async", "vllm", {"url": vl_server.url, "probe_tolerance": 1e-4})
     assert run_distributed(train, 2, str(asynchronous), [*moving, "--rl.async_steps", "1"], timeout_s=900) == [None] * 2
-    assert by_step(tmp_path / "async", "rl/staleness") == {1: 0.0, 3: 2.0}  # batch 1 sampled while batch 0 trained
+    assert by_step(tmp_path / "async", "rl/staleness/mean") == {1: 0.0, 3: 2.0}  # batch 1 sampled while batch 0 trained
     # Control: a sync without the encoder-cache reset, then images the server has seen: its engine dies
     trainer = RLTrainer(load_config(runs["vllm"], VL_REWARD, world_size=1, sections={"rl": RLConfig}))
     try:

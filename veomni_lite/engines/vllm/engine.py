@@ -14,8 +14,9 @@ naming the engine, the server's URL and the request (`agree`). While rank 0 wait
 small all-reduce each second, so no collective waits on rank 0 for long (`parallel.collective_timeout_s` need not cover
 a server's start or a batch's generation).
 
-One-step-async rollouts (`rl.async_steps: 1`): `start_generate` starts a rollout batch's generation in a thread of rank
-0 that makes no collective, `finish_generate` collects it; a weight sync waits for a generation in flight first.
+Async rollouts (`rl.async_steps` >= 1): `start_generate` starts a rollout batch's generation in a thread of rank 0 that
+makes no collective, `finish_generate` collects the oldest one started; a weight sync waits for every generation in
+flight first.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import shutil
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, wait
 from pathlib import Path
@@ -82,7 +84,7 @@ class VLLMEngine(RolloutEngine):
         self.client = Client(settings)  # rank 0's, with the API key below
         self._started = time.monotonic()
         self._closed = False
-        self._pending: Future[Any] | None = None  # a started generation (rank 0), see start_generate
+        self._pending: deque[Any] = deque()  # started generations, oldest first (rank 0's Futures), see start_generate
         self._up = False  # rank 0: every server answered once (`_ready`)
         self._synced: tuple[int, list[float]] | None = None  # rank 0: the version on the servers, the trainer's probe
         self.model_dir = model_dir
@@ -171,8 +173,8 @@ class VLLMEngine(RolloutEngine):
         where = f"{NAME}, weight sync of version {version}: "
 
         def sync() -> list[tuple[Endpoint, list[float]]]:
-            if self._pending is not None:  # a generation in flight finishes on the weights it started with
-                wait([self._pending])
+            if self._pending:  # the generations in flight finish on the weights they started with
+                wait([f for f in self._pending if f is not None])
             self._serving()  # joiners first, on the weights they will replace
             start = time.perf_counter()
             self._write(state_dict)
@@ -247,17 +249,16 @@ class VLLMEngine(RolloutEngine):
         everyone = all_gather_objects([plain(r) for r in requests], self.group)
         return self._collect(self._start(everyone, settings))
 
-    # One-step-async rollouts (`rl.async_steps: 1`): the trainer starts a rollout batch's generation, trains, and
-    # collects it later; the HTTP work runs in a thread of rank 0 that makes no collective.
+    # Async rollouts (`rl.async_steps`): the trainer starts a rollout batch's generation, trains, and collects it
+    # later; the HTTP work runs in a thread of rank 0 that makes no collective.
     def start_generate(self, everyone: Sequence[Sequence[RolloutRequest]], settings: SamplingSettings) -> None:
         """Not collective: rank 0 starts generating every rank's requests (`everyone[rank]`) in the background; other
         ranks do nothing. `finish_generate` collects them; a weight sync waits for them first."""
-        self._pending = self._start([[plain(r) for r in requests] for requests in everyone], settings)
+        self._pending.append(self._start([[plain(r) for r in requests] for requests in everyone], settings))
 
     def finish_generate(self) -> list[list[Rollout]]:
-        """Collective: this rank's rollouts of the generation `start_generate` began (waiting for it)."""
-        pending, self._pending = self._pending, None
-        return self._collect(pending)
+        """Collective: this rank's rollouts of the oldest generation `start_generate` began (waiting for it)."""
+        return self._collect(self._pending.popleft())
 
     def _start(self, everyone: Sequence[Sequence[Plain]], settings: SamplingSettings) -> Any:
         """Rank 0: a Future of every rank's rollouts, computed in a daemon thread (None on other ranks)."""
