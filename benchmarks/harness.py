@@ -178,8 +178,15 @@ def torchrun(script: Path, nproc: int, args: list[str], timeout_s: float, env: d
     """Run `script` under `torchrun --standalone` on `nproc` processes (OMP_NUM_THREADS=1); its output, or a
     RuntimeError with the output's tail when it fails or runs past `timeout_s`."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    return run_script(command, script, args, timeout_s, env)
+
+
+def run_script(
+    launcher: list[str], script: Path, args: list[str], timeout_s: float, env: dict[str, str] | None = None
+) -> str:
+    """`launcher script args` (one process: `[sys.executable]`) with OMP_NUM_THREADS=1, as `torchrun` runs."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
-    done = subprocess.run([*command, str(script), *args], env=env, capture_output=True, text=True, timeout=timeout_s)
+    done = subprocess.run([*launcher, str(script), *args], env=env, capture_output=True, text=True, timeout=timeout_s)
     if done.returncode:
         failed = f"{script.name} {' '.join(args)} exited {done.returncode}"
         raise RuntimeError(f"{failed}:\n{done.stdout[-2000:]}{_cause(done)}")
@@ -199,3 +206,69 @@ def prose(doc: str) -> str:
     """A module docstring as page text: its paragraphs unwrapped, without the leading 'make bench: '."""
     text = "\n\n".join(" ".join(part.split()) for part in doc.removeprefix("make bench: ").split("\n\n"))
     return text[:1].upper() + text[1:]
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    """The bytes this rank holds of `tensor` (a DTensor's local shard)."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+def rank_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, experts: set[int]) -> dict[str, dict]:
+    """This rank's bytes of parameters, gradients (where set) and optimizer state, {"experts": {...}, "other":
+    {...}}, each {"parameters", "gradients", "optimizer"}: the parameters whose id is in `experts` apart."""
+    out = {part: dict.fromkeys(("parameters", "gradients", "optimizer"), 0) for part in ("experts", "other")}
+    for param in model.parameters():
+        part = out["experts" if id(param) in experts else "other"]
+        part["parameters"] += local_bytes(param)
+        part["gradients"] += local_bytes(param.grad) if param.grad is not None else 0
+        state = optimizer.state.get(param, {})
+        part["optimizer"] += sum(local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+    return out
+
+
+@contextlib.contextmanager
+def gathered_bytes(modules: Sequence[torch.nn.Module]) -> Iterator[list[int]]:
+    """The bytes of each of `modules`' own parameters as its forwards see them (FSDP2 gathers them there), the
+    largest over the forwards run inside, in the order of `modules`."""
+    seen = [0] * len(modules)
+
+    def hook(index: int) -> Callable[..., None]:
+        def record(module: torch.nn.Module, _args: Any) -> None:
+            size = sum(local_bytes(p) for p in module.parameters(recurse=False))
+            seen[index] = max(seen[index], size)
+
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(i)) for i, m in enumerate(modules)]
+    try:
+        yield seen
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def collective_seconds(step: Callable[[], Any]) -> tuple[float, dict[str, float]]:
+    """(the wall seconds of `step()`, run under torch's profiler; per collective kind ("all_gather", "all_to_all",
+    "reduce_scatter", "all_reduce", ...): the seconds during which at least one such collective of the backend
+    (gloo's or NCCL's profiler events) was in flight, the union of their intervals)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        step()
+        wall = time.perf_counter() - start
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for event in prof.events():
+        backend, _, kind = event.name.partition(":")
+        if backend in ("gloo", "nccl") and kind:
+            kind = kind.removesuffix("_base").removesuffix("_into_tensor").removesuffix("_coalesced")
+            spans.setdefault(kind, []).append((event.time_range.start, event.time_range.end))
+    busy = {}
+    for kind, intervals in spans.items():
+        total, end = 0.0, float("-inf")
+        for lo, hi in sorted(intervals):
+            total += max(0.0, hi - max(lo, end))
+            end = max(end, hi)
+        busy[kind] = total / 1e6  # the profiler's microseconds
+    return wall, busy

@@ -204,22 +204,69 @@ def test_trl_side_by_side_targets(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     assert quick["DPO, precomputed reference step, ours / TRL, processes 1, proposed target"]["values"] == [0.25]
 
 
-def test_moe_block_counts_collectives_beyond_the_dense_step(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def fake_moe_worker(variant: str, world: int, ep: int, counted: dict[str, Any]) -> dict[str, Any]:
+    """One `moe._worker` result: EP=2 halves the gathered experts and each step's time."""
+    seconds = [0.10, 0.12, 0.11] if variant == "dense" else [0.13 / max(ep, 1), 0.15 / ep, 0.14 / ep]
+    rank = {
+        "bytes": {
+            "experts": {"parameters": 400, "gradients": 400, "optimizer": 800},
+            "other": {"parameters": 100, "gradients": 100, "optimizer": 200},
+        },
+        "gathered": [320 // ep, 320 // ep],
+        "profiled_s": 2.0,
+        "busy_s": {"all_gather": 0.5, "all_reduce": 0.2},
+    }
+    return {"seconds": seconds, "collectives": counted[variant], "parameters": 100, "active": 50, "experts": 160,
+            "positions": [64, 64, 64], "ranks": [rank] * world, "ep_size": ep}  # fmt: skip
+
+
+@pytest.mark.parametrize("with_ep", [False, True])
+def test_moe_block_targets(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, with_ep: bool) -> None:
     import harness
     import moe
 
     dense = {"all_reduce": 2, "all_gather_into_tensor": 8, "reduce_scatter_tensor": 4}
     counted = {"dense": dense, "micro-batch": dense, "global-batch": {**dense, "all_reduce": 3}}  # one too many
+    launched = []
 
     def fake_torchrun(script: Path, nproc: int, args: list[str], timeout: float, env: Any = None) -> None:
         variant, out = args[args.index("--worker") + 1], Path(args[args.index("--out") + 1])
-        seconds = [0.10, 0.12, 0.11] if variant == "dense" else [0.13, 0.15, 0.14]
-        out.write_text(json.dumps({"seconds": seconds, "collectives": counted[variant], "parameters": 10, "active": 5}))
+        ep = int(args[args.index("--ep-size") + 1])
+        launched.append((variant, nproc, ep))
+        out.write_text(json.dumps(fake_moe_worker(variant, nproc, ep, counted)))
 
-    monkeypatch.setattr(moe, "write_models", lambda work_dir, layers: {"dense": tmp_path, "moe": tmp_path})
+    def fake_step(launcher: list[str], script: Path, args: list[str], timeout: float) -> None:
+        assert script.name == "moe_step.py" and args[args.index("--shape") + 1] == "quick"
+        seconds = {"ours": [0.2, 0.4, 0.3], "theirs": [0.3, 0.3, 0.3]}
+        shape = {"num_experts": 16, "num_experts_per_tok": 4, "hidden_size": 128, "num_hidden_layers": 2}
+        result = {**shape, "seconds": seconds, "step_tokens": [512] * 3, "loss_rel_diff": 1e-8}
+        Path(args[args.index("--out") + 1]).write_text(json.dumps(result))
+
+    monkeypatch.setattr(
+        moe, "write_models", lambda work_dir, layers, experts=None: {"dense": tmp_path, "moe": tmp_path}
+    )
+    monkeypatch.setattr(moe, "ep_supported", lambda: with_ep)
     monkeypatch.setattr(harness, "torchrun", fake_torchrun)
+    monkeypatch.setattr(harness, "run_script", fake_step)
     block = moe.block(tmp_path, quick=True)
-    assert by_name(block)["MoE collectives per step beyond the dense step's"]["values"] == [0, 0, 1]
+    targets = by_name(block)
+    assert targets["MoE collectives per step beyond the dense step's"]["values"] == [0, 0, 1]
     rows = {row[0]: row for row in block["tables"][0]["rows"]}
     assert rows["micro-batch"][-1] == pytest.approx(0.14 / 0.11) and rows["dense"][-1] == 1.0
     assert "same collectives in every variant: False" in block["about"]
+    # ours against transformers: transformers' time over ours, step by step
+    assert targets["ours / transformers tokens/s, one process"]["values"] == pytest.approx([1.5, 0.75, 1.0])
+    # quick: EP=1 is the micro-batch variant's run; EP=2 runs only where the tree has parallel.ep_size
+    assert (
+        launched == [("dense", 2, 1), ("micro-batch", 2, 1), ("global-batch", 2, 1)] + [("micro-batch", 2, 2)] * with_ep
+    )
+    gathered = targets["one MoE layer's experts gathered per rank / (all of them / EP)"]["values"]
+    assert gathered == pytest.approx([320 / (160 * 4 / 2)] + [160 / (160 * 4 / 2 / 2)] * with_ep)
+    speedup = targets["positions/s, DP=2: EP=2 / EP=1"]
+    if with_ep:
+        assert speedup["values"] == pytest.approx([2.0, 2.0, 2.0])
+    else:
+        assert speedup["values"] == [] and "parallel.ep_size is not in this tree" in speedup["note"]
+    memory = block["tables"][2]["rows"]
+    assert [row[:2] for row in memory] == [[2, 1]] + [[2, 2]] * with_ep
+    assert memory[0][3] == pytest.approx(1600 / 2**20) and memory[0][8] == 0.25 and memory[0][-1] == 0.1

@@ -1,0 +1,244 @@
+"""One process of our SFT trainer's MoE step against transformers' own model on the same tokens (the `moe` block of
+`make bench`, and `make bench-gpu` at real widths).
+
+Ours: `SFTTrainer.train_step` on a Qwen3-MoE directory (the `HFCausalLM` wrapper, the fused LM head and
+cross-entropy, the router losses as heads of the loss core (`moe.balance` micro-batch), the global grad-norm clip,
+AdamW). Theirs: the same directory loaded by `AutoModelForCausalLM` (its default experts implementation,
+`grouped_mm`), `model(input_ids, position_ids, labels, output_router_logits=True)`, whose loss is its cross-entropy
+plus `router_aux_loss_coef` x its `load_balancing_loss_func`, backward, `clip_grad_norm_` and AdamW: what a
+transformers training loop runs. Both take the micro-batches our loader builds (one packed row of `tokens` tokens a
+step, samples of `length` tokens, positions restarting per sample, which transformers' own masking reads as packed
+sequences), `theirs` its labels unshifted. Equal work: both sides' first-step losses from equal weights
+(`loss_rel_diff`). Timed steps alternate between the sides (order rotated each repetition) after warm-up steps;
+`sequential` (a GPU at real widths, where both models and their AdamW states would not fit at once) times one side
+after the other instead, each freed before the next is built.
+
+    python benchmarks/moe_step.py --shape quick --work-dir DIR --out FILE [--device cuda] [--steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+ATTENTION = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
+# the models: a Qwen3-MoE of `layers` decoder layers; `tokens` per step in one packed row of `length`-token samples
+SHAPES: dict[str, dict[str, Any]] = {
+    "quick": {"hidden_size": 128, "moe_intermediate_size": 128, "num_experts": 16, "num_experts_per_tok": 4,
+              "num_hidden_layers": 2, **ATTENTION, "vocab_size": 0, "tokens": 512, "length": 128},
+    "full": {"hidden_size": 256, "moe_intermediate_size": 256, "num_experts": 64, "num_experts_per_tok": 8,
+             "num_hidden_layers": 2, **ATTENTION, "vocab_size": 0, "tokens": 2048, "length": 256},
+    # Qwen3-30B-A3B's widths (its config.json), 2 of its 48 layers
+    "qwen3_30b_a3b": {"hidden_size": 2048, "moe_intermediate_size": 768, "num_experts": 128,
+                      "num_experts_per_tok": 8, "num_hidden_layers": 2, "num_attention_heads": 32,
+                      "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151_936, "tokens": 4096,
+                      "length": 1024},
+    # the tiny dry run of `make bench-gpu` on a CPU
+    "dry_run": {"hidden_size": 64, "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
+                "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+                "vocab_size": 0, "tokens": 256, "length": 64},
+}  # fmt: skip
+SIZE_KEYS = ("tokens", "length")
+
+
+def write_inputs(work_dir: Path, name: str, shape: dict[str, Any], dtype: str = "float32") -> tuple[Path, Path]:
+    """(model directory, data file) under `work_dir` (kept where they exist): a randomly initialized Qwen3-MoE of
+    `shape` (`vocab_size` 0: the tokenizer's) with the arithmetic demo's tokenizer, saved in `dtype`; `text` rows
+    long enough to be cut at `shape["length"]` tokens, enough for many steps."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from examples.rl_math import MODEL, write_demo
+
+    data = write_demo(work_dir / "data", sft_rows=64, rl_rows=16, eval_rows=16)
+    tokenizer = AutoTokenizer.from_pretrained(str(data / MODEL))
+    directory = work_dir / f"qwen3_moe_{name}"
+    if not (directory / "config.json").is_file():
+        fields = {k: v for k, v in shape.items() if k not in SIZE_KEYS}
+        fields["vocab_size"] = fields["vocab_size"] or len(tokenizer)
+        config = Qwen3MoeConfig(
+            intermediate_size=4 * shape["hidden_size"], norm_topk_prob=True, router_aux_loss_coef=0.01,
+            max_position_embeddings=max(4096, shape["length"]), tie_word_embeddings=False,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=0, **fields,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # a real-width model initializes in seconds there
+        with torch.device(device):
+            model = Qwen3MoeForCausalLM(config).to(getattr(torch, dtype))
+        model.save_pretrained(str(directory))
+        tokenizer.save_pretrained(str(directory))
+        del model
+    rows = data / f"text_{shape['length']}.jsonl"
+    if not rows.is_file():
+        rng = random.Random(0)
+        words = [json.loads(line)["messages"][-1]["content"] for line in (data / "train.jsonl").read_text().split("\n")
+                 if line]  # fmt: skip
+        per_row = shape["length"] // 2  # each answer is several tokens: a row is longer than `length`
+        texts = [" ".join(rng.choice(words) for _ in range(per_row)) for _ in range(256)]
+        rows.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    return directory, rows
+
+
+def our_trainer(work_dir: Path, model_dir: Path, rows: Path, shape: dict[str, Any], extra: list[str]) -> Any:
+    """Our `SFTTrainer` on `model_dir` (one process), one packed row of `shape["tokens"]` tokens a step."""
+    from veomni_lite.config import load_config
+    from veomni_lite.trainer.sft import SFTTrainer
+
+    args = [
+        "--model.arch", "auto", "--model.pretrained_dir", str(model_dir), "--data.format", "text",
+        "--data.train_path", str(rows), "--data.max_seq_len", str(shape["length"]), "--data.packing", "true",
+        "--data.shared_prefix", "false", "--data.max_tokens_per_micro_batch", str(shape["tokens"]),
+        "--train.global_batch_size", str(shape["tokens"] // shape["length"]), "--train.max_steps", "1000",
+        "--train.eval_interval", "0", "--train.output_dir", str(work_dir / f"run_{model_dir.name}"),
+        "--checkpoint.save_interval", "0", "--logging.log_interval", "1000", "--logging.progress_bar", "false",
+        "--logging.tensorboard", "false", "--logging.plot", "false", "--optim.warmup_steps", "0",
+        "--moe.balance", "micro-batch", *extra,
+    ]  # fmt: skip
+    return SFTTrainer(load_config(None, args, world_size=1))
+
+
+class Ours:
+    """Our trainer's whole step on given micro-batches; `loss()` the loss its last step logged."""
+
+    def __init__(self, work_dir: Path, model_dir: Path, rows: Path, shape: dict[str, Any], extra: list[str]) -> None:
+        self.trainer = our_trainer(work_dir, model_dir, rows, shape, extra)
+
+    def batches(self, steps: int) -> list[list[dict[str, Any]]]:
+        """`steps` steps of this trainer's loader's micro-batches (sharded as the trainer's loop does)."""
+        return [[self.trainer.shard(mb) for mb in self.trainer.loader.next_step()] for _ in range(steps)]
+
+    def step(self, micro_batches: list[dict[str, Any]]) -> None:
+        self.trainer.train_step(micro_batches)
+
+    def loss(self) -> float:
+        self.trainer.metrics.end_step(self.trainer.step, 0, force=True)
+        self.trainer.metrics.wait_bookkeeping()
+        return float(self.trainer.metrics.last_logged["train/loss"])
+
+    def close(self) -> None:
+        self.trainer.metrics.finish(self.trainer.step, 0)
+        self.trainer.close()
+
+
+class Theirs:
+    """transformers' own model and loss (bf16 autocast over float32 weights on CUDA, as its Trainer's `bf16`),
+    `clip_grad_norm_` and our AdamW (`build_optimizer`: the same groups, rate and kernels)."""
+
+    def __init__(self, model_dir: Path, device: Any, bf16: bool, optim: Any) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from veomni_lite.trainer.base import build_optimizer
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device)
+        self.model.train()
+        self.device, self.bf16, self.max_norm = device, bf16, optim.max_grad_norm
+        self.optimizer = build_optimizer(self.model, optim)
+        self.last_loss = torch.zeros(())
+
+    def step(self, micro_batches: list[dict[str, Any]]) -> None:
+        import contextlib
+
+        import torch
+
+        losses = []
+        for mb in micro_batches:
+            labels = mb["labels"].to(self.device)  # ours, shifted once: transformers' `shift_labels`
+            autocast = torch.autocast("cuda", torch.bfloat16) if self.bf16 else contextlib.nullcontext()
+            with autocast:
+                out = self.model(
+                    input_ids=mb["input_ids"].to(self.device), position_ids=mb["position_ids"].to(self.device),
+                    labels=labels, shift_labels=labels, output_router_logits=True, use_cache=False,
+                )  # fmt: skip
+            (out.loss / len(micro_batches)).backward()
+            losses.append(out.loss.detach())
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.last_loss = torch.stack(losses).mean()
+
+    def loss(self) -> float:
+        return float(self.last_loss)
+
+    def close(self) -> None:
+        del self.model, self.optimizer
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(work_dir: Path, shape_name: str, steps: int, warmup: int, sequential: bool, extra: list[str]) -> dict:
+    """Both sides on the same micro-batches (see the module doc): {"seconds": {"ours": [...], "theirs": [...]},
+    "tokens": [per timed step], "flops_per_token", "first_loss": {side: loss}, the shape, ...}."""
+    import torch
+
+    shape = SHAPES[shape_name]
+    model_dir, rows = write_inputs(work_dir, shape_name, shape)
+    sides: dict[str, Any] = {"ours": Ours(work_dir, model_dir, rows, shape, extra)}
+    trainer = sides["ours"].trainer
+    device, optim, bf16 = trainer.device, trainer.config.optim, trainer.device.type == "cuda"
+    batches = sides["ours"].batches(warmup + steps)
+    flops = trainer.flops_per_token(shape["length"])
+    build = lambda: Theirs(model_dir, device, bf16, optim)  # noqa: E731
+    if not sequential:
+        sides["theirs"] = build()
+    seconds: dict[str, list[float]] = {"ours": [], "theirs": []}
+    first_loss: dict[str, float] = {}
+    rounds = [(i, pair[i % 2 :] + pair[: i % 2]) for i, pair in enumerate([("ours", "theirs")] * (warmup + steps))]
+    order = [(i, name) for i, names in rounds for name in names]
+    if sequential:
+        order.sort(key=lambda item: item[1] == "theirs")  # every step of ours, then every step of theirs
+    for index, name in order:
+        if name not in sides:  # sequential: ours is done; free it before transformers' model is built
+            sides.pop("ours").close()
+            gc.collect()
+            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+            sides["theirs"] = build()
+        _sync(device)
+        start = time.perf_counter()
+        sides[name].step(batches[index])
+        _sync(device)
+        if index >= warmup:
+            seconds[name].append(time.perf_counter() - start)
+        if index == 0:
+            first_loss[name] = sides[name].loss()
+    for side in sides.values():
+        side.close()
+    return {
+        "shape": shape_name, **shape, "device": str(device), "bf16": bf16, "warmup": warmup, "seconds": seconds,
+        "step_tokens": [sum(int(mb["input_ids"].numel()) for mb in step) for step in batches[warmup:]],
+        "flops_per_token": flops, "first_loss": first_loss,
+        "loss_rel_diff": abs(first_loss["ours"] - first_loss["theirs"]) / abs(first_loss["theirs"]),
+    }  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=tuple(SHAPES), default="quick")
+    parser.add_argument("--work-dir", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--sequential", action="store_true")
+    args = parser.parse_args()
+    result = measure(args.work_dir, args.shape, args.steps, args.warmup, args.sequential, [])
+    args.out.write_text(json.dumps(result))
+    ratio = [t / o for o, t in zip(result["seconds"]["ours"], result["seconds"]["theirs"])]
+    print(json.dumps(result["seconds"]), "ours/theirs tokens/s", statistics.median(ratio))
+
+
+if __name__ == "__main__":
+    sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
+    main()
