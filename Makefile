@@ -13,7 +13,7 @@ QUICK ?=
 TORCHRUN := $(PY) -m veomni_lite.torchrun --standalone --nproc_per_node $(NPROC)
 
 .PHONY: install test test-quick test-gpu test-vllm vllm-env quality train train-text train-sft train-lora train-rl \
-	train-agent train-envs train-rl-math train-ppo preference-pairs train-dpo train-rm train-moe figures bench clean
+	train-agent train-envs train-rl-math train-ppo preference-pairs train-dpo train-rm train-moe figures bench bench-gpu clean
 
 install: $(STAMP)
 
@@ -193,6 +193,12 @@ train-moe: install
 
 bench: install
 	$(PY) benchmarks/run_all.py $(if $(QUICK),--quick,)
+
+# One GPU, one prepared script (benchmarks/gpu.py, under 8 minutes on an H100): a Qwen3-30B-A3B-shaped MoE step, ours
+# against transformers' own, and a dense Qwen3-1.7B-shaped SFT step: tokens/s and MFU. The next `make bench` puts the
+# numbers on docs/benchmarks.md. DRY_RUN=1: the same code on tiny models on the CPU.
+bench-gpu: install
+	$(PY) benchmarks/gpu.py $(if $(DRY_RUN),--dry-run --out benchmarks/results/gpu/dry_run.json,)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) outputs .pytest_cache .ruff_cache *.egg-info

@@ -29,50 +29,53 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-ATTENTION = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
-# the models: a Qwen3-MoE of `layers` decoder layers; `tokens` per step in one packed row of `length`-token samples
+SMALL = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 0, "model_type": "qwen3_moe"}
+MOE = {"model_type": "qwen3_moe", "norm_topk_prob": True, "router_aux_loss_coef": 0.01, "tie_word_embeddings": False}
+# Each: the transformers config's fields (`vocab_size` 0: the tokenizer's), `tokens` per step in one packed row of
+# `length`-token samples.
 SHAPES: dict[str, dict[str, Any]] = {
-    "quick": {"hidden_size": 128, "moe_intermediate_size": 128, "num_experts": 16, "num_experts_per_tok": 4,
-              "num_hidden_layers": 2, **ATTENTION, "vocab_size": 0, "tokens": 512, "length": 128},
-    "full": {"hidden_size": 256, "moe_intermediate_size": 256, "num_experts": 64, "num_experts_per_tok": 8,
-             "num_hidden_layers": 2, **ATTENTION, "vocab_size": 0, "tokens": 2048, "length": 256},
-    # Qwen3-30B-A3B's widths (its config.json), 2 of its 48 layers
-    "qwen3_30b_a3b": {"hidden_size": 2048, "moe_intermediate_size": 768, "num_experts": 128,
-                      "num_experts_per_tok": 8, "num_hidden_layers": 2, "num_attention_heads": 32,
-                      "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151_936, "tokens": 4096,
-                      "length": 1024},
-    # the tiny dry run of `make bench-gpu` on a CPU
-    "dry_run": {"hidden_size": 64, "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
-                "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
-                "vocab_size": 0, "tokens": 256, "length": 64},
+    "quick": {**MOE, **SMALL, "hidden_size": 128, "intermediate_size": 512, "moe_intermediate_size": 128,
+              "num_experts": 16, "num_experts_per_tok": 4, "num_hidden_layers": 2, "tokens": 512, "length": 128},
+    "full": {**MOE, **SMALL, "hidden_size": 256, "intermediate_size": 1024, "moe_intermediate_size": 256,
+             "num_experts": 64, "num_experts_per_tok": 8, "num_hidden_layers": 2, "tokens": 2048, "length": 256},
+    # Qwen3-30B-A3B's config.json, 2 of its 48 layers
+    "qwen3_30b_a3b": {**MOE, "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                      "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 2,
+                      "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151_936,
+                      "router_aux_loss_coef": 0.001, "rope_theta": 1_000_000.0, "tokens": 4096, "length": 1024},
+    # Qwen3-1.7B's config.json (dense, tied embeddings), every layer
+    "qwen3_1_7b": {"model_type": "qwen3", "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151_936,
+                   "tie_word_embeddings": True, "rope_theta": 1_000_000.0, "tokens": 4096, "length": 1024},
+    # the CPU dry run of `make bench-gpu`: the same code on tiny models
+    "dry_run": {**MOE, **SMALL, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+                "num_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 2, "tokens": 256, "length": 64},
+    "dry_run_dense": {**SMALL, "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128,
+                      "num_hidden_layers": 2, "tie_word_embeddings": True, "tokens": 256, "length": 64},
 }  # fmt: skip
 SIZE_KEYS = ("tokens", "length")
 
 
 def write_inputs(work_dir: Path, name: str, shape: dict[str, Any], dtype: str = "float32") -> tuple[Path, Path]:
-    """(model directory, data file) under `work_dir` (kept where they exist): a randomly initialized Qwen3-MoE of
-    `shape` (`vocab_size` 0: the tokenizer's) with the arithmetic demo's tokenizer, saved in `dtype`; `text` rows
-    long enough to be cut at `shape["length"]` tokens, enough for many steps."""
+    """(model directory, data file) under `work_dir` (kept where they exist): a randomly initialized model of `shape`
+    with the arithmetic demo's tokenizer, saved in `dtype` (built on the GPU where there is one: a real-width model
+    initializes in seconds there); `text` rows longer than `shape["length"]` tokens (cut there), 256 of them."""
     import torch
-    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from examples.rl_math import MODEL, write_demo
 
     data = write_demo(work_dir / "data", sft_rows=64, rl_rows=16, eval_rows=16)
     tokenizer = AutoTokenizer.from_pretrained(str(data / MODEL))
-    directory = work_dir / f"qwen3_moe_{name}"
+    directory = work_dir / f"model_{name}"
     if not (directory / "config.json").is_file():
         fields = {k: v for k, v in shape.items() if k not in SIZE_KEYS}
         fields["vocab_size"] = fields["vocab_size"] or len(tokenizer)
-        config = Qwen3MoeConfig(
-            intermediate_size=4 * shape["hidden_size"], norm_topk_prob=True, router_aux_loss_coef=0.01,
-            max_position_embeddings=max(4096, shape["length"]), tie_word_embeddings=False,
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=0, **fields,
-        )  # fmt: skip
+        fields |= {"max_position_embeddings": max(4096, shape["length"]), "eos_token_id": tokenizer.eos_token_id}
+        config = AutoConfig.for_model(fields.pop("model_type"), pad_token_id=0, **fields)
         torch.manual_seed(0)
-        device = "cuda" if torch.cuda.is_available() else "cpu"  # a real-width model initializes in seconds there
-        with torch.device(device):
-            model = Qwen3MoeForCausalLM(config).to(getattr(torch, dtype))
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
         model.save_pretrained(str(directory))
         tokenizer.save_pretrained(str(directory))
         del model
@@ -179,48 +182,62 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize()
 
 
-def measure(work_dir: Path, shape_name: str, steps: int, warmup: int, sequential: bool, extra: list[str]) -> dict:
-    """Both sides on the same micro-batches (see the module doc): {"seconds": {"ours": [...], "theirs": [...]},
-    "tokens": [per timed step], "flops_per_token", "first_loss": {side: loss}, the shape, ...}."""
+def measure(
+    work_dir: Path, shape_name: str, steps: int, warmup: int, sequential: bool, extra: list[str], theirs: bool = True
+) -> dict:
+    """Our step, and transformers' where `theirs`, on the same micro-batches (see the module doc): {"seconds":
+    {side: [per timed step]}, "cpu_seconds" (this process's CPU time, steadier on a shared machine), "step_tokens",
+    "flops_per_token" (ours: active parameters), "peak_flops" (None off a known GPU), "first_loss": {side: loss},
+    "loss_rel_diff", the shape}."""
     import torch
 
+    from veomni_lite.metrics.logger import peak_flops
+
     shape = SHAPES[shape_name]
-    model_dir, rows = write_inputs(work_dir, shape_name, shape)
+    on_gpu = torch.cuda.is_available()
+    model_dir, rows = write_inputs(work_dir, shape_name, shape, "bfloat16" if on_gpu else "float32")
     sides: dict[str, Any] = {"ours": Ours(work_dir, model_dir, rows, shape, extra)}
     trainer = sides["ours"].trainer
     device, optim, bf16 = trainer.device, trainer.config.optim, trainer.device.type == "cuda"
     batches = sides["ours"].batches(warmup + steps)
     flops = trainer.flops_per_token(shape["length"])
+    del trainer  # sequential: nothing but `sides` may keep our model alive once it is closed
     build = lambda: Theirs(model_dir, device, bf16, optim)  # noqa: E731
-    if not sequential:
+    names = ("ours", "theirs") if theirs else ("ours",)
+    if theirs and not sequential:
         sides["theirs"] = build()
-    seconds: dict[str, list[float]] = {"ours": [], "theirs": []}
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    cpu_seconds: dict[str, list[float]] = {name: [] for name in names}
     first_loss: dict[str, float] = {}
-    rounds = [(i, pair[i % 2 :] + pair[: i % 2]) for i, pair in enumerate([("ours", "theirs")] * (warmup + steps))]
-    order = [(i, name) for i, names in rounds for name in names]
+    order = [(i, name) for i in range(warmup + steps) for name in (names[i % 2 :] + names[: i % 2])]  # rotated
     if sequential:
         order.sort(key=lambda item: item[1] == "theirs")  # every step of ours, then every step of theirs
     for index, name in order:
         if name not in sides:  # sequential: ours is done; free it before transformers' model is built
             sides.pop("ours").close()
             gc.collect()
-            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+            torch.cuda.empty_cache() if on_gpu else None
             sides["theirs"] = build()
         _sync(device)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         sides[name].step(batches[index])
         _sync(device)
         if index >= warmup:
             seconds[name].append(time.perf_counter() - start)
+            cpu_seconds[name].append(time.process_time() - cpu_start)
         if index == 0:
             first_loss[name] = sides[name].loss()
+    peak_memory = torch.cuda.max_memory_allocated() if on_gpu else None
     for side in sides.values():
         side.close()
+    step_tokens = [sum(int(mb["input_ids"].numel()) for mb in step) for step in batches[warmup:]]
+    differ = abs(first_loss["ours"] - first_loss["theirs"]) / abs(first_loss["theirs"]) if theirs else None
     return {
-        "shape": shape_name, **shape, "device": str(device), "bf16": bf16, "warmup": warmup, "seconds": seconds,
-        "step_tokens": [sum(int(mb["input_ids"].numel()) for mb in step) for step in batches[warmup:]],
-        "flops_per_token": flops, "first_loss": first_loss,
-        "loss_rel_diff": abs(first_loss["ours"] - first_loss["theirs"]) / abs(first_loss["theirs"]),
+        "shape": shape_name, **shape, "device": str(device), "device_name": torch.cuda.get_device_name() if on_gpu
+        else "cpu", "bf16": bf16, "warmup": warmup, "sequential": sequential, "seconds": seconds,
+        "cpu_seconds": cpu_seconds, "step_tokens": step_tokens, "flops_per_token": flops,
+        "peak_flops": peak_flops(device), "peak_memory_bytes": peak_memory, "first_loss": first_loss,
+        "loss_rel_diff": differ,
     }  # fmt: skip
 
 
@@ -231,12 +248,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--sequential", action="store_true")
-    args = parser.parse_args()
-    result = measure(args.work_dir, args.shape, args.steps, args.warmup, args.sequential, [])
+    parser.add_argument("--sequential", action="store_true", help="one side after the other (see the module doc)")
+    parser.add_argument("--ours-only", action="store_true", help="our step alone (the dense MFU step)")
+    args, extra = parser.parse_known_args()  # the rest: our trainer's config overrides (`--optim.implementation ...`)
+    result = measure(args.work_dir, args.shape, args.steps, args.warmup, args.sequential, extra, not args.ours_only)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result))
-    ratio = [t / o for o, t in zip(result["seconds"]["ours"], result["seconds"]["theirs"])]
-    print(json.dumps(result["seconds"]), "ours/theirs tokens/s", statistics.median(ratio))
+    for what in ("seconds", "cpu_seconds"):
+        medians = {side: statistics.median(values) for side, values in result[what].items()}
+        print(f"{what}: " + ", ".join(f"{side} {value:.4f}" for side, value in medians.items()))
 
 
 if __name__ == "__main__":

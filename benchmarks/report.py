@@ -1,6 +1,7 @@
 """docs/benchmarks.md from the results `run_all.py` writes: every number on the page comes from that dict.
 
-Results: {"run": {command, mode, date, commit, load_start, load_end, machine, total_s}, "blocks": [block, ...]};
+Results: {"run": {command, mode, date, commit, load_start, load_end, machine, total_s}, "blocks": [block, ...],
+"gpu"?: what `make bench-gpu` last wrote (benchmarks/gpu.py), None where it never ran on a GPU};
 a block: {"title", "about" (markdown), "seconds", "tables": [{"columns": [...], "rows": [[...]]}], "targets":
 [{"name", "op" ("<=" | ">="), "bound", "unit", "values": [one per repeat], "note"?}], "not_run"?: why}.
 A target's verdict: **met** when the median of its values passes the bound, **missed** when it does not, **not run**
@@ -128,7 +129,26 @@ def render(results: Mapping[str, Any]) -> str:
                 *([f"**{each['title']}**", ""] if each.get("title") else []),
                 table(each["columns"], each["rows"]),
             ]
-    return "\n".join(out) + "\n"
+    return "\n".join(out + gpu_section(results.get("gpu"))) + "\n"
+
+
+def gpu_section(gpu: Mapping[str, Any] | None) -> list[str]:
+    """The page's last section: `make bench-gpu`'s numbers with the card's name, or that no GPU ran it."""
+    out = ["", "## One GPU (`make bench-gpu`)", ""]
+    if not gpu or gpu.get("device", "cpu") == "cpu":
+        return out + ["No GPU was lent to this project, so there are no GPU numbers: `make bench-gpu` "
+                      "(`benchmarks/gpu.py`) is prepared, and its CPU dry run (`--dry-run`, tiny models) passes in "
+                      "`make test` (`tests/gpu/test_bench_gpu_dry_run.py`)."]  # fmt: skip
+    out.append(f"`{gpu['command']}` on {gpu['date']} at commit `{gpu['commit']}`, one {gpu['device']}.")
+    rows = []
+    for name, job in gpu["jobs"].items():
+        r = job["result"]
+        for row in job["rows"]:
+            mfu = None if row["mfu"] is None else 100 * row["mfu"]
+            rows.append([name, r["shape"], row["side"], r["num_hidden_layers"], row["step_ms"], row["tokens_per_s"],
+                         mfu, r["loss_rel_diff"] if name == "moe" else None, row["steps"]])  # fmt: skip
+    columns = ["job", "shape", "side", "layers", "step ms (median)", "tokens/s", "MFU % (active FLOPs)"]
+    return out + ["", table([*columns, "first-step loss difference", "timed steps"], rows)]
 
 
 def write_report(results: Mapping[str, Any], out_dir: Path) -> Path:

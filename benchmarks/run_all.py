@@ -98,6 +98,12 @@ def rerun_into(
     return {"run": results["run"], "blocks": merged}
 
 
+def gpu_results() -> dict[str, Any] | None:
+    """What `make bench-gpu` last wrote (`benchmarks/gpu.py`), None where it never ran."""
+    path = BENCH_DIR / "results" / "gpu" / "bench.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the small size of every block (under 5 minutes)")
@@ -108,7 +114,7 @@ def main() -> int:
     args = parser.parse_args()
     raw = BENCH_DIR / "results" / ("quick" if args.quick else "full") / "results.json"
     if args.report_only:
-        print(f"[bench] wrote {write_report(json.loads(raw.read_text()), args.out_dir)}")
+        print(f"[bench] wrote {write_report(json.loads(raw.read_text()) | {'gpu': gpu_results()}, args.out_dir)}")
         return 0
     sys.path[:0] = [str(BENCH_DIR), str(REPO)]  # this checkout's library, whatever the environment has installed
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), str(BENCH_DIR), os.environ.get("PYTHONPATH")]))
@@ -137,7 +143,8 @@ def main() -> int:
     )
     raw.parent.mkdir(parents=True, exist_ok=True)
     raw.write_text(json.dumps(results, indent=1) + "\n")
-    print(f"[bench] wrote {write_report(results, args.out_dir)} and {raw} in {run['total_s']:.0f} s")
+    page = write_report(results | {"gpu": gpu_results()}, args.out_dir)
+    print(f"[bench] wrote {page} and {raw} in {run['total_s']:.0f} s")
     return 1 if failed else 0
 
 

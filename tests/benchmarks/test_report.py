@@ -138,3 +138,21 @@ def test_a_block_run_again_alone_replaces_its_old_self_and_the_page_says_when(tm
     assert "## Again\n\n\n\n*This block was run again alone* on LATER at commit `fedcba` (load X at its start" in page
     with pytest.raises(SystemExit, match="needs the results JSON of a run of every block"):
         run_all.rerun_into(results(old[:2]), [run_all.BLOCKS[0]], [fresh], later)
+
+
+def test_the_gpu_section_names_the_card_or_says_no_gpu_ran() -> None:
+    page = report.render(results([]))
+    assert "## One GPU (`make bench-gpu`)\n\nNo GPU was lent to this project, so there are no GPU numbers" in page
+    dry = {"device": "cpu", "command": "make bench-gpu (dry run)", "jobs": {}}
+    assert "No GPU was lent" in report.render(results([]) | {"gpu": dry}), "a CPU dry run is no GPU number"
+    moe = {"shape": "qwen3_30b_a3b", "num_hidden_layers": 2, "loss_rel_diff": 3e-4}
+    rows = [{"side": "ours", "step_ms": 812.5, "tokens_per_s": 5041.2, "mfu": 0.1234, "steps": 10},
+            {"side": "theirs", "step_ms": 1625.0, "tokens_per_s": 2520.6, "mfu": 0.0617, "steps": 10}]  # fmt: skip
+    gpu = {"device": "NVIDIA H100 80GB HBM3", "command": "make bench-gpu", "date": "D", "commit": "c0ffee"}
+    gpu["jobs"] = {"moe": {"result": moe, "rows": rows}}
+    page = report.render(results([]) | {"gpu": gpu})
+    assert "No GPU was lent" not in page and "one NVIDIA H100 80GB HBM3" in page
+    assert rows_of(page, "| job | shape |") == [
+        ["moe", "qwen3_30b_a3b", "ours", "2", "812", "5,041", "12.3", "3.0e-04", "10"],
+        ["moe", "qwen3_30b_a3b", "theirs", "2", "1,625", "2,521", "6.17", "3.0e-04", "10"],
+    ]
