@@ -239,7 +239,7 @@ def test_moe_block_targets(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, with
         assert script.name == "moe_step.py" and args[args.index("--shape") + 1] == "quick"
         seconds = {"ours": [0.2, 0.4, 0.3], "theirs": [0.3, 0.3, 0.3]}
         shape = {"num_experts": 16, "num_experts_per_tok": 4, "hidden_size": 128, "num_hidden_layers": 2}
-        result = {**shape, "seconds": seconds, "step_tokens": [512] * 3, "loss_rel_diff": 1e-8}
+        result = {**shape, "seconds": seconds, "cpu_seconds": seconds, "step_tokens": [512] * 3, "loss_rel_diff": 1e-8}
         Path(args[args.index("--out") + 1]).write_text(json.dumps(result))
 
     monkeypatch.setattr(
@@ -255,7 +255,8 @@ def test_moe_block_targets(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, with
     assert rows["micro-batch"][-1] == pytest.approx(0.14 / 0.11) and rows["dense"][-1] == 1.0
     assert "same collectives in every variant: False" in block["about"]
     # ours against transformers: transformers' time over ours, step by step
-    assert targets["ours / transformers tokens/s, one process"]["values"] == pytest.approx([1.5, 0.75, 1.0])
+    assert targets["ours / transformers tokens/s, one process (python)"]["values"] == pytest.approx([1.5, 0.75, 1.0])
+    assert not any("(torchrun)" in name for name in targets), "quick: the plain launch alone"
     # quick: EP=1 is the micro-batch variant's run; EP=2 runs only where the tree has parallel.ep_size
     assert (
         launched == [("dense", 2, 1), ("micro-batch", 2, 1), ("global-batch", 2, 1)] + [("micro-batch", 2, 2)] * with_ep
