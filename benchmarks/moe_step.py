@@ -11,9 +11,13 @@ step, samples of `length` tokens, positions restarting per sample, which transfo
 sequences), `theirs` its labels unshifted. Equal work: both sides' first-step losses from equal weights
 (`loss_rel_diff`). Timed steps alternate between the sides (order rotated each repetition) after warm-up steps;
 `sequential` (a GPU at real widths, where both models and their AdamW states would not fit at once) times one side
-after the other instead, each freed before the next is built.
+after the other instead, each freed before the next is built. `--profile N`: then N steps a side under torch's
+profiler, the ops of most self CPU time printed (where a slower side spends it, on the whole step). On a GPU our
+trainer runs under torchrun (one rank: FSDP2's bf16 compute); in one plain process it has no FSDP2 and computes in
+float32.
 
-    python benchmarks/moe_step.py --shape quick --work-dir DIR --out FILE [--device cuda] [--steps N]
+    [torchrun --nproc_per_node 1] benchmarks/moe_step.py --shape quick --work-dir DIR --out FILE [--steps N]
+        [--warmup N] [--sequential] [--ours-only] [--profile N] [our config overrides: --optim.implementation ...]
 """
 
 from __future__ import annotations
@@ -182,8 +186,33 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize()
 
 
+def profile_sides(sides: dict[str, Any], batches: list[list], steps: int, rows: int = 15) -> dict[str, list]:
+    """Per side, `steps` more steps under torch's profiler: its `rows` ops of most self CPU time, [name, self CPU ms
+    per step, calls per step], and the whole step's self CPU ms per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    for name, side in sides.items():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for index in range(steps):
+                side.step(batches[index % len(batches)])
+        ops = sorted(prof.key_averages(), key=lambda op: op.self_cpu_time_total, reverse=True)
+        total = sum(op.self_cpu_time_total for op in ops) / 1e3 / steps
+        out[name] = [["step", total, 1]] + [
+            [op.key, op.self_cpu_time_total / 1e3 / steps, op.count / steps] for op in ops[:rows]
+        ]
+    return out
+
+
 def measure(
-    work_dir: Path, shape_name: str, steps: int, warmup: int, sequential: bool, extra: list[str], theirs: bool = True
+    work_dir: Path,
+    shape_name: str,
+    steps: int,
+    warmup: int,
+    sequential: bool,
+    extra: list[str],
+    theirs: bool = True,
+    profile_steps: int = 0,
 ) -> dict:
     """Our step, and transformers' where `theirs`, on the same micro-batches (see the module doc): {"seconds":
     {side: [per timed step]}, "cpu_seconds" (this process's CPU time, steadier on a shared machine), "step_tokens",
@@ -228,6 +257,7 @@ def measure(
         if index == 0:
             first_loss[name] = sides[name].loss()
     peak_memory = torch.cuda.max_memory_allocated() if on_gpu else None
+    profiled = profile_sides(sides, batches, profile_steps) if profile_steps and not sequential else None
     for side in sides.values():
         side.close()
     step_tokens = [sum(int(mb["input_ids"].numel()) for mb in step) for step in batches[warmup:]]
@@ -237,7 +267,7 @@ def measure(
         else "cpu", "bf16": bf16, "warmup": warmup, "sequential": sequential, "seconds": seconds,
         "cpu_seconds": cpu_seconds, "step_tokens": step_tokens, "flops_per_token": flops,
         "peak_flops": peak_flops(device), "peak_memory_bytes": peak_memory, "first_loss": first_loss,
-        "loss_rel_diff": differ,
+        "loss_rel_diff": differ, "profile": profiled,
     }  # fmt: skip
 
 
@@ -250,13 +280,19 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--sequential", action="store_true", help="one side after the other (see the module doc)")
     parser.add_argument("--ours-only", action="store_true", help="our step alone (the dense MFU step)")
+    parser.add_argument("--profile", type=int, default=0, help="then this many steps a side under torch's profiler")
     args, extra = parser.parse_known_args()  # the rest: our trainer's config overrides (`--optim.implementation ...`)
-    result = measure(args.work_dir, args.shape, args.steps, args.warmup, args.sequential, extra, not args.ours_only)
+    result = measure(
+        args.work_dir, args.shape, args.steps, args.warmup, args.sequential, extra, not args.ours_only, args.profile
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result))
     for what in ("seconds", "cpu_seconds"):
         medians = {side: statistics.median(values) for side, values in result[what].items()}
         print(f"{what}: " + ", ".join(f"{side} {value:.4f}" for side, value in medians.items()))
+    for side, ops in (result["profile"] or {}).items():
+        print(f"{side}, self CPU ms and calls a step:")
+        print("\n".join(f"  {ms:9.2f} {calls:6.0f}  {name}" for name, ms, calls in ops))
 
 
 if __name__ == "__main__":
