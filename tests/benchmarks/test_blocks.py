@@ -217,7 +217,8 @@ def fake_moe_worker(variant: str, world: int, ep: int, counted: dict[str, Any]) 
         "busy_s": {"all_gather": 0.5, "all_reduce": 0.2},
     }
     return {"seconds": seconds, "collectives": counted[variant], "parameters": 100, "active": 50, "experts": 160,
-            "positions": [64, 64, 64], "ranks": [rank] * world, "ep_size": ep}  # fmt: skip
+            "positions": [64, 64, 64], "ranks": [rank] * world, "ep_size": ep, "num_experts": 16,
+            "top_k": 2}  # fmt: skip
 
 
 @pytest.mark.parametrize("with_ep", [False, True])
@@ -263,7 +264,7 @@ def test_moe_block_targets(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, with
     )
     gathered = targets["one MoE layer's experts gathered per rank / (all of them / EP)"]["values"]
     assert gathered == pytest.approx([320 / (160 * 4 / 2)] + [160 / (160 * 4 / 2 / 2)] * with_ep)
-    speedup = targets["positions/s, DP=2: EP=2 / EP=1"]
+    speedup = targets["positions/s, DP=2: EP=2 / EP=1" + " (16 experts, top-2)" * with_ep]  # the EP run's model
     if with_ep:
         assert speedup["values"] == pytest.approx([2.0, 2.0, 2.0])
     else:
