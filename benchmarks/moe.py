@@ -180,6 +180,13 @@ def ep_run(work_dir: Path, model_dir: Path, world: int, ep_size: int, steps: int
     return launch(work_dir, model_dir, "micro-batch", world, ep_size, steps)
 
 
+def _last_error(message: str) -> str:
+    """The last `SomethingError: ...` line of a failed run's output (the cause), else its last line."""
+    lines = [line.split("]:", 1)[-1].strip() for line in message.splitlines() if line.strip()]
+    errors = [line for line in lines if "Error: " in line and not line.startswith("torch.distributed.elastic")]
+    return (errors or lines or [""])[-1][:200]
+
+
 def ep_rows(runs: dict[tuple[int, int], dict[str, Any]]) -> tuple[list[list[Any]], list[dict[str, Any]]]:
     """The memory and EP table's rows and targets from `ep_run`'s results by (world, ep_size)."""
     rows, gathered, speedup, which = [], [], [], ""
@@ -272,10 +279,15 @@ def block(work_dir: Path, quick: bool) -> dict[str, Any]:
         ep_model, runs = dirs["moe"], {(2, 1): results["micro-batch"]}
     else:
         ep_model, runs = write_models(work_dir, 2, MOE_EP)["moe"], {}
+    failed = {}
     for world, ep in EP_LAYOUTS[quick]:
         if (world, ep) not in runs and (ep == 1 or ep_supported()):
-            runs[world, ep] = ep_run(work_dir, ep_model, world, ep, steps)
+            try:
+                runs[world, ep] = ep_run(work_dir, ep_model, world, ep, steps)
+            except RuntimeError as error:  # a layout that fails is a row saying why; the other layouts still run
+                failed[world, ep] = _last_error(str(error))
     memory_rows, memory_targets = ep_rows(runs)
+    memory_rows += [[world, ep, f"failed: {why}"] + [None] * 9 for (world, ep), why in sorted(failed.items())]
     memory_columns = ["world", "EP", "experts' share of parameters", "experts MiB per rank (param + grad + AdamW)",
                       "the rest MiB per rank", "one layer's experts gathered MiB per rank", "step ms (median)",
                       "positions/s (every rank's)"]  # fmt: skip

@@ -221,8 +221,8 @@ def fake_moe_worker(variant: str, world: int, ep: int, counted: dict[str, Any]) 
             "top_k": 2}  # fmt: skip
 
 
-@pytest.mark.parametrize("with_ep", [False, True])
-def test_moe_block_targets(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, with_ep: bool) -> None:
+@pytest.mark.parametrize(("with_ep", "fail_ep2"), [(False, False), (True, False), (True, True)])
+def test_moe_block_targets(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, with_ep: bool, fail_ep2: bool) -> None:
     import harness
     import moe
 
@@ -234,6 +234,8 @@ def test_moe_block_targets(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, with
         variant, out = args[args.index("--worker") + 1], Path(args[args.index("--out") + 1])
         ep = int(args[args.index("--ep-size") + 1])
         launched.append((variant, nproc, ep))
+        if fail_ep2 and ep == 2:
+            raise RuntimeError("moe.py exited 1:\n[rank0]: RuntimeError: Cannot use ReduceOp.PREMUL_SUM with Gloo\n")
         out.write_text(json.dumps(fake_moe_worker(variant, nproc, ep, counted)))
 
     def fake_step(launcher: list[str], script: Path, args: list[str], timeout: float) -> None:
@@ -262,6 +264,14 @@ def test_moe_block_targets(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, with
     assert (
         launched == [("dense", 2, 1), ("micro-batch", 2, 1), ("global-batch", 2, 1)] + [("micro-batch", 2, 2)] * with_ep
     )
+    if fail_ep2:  # the layout's row says why; the EP=1 row and the other targets stand
+        memory = block["tables"][2]["rows"]
+        assert [row[:3] for row in memory] == [
+            [2, 1, 160 / 100],
+            [2, 2, "failed: RuntimeError: Cannot use ReduceOp.PREMUL_SUM with Gloo"],
+        ]
+        assert targets["positions/s, DP=2: EP=2 / EP=1"]["values"] == []
+        return
     gathered = targets["one MoE layer's experts gathered per rank / (all of them / EP)"]["values"]
     assert gathered == pytest.approx([320 / (160 * 4 / 2)] + [160 / (160 * 4 / 2 / 2)] * with_ep)
     speedup = targets["positions/s, DP=2: EP=2 / EP=1" + " (16 experts, top-2)" * with_ep]  # the EP run's model
