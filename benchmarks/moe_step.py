@@ -16,8 +16,9 @@ profiler, the ops of most self CPU time printed (where a slower side spends it, 
 trainer runs under torchrun (one rank: FSDP2's bf16 compute); in one plain process it has no FSDP2 and computes in
 float32.
 
-    [torchrun --nproc_per_node 1] benchmarks/moe_step.py --shape quick --work-dir DIR --out FILE [--steps N]
-        [--warmup N] [--sequential] [--ours-only] [--profile N] [our config overrides: --optim.implementation ...]
+    [python -m veomni_lite.torchrun --standalone --nproc_per_node 1] benchmarks/moe_step.py --shape quick
+        --work-dir DIR --out FILE [--steps N] [--warmup N] [--sequential] [--ours-only] [--profile N]
+        [our trainer's config overrides: --optim.implementation ...]
 """
 
 from __future__ import annotations
