@@ -284,8 +284,7 @@ class RLTrainer(SFTTrainer):
                 renders_prompts=vision,
             )  # fmt: skip
         model = engine_model(self.model_config, self.config.parallel.master_dtype)
-        counts = self.images.token_counts if self.images is not None else None
-        record = self.rl.routing_replay == "rollout"
+        counts, record = getattr(self.images, "token_counts", None), self.rl.routing_replay == "rollout"
         engine = TransformersEngine(model, self.device, image_tokens=counts, record_experts=record)
         return BackgroundEngine(engine, self.parallel.rank) if self.rl.async_steps else engine
 
