@@ -17,6 +17,7 @@ from veomni_lite.registries import Registry
 from veomni_lite.rl.advantages import ADVANTAGES
 from veomni_lite.rl.critic import CriticSettings
 from veomni_lite.rl.policy_loss import IS_CORRECTIONS, POLICY, POLICY_LOSSES
+from veomni_lite.rl.teacher import TeacherSettings
 
 __all__ = ["POLICY", "DynamicSampling", "OverlongBuffer", "RLConfig"]
 
@@ -145,6 +146,11 @@ class RLConfig:
     """A tool failing on its own (raising, timing out) in more than this fraction of its calls of a rollout batch (all
     ranks; once it ran `veomni_lite.rl.tools.MIN_TOOL_CALLS` = 16 times there) fails the run, naming the tool and its
     first error; in [0, 1], 1: never. The model's malformed calls do not count."""
+    teacher: TeacherSettings | None = None
+    """On-policy distillation (off when empty): `{pretrained_dir: DIR | url: BASE, coef: 1.0, ...}`: a teacher's
+    log-probabilities of the sampled tokens, the per-token reverse KL -coef (old_t - teacher_t) added to the rewards'
+    advantage (alone without `rl.rewards`); the teacher's tokenizer must be the student's
+    (`veomni_lite.rl.teacher.TeacherSettings`, docs/rl.md)."""
     async_steps: int = 0
     """Rollout batches generated ahead of training: 0 synchronous; 1 (vLLM engine) batch k+1 is generated while batch
     k trains, by the weights before batch k (one rollout batch stale, logged as `rl/staleness` in optimizer steps), with
@@ -266,8 +272,12 @@ class RLConfig:
                 f"rl.dynamic_sampling.metric: {filter_groups.metric!r} is neither `reward` (the total) nor a reward's "
                 f"name ({', '.join(sorted(str(n) for n in names))})"
             )
-        if not self.rewards and not self.rollouts_path and not self.environment:
-            raise ConfigError("rl.rewards: give at least one reward function ([{name, function, weight}])")
+        if self.teacher:
+            TeacherSettings.parse(self.teacher)
+        if not self.rewards and not self.rollouts_path and not self.environment and not self.teacher:
+            raise ConfigError(
+                "rl.rewards: give at least one reward function ([{name, function, weight}]), or rl.teacher"
+            )
         from veomni_lite.rl.rewards import load_rewards  # a user's file runs here because the config names it
 
         load_rewards(self.rewards)  # each entry checked (ConfigError naming it) before any process group

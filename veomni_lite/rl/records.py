@@ -83,6 +83,7 @@ def rollout_specs(rl: Any, reward_names: Sequence[str]) -> list[MetricSpec]:
         MetricSpec("rl/staleness", "mean", fmt=".1f"),  # optimizer steps between a sample's weights and now
         MetricSpec("rl/staleness/max", "max", fmt=".0f"),
         MetricSpec("rl/kl", "mean"),
+        *([MetricSpec("rl/teacher/reverse_kl", "mean")] if rl.teacher else []),
         MetricSpec("rl/entropy", "mean"),
         *(MetricSpec(name, "mean") for name in POLICY_LOSSES.get(rl.policy_loss, "rl.policy_loss").metrics),
         *(

@@ -65,6 +65,7 @@ from veomni_lite.rl.records import RolloutRecords, rollout_specs
 from veomni_lite.rl.rewards import check_answers, load_rewards
 from veomni_lite.rl.rollout_batch import generate, sampling
 from veomni_lite.rl.rollouts import EVALUATION, ROUTED_EXPERTS, RolloutSample, collate_rollouts, read_rollouts
+from veomni_lite.rl.teacher import make_teacher
 from veomni_lite.trainer.base import shard_micro_batch
 from veomni_lite.trainer.sft import SFTTrainer
 
@@ -92,6 +93,7 @@ class RLTrainer(SFTTrainer):
         self.reference: ReferenceWeights | None = None
         self.engine: RolloutEngine | None = None
         self.agent: Any = None  # multi-turn: the episodes' `Agent`
+        self.teacher: Any = None  # rl.teacher: on-policy distillation's teacher (`veomni_lite.rl.teacher`)
         self.rollouts: RolloutPipeline | None = None  # built once the model and the engine exist (`on_model_built`)
         self.critic = Critic.of(self.rl)  # rl.advantage: gae: the value head and its loss (`veomni_lite.rl.critic`)
         self.replay = contextlib.ExitStack()  # a micro-batch's routing replay, from its forward through its backward
@@ -166,6 +168,12 @@ class RLTrainer(SFTTrainer):
         for prompts in (train, evaluation):  # every row's answer, where a reward needs one, before any rollout
             if prompts is not None:
                 check_answers(self.rewards, [p.answer for p in prompts.prompts], [p.where for p in prompts.prompts])
+        if rl.teacher:  # its tokenizer checked against the student's on every rank, before any collective
+            if vision:
+                raise DataError("rl.teacher: distillation reads text sequences; the policy is a vision-language model")
+            first = self.given[0].prompt_ids if self.given is not None else train.prompts[0].ids
+            probe = self.tokenizer.decode(first, skip_special_tokens=False)
+            self.teacher = make_teacher(rl.teacher, model.pretrained_dir, self.tokenizer, probe)
         return train, evaluation
 
     def _prompt_sources(self, spec: Any, key: str) -> list[Any]:
@@ -266,7 +274,7 @@ class RLTrainer(SFTTrainer):
             shard=functools.partial(
                 shard_micro_batch, loss_modes=self.loss_modes, parallel=self.parallel, pad_id=self.pad_id
             ),
-            logprobs=functools.partial(policy_logprobs, self.model, self.device),
+            logprobs=functools.partial(policy_logprobs, self.model, self.device), teacher=self.teacher,
         )  # fmt: skip
 
     def _build_engine(self, context: RolloutContext) -> RolloutEngine:
@@ -359,9 +367,14 @@ class RLTrainer(SFTTrainer):
         samples = generate(context, EVALUATION, prompts, sampling(context, greedy=True), self.step)
         names = [r.name for r in self.rewards]
         best = sum(max(r.weight, 0.0) for r in self.rewards)
+        logged = [r.name for r in self.rewards if r.weight == 0]  # in no total (rl.teacher's runs): each at 1
+
+        def accurate(s: RolloutSample) -> bool:
+            return math.isclose(s.reward, best) and all(math.isclose(s.rewards[name], 1.0) for name in logged)
+
         totals = [
             sum(s.reward for s in samples),
-            sum(float(math.isclose(s.reward, best)) for s in samples),
+            sum(float(accurate(s)) for s in samples),
             float(len(samples)),
             *(sum(s.rewards[name] for s in samples) for name in names),
         ]
