@@ -28,7 +28,7 @@ TEACHER = "models/qwen2_math_teacher"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-def write_teacher(out: str | Path, rows: int = 2000, hidden_size: int = 128, layers: int = 4) -> Path:
+def write_teacher(out: str | Path, rows: int = 4000, hidden_size: int = 128, layers: int = 4) -> Path:
     """The teacher's SFT rows and model directory under `out` (module docstring); `out` must hold
     `examples.rl_math.write_demo(out)`'s files."""
     from transformers import AutoConfig, AutoModelForCausalLM
