@@ -133,9 +133,9 @@ train-ppo: install
 	$(TORCHRUN) trainers/train_rl.py $(PPO_CONFIG) $(ARGS)
 
 # On-policy distillation (docs/rl.md): the problems and SFT warm start of train-rl-math (the student), a larger teacher
-# with the student's tokenizer (python -m examples.distill_math) trained as train-rl-math trains (SFT on 2000 worked
-# problems, configs/distill_math_teacher_sft.yaml, then GRPO), both exported once; then the student trained on the
-# teacher's per-token reverse KL alone (configs/distill_math.yaml; DISTILL_CONFIG).
+# with the student's tokenizer (python -m examples.distill_math) SFT'd on 4000 worked problems
+# (configs/distill_math_teacher_sft.yaml), both exported once; then the student trained on the teacher's per-token
+# reverse KL alone (configs/distill_math.yaml; DISTILL_CONFIG).
 DISTILL_CONFIG ?= configs/distill_math.yaml
 train-distill: install
 	$(PY) -m examples.rl_math outputs/rl_math
@@ -146,10 +146,6 @@ train-distill: install
 	test -f outputs/distill_math_teacher_hf/model.safetensors || ( \
 	  $(TORCHRUN) trainers/train_sft.py configs/distill_math_teacher_sft.yaml && \
 	  $(PY) -m veomni_lite.export outputs/distill_math_teacher outputs/distill_math_teacher_hf )
-	test -f outputs/distill_math_teacher_rl_hf/model.safetensors || ( \
-	  $(TORCHRUN) trainers/train_rl.py configs/rl_math.yaml --model.pretrained_dir outputs/distill_math_teacher_hf \
-	    --train.max_steps 30 --train.output_dir outputs/distill_math_teacher_rl && \
-	  $(PY) -m veomni_lite.export outputs/distill_math_teacher_rl outputs/distill_math_teacher_rl_hf )
 	$(TORCHRUN) trainers/train_rl.py $(DISTILL_CONFIG) $(ARGS)
 
 # Multi-turn RL with a tool (docs/agents.md): multiplications beyond the tiny model and a calculator tool

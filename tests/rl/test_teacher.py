@@ -77,6 +77,13 @@ def test_a_teacher_directorys_logprobs_are_its_own_of_each_sequence_alone(demo):
     assert got[2] != pytest.approx(_alone(directory, [(SEQUENCES[2][0], 6)])[0][:5], abs=1e-6)
 
 
+def _ids(tokenizer: Any) -> list[int]:
+    """A probe prompt's ids as the student renders it (chat markup and text)."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Tom has 3 apples and buys 4 more."}],
+                                         tokenize=False, add_generation_prompt=True)  # fmt: skip
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 class _Server:
     """A fake vLLM serving `directory`'s model: /v1/models, /tokenize with `tokenizer_dir`'s tokenizer, and
     /v1/completions' prompt log-probabilities (None at the first position, {id: {logprob}} after, as vLLM)."""
@@ -136,7 +143,8 @@ def test_a_served_teachers_prompt_logprobs_are_the_directorys(demo, served):
 
     server = served()
     student = str(demo / "models/qwen2_math")
-    teacher = make_teacher({"url": server.url, "max_concurrency": 2}, student, load_tokenizer(student), "13 + 6 = 19")
+    tokenizer = load_tokenizer(student)
+    teacher = make_teacher({"url": server.url, "max_concurrency": 2}, student, tokenizer, _ids(tokenizer), False)
     assert isinstance(teacher, ServedTeacher)
     for values, reference in zip(teacher.logprobs(SEQUENCES), _alone(_teacher_dir(demo), SEQUENCES), strict=True):
         assert values == pytest.approx(reference, rel=1e-12)
@@ -150,18 +158,22 @@ def test_a_teacher_with_another_tokenizer_is_a_config_error_naming_both(demo, se
     from veomni_lite.models.pretrained import load_tokenizer
 
     student = str(demo / "models/qwen2_math")
+    tokenizer = load_tokenizer(student)
     other = tmp_path / "other"
     write_chat_tokenizer(other, ["completely different words", "a tokenizer of its own"] * 20, 300)
     (other / "config.json").write_text("{}")
     with pytest.raises(ConfigError, match=rf"the teacher {other} has another tokenizer than the student {student}"):
-        make_teacher({"pretrained_dir": str(other)}, student, load_tokenizer(student), "")
+        make_teacher({"pretrained_dir": str(other)}, student, tokenizer, [], False)
     server = served(str(other))
     with pytest.raises(ConfigError, match=rf"the teacher at {server.url} tokenizes the probe .* the student {student}"):
-        make_teacher({"url": server.url}, student, load_tokenizer(student), "Tom has 3 apples")
-    with pytest.raises(ConfigError, match=r"rl.teacher.url: .* at http://127.0.0.1:9: list the served models .*refused"):
-        make_teacher({"url": "http://127.0.0.1:9", "request_timeout_s": 5}, student, load_tokenizer(student), "x")
+        make_teacher({"url": server.url}, student, tokenizer, _ids(tokenizer), False)
+    refused = r"rl.teacher.url: .* at http://127.0.0.1:9: list the served models .*refused"
+    with pytest.raises(ConfigError, match=refused):
+        make_teacher({"url": "http://127.0.0.1:9", "request_timeout_s": 5}, student, tokenizer, [], False)
+    with pytest.raises(ConfigError, match="rl.teacher: distillation scores text sequences; the policy is a vision"):
+        make_teacher({"pretrained_dir": _teacher_dir(demo)}, student, tokenizer, [], True)
     # control: the teacher's own copy of the student's tokenizer passes
-    assert make_teacher({"pretrained_dir": _teacher_dir(demo)}, student, load_tokenizer(student), "") is not None
+    assert make_teacher({"pretrained_dir": _teacher_dir(demo)}, student, tokenizer, [], False) is not None
 
 
 def test_an_rl_run_with_a_teacher_and_no_reward_distills(demo, tmp_path):
@@ -169,8 +181,8 @@ def test_an_rl_run_with_a_teacher_and_no_reward_distills(demo, tmp_path):
     teacher's own, each sequence alone), its advantage from the (absent) rewards is 0, and the run logs the reverse
     KL."""
     from tests.rl.test_rl_generation import math_args
-    from veomni_lite.config import load_config
     from tests.trainer.helpers import read_events
+    from veomni_lite.config import load_config
     from veomni_lite.rl.config import RLConfig
     from veomni_lite.rl.trainer import RLTrainer
 
@@ -236,9 +248,8 @@ def test_the_stage_on_two_ranks_is_one_process_and_a_failure_on_one_rank_is_ever
                       for s in _samples()]  # fmt: skip
     assert run_distributed(_stage, 2, None, timeout_s=120) == [single, single]
     messages = run_distributed(_stage, 2, 1, timeout_s=120, pg_timeout_s=30)
-    assert messages[0] == messages[1] == (
-        "rollout batch 3: the teacher http://fake: rank 1: the teacher's server answered HTTP 500"
-    )
+    expected = "rollout batch 3: the teacher http://fake: rank 1: the teacher's server answered HTTP 500"
+    assert messages == [expected, expected]
 
 
 @pytest.mark.parametrize(

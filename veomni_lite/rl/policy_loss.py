@@ -5,7 +5,8 @@ target token at t + 1): `policy_labels` (response tokens; prompts, padding and m
 `policy_advantages` (the sample's advantage A), `policy_old_logprobs` (old_t, before the rollout batch's first update;
 absent on policy, with one mini-batch and one epoch, where it is logp_t itself, detached, as TRL and verl take it),
 `policy_ref_logprobs` (the frozen reference's, where `kl_coef` > 0), `policy_engine_logprobs` (the rollout engine's,
-where `importance_sampling` is on), `policy_teacher_logprobs` (the teacher's, `rl.teacher`), `sequence_ids`, and `policy_loss_weights` under seq-mean-token-mean.
+where `importance_sampling` is on), `policy_teacher_logprobs` (the teacher's, `rl.teacher`), `sequence_ids`, and
+`policy_loss_weights` under seq-mean-token-mean.
 
 The model gives logp_t = log softmax(logits / temperature) at the target and the entropy H_t of that distribution
 (`LogprobRequest`: fused with the LM head, the [tokens, vocab] logits never whole). `rl.policy_loss` names a

@@ -184,11 +184,14 @@ class ServedTeacher:
 
 
 def make_teacher(
-    raw: TeacherSettings | Mapping[str, Any], student_dir: str, tokenizer: Any, probe: str
+    raw: TeacherSettings | Mapping[str, Any], student_dir: str, tokenizer: Any, probe_ids: list[int], vision: bool
 ) -> LocalTeacher | ServedTeacher:
     """The teacher of `rl.teacher`, its tokenizer checked against the student's (`tokenizer`, of `student_dir`;
-    `probe`: a text the server must tokenize as the student does); a ConfigError naming both otherwise."""
+    `probe_ids`: a prompt, whose text a server must tokenize as the student does); a ConfigError naming both
+    otherwise, or for a vision-language student (`vision`)."""
     settings = TeacherSettings.parse(raw)
+    if vision:
+        raise ConfigError("rl.teacher: distillation scores text sequences; the policy is a vision-language model")
     if settings.pretrained_dir:
         teacher: LocalTeacher | ServedTeacher = LocalTeacher(settings)
         mine, theirs = dict(tokenizer.get_vocab()), teacher.vocabulary()
@@ -201,14 +204,16 @@ def make_teacher(
             )
         return teacher
     teacher = ServedTeacher(settings)
+    probe = tokenizer.decode(probe_ids, skip_special_tokens=False)
     mine_ids = list(tokenizer(probe, add_special_tokens=False)["input_ids"])
     try:
         theirs_ids = teacher.tokenize(probe)
     except RuntimeError as exc:  # the server's EngineError (unreachable, an HTTP error) as a config error
         raise ConfigError(f"rl.teacher.url: {exc}") from exc
     if mine_ids != theirs_ids:
-        at = next((i for i, (a, b) in enumerate(zip(mine_ids, theirs_ids)) if a != b), min(len(mine_ids),
-                                                                                           len(theirs_ids)))
+        at = next(
+            (i for i, (a, b) in enumerate(zip(mine_ids, theirs_ids)) if a != b), min(len(mine_ids), len(theirs_ids))
+        )
         raise ConfigError(
             f"rl.teacher.url: the teacher at {settings.url} tokenizes the probe {probe[:60]!r} otherwise than the "
             f"student {student_dir} (first difference at token {at}: {theirs_ids[at : at + 3]} against "

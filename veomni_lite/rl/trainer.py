@@ -169,11 +169,8 @@ class RLTrainer(SFTTrainer):
             if prompts is not None:
                 check_answers(self.rewards, [p.answer for p in prompts.prompts], [p.where for p in prompts.prompts])
         if rl.teacher:  # its tokenizer checked against the student's on every rank, before any collective
-            if vision:
-                raise DataError("rl.teacher: distillation reads text sequences; the policy is a vision-language model")
             first = self.given[0].prompt_ids if self.given is not None else train.prompts[0].ids
-            probe = self.tokenizer.decode(first, skip_special_tokens=False)
-            self.teacher = make_teacher(rl.teacher, model.pretrained_dir, self.tokenizer, probe)
+            self.teacher = make_teacher(rl.teacher, model.pretrained_dir, self.tokenizer, first, vision)
         return train, evaluation
 
     def _prompt_sources(self, spec: Any, key: str) -> list[Any]:
@@ -368,13 +365,11 @@ class RLTrainer(SFTTrainer):
         names = [r.name for r in self.rewards]
         best = sum(max(r.weight, 0.0) for r in self.rewards)
         logged = [r.name for r in self.rewards if r.weight == 0]  # in no total (rl.teacher's runs): each at 1
-
-        def accurate(s: RolloutSample) -> bool:
-            return math.isclose(s.reward, best) and all(math.isclose(s.rewards[name], 1.0) for name in logged)
-
+        accurate = [math.isclose(s.reward, best) and all(math.isclose(s.rewards[n], 1.0) for n in logged)
+                    for s in samples]  # fmt: skip
         totals = [
             sum(s.reward for s in samples),
-            sum(float(accurate(s)) for s in samples),
+            float(sum(accurate)),
             float(len(samples)),
             *(sum(s.rewards[name] for s in samples) for name in names),
         ]
