@@ -1,5 +1,5 @@
-"""The on-policy distillation demo's teacher (`make train-distill`, docs/rl.md), beside `python -m examples.rl_math
-OUT_DIR`'s problems and tiny Qwen2.
+"""The on-policy distillation demo's teacher and reward (`make train-distill`, docs/rl.md), beside `python -m
+examples.rl_math OUT_DIR`'s problems and tiny Qwen2.
 
 `python -m examples.distill_math OUT_DIR` writes (idempotent: skipped when `OUT_DIR/.teacher-v1` records the same
 arguments):
@@ -13,6 +13,7 @@ arguments):
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -57,6 +58,18 @@ def write_teacher(out: str | Path, rows: int = 4000, hidden_size: int = 128, lay
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(str(teacher), safe_serialization=True)
     done.write_text(json.dumps(arguments) + "\n")
+    return out
+
+
+def final_number(prompts: list[str], completions: list[str], answers: list[Any], **_: Any) -> list[float]:
+    """The demo's reward (`rl.rewards` function `examples/distill_math.py:final_number`): 1.0 when a completion's last
+    number is the answer ("13 + 6 = 19"), else 0.0. The worked solution's result is required: the built-in `math`
+    reward also accepts the bare expression ("13 + 6" is equivalent to 19 for math-verify), which GRPO learns to
+    write instead of the sum."""
+    out = []
+    for completion, answer in zip(completions, answers):
+        numbers = re.findall(r"-?\d+", completion)
+        out.append(float(bool(numbers) and numbers[-1] == str(answer).strip()))
     return out
 
 
