@@ -176,6 +176,7 @@ def test_a_teacher_with_another_tokenizer_is_a_config_error_naming_both(demo, se
     assert make_teacher({"pretrained_dir": _teacher_dir(demo)}, student, tokenizer, [], False) is not None
 
 
+@pytest.mark.slow
 def test_an_rl_run_with_a_teacher_and_no_reward_distills(demo, tmp_path):
     """Through the trainer, no reward: every rollout holds the teacher's log-probabilities of its response (the
     teacher's own, each sequence alone), its advantage from the (absent) rewards is 0, and the run logs the reverse

@@ -17,6 +17,7 @@ from tests.rl.test_policy_exact import LAYOUTS
 from veomni_lite.rl.policy_loss import PolicyLoss
 from veomni_lite.split_invariance import Layout
 
+pytestmark = pytest.mark.slow  # the float64 references of four steps per case, and gloo worlds of 2 and 4
 COEF = 0.5
 
 
@@ -56,7 +57,6 @@ def test_exact_with_accumulation(expected):
     _check(Layout(1, 1, 2), expected)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS[1:], ids=str)
 def test_exact_at_every_layout(layout, expected):
     _check(layout, expected)
@@ -93,7 +93,6 @@ def test_teacher_one_token_out_of_place_is_not_exact(expected, monkeypatch):
     assert all(error > 1e-3 for error in errors.values()), errors
 
 
-@pytest.mark.slow
 def test_each_micro_batch_normalized_alone_is_not_exact(expected):
     cases = [c for c in teacher_cases() if c.mode != "token-sum"]
     result = _run(Layout(1, 1, 2), cases, alone=True)
