@@ -93,7 +93,6 @@ class RLTrainer(SFTTrainer):
         self.reference: ReferenceWeights | None = None
         self.engine: RolloutEngine | None = None
         self.agent: Any = None  # multi-turn: the episodes' `Agent`
-        self.teacher: Any = None  # rl.teacher: on-policy distillation's teacher (`veomni_lite.rl.teacher`)
         self.rollouts: RolloutPipeline | None = None  # built once the model and the engine exist (`on_model_built`)
         self.critic = Critic.of(self.rl)  # rl.advantage: gae: the value head and its loss (`veomni_lite.rl.critic`)
         self.replay = contextlib.ExitStack()  # a micro-batch's routing replay, from its forward through its backward
@@ -168,9 +167,8 @@ class RLTrainer(SFTTrainer):
         for prompts in (train, evaluation):  # every row's answer, where a reward needs one, before any rollout
             if prompts is not None:
                 check_answers(self.rewards, [p.answer for p in prompts.prompts], [p.where for p in prompts.prompts])
-        if rl.teacher:  # its tokenizer checked against the student's on every rank, before any collective
-            first = self.given[0].prompt_ids if self.given is not None else train.prompts[0].ids
-            self.teacher = make_teacher(rl.teacher, model.pretrained_dir, self.tokenizer, first, vision)
+        first = self.given[0].prompt_ids if self.given is not None else train.prompts[0].ids  # rl.teacher's probe
+        self.teacher = rl.teacher and make_teacher(rl.teacher, model.pretrained_dir, self.tokenizer, first, vision)
         return train, evaluation
 
     def _prompt_sources(self, spec: Any, key: str) -> list[Any]:
@@ -363,13 +361,9 @@ class RLTrainer(SFTTrainer):
         context = self.rollouts.context
         samples = generate(context, EVALUATION, prompts, sampling(context, greedy=True), self.step)
         names = [r.name for r in self.rewards]
-        best = sum(max(r.weight, 0.0) for r in self.rewards)
-        logged = [r.name for r in self.rewards if r.weight == 0]  # in no total (rl.teacher's runs): each at 1
-        accurate = [math.isclose(s.reward, best) and all(math.isclose(s.rewards[n], 1.0) for n in logged)
-                    for s in samples]  # fmt: skip
         totals = [
             sum(s.reward for s in samples),
-            float(sum(accurate)),
+            accurate(samples, self.rewards),
             float(len(samples)),
             *(sum(s.rewards[name] for s in samples) for name in names),
         ]
@@ -380,3 +374,12 @@ class RLTrainer(SFTTrainer):
             extra["accuracy"] = reduced[1] / count
         extra |= {f"eval/rewards/{name}": value / count for name, value in zip(names, reduced[3:])}
         return self.metrics.log_eval(self.step, self.epoch, {}, extra)
+
+
+def accurate(samples: Sequence[RolloutSample], rewards: Sequence[Any]) -> float:
+    """How many `samples` have every reward at its maximum, 1: the total at the sum of the positive weights, and each
+    reward of weight 0 (in no total, logged: `rl.teacher`'s runs) at 1."""
+    best = sum(max(r.weight, 0.0) for r in rewards)
+    logged = [r.name for r in rewards if r.weight == 0]
+    return float(sum(math.isclose(s.reward, best) and all(math.isclose(s.rewards[n], 1.0) for n in logged)
+                     for s in samples))  # fmt: skip
