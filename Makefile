@@ -13,7 +13,8 @@ QUICK ?=
 TORCHRUN := $(PY) -m veomni_lite.torchrun --standalone --nproc_per_node $(NPROC)
 
 .PHONY: install test test-quick test-gpu test-vllm vllm-env quality train train-text train-sft train-lora train-rl \
-	train-agent train-envs train-rl-math train-ppo preference-pairs train-dpo train-rm train-moe figures bench bench-gpu clean
+	train-agent train-envs train-rl-math train-ppo train-distill preference-pairs train-dpo train-rm train-moe figures \
+	bench bench-gpu clean
 
 install: $(STAMP)
 
@@ -130,6 +131,22 @@ train-ppo: install
 	  $(TORCHRUN) trainers/train_sft.py configs/rl_math_sft.yaml && \
 	  $(PY) -m veomni_lite.export outputs/rl_math_sft outputs/rl_math_sft_hf )
 	$(TORCHRUN) trainers/train_rl.py $(PPO_CONFIG) $(ARGS)
+
+# On-policy distillation (docs/rl.md): the problems and SFT warm start of train-rl-math (the student), a larger teacher
+# with the student's tokenizer (python -m examples.distill_math) SFT'd on 4000 worked problems
+# (configs/distill_math_teacher_sft.yaml), both exported once; then the student trained on the teacher's per-token
+# reverse KL alone (configs/distill_math.yaml; DISTILL_CONFIG).
+DISTILL_CONFIG ?= configs/distill_math.yaml
+train-distill: install
+	$(PY) -m examples.rl_math outputs/rl_math
+	test -f outputs/rl_math_sft_hf/model.safetensors || ( \
+	  $(TORCHRUN) trainers/train_sft.py configs/rl_math_sft.yaml && \
+	  $(PY) -m veomni_lite.export outputs/rl_math_sft outputs/rl_math_sft_hf )
+	$(PY) -m examples.distill_math outputs/rl_math
+	test -f outputs/distill_math_teacher_hf/model.safetensors || ( \
+	  $(TORCHRUN) trainers/train_sft.py configs/distill_math_teacher_sft.yaml && \
+	  $(PY) -m veomni_lite.export outputs/distill_math_teacher outputs/distill_math_teacher_hf )
+	$(TORCHRUN) trainers/train_rl.py $(DISTILL_CONFIG) $(ARGS)
 
 # Multi-turn RL with a tool (docs/agents.md): multiplications beyond the tiny model and a calculator tool
 # (python -m examples.agent_calc), a short SFT on transcripts 30% of which call the tool (configs/agent_calc_sft.yaml,

@@ -111,3 +111,20 @@ def test_model_directory_loads_through_the_library(demo):
     assert config.vocab_size == len(tokenizer) and config.eos_token_id == end
     ids = torch.tensor([tokenizer(rendered)["input_ids"]])
     assert model(input_ids=ids).logits.shape == (1, ids.shape[1], len(tokenizer))
+
+
+def test_the_distillation_demos_reward_wants_the_result_and_its_teacher_the_students_tokenizer(tmp_path):
+    """`examples.distill_math.final_number` scores the last number (the bare expression, which `math` accepts, is
+    wrong); the teacher directory is larger and holds the student's tokenizer files."""
+    from examples.distill_math import TEACHER, TOKENIZER_FILES, final_number, write_teacher
+
+    assert final_number([""] * 4, ["13 + 6 = 19", "13 + 6", "19", "no number"], ["19"] * 4) == [1.0, 0.0, 1.0, 0.0]
+    out = write_demo(tmp_path, sft_rows=8, rl_rows=12, eval_rows=4)
+    write_teacher(out, rows=5, hidden_size=64, layers=3)
+    rows = [json.loads(line) for line in (out / "teacher_train.jsonl").read_text().splitlines()]
+    assert len(rows) == 5 and all(" = " in r["messages"][1]["content"] for r in rows)
+    for name in TOKENIZER_FILES:
+        if (out / MODEL / name).is_file():
+            assert (out / TEACHER / name).read_bytes() == (out / MODEL / name).read_bytes()
+    student, teacher = (json.loads((out / d / "config.json").read_text()) for d in (MODEL, TEACHER))
+    assert teacher["num_hidden_layers"] == 3 > student["num_hidden_layers"]

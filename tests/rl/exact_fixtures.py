@@ -10,6 +10,7 @@ one sample at a time; `layout_steps` runs the same steps through the trainer's p
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -44,10 +45,14 @@ MODEL_INPUTS = ("input_ids", "position_ids", "attention_sequence_ids")
 class Case:
     mode: str
     loss: PolicyLoss
+    on_policy: bool = False  # the samples carry no old log-probabilities: the training forward's own, detached
 
     def __str__(self) -> str:
         decoupled = "/decoupled" if self.loss.decoupled else ""
-        return f"{self.mode}/{self.loss.policy_loss}/{self.loss.importance_sampling}{decoupled}/kl{self.loss.kl_coef}"
+        teacher = f"/teacher{self.loss.teacher_coef}" if self.loss.teacher_coef else ""
+        on_policy = "/on-policy" if self.on_policy else ""
+        return (f"{self.mode}/{self.loss.policy_loss}/{self.loss.importance_sampling}{decoupled}/kl{self.loss.kl_coef}"
+                f"{teacher}{on_policy}")  # fmt: skip
 
     @property
     def modes(self) -> LossModes:
@@ -141,13 +146,14 @@ def rollout_batch(episodes: bool = False) -> list[RolloutSample]:
                 response = spliced
             logp = _logprobs(model, prompt, response)
             noise = 0.3 * torch.randn(len(response), generator=g, dtype=torch.float64)
+            teacher = logp - 0.8 * noise.roll(1) - 0.1  # a teacher's log-probabilities: another model's
             samples.append(
                 RolloutSample(
                     group=group, prompt_ids=prompt, response_ids=response, reward=REWARDS[group][j],
                     advantage=float(advantages[index]), truncated=index == TRUNCATED,
                     old_logprobs=(logp + noise).tolist(), ref_logprobs=(logp - 0.2 * noise.flip(0)).tolist(),
                     engine_logprobs=(logp + noise + 0.1 * torch.randn(len(response), generator=g)).tolist(),
-                    response_mask=mask,
+                    response_mask=mask, teacher_logprobs=teacher.tolist(),
                 )
             )  # fmt: skip
     return samples
@@ -170,7 +176,8 @@ def steps() -> list[list[int]]:
 
 def hand_reference(case: Case, episodes: bool = False) -> list[list[torch.Tensor]]:
     """Each step's gradient, written from the loss's definition, one sample at a time (float64, one process);
-    `episodes`: over each episode's model tokens only (every other token attended to, in no sum, mean or ratio)."""
+    `episodes`: over each episode's model tokens only (every other token attended to, in no sum, mean or ratio).
+    With a teacher, each token's advantage is A - teacher_coef (old_t - teacher_t); on policy old_t is logp_t."""
     model, batch, rl = build_model(), rollout_batch(episodes), case.loss
     grads = []
     for indices in steps():
@@ -184,13 +191,17 @@ def hand_reference(case: Case, episodes: bool = False) -> list[list[torch.Tensor
             logp_all = torch.log_softmax(logits[first : first + len(sample.response_ids)] / TEMPERATURE, -1)
             logp = logp_all.gather(-1, torch.tensor(sample.response_ids)[:, None]).squeeze(-1)
             entropy = -(logp_all.exp() * logp_all).sum(-1)
-            old, ref, engine = (torch.tensor(v, dtype=torch.float64) for v in
-                                (sample.old_logprobs, sample.ref_logprobs, sample.engine_logprobs))  # fmt: skip
+            old, ref, engine, teacher = (torch.tensor(v, dtype=torch.float64) for v in
+                                         (sample.old_logprobs, sample.ref_logprobs, sample.engine_logprobs,
+                                          sample.teacher_logprobs))  # fmt: skip
+            if case.on_policy:
+                old = logp.detach()
             if sample.response_mask is not None:  # the model's tokens alone
                 model_tokens = torch.tensor(sample.response_mask, dtype=torch.bool)
                 logp, entropy = logp[model_tokens], entropy[model_tokens]
                 old, ref, engine = old[model_tokens], ref[model_tokens], engine[model_tokens]
-            a = sample.advantage
+                teacher = teacher[model_tokens]
+            a = sample.advantage - rl.teacher_coef * (old - teacher)
             if rl.policy_loss == "gspo":
                 ratio = torch.exp((logp - old).mean()).expand_as(logp)
             else:
@@ -198,8 +209,8 @@ def hand_reference(case: Case, episodes: bool = False) -> list[list[torch.Tensor
             weight = importance_weight(rl, old, engine)
             clip_low, clip_high, dual_clip = (rl.hyperparameters[k] for k in ("clip_low", "clip_high", "dual_clip"))
             pg = torch.maximum(-a * ratio, -a * ratio.clamp(1 - clip_low, 1 + clip_high))
-            if dual_clip and a < 0:
-                pg = torch.minimum(pg, torch.full_like(pg, -a * dual_clip))
+            if dual_clip:
+                pg = torch.where(a < 0, torch.minimum(pg, -a * dual_clip), pg)
             d = logp - ref
             kl = torch.exp(-d) + d - 1
             per_sample.append(weight * pg + rl.kl_coef * kl - rl.entropy_coef * entropy)
@@ -248,6 +259,7 @@ def layout_steps(
     batch = rollout_batch(episodes)
     for sample in batch if leak else ():
         sample.response_mask = None
+    on_policy = [dataclasses.replace(s, old_logprobs=None) for s in batch]
     sp_group = state.sp_group if layout.sp > 1 and not shard_local else None
     out: dict[str, Any] = {}
     for case in all_cases:
@@ -257,7 +269,7 @@ def layout_steps(
         grads, calls, shared = [], [], 0
         for number, indices in enumerate(steps()):
             model.zero_grad(set_to_none=True)
-            chunk = [batch[i] for i in indices]
+            chunk = [(on_policy if case.on_policy else batch)[i] for i in indices]
             micro_batches = step_micro_batches(loader, number, chunk, case.modes, layout, state.sp_rank, world)
             shared += sum(bool((mb.get(ATTENTION_SEQUENCE_IDS, torch.zeros(1)) <= -2).any()) for mb in micro_batches)
             with counting_world_all_reduces() as world_calls:

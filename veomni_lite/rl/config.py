@@ -17,6 +17,7 @@ from veomni_lite.registries import Registry
 from veomni_lite.rl.advantages import ADVANTAGES
 from veomni_lite.rl.critic import CriticSettings
 from veomni_lite.rl.policy_loss import IS_CORRECTIONS, POLICY, POLICY_LOSSES
+from veomni_lite.rl.teacher import TeacherSettings
 
 __all__ = ["POLICY", "DynamicSampling", "OverlongBuffer", "RLConfig"]
 
@@ -145,6 +146,11 @@ class RLConfig:
     """A tool failing on its own (raising, timing out) in more than this fraction of its calls of a rollout batch (all
     ranks; once it ran `veomni_lite.rl.tools.MIN_TOOL_CALLS` = 16 times there) fails the run, naming the tool and its
     first error; in [0, 1], 1: never. The model's malformed calls do not count."""
+    teacher: TeacherSettings | None = None
+    """On-policy distillation (off when empty): `{pretrained_dir: DIR | url: BASE, coef: 1.0, ...}`: a teacher's
+    log-probabilities of the sampled tokens, the per-token reverse KL -coef (old_t - teacher_t) added to the rewards'
+    advantage (alone without `rl.rewards`); the teacher's tokenizer must be the student's
+    (`veomni_lite.rl.teacher.TeacherSettings`, docs/rl.md)."""
     async_steps: int = 0
     """The staleness bound k in rollout batches (`veomni_lite.rl.rollout_queue`): 0 synchronous; k: batch b is sampled
     by the weights of batch b - k while the batches before it train; an older sample is dropped and generated again
@@ -237,29 +243,7 @@ class RLConfig:
                 "rl.routing_replay: rollout records the experts of one generate call per response; an episode's "
                 "turns are several, with environment tokens between them: use rl.routing_replay old"
             )
-        if self.async_steps < 0:
-            raise ConfigError(f"rl.async_steps: the staleness bound in rollout batches, >= 0; got {self.async_steps}")
-        if self.async_steps and self.rollouts_path:
-            raise ConfigError("rl.async_steps: generates rollouts while the trainer trains; rl.rollouts_path has them")
-        if self.partial_rollouts and self.async_steps < 2:
-            raise ConfigError(f"rl.partial_rollouts: needs rl.async_steps >= 2 (got {self.async_steps}): with 1 "
-                              "a batch generates within one batch's training, across no update")  # fmt: skip
-        if self.partial_rollouts and self.max_new_tokens < self.async_steps:
-            raise ConfigError(f"rl.partial_rollouts: rl.max_new_tokens ({self.max_new_tokens}) must be >= "
-                              f"rl.async_steps ({self.async_steps}), the chunks a response generates in")  # fmt: skip
-        if self.partial_rollouts and self.routing_replay == "rollout":
-            raise ConfigError("rl.partial_rollouts: a response of several chunks has no one routing record; use "
-                              "rl.routing_replay old")  # fmt: skip
-        if self.async_steps > 1 and self.dynamic_sampling:
-            raise ConfigError(f"rl.async_steps: {self.async_steps} with rl.dynamic_sampling: a batch's first "
-                              "block is known once the one before is filtered; use 0 or 1")  # fmt: skip
-        if self.async_steps and self.importance_sampling == "none" and not self.decoupled:
-            raise ConfigError(
-                f"rl.async_steps: {self.async_steps} samples with weights up to that many rollout batches old: set "
-                "rl.importance_sampling "
-                f"({', '.join(n for n in IS_CORRECTIONS.names() if n != 'none')}) or rl.decoupled so the engine's "
-                "log-probabilities correct it"
-            )
+        check_staleness(self)
         if self.environment_kwargs and not self.environment:
             raise ConfigError("rl.environment_kwargs: set, but rl.environment is not; name the class it is for")
         if self.multi_turn:
@@ -280,8 +264,12 @@ class RLConfig:
                 f"rl.dynamic_sampling.metric: {filter_groups.metric!r} is neither `reward` (the total) nor a reward's "
                 f"name ({', '.join(sorted(str(n) for n in names))})"
             )
-        if not self.rewards and not self.rollouts_path and not self.environment:
-            raise ConfigError("rl.rewards: give at least one reward function ([{name, function, weight}])")
+        if self.teacher:
+            TeacherSettings.parse(self.teacher)
+        if not self.rewards and not self.rollouts_path and not self.environment and not self.teacher:
+            raise ConfigError(
+                "rl.rewards: give at least one reward function ([{name, function, weight}]), or rl.teacher"
+            )
         from veomni_lite.rl.rewards import load_rewards  # a user's file runs here because the config names it
 
         load_rewards(self.rewards)  # each entry checked (ConfigError naming it) before any process group
@@ -364,6 +352,33 @@ class OverlongBuffer:
         if not made.penalty >= 0:
             raise ConfigError(f"rl.overlong_buffer.penalty: must be >= 0, got {made.penalty}")
         return made
+
+
+def check_staleness(rl: RLConfig) -> None:
+    """`rl.async_steps` and `rl.partial_rollouts` against each other and the rest of `rl` (ConfigError)."""
+    if rl.async_steps < 0:
+        raise ConfigError(f"rl.async_steps: the staleness bound in rollout batches, >= 0; got {rl.async_steps}")
+    if rl.async_steps and rl.rollouts_path:
+        raise ConfigError("rl.async_steps: generates rollouts while the trainer trains; rl.rollouts_path has them")
+    if rl.partial_rollouts and rl.async_steps < 2:
+        raise ConfigError(f"rl.partial_rollouts: needs rl.async_steps >= 2 (got {rl.async_steps}): with 1 "
+                          "a batch generates within one batch's training, across no update")  # fmt: skip
+    if rl.partial_rollouts and rl.max_new_tokens < rl.async_steps:
+        raise ConfigError(f"rl.partial_rollouts: rl.max_new_tokens ({rl.max_new_tokens}) must be >= "
+                          f"rl.async_steps ({rl.async_steps}), the chunks a response generates in")  # fmt: skip
+    if rl.partial_rollouts and rl.routing_replay == "rollout":
+        raise ConfigError("rl.partial_rollouts: a response of several chunks has no one routing record; use "
+                          "rl.routing_replay old")  # fmt: skip
+    if rl.async_steps > 1 and rl.dynamic_sampling:
+        raise ConfigError(f"rl.async_steps: {rl.async_steps} with rl.dynamic_sampling: a batch's first "
+                          "block is known once the one before is filtered; use 0 or 1")  # fmt: skip
+    if rl.async_steps and rl.importance_sampling == "none" and not rl.decoupled:
+        raise ConfigError(
+            f"rl.async_steps: {rl.async_steps} samples with weights up to that many rollout batches old: set "
+            "rl.importance_sampling "
+            f"({', '.join(n for n in IS_CORRECTIONS.names() if n != 'none')}) or rl.decoupled so the engine's "
+            "log-probabilities correct it"
+        )
 
 
 def _flagged(registry: Registry, flag: str) -> str:

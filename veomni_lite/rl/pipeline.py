@@ -3,6 +3,8 @@
     generate -> score -> gather      `RolloutSource.collect` (`rollout_batch.py`; dynamic sampling's rounds, async's
                                      background generation, or the given rollouts)
     advantages                       the group / batch advantages (`veomni_lite.rl.advantages`; `gae`: below)
+    teacher log-probs                `rl.teacher`: the teacher's of the sampled tokens (`teacher.teacher_logprobs`;
+                                     the reverse KL joins the advantage in the loss)
     rollout metrics                  this rank's share (`records.rollout_metrics`)
     plan                             this rank's micro-batches of each mini-batch (`logprob_pass.plan`)
     old / reference log-probs,       one forward pass per micro-batch, every rank the same count
@@ -42,7 +44,8 @@ from veomni_lite.rl.logprob_pass import collate_plans, fill, needs_fill, plan
 from veomni_lite.rl.records import engine_mismatch_metrics, rollout_metrics
 from veomni_lite.rl.rollout_batch import RolloutSource
 from veomni_lite.rl.rollout_queue import RolloutQueue
-from veomni_lite.rl.rollouts import RolloutSample
+from veomni_lite.rl.rollouts import RolloutSample, batch_name
+from veomni_lite.rl.teacher import teacher_logprobs
 
 __all__ = ["RolloutBatch", "RolloutContext", "RolloutPipeline", "advantages"]
 
@@ -76,6 +79,7 @@ class RolloutContext:
     collate: Callable[[Sequence[Mapping[str, torch.Tensor]]], dict[str, torch.Tensor]]
     shard: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
     logprobs: Callable[[Mapping[str, Any], float], torch.Tensor]
+    teacher: Any = None  # `rl.teacher`: a `veomni_lite.rl.teacher` LocalTeacher or ServedTeacher
 
     @property
     def minibatches(self) -> int:
@@ -138,6 +142,8 @@ class RolloutPipeline:
             samples, counts = self.source.collect(context, k, step, last)  # generate -> score -> gather
             if not ADVANTAGES.get(context.rl.advantage, "rl.advantage").needs_critic:
                 advantages(context, samples)
+            if context.teacher is not None:
+                teacher_logprobs(context, samples, batch_name(k, step))
             generate_s = time.perf_counter() - start
             metrics = rollout_metrics(self._mine(samples), context.rl.num_generations, self._version(step)) | counts
             self.last = samples

@@ -5,7 +5,8 @@ target token at t + 1): `policy_labels` (response tokens; prompts, padding and m
 `policy_advantages` (the sample's advantage A), `policy_old_logprobs` (old_t, before the rollout batch's first update;
 absent on policy, with one mini-batch and one epoch, where it is logp_t itself, detached, as TRL and verl take it),
 `policy_ref_logprobs` (the frozen reference's, where `kl_coef` > 0), `policy_engine_logprobs` (the rollout engine's,
-where `importance_sampling` is on), `sequence_ids`, and `policy_loss_weights` under seq-mean-token-mean.
+where `importance_sampling` is on), `policy_teacher_logprobs` (the teacher's, `rl.teacher`), `sequence_ids`, and
+`policy_loss_weights` under seq-mean-token-mean.
 
 The model gives logp_t = log softmax(logits / temperature) at the target and the entropy H_t of that distribution
 (`LogprobRequest`: fused with the LM head, the [tokens, vocab] logits never whole). `rl.policy_loss` names a
@@ -13,7 +14,9 @@ registered function giving each token's objective pg_t (`register_policy_loss`);
   ppo_clip  pg_t = max(-A r_t, -A clip(r_t, 1 - clip_low, 1 + clip_high)); with dual_clip c and A < 0, min(pg_t, -A c)
   gspo      the same with r_t replaced by s = exp(mean over the sequence's response tokens of (logp - old)), the mean
             taken over the whole sequence (`sequence_sums`, exact under packing and SP, with its gradient)
-and every policy loss's token loss is l_t = w_t pg_t + kl_coef kl_t - entropy_coef H_t, where w_t is the
+On-policy distillation (`teacher_coef` = `rl.teacher.coef` > 0, `veomni_lite.rl.teacher`): every policy loss reads
+the advantage A_t = A - teacher_coef (old_t - teacher_t), the sampled token's reverse KL against the teacher.
+Every policy loss's token loss is l_t = w_t pg_t + kl_coef kl_t - entropy_coef H_t, where w_t is the
 importance weight of the rollout engine's (the behaviour policy's) log-probabilities: `rl.importance_sampling` names a
 registered correction (`register_is_correction`) of the log-ratio d_t = old_t - engine_t (detached; w = 1 for rollouts
 given without the engine's log-probabilities):
@@ -60,7 +63,8 @@ ADVANTAGES = f"{POLICY}_advantages"
 OLD_LOGPROBS = f"{POLICY}_old_logprobs"
 REF_LOGPROBS = f"{POLICY}_ref_logprobs"
 ENGINE_LOGPROBS = f"{POLICY}_engine_logprobs"
-TOKEN_VALUES = (ADVANTAGES, OLD_LOGPROBS, REF_LOGPROBS, ENGINE_LOGPROBS)  # float per-token keys of a sample
+TEACHER_LOGPROBS = f"{POLICY}_teacher_logprobs"
+TOKEN_VALUES = (ADVANTAGES, OLD_LOGPROBS, REF_LOGPROBS, ENGINE_LOGPROBS, TEACHER_LOGPROBS)  # float per-token keys
 
 __all__ = [
     "ADVANTAGES",
@@ -69,6 +73,7 @@ __all__ = [
     "POLICY_LABELS",
     "REF_LOGPROBS",
     "POLICY",
+    "TEACHER_LOGPROBS",
     "POLICY_LOSSES",
     "TOKEN_VALUES",
     "PolicyInputs",
@@ -215,6 +220,8 @@ class PolicyLoss:
     is_hyperparameters: Mapping[str, Any] = field(default_factory=dict)
     """The IS correction's own (`is_cap`, `is_low`), over its registered defaults."""
     decoupled: bool = False
+    teacher_coef: float = 0.0
+    """`rl.teacher.coef` (0: no teacher): the reverse KL's weight in the advantage (module docstring)."""
 
     def __post_init__(self) -> None:
         for kind, entry, given in (
@@ -228,11 +235,12 @@ class PolicyLoss:
     @classmethod
     def of(cls, rl: Any) -> PolicyLoss:
         """From the `rl` section (an `RLConfig`): each setting its field of the same name."""
-        read = {"hyperparameters", "is_hyperparameters"}
+        read = {"hyperparameters", "is_hyperparameters", "teacher_coef"}
         shared = {f.name: getattr(rl, f.name) for f in fields(cls) if f.name not in read}
         correction = IS_CORRECTIONS.get(rl.importance_sampling, "rl.importance_sampling")
+        coef = rl.teacher.coef if rl.teacher else 0.0
         return cls(**shared, hyperparameters=POLICY_LOSSES.get(rl.policy_loss, "rl.policy_loss").read(rl),
-                   is_hyperparameters=correction.read(rl))  # fmt: skip
+                   is_hyperparameters=correction.read(rl), teacher_coef=coef)  # fmt: skip
 
     @property
     def entry(self) -> Entry:
@@ -264,12 +272,16 @@ class PolicyLoss:
 
         on_policy = OLD_LOGPROBS not in batch
         advantages, old = key(ADVANTAGES), logp.detach() if on_policy else key(OLD_LOGPROBS)
+        metrics: dict[str, Any] = {}
+        count = mask.sum()
+        if self.teacher_coef:  # on-policy distillation: the sampled token's reverse KL against the teacher
+            reverse_kl = torch.where(valid, old - key(TEACHER_LOGPROBS), 0.0)
+            advantages = advantages - self.teacher_coef * reverse_kl
+            metrics["rl/teacher/reverse_kl"] = (reverse_kl.sum(), count)
         sequences = batch[SEQUENCE_IDS].to(device)
         inputs = PolicyInputs(logp, old, advantages, valid, sequences, sp_group)
         entry = self.entry
         pg, loss_metrics = entry.fn(inputs, **{**entry.hyperparameters, **self.hyperparameters})
-        metrics: dict[str, Any] = {}
-        count = mask.sum()
         engine = key(ENGINE_LOGPROBS) if ENGINE_LOGPROBS in batch else None  # None: rollouts given without them
         if (self.importance_sampling != "none" or self.decoupled) and engine is not None:
             correction = self.correction

@@ -84,6 +84,7 @@ def rollout_specs(rl: Any, reward_names: Sequence[str]) -> list[MetricSpec]:
         MetricSpec("rl/staleness/max", "max", fmt=".0f"),
         *([MetricSpec("rl/staleness/dropped", "mean", fmt=".0f")] if rl.async_steps else []),  # per batch, rank 0
         MetricSpec("rl/kl", "mean"),
+        *([MetricSpec("rl/teacher/reverse_kl", "mean")] if rl.teacher else []),
         MetricSpec("rl/entropy", "mean"),
         *(MetricSpec(name, "mean") for name in POLICY_LOSSES.get(rl.policy_loss, "rl.policy_loss").metrics),
         *(

@@ -40,6 +40,7 @@ from veomni_lite.rl.policy_loss import (
     OLD_LOGPROBS,
     POLICY_LABELS,
     REF_LOGPROBS,
+    TEACHER_LOGPROBS,
     TOKEN_VALUES,
 )
 
@@ -93,6 +94,7 @@ class RolloutSample:
     response_mask: list[int] | None = None  # multi-turn: 1 at the model's tokens, 0 at the environment's (None: all 1)
     episode: dict[str, Any] = field(default_factory=dict)  # multi-turn: turns and counts (`veomni_lite.rl.episodes`)
     routed_experts: torch.Tensor | None = None  # routing replay: [len(self), MoE layers, top_k] (module docstring)
+    teacher_logprobs: list[float] | None = None  # on-policy distillation's (`rl.teacher`, `veomni_lite.rl.teacher`)
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
@@ -121,6 +123,7 @@ class RolloutSample:
             OLD_LOGPROBS: self.old_logprobs,
             REF_LOGPROBS: self.ref_logprobs,
             ENGINE_LOGPROBS: self.engine_logprobs,
+            TEACHER_LOGPROBS: self.teacher_logprobs,
             OLD_VALUES: self.old_values,
             RETURNS: self.returns,
         }

@@ -66,6 +66,7 @@ from veomni_lite.rl.records import RolloutRecords, rollout_specs
 from veomni_lite.rl.rewards import check_answers, load_rewards
 from veomni_lite.rl.rollout_batch import generate, sampling
 from veomni_lite.rl.rollouts import EVALUATION, ROUTED_EXPERTS, RolloutSample, collate_rollouts, read_rollouts
+from veomni_lite.rl.teacher import make_teacher
 from veomni_lite.trainer.base import shard_micro_batch
 from veomni_lite.trainer.sft import SFTTrainer
 
@@ -167,6 +168,8 @@ class RLTrainer(SFTTrainer):
         for prompts in (train, evaluation):  # every row's answer, where a reward needs one, before any rollout
             if prompts is not None:
                 check_answers(self.rewards, [p.answer for p in prompts.prompts], [p.where for p in prompts.prompts])
+        first = self.given[0].prompt_ids if self.given is not None else train.prompts[0].ids  # rl.teacher's probe
+        self.teacher = rl.teacher and make_teacher(rl.teacher, model.pretrained_dir, self.tokenizer, first, vision)
         return train, evaluation
 
     def _prompt_sources(self, spec: Any, key: str) -> list[Any]:
@@ -267,7 +270,7 @@ class RLTrainer(SFTTrainer):
             shard=functools.partial(
                 shard_micro_batch, loss_modes=self.loss_modes, parallel=self.parallel, pad_id=self.pad_id
             ),
-            logprobs=functools.partial(policy_logprobs, self.model, self.device),
+            logprobs=functools.partial(policy_logprobs, self.model, self.device), teacher=self.teacher,
         )  # fmt: skip
 
     def _build_engine(self, context: RolloutContext) -> RolloutEngine:
@@ -356,14 +359,12 @@ class RLTrainer(SFTTrainer):
         no known maximum), the same on every rank."""
         if self.eval_dataset is None or self.engine is None:
             return {}
-        prompts = self.eval_dataset.prompts
         context = self.rollouts.context
-        samples = generate(context, EVALUATION, prompts, sampling(context, greedy=True), self.step)
+        samples = generate(context, EVALUATION, self.eval_dataset.prompts, sampling(context, greedy=True), self.step)
         names = [r.name for r in self.rewards]
-        best = sum(max(r.weight, 0.0) for r in self.rewards)
         totals = [
             sum(s.reward for s in samples),
-            sum(float(math.isclose(s.reward, best)) for s in samples),
+            accurate(samples, self.rewards),
             float(len(samples)),
             *(sum(s.rewards[name] for s in samples) for name in names),
         ]
@@ -374,3 +375,12 @@ class RLTrainer(SFTTrainer):
             extra["accuracy"] = reduced[1] / count
         extra |= {f"eval/rewards/{name}": value / count for name, value in zip(names, reduced[3:])}
         return self.metrics.log_eval(self.step, self.epoch, {}, extra)
+
+
+def accurate(samples: Sequence[RolloutSample], rewards: Sequence[Any]) -> float:
+    """How many `samples` have every reward at its maximum, 1: the total at the sum of the positive weights, and each
+    reward of weight 0 (in no total, logged: `rl.teacher`'s runs) at 1."""
+    best = sum(max(r.weight, 0.0) for r in rewards)
+    logged = [r.name for r in rewards if r.weight == 0]
+    return float(sum(math.isclose(s.reward, best) and all(math.isclose(s.rewards[n], 1.0) for n in logged)
+                     for s in samples))  # fmt: skip
