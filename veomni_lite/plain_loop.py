@@ -22,11 +22,12 @@ import torch
 
 from veomni_lite.utils.loss_utils import (
     STEP_SLOTS,
+    LossMemo,
     LossModes,
     count_loss_token,
     mark_sequences,
     mean_global_loss,
-    verify_loss_keys,
+    step_slots,
 )
 
 __all__ = ["LossStep", "normalized"]
@@ -81,6 +82,7 @@ class LossStep:
                 self.tokens[key] = self.tokens[key] + value if key in self.tokens else value
         if slots is not None:
             self.tokens[STEP_SLOTS] = slots
+        self.memo = LossMemo()
 
     def __iter__(self) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
         return zip(self.micro_batches, self.micro_tokens)
@@ -91,17 +93,21 @@ class LossStep:
     def scaled(self, outputs: Any, tokens: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """Each loss of `outputs` scaled to its share of the step's exact global value (`mean_global_loss`), given the
         micro-batch's counts `tokens`."""
-        return mean_global_loss(_losses(outputs), tokens, self.tokens, modes=self.modes)
+        return mean_global_loss(_losses(outputs), tokens, self.tokens, modes=self.modes, memo=self.memo)
 
     def loss(self, outputs: Any, tokens: Mapping[str, Any]) -> torch.Tensor:
         """The sum of `scaled`: what the micro-batch backpropagates."""
         return sum(self.scaled(outputs, tokens).values())
 
-    @staticmethod
-    def verify() -> None:
-        """The ranks' loss-key agreement (`verify_loss_keys`): a host read on an accelerator, so call it once per step
-        where the step reads the host anyway; a no-op on CPU (checked at the reduce)."""
-        verify_loss_keys()
+    def step_slots(self, loss_keys: tuple[str, ...]) -> torch.Tensor:
+        """The step's `slots` summed over the world, from its one all-reduce (made now, with the head names of
+        `loss_keys`, if no micro-batch has been scaled yet)."""
+        return step_slots(loss_keys, self.tokens, self.modes, memo=self.memo)
+
+    def verify(self) -> None:
+        """The ranks' loss-key agreement: a host read on an accelerator, so call it once per step where the step reads
+        the host anyway; a no-op on CPU (checked at the reduce)."""
+        self.memo.verify()
 
 
 def normalized(

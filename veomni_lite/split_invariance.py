@@ -38,7 +38,7 @@ from veomni_lite.data.packing import padding_micro_batch, plan_micro_batches
 from veomni_lite.distributed.parallel_state import destroy_parallel_state, get_parallel_state, init_parallel_state
 from veomni_lite.distributed.sequence_parallel import slice_micro_batch
 from veomni_lite.plain_loop import LossStep
-from veomni_lite.utils.loss_utils import LossModes, mark_sequences, reset_loss_memo
+from veomni_lite.utils.loss_utils import LossModes, mark_sequences
 
 __all__ = ["Layout", "SplitReport", "check_split_invariance", "default_layouts"]
 
@@ -156,7 +156,6 @@ def _run(
     out: dict[str, Any] = {"grads": [], "losses": [], "calls": []}
     for loss_modes in modes:
         model.zero_grad(set_to_none=True)
-        reset_loss_memo()
         chunks = _chunks(layout, samples, state.dp_rank)
         marked = [mark_sequences(make(chunk or chunks[0]), loss_modes) for chunk in chunks]
         marked = [batch if chunk else padding_micro_batch(batch) for batch, chunk in zip(marked, chunks)]

@@ -14,7 +14,7 @@ from veomni_lite.distributed.parallel_state import init_parallel_state
 from veomni_lite.models.moe import ROUTER_AUX, ROUTER_Z
 from veomni_lite.plain_loop import LossStep
 from veomni_lite.split_invariance import Layout, _mode_name, check_split_invariance
-from veomni_lite.utils.loss_utils import LossModes, step_slots
+from veomni_lite.utils.loss_utils import LossModes
 
 FIXED_F = torch.linspace(0.5, 1.5, EXPERTS, dtype=torch.float64) * TOP_K / EXPERTS  # sums to k, not uniform
 F64 = 1e-12
@@ -71,7 +71,7 @@ def _slots_in_the_one_all_reduce(rank: int, world_size: int) -> tuple[list[int],
     slots = torch.full((EXPERTS + 1,), rank + 1, dtype=torch.int64)
     with counting_world_all_reduces() as calls:
         step = LossStep([padded(moe_samples()[rank : rank + 1])], slots=slots)
-        totals = step_slots(("foundation_loss",), step.tokens)
+        totals = step.step_slots(("foundation_loss",))
         loss = torch.tensor(2.0, requires_grad=True)
         for _, tokens in step:
             step.scaled({"foundation_loss": loss}, tokens)

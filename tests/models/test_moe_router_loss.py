@@ -28,7 +28,7 @@ from veomni_lite.models import moe
 from veomni_lite.models.moe import ROUTER_LOSSES, RouterLosses, membership, router_losses, token_weights
 from veomni_lite.plain_loop import LossStep
 from veomni_lite.utils import loss_utils
-from veomni_lite.utils.loss_utils import STEP_SLOTS, LossModes, reset_loss_memo, step_slots
+from veomni_lite.utils.loss_utils import STEP_SLOTS, LossModes
 
 F64 = 1e-12  # float64 sums in another order
 F32_SUMS = 1e-6  # transformers' load_balancing_loss_func sums in float32 (eps 1.2e-7, a few dozen terms)
@@ -36,7 +36,6 @@ F32_SUMS = 1e-6  # transformers' load_balancing_loss_func sums in float32 (eps 1
 
 def _step(model: RoutedMoE, micro_batches: list[dict]) -> tuple[dict[str, float], list[torch.Tensor]]:
     """One step of the router heads through `LossStep`, as the trainer runs it: (the heads' step values, gradients)."""
-    reset_loss_memo()
     model.zero_grad(set_to_none=True)
     modes = model.router.modes(LossModes())
     step = LossStep(micro_batches, modes, extra_counts=model.router.counts)
@@ -147,12 +146,10 @@ def test_the_previous_steps_counts_travel_in_the_steps_one_all_reduce(monkeypatc
     original = loss_utils.all_reduce
     monkeypatch.setattr(loss_utils, "all_reduce", lambda *a, **k: calls.append(a[0].numel()) or original(*a, **k))
     monkeypatch.setattr(loss_utils, "group_size", lambda *a: 2)  # reduce as a 2-rank world (sum of one rank here)
-    reset_loss_memo()
     slots = torch.arange(EXPERTS + 1, dtype=torch.int64)
     step = LossStep([padded(moe_samples()[:2])], extra_counts={"router_aux_tokens": 1}, slots=slots)
     assert step.tokens[STEP_SLOTS] is slots
-    keys = ("foundation_loss", "router_aux_loss")
-    assert torch.equal(step_slots(keys, step.tokens), slots)
+    assert torch.equal(step.step_slots(("foundation_loss", "router_aux_loss")), slots)
     (_, tokens), loss = next(iter(step)), torch.tensor(1.0, requires_grad=True)
     step.scaled({"foundation_loss": loss, "router_aux_loss": loss}, tokens)
     assert calls == [loss_utils.MAX_LOSS_KEYS + 5 + EXPERTS + 1], "one all-reduce: 8 counts, 5 agreement, E + 1"

@@ -50,7 +50,6 @@ from veomni_lite.preference.losses import (
 )
 from veomni_lite.preference.pairs import collate_pairs
 from veomni_lite.split_invariance import Layout
-from veomni_lite.utils.loss_utils import reset_loss_memo
 
 PAIRS, BATCH, LR = 8, 4, 0.5
 PROMPTS = (3, 5, 2, 7, 4, 1, 6, 3)
@@ -236,7 +235,6 @@ def layout_steps(rank: int, world: int, layout: Layout, all_cases: list[PrefConf
         grads, calls, metrics, kl_calls, plans, one_sided, shared = [], [], [], [], [], [], 0
         specs = [MetricSpec(metric, "mean") for metric in metric_names(case.loss)]
         for number, indices in enumerate(steps()):
-            reset_loss_memo()
             model.zero_grad(set_to_none=True)
             plan = loader.share(number, indices, lambda i: pair_length(data[i], layout.packed))
             counts = all_gather(len(plan)) if world > 1 else [len(plan)]

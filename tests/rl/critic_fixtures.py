@@ -37,7 +37,7 @@ from veomni_lite.plain_loop import LossStep
 from veomni_lite.rl.critic import ValueLoss, attach_value_head
 from veomni_lite.rl.policy_loss import POLICY_LABELS, PolicyLoss
 from veomni_lite.split_invariance import Layout
-from veomni_lite.utils.loss_utils import LossModes, reset_loss_memo
+from veomni_lite.utils.loss_utils import LossModes
 
 MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
 CLIP = 0.2
@@ -130,7 +130,6 @@ def layout_steps(rank: int, world: int, layout: Layout, value_modes: list[str], 
             model.enable_sequence_parallel(state.sp_group)
         grads, calls = [], []
         for number, indices in enumerate(steps()):
-            reset_loss_memo()
             model.zero_grad(set_to_none=True)
             chunk = [batch[i] for i in indices]
             micro_batches = step_micro_batches(loader, number, chunk, step_modes, layout, state.sp_rank, world)
@@ -145,7 +144,6 @@ def layout_steps(rank: int, world: int, layout: Layout, value_modes: list[str], 
                         losses = {"policy_loss": policy["policy_loss"], "value_loss": value["value_loss"]}
                         step.loss(losses, tokens).backward()
                     step.verify()
-                    reset_loss_memo()
             step_grads = step_gradients(model, world)
             grads.append(step_grads)
             calls.append(len(world_calls))

@@ -29,7 +29,7 @@ from veomni_lite.plain_loop import LossStep
 from veomni_lite.rl.policy_loss import POLICY_LABELS, PolicyLoss
 from veomni_lite.rl.rollouts import RolloutSample, collate_rollouts
 from veomni_lite.split_invariance import Layout
-from veomni_lite.utils.loss_utils import LossModes, mark_sequences, reset_loss_memo
+from veomni_lite.utils.loss_utils import LossModes, mark_sequences
 
 GROUP, GROUPS, BATCH, EPOCHS, LR, SCALE = 4, 4, 8, 2, 0.05, 8.0
 TEMPERATURE = 0.9
@@ -256,7 +256,6 @@ def layout_steps(
             model.enable_sequence_parallel(state.sp_group)
         grads, calls, shared = [], [], 0
         for number, indices in enumerate(steps()):
-            reset_loss_memo()
             model.zero_grad(set_to_none=True)
             chunk = [batch[i] for i in indices]
             micro_batches = step_micro_batches(loader, number, chunk, case.modes, layout, state.sp_rank, world)
@@ -272,7 +271,6 @@ def layout_steps(
                         outputs = case.loss(model(**inputs, logprobs=request), micro_batch, sp_group)
                         step.loss({"policy_loss": outputs["policy_loss"]}, tokens).backward()
                     step.verify()
-                    reset_loss_memo()
             step_grads = step_gradients(model, world)
             grads.append(step_grads)
             calls.append(len(world_calls))

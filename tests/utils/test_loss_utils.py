@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from veomni_lite.distributed.parallel_state import ParallelState
+from veomni_lite.plain_loop import LossStep
 from veomni_lite.utils import loss_utils
 from veomni_lite.utils.loss_utils import (
     IGNORE_INDEX,
@@ -318,6 +319,22 @@ def test_the_memo_holds_at_most_one_step(counting):
     assert ref() is None
 
 
+def test_a_loss_step_keeps_its_own_memo_so_a_step_run_inside_another_costs_no_second_reduce(counting):
+    train, evaluation = LossStep(make_micro_batches(2)), LossStep(make_micro_batches(1, seed=1))
+    (first, first_tokens), (second, second_tokens) = train
+    train.loss(torch.tensor(1.0), first_tokens)
+    for _, tokens in evaluation:  # e.g. an evaluation or a reference pass between two training micro-batches
+        evaluation.loss(torch.tensor(1.0), tokens)
+    train.loss(torch.tensor(1.0), second_tokens)
+    assert counting.calls == 2, "one reduce per step"
+    assert loss_utils._MODULE_MEMO.step is None, "nothing of a LossStep lives in the module"
+    # Negative control: the same sequence through the module's one memo reduces the training step twice.
+    mean_global_loss(torch.tensor(1.0), first_tokens, train.tokens)
+    mean_global_loss(torch.tensor(1.0), count_loss_token(second), evaluation.tokens)
+    mean_global_loss(torch.tensor(1.0), second_tokens, train.tokens)
+    assert counting.calls == 5
+
+
 def test_another_plan_mid_step_is_an_error(counting):
     batch = make_micro_batches(1)[0]
     step_tokens = count_loss_token(batch)
@@ -386,7 +403,8 @@ def test_on_an_accelerator_the_path_reads_nothing_and_verify_loss_keys_reads_the
     verify_loss_keys()  # the peer sent the same plan
     peers.peers[0] = {"foundation:token-mean": 1}
     mean_global_loss(torch.tensor(1.0), count_loss_token(batches[0]), count_loss_token(batches), modes=modes)
-    scaled = mean_global_loss(torch.tensor(1.0), count_loss_token(batches[0]), loss_utils._MEMO.token_len, modes=modes)
+    step_tokens = loss_utils._MODULE_MEMO.step.token_len
+    scaled = mean_global_loss(torch.tensor(1.0), count_loss_token(batches[0]), step_tokens, modes=modes)
     assert scaled["foundation_loss"].isnan(), "no usable value before the verdict is read"
     with pytest.raises(LossKeyMismatchError):
         verify_loss_keys()

@@ -38,9 +38,9 @@ micro-batch means for), models whose forward drops `num_items_in_batch`, and ext
 - The logged `loss` is then the step's exact value (the Trainer sums the scaled losses and averages over ranks).
 
 Not seen: a term a model adds to its own `loss` beyond the above (the model is called without `labels`).
-Host reads on an accelerator: `LossStep.verify()` once per step, after the first micro-batch (the Trainer's default
-NaN filter reads every micro-batch's loss anyway); per-sequence modes read the sequence sizes (`mark_sequences`);
-TRL's metrics read theirs per micro-batch, as in TRL.
+Host reads on an accelerator: the step's `LossStep.verify()` once per step, after the first micro-batch (the
+Trainer's default NaN filter reads every micro-batch's loss anyway); per-sequence modes read the sequence sizes
+(`mark_sequences`); TRL's metrics read theirs per micro-batch, as in TRL.
 Limits, raised at construction: data parallelism only (DDP or FSDP; accelerate's tensor, context and sequence
 parallel sizes 1), no label smoothing, `compute_loss_func` only with a token-mean foundation head, of TRL only the
 `SFTTrainer` with `loss_type` `nll` or `dft`.
@@ -295,7 +295,7 @@ class ExactLossMixin:
 
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         loss = super().training_step(*args, **kwargs)
-        LossStep.verify()  # no-op on CPU and after the step's first micro-batch
+        self._loss_step.verify()  # no-op on CPU and after the step's first micro-batch
         return loss
 
 

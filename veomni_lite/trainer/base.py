@@ -90,8 +90,6 @@ from veomni_lite.utils.loss_utils import (
     LossKeyMismatchError,
     mark_sequences,
     mean_global_loss,
-    reset_loss_memo,
-    step_slots,
 )
 
 logger = logging.getLogger(__name__)
@@ -569,9 +567,13 @@ class BaseTrainer(ABC):
         micro_batch_token_len: Mapping[str, torch.Tensor],
         micro_batches_token_len: Mapping[str, torch.Tensor],
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(loss to backpropagate, scaled per-key losses): VeOmni's hook, where loss normalization happens."""
+        """(loss to backpropagate, scaled per-key losses): VeOmni's hook, where loss normalization happens (memoized
+        on the step's `LossStep`, whose `verify` reads the verdict)."""
         losses = {key: outputs[key] for key in self.loss_keys}
-        scaled = mean_global_loss(losses, micro_batch_token_len, micro_batches_token_len, modes=self.loss_modes)
+        memo = self.loss_step.memo
+        scaled = mean_global_loss(
+            losses, micro_batch_token_len, micro_batches_token_len, modes=self.loss_modes, memo=memo
+        )
         return sum(scaled.values()), scaled
 
     # ------------------------------------------------------------------ control plane
@@ -671,7 +673,7 @@ class BaseTrainer(ABC):
         slots = self.router.step_slots(self.device) if train else None
         step = LossStep(micro_batches, self.loss_modes, marked=True, extra_counts=self.router.counts, slots=slots)
         if slots is not None:
-            self.router.set_global_counts(step_slots(self.loss_keys, step.tokens, self.loss_modes))
+            self.router.set_global_counts(step.step_slots(self.loss_keys))
         return step
 
     def _routed(
@@ -745,7 +747,6 @@ class BaseTrainer(ABC):
                 progress.close()
             for signum, handler in previous_handlers.items():
                 signal.signal(signum, handler)
-            reset_loss_memo()
             self.loader.close()
 
     def _progress_bar(self) -> Any:

@@ -19,11 +19,12 @@ partition them and the world sum counts each once. `mark_sequences` writes the s
 and the labels of the WHOLE sequence, so it runs before SP slicing; a sequence cut across shards counts once.
 
 Cost. D of every head that needs one is computed once per step dict (`micro_batches_token_len`, memoized by
-identity, strong reference) by ONE all-reduce over the dp x sp group of `MAX_LOSS_KEYS` int64 count slots, five
-agreement slots and, when the step dict has one, its `STEP_SLOTS` vector (e.g. the MoE global-batch router loss's
-expert counts, `veomni_lite.models.moe`; `step_slots` reads its sum, making the reduce before the first forward if
-need be); later micro-batches: no collective. Counts stay int64 tensors on their device and nothing is read
-to the host on an accelerator. Without a process group (or on one rank): the same math, no collective.
+identity, strong reference, in a `LossMemo`: the step's own on a `LossStep`, else the module's) by ONE all-reduce
+over the dp x sp group of `MAX_LOSS_KEYS` int64 count slots, five agreement slots and, when the step dict has one,
+its `STEP_SLOTS` vector (e.g. the MoE global-batch router loss's expert counts, `veomni_lite.models.moe`;
+`step_slots` reads its sum, making the reduce before the first forward if need be); later micro-batches: no
+collective. Counts stay int64 tensors on their device and nothing is read to the host on an accelerator. Without a
+process group (or on one rank): the same math, no collective.
 
 Errors, on every rank alike (whether a call reduces depends only on which dict it gets, never on its contents):
 - ranks with different loss keys, modes or scale factor: the agreement slots carry [1, f, f^2, g, g^2] of two 16-bit
@@ -74,7 +75,7 @@ TokenCount = torch.Tensor | int | float
 
 __all__ = [  # grouped: constants, errors, modes, then the functions
     *("IGNORE_INDEX", "LOSS_MODES", "MAX_LOSS_KEYS", "STEP_SLOTS", "LossKeyMismatchError", "LossMemoError"),
-    *("LossModes", "count_loss_token", "mark_sequences", "mean_global_loss", "reduce_global_loss_token"),
+    *("LossMemo", "LossModes", "count_loss_token", "mark_sequences", "mean_global_loss", "reduce_global_loss_token"),
     *("reset_loss_memo", "step_slots", "verify_loss_keys"),
 ]
 
@@ -307,61 +308,86 @@ def _snapshot(token_len: Mapping[str, TokenCount]) -> dict[str, Any]:
 
 
 _ABSENT = object()
-_MEMO: _Memo | None = None
-_PENDING: list[tuple[torch.Tensor, tuple[str, ...]]] = []  # accelerator verdicts not yet read
+
+
+class LossMemo:
+    """Where a step's scales are kept: the step dict reduced last (by identity, strong reference) and the rank-agreement
+    verdicts not yet read (an accelerator's). A `LossStep` owns one, so its memo lives and dies with the step; the
+    module keeps one for VeOmni's calls of `mean_global_loss` that pass none."""
+
+    def __init__(self) -> None:
+        self.step: _Memo | None = None
+        self.pending: list[tuple[torch.Tensor, tuple[str, ...]]] = []
+
+    def reset(self) -> None:
+        """Drop the memoized step and any pending verdict."""
+        self.step = None
+        self.pending.clear()
+
+    def scales(
+        self, names: tuple[str, ...], modes: LossModes, token_len: Mapping[str, TokenCount], device: torch.device
+    ) -> _Memo:
+        """The memo of the step dict `token_len` (its W / D per head): kept, or from the step's one all-reduce."""
+        memo = self.step
+        if memo is not None and memo.token_len is token_len:
+            snapshot = _snapshot(token_len)
+            if snapshot != memo.snapshot:
+                keys = set(snapshot) | set(memo.snapshot)
+                edited = sorted(k for k in keys if snapshot.get(k, _ABSENT) != memo.snapshot.get(k, _ABSENT))
+                raise LossMemoError(
+                    f"mean_global_loss: micro_batches_token_len was edited after its first use in this step (keys "
+                    f"{edited}); build a new dict per step (count_loss_token returns one) instead of editing it"
+                )
+            if (names, modes) != memo.key:
+                raise ValueError(
+                    f"mean_global_loss: this step started with loss plan {list(memo.plan)}, now "
+                    f"{list(modes.describe(names))}; every micro-batch of a step must return the same loss keys with "
+                    "the same modes"
+                )
+            return memo
+        extra = token_len.get(STEP_SLOTS)
+        plan = modes.describe(names) + (() if extra is None else (f"{STEP_SLOTS}[{extra.numel()}]",))
+        reduced = [name for name in names if modes.count_key(name) is not None]
+        counts = [_count(token_len, modes.count_key(name), "micro_batches_token_len", device) for name in reduced]
+        totals, keys_match, slots = _reduce(plan, counts, device, extra)
+        world = group_size(get_parallel_state().world_group)
+        scales = {name: torch.full((), float(world), dtype=torch.float64, device=device) for name in names}
+        for name, total in zip(reduced, totals.unbind()):
+            scales[name] = total.double().clamp(min=1).reciprocal() * (world / modes.constant(name))
+        if _verdict_now(keys_match):
+            if not bool(keys_match):
+                raise _key_mismatch_error([plan])
+        else:  # reading it would sync the device: no usable value until `verify` reads it
+            scales = {name: torch.where(keys_match, s, torch.full_like(s, float("nan"))) for name, s in scales.items()}
+            self.pending.append((keys_match, plan))
+        self.step = _Memo(
+            token_len, tuple(token_len.values()), _snapshot(token_len), (names, modes), plan, scales, slots
+        )
+        return self.step
+
+    def verify(self) -> None:
+        """Read the pending rank-agreement verdicts (one host read) and raise `LossKeyMismatchError` on every rank."""
+        pending = list(self.pending)
+        self.pending.clear()
+        if pending and not bool(torch.stack([match for match, _ in pending]).all().cpu()):
+            raise _key_mismatch_error(sorted({plan for _, plan in pending}))
+
+
+_MODULE_MEMO = LossMemo()  # VeOmni's calls, which pass no memo
 
 
 def reset_loss_memo() -> None:
-    """Drop the memoized step and any pending verdict. Local: call it at the same point on every rank, between
-    steps (a new dict per step never needs it)."""
-    global _MEMO
-    _MEMO = None
-    _PENDING.clear()
-
-
-def _step_scales(
-    names: tuple[str, ...], modes: LossModes, token_len: Mapping[str, TokenCount], device: torch.device
-) -> _Memo:
-    """The memo of the step dict `token_len` (its W / D per head): kept, or from the step's one all-reduce."""
-    global _MEMO
-    memo = _MEMO
-    if memo is not None and memo.token_len is token_len:
-        snapshot = _snapshot(token_len)
-        if snapshot != memo.snapshot:
-            keys = set(snapshot) | set(memo.snapshot)
-            edited = sorted(k for k in keys if snapshot.get(k, _ABSENT) != memo.snapshot.get(k, _ABSENT))
-            raise LossMemoError(
-                f"mean_global_loss: micro_batches_token_len was edited after its first use in this step (keys "
-                f"{edited}); build a new dict per step (count_loss_token returns one) instead of editing it"
-            )
-        if (names, modes) != memo.key:
-            raise ValueError(
-                f"mean_global_loss: this step started with loss plan {list(memo.plan)}, now "
-                f"{list(modes.describe(names))}; every micro-batch of a step must return the same loss keys with the "
-                "same modes"
-            )
-        return memo
-    extra = token_len.get(STEP_SLOTS)
-    plan = modes.describe(names) + (() if extra is None else (f"{STEP_SLOTS}[{extra.numel()}]",))
-    reduced = [name for name in names if modes.count_key(name) is not None]
-    counts = [_count(token_len, modes.count_key(name), "micro_batches_token_len", device) for name in reduced]
-    totals, keys_match, slots = _reduce(plan, counts, device, extra)
-    world = group_size(get_parallel_state().world_group)
-    scales = {name: torch.full((), float(world), dtype=torch.float64, device=device) for name in names}
-    for name, total in zip(reduced, totals.unbind()):
-        scales[name] = total.double().clamp(min=1).reciprocal() * (world / modes.constant(name))
-    if _verdict_now(keys_match):
-        if not bool(keys_match):
-            raise _key_mismatch_error([plan])
-    else:  # reading it would sync the device: no usable value until `verify_loss_keys` reads it
-        scales = {name: torch.where(keys_match, s, torch.full_like(s, float("nan"))) for name, s in scales.items()}
-        _PENDING.append((keys_match, plan))
-    _MEMO = _Memo(token_len, tuple(token_len.values()), _snapshot(token_len), (names, modes), plan, scales, slots)
-    return _MEMO
+    """Drop the module's memoized step and any pending verdict (VeOmni's calls; a `LossStep` keeps its own). Local:
+    call it at the same point on every rank, between steps (a new dict per step never needs it)."""
+    _MODULE_MEMO.reset()
 
 
 def step_slots(
-    loss_keys: tuple[str, ...], token_len: Mapping[str, TokenCount], modes: LossModes | str | None = None
+    loss_keys: tuple[str, ...],
+    token_len: Mapping[str, TokenCount],
+    modes: LossModes | str | None = None,
+    *,
+    memo: LossMemo | None = None,
 ) -> torch.Tensor:
     """The step's `STEP_SLOTS` summed over the world, from its one all-reduce, made now if no `mean_global_loss` of
     this step dict has made it yet (with the head names of `loss_keys`: the step's later calls must return them)."""
@@ -369,19 +395,17 @@ def step_slots(
     if slots is None:
         raise KeyError(f"step_slots: the step dict has no {STEP_SLOTS!r}")
     names = tuple(sorted(name_of_loss(key) for key in loss_keys))
-    return _step_scales(names, LossModes.of(modes), token_len, slots.device).slots
+    return (memo or _MODULE_MEMO).scales(names, LossModes.of(modes), token_len, slots.device).slots
 
 
 def verify_loss_keys() -> None:
-    """Read the pending rank-agreement verdicts (one host read) and raise `LossKeyMismatchError` on every rank.
+    """Read the module memo's pending rank-agreement verdicts (one host read) and raise `LossKeyMismatchError` on
+    every rank (a `LossStep` reads its own: `LossStep.verify`).
 
     Call it where the step reads a value to the host anyway, at the same point on every rank; on CPU
     `mean_global_loss` has already checked.
     """
-    pending = list(_PENDING)
-    _PENDING.clear()
-    if pending and not bool(torch.stack([match for match, _ in pending]).all().cpu()):
-        raise _key_mismatch_error(sorted({plan for _, plan in pending}))
+    _MODULE_MEMO.verify()
 
 
 # ---------------------------------------------------------------- per micro-batch
@@ -422,11 +446,13 @@ def mean_global_loss(
     global_micro_batches_token_len: Mapping[str, TokenCount] | None = None,
     *,
     modes: LossModes | str | None = None,
+    memo: LossMemo | None = None,
 ) -> dict[str, torch.Tensor]:
     """Each `<name>_loss` scaled to `L * n * W / D` (see the module docstring), keyed as given.
 
-    Without `global_micro_batches_token_len`, D comes from the memoized all-reduce of `micro_batches_token_len`; with
-    it (tensors or numbers, e.g. from `reduce_global_loss_token`), D is made from it as given.
+    Without `global_micro_batches_token_len`, D comes from the all-reduce of `micro_batches_token_len` memoized in
+    `memo` (default: the module's); with it (tensors or numbers, e.g. from `reduce_global_loss_token`), D is made from
+    it as given.
     """
     modes = LossModes.of(modes)
     items = _loss_items(losses)
@@ -435,7 +461,7 @@ def mean_global_loss(
     memo = (
         None
         if global_micro_batches_token_len is not None
-        else _step_scales(names, modes, micro_batches_token_len, device)
+        else (memo or _MODULE_MEMO).scales(names, modes, micro_batches_token_len, device)
     )
     scaled = {}
     for key, name, loss in items:
