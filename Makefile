@@ -13,7 +13,7 @@ QUICK ?=
 TORCHRUN := $(PY) -m veomni_lite.torchrun --standalone --nproc_per_node $(NPROC)
 
 .PHONY: install test test-quick test-gpu test-vllm vllm-env quality train train-text train-sft train-lora train-rl \
-	train-agent train-rl-math train-ppo preference-pairs train-dpo train-rm train-moe figures bench clean
+	train-agent train-envs train-rl-math train-ppo preference-pairs train-dpo train-rm train-moe figures bench clean
 
 install: $(STAMP)
 
@@ -24,7 +24,7 @@ $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
-	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install --quiet -e ".[dev,hf]"
+	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install --quiet -e ".[dev,hf,envs]"
 	touch $(STAMP)
 
 test: install
@@ -139,6 +139,18 @@ train-agent: install
 	$(TORCHRUN) trainers/train_sft.py configs/agent_calc_sft.yaml
 	$(PY) -m veomni_lite.export outputs/agent_calc_sft outputs/agent_calc_sft_hf
 	$(TORCHRUN) trainers/train_rl.py configs/agent_calc.yaml $(ARGS)
+
+# Environments and tasks from the hubs (docs/agents.md, docs/rl.md; the `envs` extra): a reasoning-gym task as the
+# prompt source, scored by the task itself (configs/rg_arith.yaml, after a short SFT warm start on other questions of
+# it: python -m examples.reasoning_gym_demo, configs/rg_arith_sft.yaml), then, from the same warm start, a verifiers
+# environment written in verifiers' own API (examples/verifiers_arith.py: tasks of its own, two tries each;
+# configs/verifiers_arith.yaml).
+train-envs: install
+	$(PY) -m examples.reasoning_gym_demo outputs/reasoning_gym
+	$(TORCHRUN) trainers/train_sft.py configs/rg_arith_sft.yaml
+	$(PY) -m veomni_lite.export outputs/rg_arith_sft outputs/rg_arith_sft_hf
+	$(TORCHRUN) trainers/train_rl.py configs/rg_arith.yaml $(ARGS)
+	$(TORCHRUN) trainers/train_rl.py configs/verifiers_arith.yaml $(ARGS)
 
 # Preference training (docs/preference.md): the arithmetic problems of examples/rl_math, an SFT warm start
 # (configs/rl_math_sft.yaml, exported once to outputs/rl_math_sft_hf) and pairs of the worked solution against the

@@ -494,6 +494,12 @@ def validate(config: Config, world_size: int | None = None) -> None:
             f"parallel.dp_replicate ({parallel.dp_replicate}) must be >= 1 and divide the dp size ({dp_size} = world "
             f"{world_size} / sp {parallel.sp_size}), so that each replica holds whole sp groups"
         )
+    if parallel.ep_size < 1 or world_size % (parallel.ep_size * parallel.dp_replicate):
+        raise ConfigError(
+            f"parallel.ep_size ({parallel.ep_size}) must be >= 1 and divide the world size ({world_size} = dp "
+            f"{dp_size} x sp {parallel.sp_size}) / parallel.dp_replicate ({parallel.dp_replicate}): the experts are "
+            "sharded over groups of ep_size ranks inside each HSDP shard block"
+        )
     per_step = train.micro_batch_size * dp_size
     if train.global_batch_size % per_step:
         raise ConfigError(

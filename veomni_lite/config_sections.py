@@ -212,6 +212,11 @@ class ParallelConfig:
     """HSDP: parameters are sharded within blocks of world / dp_replicate consecutive ranks and replicated across the
     blocks (set it to the number of nodes to shard within each node). 1: plain FSDP over every rank. Must divide the
     dp size (world / sp_size)."""
+    ep_size: int = 1
+    """Expert parallelism: each MoE layer's routed experts sharded over groups of ep_size consecutive ranks (carved
+    from the dp x sp ranks), tokens sent to their experts' ranks and back by all-to-all; 1: FSDP2 alone. Must divide
+    the world size (dp x sp) / dp_replicate and every MoE layer's number of experts (docs/moe.md, "Expert
+    parallelism")."""
     gradient_sync: Literal["every_micro_batch", "last_micro_batch"] = "every_micro_batch"
     """Under gradient accumulation: every_micro_batch reduce-scatters each micro-batch's gradients, so only sharded
     gradients are kept (the memory-safe choice, torchtitan's default; HSDP's replica all-reduce still runs once per

@@ -7,11 +7,12 @@ before SP slicing, so every shard of a sequence carries the same id. `sequence_s
 gives each position the sum of `values` over its whole sequence: the shard-local sums (one slot per sequence of the
 row), then, under SP, ONE autograd all-reduce over the SP group, whose backward sums the shards' gradients, so a
 nonlinearity of the sum (GSPO's sequence ratio, DPO's sigmoid) sees the complete sum on every shard and trains every
-shard's tokens. The buffer has a slot per position of the whole row, the same size on every shard, so the shards always
-match. `sequence_totals(values, sequence_ids, sp_group)` gives the same complete sums by sequence id instead of by
-position (channels stacked, so several sums cost one all-reduce): what needs a sequence's sum where none of its
-positions lies, e.g. a preference pair's other side, in another row or on another SP shard. It needs ids unique in the
-micro-batch, as the collators write them (a padded row's id is its row; a packed row numbers its samples).
+shard's tokens. The buffer has a slot per position of the whole row (or per row, where a padded micro-batch has more
+rows than positions), the same size on every shard, so the shards always match. `sequence_totals(values,
+sequence_ids, sp_group)` gives the same complete sums by sequence id instead of by position (channels stacked, so
+several sums cost one all-reduce): what needs a sequence's sum where none of its positions lies, e.g. a preference
+pair's other side, in another row or on another SP shard. It needs ids unique in the micro-batch, as the collators
+write them (a padded row's id is its row; a packed row numbers its samples).
 
 The reference: the initial weights, held sharded like the policy's, swapped in for its forwards.
 `ReferenceWeights(model)` clones this rank's shards of every parameter that trains (the policy's FSDP2 shards: about
@@ -49,7 +50,9 @@ def sequence_sums(
         raise ValueError(f"sequence_sums: values {tuple(values.shape)} and sequence_ids {tuple(sequence_ids.shape)}")
     sp = dist.get_world_size(sp_group) if sp_group is not None else 1
     rows, length = values.shape
-    slots = length * sp  # a sequence holds at least one position of the whole row: ids < length * sp
+    # Ids as the collators write them: a padded row's is its row (< rows), a packed row's number its samples (each
+    # holds a position of the whole row: < length * sp). Shapes only, so every SP shard makes the same buffer.
+    slots = max(length * sp, rows)
     valid = sequence_ids >= 0
     row = torch.arange(rows, device=values.device).unsqueeze(1)
     index = (row * slots + sequence_ids.clamp(min=0)).reshape(-1)

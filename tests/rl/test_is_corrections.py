@@ -186,3 +186,15 @@ def test_async_generation_needs_a_correction_or_decoupled_ppo():
         load_config(None, args, world_size=1, sections={"rl": RLConfig})
     for extra in (["--rl.decoupled", "true"], ["--rl.importance_sampling", "sequence_mask"]):
         load_config(None, [*args, *extra], world_size=1, sections={"rl": RLConfig})
+
+
+def test_sequence_sums_of_a_padded_micro_batch_with_more_rows_than_positions():
+    """A padded row's id is its row: 64 rows of 4 positions (one optimizer step per rollout batch) sum per row, as a
+    plain loop does (it raised IndexError when ids reached the row's length)."""
+    rows, length = 64, 4
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randn(rows, length, dtype=torch.float64, generator=gen)
+    ids = torch.arange(rows).unsqueeze(1).expand(rows, length).clone()
+    ids[:, -1] = -1  # padding
+    expected = torch.stack([torch.where(ids[r] >= 0, values[r, :-1].sum(), 0.0) for r in range(rows)])
+    assert torch.equal(sequence_sums(values, ids), expected)

@@ -38,5 +38,9 @@ def clip_global_grad_norm(
     reduced = all_reduce(torch.stack([local_sq, bad_loss.reshape(())]), op="sum", group=group)
     total = reduced[0].sqrt().float()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
+        meshes: dict[object, list[nn.Parameter]] = {}  # a foreach kernel cannot mix DTensors of two meshes (EP)
+        for param in parameters:
+            meshes.setdefault(param.device_mesh if isinstance(param, DTensor) else None, []).append(param)
+        for group in meshes.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     return total, reduced[1]

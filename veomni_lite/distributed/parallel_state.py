@@ -12,6 +12,13 @@ across the R blocks. R must divide dp_size, so every sp group stays inside one s
 averaged over all dp x sp ranks (reduce-scatter within a block, all-reduce across blocks), so the loss
 normalization's W is the world size under HSDP too.
 
+Expert parallelism: with `ep_size` > 1, a second 2-D mesh ("efsdp", "ep") over the same world: rank =
+efsdp_rank * ep_size + ep_rank, so each ep group is a block of ep_size consecutive ranks (within a node, where the
+all-to-all is cheapest). The routed experts are split over "ep" (`veomni_lite.distributed.expert_parallel`) and
+FSDP2 shards each rank's experts further over "efsdp" (the world / ep_size ranks that hold the same experts). Under
+HSDP the mesh is 3-D, ("replicate", "efsdp", "ep"): ep groups inside each shard block, the experts sharded over
+"efsdp" within it and replicated across the blocks like every other parameter.
+
 Timeouts: every process group the project creates (the mesh's dp and sp groups, and any group made with
 `ParallelState.new_group`, e.g. the trainer's control group and the metrics group) uses the state's `timeout_s`, so a
 collective that one rank never joins fails within it (torch's own default for a new group is 30 minutes).
@@ -20,6 +27,7 @@ collective that one rank never joins fails within it (torch's own default for a 
 from __future__ import annotations
 
 import datetime
+import math
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +53,8 @@ class ParallelState:
     timeout_s: float = DEFAULT_TIMEOUT_S
     dp_replicate: int = 1
     hsdp_mesh: DeviceMesh | None = None
+    ep_size: int = 1
+    ep_mesh: DeviceMesh | None = None  # ("efsdp", "ep"), with ep_size > 1
 
     @property
     def world_size(self) -> int:
@@ -81,6 +91,15 @@ class ParallelState:
         return dist.group.WORLD if self.mesh is not None else None
 
     @property
+    def ep_group(self) -> dist.ProcessGroup | None:
+        """The ranks among which one MoE layer's experts are split (None without expert parallelism)."""
+        return self.ep_mesh.get_group("ep") if self.ep_mesh is not None else None
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank % self.ep_size
+
+    @property
     def device_type(self) -> str:
         return self.mesh.device_type if self.mesh is not None else "cpu"
 
@@ -103,11 +122,19 @@ class ParallelState:
 _STATE: ParallelState | None = None
 
 
-def validate_layout(dp_size: int, sp_size: int, world_size: int, dp_replicate: int = 1) -> None:
-    """Raise ValueError naming the numbers when dp_size x sp_size does not equal world_size, or dp_replicate does not
-    divide dp_size."""
-    if dp_size < 1 or sp_size < 1 or dp_replicate < 1:
-        raise ValueError(f"dp_size ({dp_size}), sp_size ({sp_size}) and dp_replicate ({dp_replicate}) must be >= 1")
+def validate_layout(dp_size: int, sp_size: int, world_size: int, dp_replicate: int = 1, ep_size: int = 1) -> None:
+    """Raise ValueError naming the numbers when dp_size x sp_size does not equal world_size, dp_replicate does not
+    divide dp_size, or ep_size does not divide world_size / dp_replicate."""
+    if dp_size < 1 or sp_size < 1 or dp_replicate < 1 or ep_size < 1:
+        raise ValueError(
+            f"dp_size ({dp_size}), sp_size ({sp_size}), dp_replicate ({dp_replicate}) and ep_size ({ep_size}) must "
+            "be >= 1"
+        )
+    if world_size % (ep_size * dp_replicate):
+        raise ValueError(
+            f"parallel.ep_size ({ep_size}) does not divide the ranks of an HSDP shard block ({world_size} = dp x sp, "
+            f"/ dp_replicate {dp_replicate})"
+        )
     if dp_size * sp_size != world_size:
         raise ValueError(
             f"parallel layout does not fit the world: dp_size ({dp_size}) x sp_size ({sp_size}) = "
@@ -121,19 +148,21 @@ def validate_layout(dp_size: int, sp_size: int, world_size: int, dp_replicate: i
 
 
 def _mesh(
-    dp_size: int, sp_size: int, device_type: str, timeout_s: float, names: tuple[str, str] = ("dp", "sp")
+    dp_size: int, sp_size: int, device_type: str, timeout_s: float, names: tuple[str, ...] = ("dp", "sp"), *more: int
 ) -> DeviceMesh:
-    """The dp x sp mesh from groups created here, so each carries `timeout_s` (init_device_mesh's do not)."""
+    """The mesh of shape (dp_size, sp_size, *more) over the world, rank-major, from groups created here, so each
+    carries `timeout_s` (init_device_mesh's do not)."""
     rank = dist.get_rank()
-    layout = torch.arange(dp_size * sp_size).reshape(dp_size, sp_size)
-    dp_group = sp_group = None
-    for sp_rank in range(sp_size):  # every rank creates every group, in the same order
-        group = _new_group(layout[:, sp_rank].tolist(), None, timeout_s)
-        dp_group = group if rank % sp_size == sp_rank else dp_group
-    for dp_rank in range(dp_size):
-        group = _new_group(layout[dp_rank].tolist(), None, timeout_s)
-        sp_group = group if rank // sp_size == dp_rank else sp_group
-    return DeviceMesh.from_group([dp_group, sp_group], device_type, mesh=layout, mesh_dim_names=names)
+    shape = (dp_size, sp_size, *more)
+    layout = torch.arange(math.prod(shape)).reshape(shape)
+    mine = []
+    for dim in range(len(shape)):  # every rank creates every group, in the same order
+        found = None
+        for ranks in layout.movedim(dim, -1).reshape(-1, shape[dim]).tolist():
+            group = _new_group(ranks, None, timeout_s)
+            found = group if rank in ranks else found
+        mine.append(found)
+    return DeviceMesh.from_group(mine, device_type, mesh=layout, mesh_dim_names=names)
 
 
 def _hsdp_mesh(world_size: int, replicate: int, device_type: str, timeout_s: float) -> DeviceMesh:
@@ -147,17 +176,18 @@ def init_parallel_state(
     device_type: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     dp_replicate: int = 1,
+    ep_size: int = 1,
 ) -> ParallelState:
     """Build the dp x sp DeviceMesh (and, with `dp_replicate` > 1, the HSDP mesh) over the initialized default
     process group and make it current.
 
     Without an initialized process group only dp_size = sp_size = dp_replicate = 1 is valid and the single-process
     state is set. The layout is validated before any collective runs. `timeout_s` bounds every collective on the
-    groups created here and by `ParallelState.new_group`.
+    groups created here and by `ParallelState.new_group`. `ep_size` > 1 adds the ("efsdp", "ep") mesh.
     """
     global _STATE
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    validate_layout(dp_size, sp_size, world_size, dp_replicate)
+    validate_layout(dp_size, sp_size, world_size, dp_replicate, ep_size)
     if not dist.is_initialized():
         _STATE = ParallelState(timeout_s=timeout_s)
         return _STATE
@@ -165,6 +195,12 @@ def init_parallel_state(
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     mesh = _mesh(dp_size, sp_size, device_type, timeout_s)
     hsdp = _hsdp_mesh(world_size, dp_replicate, device_type, timeout_s) if dp_replicate > 1 else None
+    ep_mesh = None
+    if ep_size > 1 and dp_replicate > 1:
+        names = ("replicate", "efsdp", "ep")
+        ep_mesh = _mesh(dp_replicate, world_size // dp_replicate // ep_size, device_type, timeout_s, names, ep_size)
+    elif ep_size > 1:
+        ep_mesh = _mesh(world_size // ep_size, ep_size, device_type, timeout_s, ("efsdp", "ep"))
     _STATE = ParallelState(
         dp_size=dp_size,
         sp_size=sp_size,
@@ -174,6 +210,8 @@ def init_parallel_state(
         timeout_s=timeout_s,
         dp_replicate=dp_replicate,
         hsdp_mesh=hsdp,
+        ep_size=ep_size,
+        ep_mesh=ep_mesh,
     )
     return _STATE
 

@@ -130,9 +130,11 @@ class RLConfig:
     given to the chat template (`veomni_lite.rl.tools`; TRL's GRPOTrainer `tools`)."""
     environment: str = ""
     """`path/to/file.py:Class`: one instance per episode, `reset(row)`, `step(text) -> (observation, reward, done)`
-    (`veomni_lite.rl.environments`; verl's interaction)."""
+    (`veomni_lite.rl.environments`; verl's interaction); or a hub's: `verifiers:NAME` (or `verifiers:path/env.py`),
+    `openenv:URL` or `openenv:path/env.py:Class` (`veomni_lite.rl.hubs`, docs/agents.md)."""
     environment_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of the environment's class."""
+    """Keyword arguments of the environment's class; verifiers: its `[env]` block; OpenEnv: `action_field`,
+    `observation_field`, `kwargs`, `timeout_s`."""
     max_turns: int = 4
     """Most model turns of an episode (verl's multi_turn max_assistant_turns; TRL's max_tool_calling_iterations)."""
     max_episode_tokens: int = 0

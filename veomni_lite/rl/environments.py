@@ -5,9 +5,15 @@ executed like a reward file, a relative path against the config's directory). Th
 episode, `Class(**kwargs)`, then `reset(row) -> str` (row: the prompt row's columns, its `answer` among them) gives
 the first observation (appended to the prompt as a user turn; "" or None: none), and after each model turn without a
 tool call `step(text) -> (observation, reward, done)`: the reward (a finite number) adds to the episode's, the
-observation becomes the next user turn unless `done`. Any exception, or a return of the wrong shape, is an
-`EpisodeError` naming the class, its file, the row and the turn; the trainer agrees on it (`agree`), so every rank
-raises it. A bad entry (unknown key, missing file or class) is a `ConfigError` naming `rl.environment`.
+observation becomes the next user turn unless `done`. Optionally `close(text) -> reward` (a finite number or None)
+when the episode ends at a limit (`rl.max_turns`, `rl.max_episode_tokens`, a turn cut at `rl.max_new_tokens`) before
+the environment said done: `text` is the model's last turn when the environment has not seen it (cut), else None;
+its reward adds to the episode's. Any exception, or a return of the wrong shape, is an `EpisodeError` naming the
+class, its file, the row and the turn; the trainer agrees on it (`agree`), so every rank raises it. A bad entry
+(unknown key, missing file or class) is a `ConfigError` naming `rl.environment`.
+
+`verifiers:...` and `openenv:...` name an environment from those hubs, adapted to this contract
+(`veomni_lite.rl.hubs`).
 """
 
 from __future__ import annotations
@@ -69,9 +75,25 @@ class EnvironmentSpec:
             raise self._error(row, turn, f"step's observation must be text (or None), got {observation!r}")
         return observation or "", float(reward), bool(done)
 
+    def close(self, env: Any, text: str | None, row: str, turn: int) -> float:
+        """`env.close(text)` where the class has one (see the module docstring): its reward (0.0 without), or an
+        EpisodeError."""
+        if not callable(getattr(env, "close", None)):
+            return 0.0
+        try:
+            reward = env.close(text)
+        except Exception as exc:  # noqa: BLE001
+            raise self._error(row, turn, f"close raised {type(exc).__name__}: {exc}") from exc
+        if reward is None:
+            return 0.0
+        if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
+            raise self._error(row, turn, f"close's reward must be a finite number (or None), got {reward!r}")
+        return float(reward)
+
 
 def load_environment(spec: Any, base_dir: str | Path = ".", key: str = "rl.environment") -> EnvironmentSpec | None:
     """The `EnvironmentSpec` of `rl.environment` ("" or None: no environment); a ConfigError naming `key`."""
+    from veomni_lite.rl.hubs import ENVIRONMENT_KINDS, hub_environment, split_kind
     from veomni_lite.rl.rewards import user_object
 
     if not spec:
@@ -80,6 +102,9 @@ def load_environment(spec: Any, base_dir: str | Path = ".", key: str = "rl.envir
     target, kwargs = spec["class"], spec.get("kwargs", {}) or {}
     if not isinstance(kwargs, Mapping):
         raise ConfigError(f"{key}.kwargs: expected a mapping, got {kwargs!r}")
+    hub = split_kind(target, ENVIRONMENT_KINDS)
+    if hub is not None:
+        return EnvironmentSpec(*hub_environment(*hub, kwargs, key))
     modules: dict[Path, ModuleType] = {}
     cls, where = user_object(f"{key}.class", target, Path(base_dir), modules)
     if (

@@ -5,7 +5,8 @@ An episode is its prompt, then turns: the model's tokens (sampled by the rollout
 ids kept as sampled, never re-tokenized), then the environment's tokens (the tools' results as `tool` turns, or the
 environment's observation as a `user` turn, rendered with the model's chat template), until the model answers without
 a tool call (no environment) or the environment says `done`, or `rl.max_turns` model turns, or `rl.max_episode_tokens`
-(prompt included) is reached (those two: `truncated`; so is a model turn cut at `rl.max_new_tokens`).
+(prompt included) is reached (those two: `truncated`; so is a model turn cut at `rl.max_new_tokens`); an environment
+that did not say done is then closed (`close`, `veomni_lite.rl.environments`).
 
 Turn boundary: the model's turn ends with the end-of-turn token it sampled (ChatML's `<|im_end|>`). The environment's
 tokens are the text the chat template renders after that token: with A = the messages so far (the model's turn last,
@@ -86,6 +87,8 @@ class Episode:
     tool_errors: int = 0
     tool_runs: list[tuple[str, str]] = field(default_factory=list)  # (tool, its failure or "") per call that ran
     env_reward: float = 0.0
+    env_done: bool = False  # the environment said done (else it is closed at the episode's end)
+    unseen: str | None = None  # the model's last turn when cut before the environment saw it
     done: bool = False
     truncated: bool = False
     last_text: str = ""
@@ -210,7 +213,7 @@ class Agent:
             observation, reward, done = self.environment.step(episode.env, text, episode.start.where, turn)
             episode.env_reward += reward
             if done:
-                episode.done = True
+                episode.done = episode.env_done = True
                 return
             new = [{"role": "user", "content": observation}]
         else:
@@ -225,6 +228,14 @@ class Agent:
             return
         episode.messages += new
         episode._add(new[0]["role"], ids, rendered)
+
+    def finish(self, episode: Episode) -> None:
+        """An episode the environment did not end, closed (`close`, its reward added; see `environments`)."""
+        if episode.env is not None and not episode.env_done:
+            assert self.environment is not None
+            reward = self.environment.close(episode.env, episode.unseen, episode.start.where, episode.model_turns)
+            episode.env_reward += reward
+            episode.env_done = True
 
 
 def run_episodes(
@@ -271,11 +282,17 @@ def run_episodes(
                 episode.last_text = decode(body, skip_special_tokens=True)
                 if not ended:
                     episode.done = episode.truncated = True
+                    episode.unseen = text
                     continue
                 agent.after_model_turn(episode, text, decode([ids[-1]], skip_special_tokens=False))
         except (EpisodeError, TemplateError) as exc:
             problem = exc
         turn += 1
+    try:
+        for episode in episodes if problem is None else ():
+            agent.finish(episode)
+    except EpisodeError as exc:
+        problem = exc
     return episodes, problem
 
 

@@ -23,6 +23,8 @@ Contract:
   `reward_model` (a sequence-classification reward model directory's score of the rendered prompt + completion, in
   batches, on a device of its own) and `judge` (an LLM judge behind an OpenAI-compatible URL with a rubric and a
   parser, its requests concurrent and retried) score the batch at once: `veomni_lite.rl.model_rewards`.
+  `reasoning_gym`: the row's reasoning-gym task's own `score_answer` (rows of a `reasoning_gym:` prompt source, whose
+  `metadata` column names the task; `veomni_lite.rl.hubs`).
 - A user function is called once per batch as `f(prompts, completions, answers, **columns)`, columns being
   {column name: list of the rows' values} (a row without a column gives None), and returns one real number per row
   (a list, a tuple, or a 1-D tensor or array). A column named `prompts`, `completions` or `answers` is an error.
@@ -72,6 +74,7 @@ BUILT_INS: dict[str, tuple[str, ...]] = {
     "regex": ("pattern",),
     "reward_model": REWARD_MODEL_OPTIONS,
     "judge": JUDGE_OPTIONS,
+    "reasoning_gym": (),
 }
 """Each built-in and the options it takes."""
 TRAILING_PUNCTUATION = ".,!?;:。，！？；："
@@ -348,6 +351,22 @@ def _regex(pattern: re.Pattern[str]) -> Callable[[str, str, Any], float]:
     return regex
 
 
+def _reasoning_gym(prompts: list[str], completions: list[str], answers: list[Any], **columns: Any) -> list[float]:
+    """The built-in `reasoning_gym`: each completion scored by its row's task (`metadata.source_dataset`) with the
+    task's own `score_answer(completion, {question, answer, metadata})`."""
+    import reasoning_gym
+
+    values = []
+    questions = columns.get("question") or [None] * len(completions)
+    metadatas = columns.get("metadata") or [None] * len(completions)
+    for index, (completion, answer, metadata) in enumerate(zip(completions, answers, metadatas)):
+        if not isinstance(metadata, Mapping) or "source_dataset" not in metadata:
+            raise RowFailure(index, "the row has no reasoning-gym `metadata` (not from a reasoning_gym: source)")
+        entry = {"question": questions[index], "answer": answer, "metadata": metadata}
+        values.append(float(reasoning_gym.get_score_answer_fn(metadata["source_dataset"])(completion, entry)))
+    return values
+
+
 _ANSWER_CHECKS: dict[str, Callable[[Any], Any]] = {
     "exact_match": _answer_text,
     "math": lambda answer: _math_reference(answer, _math_timeout()),
@@ -392,6 +411,11 @@ def load_rewards(
 
             fn, where = load_model_reward(at, target, options, Path(base_dir), parser)
             loaded.append(RewardFunction(name, float(weight), where, fn))
+        elif target == "reasoning_gym":  # a batch function reading the rows' `metadata` column
+            if importlib.util.find_spec("reasoning_gym") is None:
+                raise ConfigError(f"{at}.function: the built-in 'reasoning_gym' needs reasoning-gym (pip install -e "
+                                  "'.[envs]')")  # fmt: skip
+            loaded.append(RewardFunction(name, float(weight), "built-in reasoning_gym", _reasoning_gym))
         elif target in BUILT_INS:
             fn = _built_in(at, target, options)
             check = _ANSWER_CHECKS.get(target)

@@ -55,6 +55,7 @@ from veomni_lite.post_training import ReferenceWeights
 from veomni_lite.rl.config import POLICY, RLConfig
 from veomni_lite.rl.critic import VALUE, VALUE_LABELS, Critic
 from veomni_lite.rl.episodes import make_agent
+from veomni_lite.rl.hubs import hub_sources
 from veomni_lite.rl.loader import RolloutLoader
 from veomni_lite.rl.logprob_pass import model_logprobs, policy_logprobs, probe, replayed
 from veomni_lite.rl.pipeline import RolloutContext, RolloutPipeline
@@ -156,16 +157,21 @@ class RLTrainer(SFTTrainer):
         else:
             if not data.train_path:
                 raise DataError("data.train_path: RL needs the prompts (a file, a list, a directory or a glob)")
-            train = read_prompts(read_sources(data.train_path, "data.train_path"), *options)
+            train = read_prompts(self._prompt_sources(data.train_path, "data.train_path"), *options)
             if len(train) < rl.prompts_per_step:
                 raise DataError(f"data.train_path: {len(train)} prompts, fewer than rl.prompts_per_step")
         evaluation = None
         if data.eval_path and self.config.train.eval_interval:
-            evaluation = read_prompts(read_sources(data.eval_path, "data.eval_path"), *options)
+            evaluation = read_prompts(self._prompt_sources(data.eval_path, "data.eval_path"), *options)
         for prompts in (train, evaluation):  # every row's answer, where a reward needs one, before any rollout
             if prompts is not None:
                 check_answers(self.rewards, [p.answer for p in prompts.prompts], [p.where for p in prompts.prompts])
         return train, evaluation
+
+    def _prompt_sources(self, spec: Any, key: str) -> list[Any]:
+        """The files of `spec`, or a hub's prompt source (`reasoning_gym:`, `verifiers:`; `veomni_lite.rl.hubs`)."""
+        hub = hub_sources(spec, key, self.rl.environment, self.rl.environment_kwargs)
+        return hub if hub is not None else read_sources(spec, key)
 
     @property
     def end_of_turn(self) -> list[int]:
@@ -344,7 +350,8 @@ class RLTrainer(SFTTrainer):
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Greedy responses to the `data.eval_path` prompts: `eval/reward`, `eval/rewards/<name>` and `eval/accuracy`
-        (the share of responses whose every reward is at its maximum, 1), the same on every rank."""
+        (the share of responses whose every reward is at its maximum, 1; not with an environment, whose rewards have
+        no known maximum), the same on every rank."""
         if self.eval_dataset is None or self.engine is None:
             return {}
         prompts = self.eval_dataset.prompts
@@ -360,6 +367,8 @@ class RLTrainer(SFTTrainer):
         ]
         reduced = all_reduce(totals, op="sum", group=self.control_group)
         count = max(reduced[2], 1.0)
-        extra = {"reward": reduced[0] / count, "accuracy": reduced[1] / count}
+        extra = {"reward": reduced[0] / count}
+        if not self.rl.environment:
+            extra["accuracy"] = reduced[1] / count
         extra |= {f"eval/rewards/{name}": value / count for name, value in zip(names, reduced[3:])}
         return self.metrics.log_eval(self.step, self.epoch, {}, extra)

@@ -42,6 +42,7 @@ from veomni_lite.data.checks import DataError, data_problem, validate_micro_batc
 from veomni_lite.data.loader import MicroBatchLoader
 from veomni_lite.data.packing import padding_micro_batch
 from veomni_lite.distributed.collectives import agree, all_gather_objects, all_reduce, destroy_process_groups
+from veomni_lite.distributed.expert_parallel import check_expert_parallel
 from veomni_lite.distributed.fsdp import (
     apply_fsdp,
     check_sharded,
@@ -129,6 +130,21 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float, decay_on: str 
     return [{"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0}]
 
 
+def experts_apart(model: torch.nn.Module, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each group split in two (same settings) where it holds fused routed experts (`expert_modules`) and other
+    parameters: under expert parallelism the experts are DTensors of another mesh than FSDP2's other parameters, which
+    AdamW's foreach and fused kernels cannot mix; split at every ep_size alike, so a checkpoint's groups are the same
+    at every ep size. A model without routed experts: the groups unchanged."""
+    from veomni_lite.distributed.expert_parallel import expert_modules
+
+    experts = {id(p) for module in expert_modules(model) for p in module.parameters()}
+    out = []
+    for group in groups:
+        parts = [[p for p in group["params"] if id(p) not in experts], [p for p in group["params"] if id(p) in experts]]
+        out += [{**group, "params": part} for part in parts if part] if all(parts) else [group]
+    return out
+
+
 # optim.implementation -> AdamW's (foreach, fused); auto is torch's own choice.
 ADAMW_KERNELS: dict[str, tuple[bool | None, bool | None]] = {
     "auto": (None, None),
@@ -141,10 +157,13 @@ ADAMW_KERNELS: dict[str, tuple[bool | None, bool | None]] = {
 def build_optimizer(
     model: torch.nn.Module, optim: OptimConfig, groups: list[dict[str, Any]] | None = None
 ) -> torch.optim.AdamW:
-    """AdamW over `groups` (default `parameter_groups`), with the config's lr, betas, eps and kernels."""
+    """AdamW over `groups` (default `parameter_groups`), with the config's lr, betas, eps and kernels; each group
+    with the routed experts apart (`experts_apart`)."""
     foreach, fused = ADAMW_KERNELS[optim.implementation]
     return torch.optim.AdamW(
-        parameter_groups(model, optim.weight_decay, optim.weight_decay_on) if groups is None else groups,
+        experts_apart(
+            model, parameter_groups(model, optim.weight_decay, optim.weight_decay_on) if groups is None else groups
+        ),
         lr=optim.lr,
         betas=(optim.betas[0], optim.betas[1]),
         eps=optim.eps,
@@ -217,6 +236,7 @@ class BaseTrainer(ABC):
             config.parallel.sp_size,
             timeout_s=config.parallel.collective_timeout_s,
             dp_replicate=config.parallel.dp_replicate,
+            ep_size=config.parallel.ep_size,
         )
         self.rank = self.parallel.rank
         self.is_main = self.rank == 0
@@ -233,6 +253,10 @@ class BaseTrainer(ABC):
         model, scatter, weights = self._build_model()
         on_meta = any(param.is_meta for param in model.parameters())  # filled shard by shard after fully_shard
         model = check_model_contract(model if on_meta else model.to(self.device))
+        try:  # before any collective of the layout: every rank has the same model and config
+            check_expert_parallel(model, config.parallel.ep_size)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         self.loss_keys: tuple[str, ...] = self.trained_loss_keys(model)
         self.labeled_loss_keys = self.loss_keys  # the heads whose `<name>_labels` every micro-batch carries
         shared = config.data.packing and config.data.shared_prefix
