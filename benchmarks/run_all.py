@@ -4,7 +4,8 @@ Blocks, in order: the whole step against the peers' loss-normalization schemes a
 (`bench_worker.py`, `trainer_costs.py`), packing against padding (`packing.py`), the fused LM head (`lm_head.py`), SFT
 data start-up (`data_startup.py`), LoRA against full fine-tuning (`lora.py`), the MoE router losses' cost against a
 dense step of equal active size (`moe.py`), RL rollout generation against transformers' own sampling
-(`rl_generation.py`), an RL step's generation share and reference memory (`rl_step.py`), a
+(`rl_generation.py`), an RL step's generation share and reference memory (`rl_step.py`), tokens trained per second
+under bounded staleness (`rl_async.py`: `rl.async_steps` 0, 1, 2, 4 and partial rollouts), a
 DPO step against an SFT step and the DPO reference's memory per rank (`preference.py`), SFT, GRPO and DPO at Qwen's
 151,936-token vocabulary (`real_size.py`: peak memory against one logits tensor, time per position), our SFT, GRPO and
 DPO trainers against TRL's on the same work at 1 and 2 processes (`trl_side_by_side.py`), rollouts on vLLM
@@ -44,6 +45,7 @@ BLOCKS = (
     "moe",
     "rl_generation",
     "rl_step",
+    "rl_async",
     "preference",
     "real_size",
     "trl_side_by_side",

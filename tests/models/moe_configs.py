@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -87,3 +88,25 @@ def build_qwen3_moe() -> HFCausalLM:
 
 def build_deepseek_v3() -> HFCausalLM:
     return make_moe("deepseek_v3", seed=3, dtype=torch.float64)
+
+
+def write_moe_directory(source: Path, out: Path, top_k: int = 2, layers: int = 2) -> Path:
+    """A tiny Qwen3-MoE directory at `out` (8 experts, `top_k`, `layers`, seed 0, float32) with the tokenizer of the
+    dense model directory `source` (its vocabulary, end and padding ids): a policy for the demos' data."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shutil.copytree(
+        source, out, ignore=shutil.ignore_patterns("*.safetensors", "config.json", "generation_config.json")
+    )
+    text = AutoConfig.from_pretrained(source)
+    config = AutoConfig.for_model(
+        "qwen3_moe", vocab_size=text.vocab_size, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_experts=8, num_experts_per_tok=top_k, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=512, router_aux_loss_coef=0.01,
+        eos_token_id=text.eos_token_id, pad_token_id=text.pad_token_id, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(out), safe_serialization=True)
+    return out

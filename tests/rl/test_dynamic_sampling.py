@@ -6,7 +6,6 @@ rank; REINFORCE++'s statistics are the world's batch (a rank's share gives other
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -199,32 +198,8 @@ def test_the_round_limit_is_the_same_named_error_on_every_rank(math_demo, tmp_pa
     assert "lower rl.prompts_per_step" in messages[0] and "check the reward" in messages[0]
 
 
-class StartedEngine:
-    """The embedded engine behind the async interface of `rl.async_steps: 1` (`start_generate` / `finish_generate`):
-    it samples at the start, by the weights of that moment, as the vLLM engine's background generation does."""
-
-    def __init__(self, engine: Any, rank: int) -> None:
-        self.engine, self.rank, self.started = engine, rank, None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
-
-    def start_generate(self, requests_by_rank: list[list[Any]], settings: Any) -> None:
-        assert self.started is None, "a generation is in flight"
-        self.started = self.engine.generate(requests_by_rank[self.rank], settings)
-
-    def finish_generate(self) -> list[list[Any]]:
-        results, self.started = self.started, None
-        assert results is not None, "nothing in flight"
-        return results
-
-
 def run_async(rank: int, world: int, args: list[str]) -> dict[str, Any]:
-    trainer = build(args, world)
-    trainer.rl.async_steps = 1  # the embedded engine started, as vLLM's would be (config checks need vLLM)
-    trainer.engine = StartedEngine(trainer.engine, rank)
-    trainer.rollouts.context = dataclasses.replace(trainer.rollouts.context, engine=trainer.engine)
-    train_built(trainer)
+    trainer = train_built(build([*args, "--rl.async_steps", "1", "--rl.importance_sampling", "token"], world))
     return {"last": [s.plain() for s in trainer.rollouts.last], "events": read_events(trainer.output_dir)}
 
 

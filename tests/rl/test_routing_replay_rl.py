@@ -18,14 +18,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from tests.models.moe_configs import VOCAB, make_moe
+from tests.models.moe_configs import VOCAB, make_moe, write_moe_directory
 from tests.models.test_routing_replay import experts_see
 from tests.trainer.helpers import read_events, train_built
 from veomni_lite.config import ConfigError, load_config
@@ -333,30 +332,16 @@ def test_rollout_replay_needs_an_engine_that_records() -> None:
 @pytest.fixture(scope="module")
 def math_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The math demo's prompts, and a tiny Qwen3-MoE directory with its Qwen2's tokenizer (`models/qwen3_moe`)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from examples.rl_math import write_demo
 
     demo = write_demo(tmp_path_factory.mktemp("rl_math"), sft_rows=16, rl_rows=32, eval_rows=4)
-    source, out = demo / "models/qwen2_math", demo / "models/qwen3_moe"
-    shutil.copytree(
-        source, out, ignore=shutil.ignore_patterns("*.safetensors", "config.json", "generation_config.json")
-    )
-    text = AutoConfig.from_pretrained(source)
-    config = AutoConfig.for_model(
-        "qwen3_moe", vocab_size=text.vocab_size, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-        num_experts=8, num_experts_per_tok=TOP_K, num_hidden_layers=LAYERS, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=512, router_aux_loss_coef=0.01,
-        eos_token_id=text.eos_token_id, pad_token_id=text.pad_token_id, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(str(out), safe_serialization=True)
+    write_moe_directory(demo / "models/qwen2_math", demo / "models/qwen3_moe", TOP_K, LAYERS)
     return demo
 
 
-def rl_run(demo: Path, out: Path, model: str, *extra: str) -> RLTrainer:
+def rl_run_args(demo: Path, out: Path, model: str, *extra: str) -> list[str]:
     """Rollout batches of 4 prompts x 4 samples in 2 mini-batches (off policy: the old pass runs), 2 steps."""
-    args = [
+    return [
         "--model.arch", "auto", "--model.pretrained_dir", str(demo / "models" / model),
         "--data.train_path", str(demo / "rl_train.jsonl"), "--data.format", "messages", "--data.max_seq_len", "64",
         "--rl.prompts_per_step", "4", "--rl.num_generations", "4", "--rl.max_new_tokens", "8",
@@ -366,7 +351,11 @@ def rl_run(demo: Path, out: Path, model: str, *extra: str) -> RLTrainer:
         "--logging.log_interval", "1", "--logging.progress_bar", "false", "--logging.tensorboard", "false",
         "--logging.plot", "false", *extra,
     ]  # fmt: skip
-    return RLTrainer(load_config(None, args, world_size=1, sections={"rl": RLConfig}))
+
+
+def rl_run(demo: Path, out: Path, model: str, *extra: str) -> RLTrainer:
+    """`rl_run_args`' trainer, one process."""
+    return RLTrainer(load_config(None, rl_run_args(demo, out, model, *extra), world_size=1, sections={"rl": RLConfig}))
 
 
 @pytest.mark.slow

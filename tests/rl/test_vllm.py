@@ -2,7 +2,8 @@
 
 Without vLLM (every `make test`): the `rl.vllm` settings are checked by name; a server that refuses connections,
 answers with an HTTP error or not within `request_timeout_s` is an EngineError naming the engine and the request on
-every rank (a stdlib fake server).
+every rank (a stdlib fake server); with several fake servers, a dead one's samples go to the others with their seeds
+(the rollouts unchanged), a launched stand-in is relaunched and rejoins, and no server left is a named error.
 
 With vLLM's CPU build in `.venv-vllm` (`make vllm-env`; `make test-vllm` runs the tests marked `vllm`, skipped
 without it): one float32 server for the session on a Qwen2 of head dim 32 (the smallest vLLM's CPU attention takes).
@@ -11,12 +12,12 @@ bounded), a seeded request repeats and stop ids end a response; the same config 
 metric keys on `vllm` and on `transformers`, with the engine's log-probabilities matching the trainer's
 (`rl/logprob_diff`); a sync skipped on purpose is caught by the probe on every rank (negative control); a launched
 server that does not start in time is stopped and named; a wave of seeded requests over a CPU server's token budget
-completes (vLLM's CPU build dies on chunked prefill of a seeded request: the negative control); a launched server
-killed mid-run ends the run with a named
-error on every rank, and the run resumes from its checkpoint with a fresh launched server. Vision-language (a second
-server, of a tiny Qwen2-VL; without it, a fake chat route checks the request and the rendering check): the images
-reach the server through its chat route with the trainer's pixels, the prompt it renders is the trainer's, and a sync
-resets its encoder cache.
+completes (vLLM's CPU build dies on chunked prefill of a seeded request: the negative control); a launched server killed
+mid-run with no relaunch ends the run with a named error on every rank, and the run resumes from its checkpoint with a
+fresh launched server; of two launched servers, one killed mid-wave leaves the run's rollouts unchanged and is
+relaunched, synced and serves again. Vision-language (a second server, of a tiny Qwen2-VL; without it, a fake chat route
+checks the request and the rendering check): the images reach the server through its chat route with the trainer's
+pixels, the prompt it renders is the trainer's, and a sync resets its encoder cache.
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ import torch
 import yaml
 
 from tests.dist_helpers import run_distributed
+from tests.rl.fake_vllm_server import answer, fake_logprobs
 from tests.trainer.helpers import read_events
 from veomni_lite.config import ConfigError, load_config
+from veomni_lite.engines.vllm.server import shared_memory
 from veomni_lite.rl.config import RLConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -104,17 +107,6 @@ def write_config(demo: Path, out: Path, engine: str, vllm: dict[str, Any] | None
     return path
 
 
-def _shared_memory(pids: list[int]) -> set[str]:
-    """The /dev/shm segments the processes `pids` map (vLLM's message queues)."""
-    found = set()
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            found |= {
-                line.split()[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if "/dev/shm/" in line
-            }
-    return found
-
-
 def _ended(pgid: int, within_s: float) -> bool:
     """Whether no process of group `pgid` is left (zombies aside) within `within_s` seconds."""
     from veomni_lite.engines.vllm.boot import members
@@ -129,7 +121,10 @@ def train(rank: int, world: int, path: str, extra: list[str], hook: str = "") ->
     """One rank's run of the config at `path`: None when it finishes, the EngineError's message when it fails with one.
     `hook`: "skip_sync" (rank 0 writes the weights only at the first sync), "kill" (rank 0 kills the launched server
     process alone after step 2, then checks, before the run closes anything, that its whole process group ends and
-    leaves no shared memory behind)."""
+    leaves no shared memory behind), "failover" (`launch: 2`, `max_restarts: 1`, rollout batches of 2 steps: rank 0
+    kills the first server's process alone at its 4th sample of the second batch, mid-wave; after step 3 checks that its
+    group ended and waits for the relaunched server's /health; checks that it served samples of the third batch; after
+    step 6 kills both servers, and checks at the error that no process of any server's group is left)."""
     from veomni_lite.engines.vllm import EngineError, VLLMEngine
     from veomni_lite.engines.vllm.boot import members
     from veomni_lite.rl.trainer import RLTrainer
@@ -152,15 +147,57 @@ def train(rank: int, world: int, path: str, extra: list[str], hook: str = "") ->
             step(micro_batches)
             if trainer.step == 2 and trainer.engine.servers:
                 pgid = trainer.engine.servers[0].pid
-                killed.update(pgid=pgid, group=members(pgid), shm=_shared_memory(members(pgid)))
+                killed.update(pgid=pgid, group=members(pgid), shm=shared_memory(members(pgid)))
                 os.kill(pgid, signal.SIGKILL)  # the server process alone: its engine core and the rest live on
 
         trainer.train_step = kill_after_step_2
+    if hook == "failover":
+        from veomni_lite.engines.vllm.client import Client
+
+        step, sample = trainer.train_step, Client.sample
+        answered: list[tuple[int, str]] = []  # (rollout batch, server URL) of every answered sample
+
+        def failing_sample(self: Client, endpoint: Any, *args: Any) -> Any:
+            batch = trainer.step // 2 + 1
+            if batch == 2 and "pgid" not in killed and endpoint.server is trainer.engine.servers[0]:
+                calls = killed.setdefault("calls", [])
+                calls.append(1)
+                if len(calls) == 4:  # mid-wave: the server's other samples in flight or queued
+                    pgid = endpoint.server.pid
+                    killed.update(pgid=pgid, group=members(pgid), shm=shared_memory(members(pgid)))
+                    os.kill(pgid, signal.SIGKILL)
+            out = sample(self, endpoint, *args)
+            answered.append((batch, endpoint.url))
+            return out
+
+        def steps_with_faults(micro_batches: list) -> None:
+            step(micro_batches)
+            if trainer.step == 3 and trainer.engine.servers:
+                assert "pgid" in killed and _ended(killed["pgid"], 30), killed
+                assert killed["shm"] and not [f for f in killed["shm"] if Path(f).exists()], killed["shm"]
+                assert trainer.engine.pool.restarts == 1
+                fresh = trainer.engine.servers[0]
+                assert fresh.pid != killed["pgid"]
+                fresh.wait_ready(900, time.monotonic())  # so that it rejoins at the next sync (the test's timing)
+                killed["fresh"] = fresh.url
+            if trainer.step == 6 and trainer.engine.servers:
+                assert killed["fresh"] in {url for batch, url in answered if batch == 3}, answered
+                killed["all"] = [server.pid for server in trainer.engine.servers] + [killed["pgid"]]
+                killed["all_shm"] = shared_memory([pid for pgid in killed["all"] for pid in members(pgid)])
+                for server in trainer.engine.servers:
+                    os.kill(server.pid, signal.SIGKILL)
+
+        Client.sample = failing_sample
+        trainer.train_step = steps_with_faults
     try:
         trainer.train()
         return None
     except EngineError as exc:
-        if killed:  # before close(): the group ends by itself (boot.py's watchdog)
+        for pgid in killed.get("all", []):  # before close()
+            assert _ended(pgid, 30), f"a killed server's group lives on: {members(pgid)}"
+        if "all" in killed:
+            assert killed["all_shm"] and not [f for f in killed["all_shm"] if Path(f).exists()], killed["all_shm"]
+        if killed and hook == "kill":  # before close(): the group ends by itself (boot.py's watchdog)
             assert len(killed["group"]) >= 3, killed  # the server, its engine core, the watchdog: a group to end
             assert _ended(killed["pgid"], 30), f"the killed server's group lives on: {members(killed['pgid'])}"
             assert killed["shm"] and not [f for f in killed["shm"] if Path(f).exists()], killed["shm"]
@@ -211,6 +248,10 @@ def test_rl_vllm_settings_are_checked_by_name(math_demo, tmp_path):
     assert VLLMSettings.parse({"url": "http://a:1/"}).server_urls == ["http://a:1"]
     assert [VLLMSettings.parse({"launch": n}).launch for n in (True, 1, 3)] == [1, 1, 3]
     assert VLLMSettings.parse({"launch": 2}).server_urls == []
+    assert (
+        VLLMSettings.parse({"launch": 2}).max_restarts == 3
+        and VLLMSettings.parse({"url": "http://a:1"}).max_restarts == 3
+    )
     assert config("vllm", {"urls": urls, "api_key_env": "VLLM_KEY"}).rl.vllm.api_key_env == "VLLM_KEY"
     for bad, message in (
         ({"url": "http://a:1", "urls": urls}, "exactly one of url"),
@@ -222,6 +263,8 @@ def test_rl_vllm_settings_are_checked_by_name(math_demo, tmp_path):
         ({"urls": ["http://a:1", "ftp://b:2"]}, "rl.vllm.urls: must start with http:// or https://, got 'ftp://b:2'"),
         ({"urls": ["http://a:1", "http://a:1/"]}, "rl.vllm.urls: a server is listed twice"),
         ({"launch": True, "api_key_env": "MY-KEY"}, "rl.vllm.api_key_env: the name of an environment variable"),
+        ({"launch": 2, "max_restarts": -1}, r"rl.vllm.max_restarts: must be an integer >= 0, got -1"),
+        ({"launch": 2, "max_restarts": "many"}, "rl.vllm.max_restarts: expected int, got 'many'"),
     ):
         with pytest.raises(ConfigError, match=message):
             config("vllm", bad)
@@ -435,14 +478,19 @@ def test_vision_language_prompts_go_to_the_chat_route_with_their_pixels_and_are_
         server.shutdown()
 
 
+_ARRIVAL = threading.Lock()
+
+
 class _Completions(BaseHTTPRequestHandler):
     """A fake vLLM that answers like one: /v1/models, the weight routes, a sample as a function of its prompt and seed
-    alone, and a probe's prompt log-probabilities as a function of the prompt (`_fake_logprobs`). It records each
+    alone, and a probe's prompt log-probabilities as a function of the prompt (`fake_logprobs`). It records each
     request's route, Authorization header and body in `seen` (a list per subclass: one per server); with `failing`,
-    every sample is an HTTP 500."""
+    every sample is an HTTP 500; with `dies_after` N, the server dies at its sample N + 1: it closes that connection
+    unanswered and stops listening."""
 
     seen: list[tuple[str, str, dict[str, Any]]] = []
     failing = False
+    dies_after: int | None = None
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         type(self).seen.append((self.path, self.headers.get("Authorization", ""), {}))
@@ -450,25 +498,19 @@ class _Completions(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
-        type(self).seen.append((self.path, self.headers.get("Authorization", ""), body))
-        if self.path != "/v1/completions":
-            return self._answer(200, {})
-        prompt = body["prompt"]
-        if body.get("prompt_logprobs") is not None:
-            entries = [None] + [{str(t): {"logprob": v}} for t, v in zip(prompt[1:], _fake_logprobs(prompt))]
-            return self._answer(200, {"choices": [{"prompt_logprobs": entries}]})
-        if self.failing:
+        with _ARRIVAL:  # `seen` in the order the samples are counted
+            type(self).seen.append((self.path, self.headers.get("Authorization", ""), body))
+            samples = sum("seed" in seen for _, _, seen in self.seen)
+        if self.dies_after is not None and samples > self.dies_after:
+            self.close_connection = True
+            threading.Thread(target=lambda: (self.server.shutdown(), self.server.server_close())).start()
+            return None
+        if self.failing and self.path == "/v1/completions" and body.get("prompt_logprobs") is None:
             return self._answer(500, {"error": "boom"})
-        ids = [3 + (sum(prompt) * 31 + body["seed"] * 17 + k) % 90 for k in range(body["max_tokens"])]
-        choice = {"token_ids": ids, "finish_reason": "length", "logprobs": {"token_logprobs": [-0.25] * len(ids)}}
-        self._answer(200, {"choices": [choice]})
+        self._answer(200, answer(self.path, body))
 
     _answer = _FailingServer._answer
     log_message = _FailingServer.log_message
-
-
-def _fake_logprobs(ids: list[int]) -> list[float]:
-    return [-0.5 - 0.01 * t for t in ids[1:]]
 
 
 @contextlib.contextmanager
@@ -500,7 +542,7 @@ def test_a_wave_is_spread_over_several_servers_each_synced_with_the_key(tmp_path
 
     def engine(urls: list[str]) -> VLLMEngine:
         settings = VLLMSettings.parse({"urls": urls, "api_key_env": "TEST_VLLM_KEY", "sync_dir": str(tmp_path)})
-        return VLLMEngine(settings, str(tmp_path), None, _fake_logprobs, [11, 12, 13, 14])
+        return VLLMEngine(settings, str(tmp_path), None, fake_logprobs, [11, 12, 13, 14])
 
     with _fakes(2) as (handlers, urls):
         two = engine(urls)
@@ -543,6 +585,100 @@ def test_a_wave_is_spread_over_several_servers_each_synced_with_the_key(tmp_path
     with pytest.raises(EngineError, match="rl.vllm.api_key_env names the environment variable TEST_VLLM_KEY, which "
                        "is unset or empty on rank 0"):  # fmt: skip
         engine(["http://127.0.0.1:1"])
+
+
+def _rollouts(results: list[list[Any]]) -> list[list[tuple[list[int], list[float], str]]]:
+    return [[(r.response_ids, r.logprobs, r.finish_reason) for r in group] for group in results]
+
+
+def test_a_dead_servers_samples_go_to_the_others_with_their_seeds_and_it_rejoins(tmp_path):
+    """Without vLLM: three fake servers as `urls`; the second dies at its third sample, mid-wave (that connection closed
+    unanswered, then nothing listening). The wave's rollouts equal those of the three alive (and of one server alone):
+    the dead server's samples went to the others with their own seeds. Control: other seeds give other rollouts, so a
+    failover that lost a sample's seed would fail. The server, listening again on its port, rejoins before the next
+    wave: it reloads the synced weights, passes its probe check, and serves its share again. Every server dead: an
+    EngineError saying no server is left, naming the last failure."""
+    from veomni_lite.engines.base import RolloutRequest, SamplingSettings
+    from veomni_lite.engines.vllm import EngineError, VLLMEngine, VLLMSettings
+
+    requests = [RolloutRequest([5 + i, 6, 7], [4 * i + j for j in range(4)]) for i in range(4)]  # 16 samples
+    sampling = SamplingSettings(max_new_tokens=3)
+
+    def engine(urls: list[str]) -> VLLMEngine:
+        made = VLLMEngine(VLLMSettings.parse({"urls": urls, "sync_dir": str(tmp_path)}), str(tmp_path), None,
+                          fake_logprobs, [11, 12, 13, 14])  # fmt: skip
+        made.sync_weights({"w": torch.ones(2)}, 0)
+        return made
+
+    with _fakes(3) as (_, urls):
+        healthy = engine(urls)
+        expected = _rollouts(healthy.generate(requests, sampling))
+        reseeded = [RolloutRequest(r.prompt_ids, [seed + 100 for seed in r.seeds]) for r in requests]
+        assert _rollouts(healthy.generate(reseeded, sampling)) != expected  # the control
+        healthy.close()
+        alone = engine(urls[:1])
+        assert _rollouts(alone.generate(requests, sampling)) == expected
+        alone.close()
+    with _fakes(3) as (handlers, urls):
+        handlers[1].dies_after = 2
+        failing = engine(urls)
+        assert _rollouts(failing.generate(requests, sampling)) == expected
+        samples = [[body["seed"] for _, _, body in h.seen if "seed" in body] for h in handlers]  # in arrival order
+        answered = samples[1][:2]  # the dead server's first two; it dropped the third and any after
+        assert len(samples[1]) >= 3 and sorted(samples[0] + samples[2]) == sorted(set(range(16)) - set(answered))
+        assert [e.state for e in failing.endpoints] == ["serving", "joining", "serving"]
+        # back on its port: it rejoins before the next wave, on the synced weights
+        handlers[1].seen, handlers[1].dies_after = [], None
+        port = int(urls[1].rsplit(":", 1)[1])
+        back = ThreadingHTTPServer(("127.0.0.1", port), handlers[1])
+        threading.Thread(target=back.serve_forever, daemon=True).start()
+        try:
+            assert _rollouts(failing.generate(requests, sampling)) == expected
+            routes = [route for route, _, body in handlers[1].seen if "seed" not in body]
+            assert routes == ["/v1/models", "/collective_rpc", "/reset_prefix_cache", "/v1/completions"], routes
+            assert len([body for _, _, body in handlers[1].seen if "seed" in body]) == 5  # its share of 16 on 3
+            assert [e.state for e in failing.endpoints] == ["serving"] * 3
+        finally:
+            back.shutdown()
+            back.server_close()
+        for handler in handlers:
+            handler.dies_after = 0
+        with pytest.raises(EngineError, match=r"vLLM engine: no server left of 3; the last failure: vLLM engine at "
+                           r"http://127.0.0.1:\d+: rank 0's request \d, sample \d \(prompt of 3 tokens\)"):  # fmt: skip
+            failing.generate(requests, sampling)
+        failing.close()
+
+
+@pytest.mark.slow
+def test_a_server_dying_mid_run_changes_no_rollout_on_any_rank(math_demo, tmp_path):
+    """Without vLLM, 2 ranks, `urls` of two fake servers (a sample a function of its prompt and seed): the second dies
+    at its 13th sample, mid-wave in the second rollout batch (16 samples a batch, 8 a server). The run's rollouts
+    (rollouts.jsonl: both ranks' samples) and losses equal the run's with both alive. Both servers dying in the second
+    batch: the same named error on both ranks, "no server left"."""
+    vllm = {"probe_tolerance": 100.0, "request_timeout_s": 60}  # the fake's probe is not the model's: no check
+    samples = {}
+
+    def run(name: str, dies_after: tuple[int | None, int | None]) -> list[str | None]:
+        with _fakes(2) as (handlers, urls):
+            for handler, after in zip(handlers, dies_after):
+                handler.dies_after = after
+            config = write_config(math_demo, tmp_path / name, "vllm", {"urls": urls, **vllm}, eval_interval=0)
+            errors = run_distributed(train, 2, str(config), ["--rl.rollouts_sample", "16"], timeout_s=600)
+            samples[name] = [sum("seed" in body for _, _, body in handler.seen) for handler in handlers]
+            return errors
+
+    assert run("healthy", (None, None)) == [None, None]
+    assert run("failing", (None, 12)) == [None, None]
+    assert samples["healthy"] == [16, 16] and samples["failing"][0] == 20  # the other took the 4 left unanswered
+    assert samples["failing"][1] >= 13  # its 13th and any arriving after were dropped
+    losses = [by_step(tmp_path / name, "train/policy_loss") for name in ("healthy", "failing")]
+    assert sorted(losses[0]) == [1, 2, 3, 4] and losses[1] == losses[0]
+    rows = [(tmp_path / name / "rollouts.jsonl").read_text().splitlines() for name in ("healthy", "failing")]
+    assert len(rows[0]) == 4 * 16 and rows[1] == rows[0]
+    errors = run("dead", (10, 10))
+    assert errors[0] == errors[1] and "vLLM engine: generate: rank 0: vLLM engine: no server left of 2; the last " \
+        "failure: vLLM engine at http://127.0.0.1:" in errors[0], errors  # fmt: skip
+    assert sorted(by_step(tmp_path / "dead", "train/policy_loss")) == [1, 2]
 
 
 @pytest.fixture
@@ -609,14 +745,22 @@ def test_a_launched_servers_process_group_ends_however_the_server_ends(fake_vllm
     finally:
         trainer.kill()
         trainer.wait()
+        for line in (tmp_path / "orphan.log").read_text().splitlines():  # killed with its trainer: nobody unlinks it
+            if ", shared memory " in line:
+                Path(line.split(", shared memory ")[1]).unlink(missing_ok=True)
     # control: without the watchdog, the engine core outlives its killed server
     from veomni_lite.engines.vllm import free_port
 
     plain = subprocess.Popen([sys.executable, "-m", "tests.rl.fake_vllm_server", "--port", str(free_port())],
                              start_new_session=True, stdout=subprocess.DEVNULL)  # fmt: skip
+    segments: set[str] = set()
     try:
         deadline = time.monotonic() + 30
         while len(members(plain.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        deadline = time.monotonic() + 30
+        while not segments and time.monotonic() < deadline:
+            segments = shared_memory([plain.pid])
             time.sleep(0.1)
         plain.kill()
         plain.wait()
@@ -624,6 +768,9 @@ def test_a_launched_servers_process_group_ends_however_the_server_ends(fake_vllm
     finally:
         end_group(plain.pid, grace_s=1)
     assert _ended(plain.pid, 10)
+    assert segments and all(Path(f).exists() for f in segments)  # killed: its shared memory left behind
+    for f in segments:
+        os.unlink(f)
 
 
 def test_end_group_kills_what_ignores_sigterm(tmp_path):
@@ -643,15 +790,16 @@ def test_end_group_kills_what_ignores_sigterm(tmp_path):
 
 
 def test_a_dead_launched_server_is_named_dead_not_running(fake_vllm, tmp_path):
-    """A launched server killed a moment before a request: the EngineError names the server and its exit code."""
+    """A launched server killed a moment before a request, with no relaunch (`max_restarts: 0`) and no other server:
+    the EngineError says no server is left and names the server and its exit code."""
     import sys
 
     from veomni_lite.engines.base import RolloutRequest, SamplingSettings
     from veomni_lite.engines.vllm import EngineError, VLLMEngine, VLLMSettings
     from veomni_lite.engines.vllm.boot import members
 
-    settings = VLLMSettings.parse({"launch": 1, "python": sys.executable, "sync_dir": str(tmp_path)})
-    engine = VLLMEngine(settings, str(tmp_path), None, _fake_logprobs, [1, 2], tmp_path / "vllm_server.log")
+    settings = VLLMSettings.parse({"launch": 1, "python": sys.executable, "sync_dir": str(tmp_path), "max_restarts": 0})
+    engine = VLLMEngine(settings, str(tmp_path), None, fake_logprobs, [1, 2], tmp_path / "vllm_server.log")
     try:
         engine._ready()
         (server,) = engine.servers
@@ -659,12 +807,64 @@ def test_a_dead_launched_server_is_named_dead_not_running(fake_vllm, tmp_path):
         with pytest.raises(EngineError) as caught:
             engine.generate([RolloutRequest([1, 2, 3], [1])], SamplingSettings(max_new_tokens=2))
         message = str(caught.value)
+        assert "no server left of 1; relaunches used: 0 of rl.vllm.max_restarts = 0; the last failure:" in message
         assert f"vLLM engine at {server.url}: rank 0's request 0, sample 0" in message, message
         assert f"(launched server pid {server.pid} exited with code -9; log {tmp_path / 'vllm_server.log'})" in message
         assert "still running" not in message
     finally:
         engine.close()
     assert not members(server.pid)
+
+
+def test_a_killed_launched_server_is_relaunched_synced_and_rejoins(fake_vllm, tmp_path):
+    """Without vLLM (`launch: 2` of the stand-in, `max_restarts: 1`): the first server killed (SIGKILL) before a wave:
+    the wave's rollouts equal those before (its samples went to the other server with their seeds), nothing of its
+    process group is left, and a new server is started in its place, which once up reloads the synced weights and
+    serves its share of the next wave (its log: its pid, each route and seed). Both killed, the relaunch used: an
+    EngineError saying no server is left, and no process of any server's group left."""
+    import sys
+
+    from veomni_lite.engines.base import RolloutRequest, SamplingSettings
+    from veomni_lite.engines.vllm import EngineError, VLLMEngine, VLLMSettings
+    from veomni_lite.engines.vllm.boot import members
+
+    settings = VLLMSettings.parse(
+        {"launch": 2, "python": sys.executable, "sync_dir": str(tmp_path), "max_restarts": 1, "start_timeout_s": 120}
+    )
+    engine = VLLMEngine(settings, str(tmp_path), None, fake_logprobs, [1, 2, 3], tmp_path / "vllm_server.log")
+    requests = [RolloutRequest([5 + i, 6, 7], [4 * i + j for j in range(4)]) for i in range(3)]  # 12 samples
+    sampling = SamplingSettings(max_new_tokens=3)
+    groups = []
+    try:
+        engine.sync_weights({"w": torch.ones(2)}, 0)
+        expected = _rollouts(engine.generate(requests, sampling))
+        killed, other = engine.servers
+        groups += [killed.pid, other.pid]
+        (segment,) = shared_memory(members(killed.pid))
+        os.kill(killed.pid, signal.SIGKILL)
+        assert _rollouts(engine.generate(requests, sampling)) == expected
+        assert engine.pool.restarts == 1 and _ended(killed.pid, 30), members(killed.pid)
+        assert not Path(segment).exists()  # killed before it unlinked it (the control below): stop() did
+        fresh = engine.servers[0]
+        groups.append(fresh.pid)
+        assert fresh.pid != killed.pid and engine.servers[1] is other and fresh.log_path == killed.log_path
+        fresh.wait_ready(120, time.monotonic())
+        assert _rollouts(engine.generate(requests, sampling)) == expected
+        served = [
+            line.split()[1:] for line in fresh.log_path.read_text().splitlines() if line.startswith(f"{fresh.pid} ")
+        ]
+        assert served[:3] == [["/collective_rpc"], ["/reset_prefix_cache"], ["/v1/completions"]], served
+        assert sorted(int(seed) for _, seed in served[3:]) == list(range(6))  # the first half of the 12 samples
+        assert [e.state for e in engine.endpoints] == ["serving", "serving"]
+        for server in engine.servers:
+            os.kill(server.pid, signal.SIGKILL)
+        with pytest.raises(EngineError, match=r"no server left of 2; relaunches used: 1 of rl.vllm.max_restarts = 1; "
+                           r"the last failure: vLLM engine at .* exited with code -9"):  # fmt: skip
+            engine.generate(requests, sampling)
+        assert all(_ended(pgid, 30) for pgid in groups), [members(pgid) for pgid in groups]
+    finally:
+        engine.close()
+    assert not [members(pgid) for pgid in groups if members(pgid)]
 
 
 # ---------------------------------------------------------------------- with vLLM
@@ -926,7 +1126,7 @@ def test_one_step_async_samples_with_the_weights_one_batch_old(math_demo, vllm_s
     assert run_distributed(train, 2, str(path), extra, timeout_s=900) == [None, None]
     assert sorted(by_step(tmp_path / "async", "train/policy_loss")) == [1, 2, 3, 4, 5, 6]
     # batch 0 sampled by the weights it trains (step 0); batches 1 and 2 during the previous batch's 2 steps
-    assert by_step(tmp_path / "async", "rl/staleness") == {1: 0.0, 3: 2.0, 5: 2.0}
+    assert by_step(tmp_path / "async", "rl/staleness/mean") == {1: 0.0, 3: 2.0, 5: 2.0}
     assert by_step(tmp_path / "async", "rl/staleness/max") == {1: 0.0, 3: 2.0, 5: 2.0}
     diff = by_step(tmp_path / "async", "rl/logprob_diff")
     ratio = by_step(tmp_path / "async", "rl/importance_ratio/mean")
@@ -1113,7 +1313,7 @@ def test_vision_language_runs_on_vllm_train_as_on_the_embedded_engine(vl_demo, v
     assert sorted(diff) == [1, 3] and all(value < 1e-2 for value in diff.values())
     asynchronous = write_config(vl_demo, tmp_path / "async", "vllm", {"url": vl_server.url, "probe_tolerance": 1e-4})
     assert run_distributed(train, 2, str(asynchronous), [*moving, "--rl.async_steps", "1"], timeout_s=900) == [None] * 2
-    assert by_step(tmp_path / "async", "rl/staleness") == {1: 0.0, 3: 2.0}  # batch 1 sampled while batch 0 trained
+    assert by_step(tmp_path / "async", "rl/staleness/mean") == {1: 0.0, 3: 2.0}  # batch 1 sampled while batch 0 trained
     # Control: a sync without the encoder-cache reset, then images the server has seen: its engine dies
     trainer = RLTrainer(load_config(runs["vllm"], VL_REWARD, world_size=1, sections={"rl": RLConfig}))
     try:
@@ -1136,7 +1336,7 @@ def test_vision_language_runs_on_vllm_train_as_on_the_embedded_engine(vl_demo, v
 def test_a_killed_engine_is_a_named_error_on_every_rank_and_the_run_resumes(math_demo, vllm_server, tmp_path):
     vllm_server.stop()  # one server at a time on this machine: the run launches its own (the session's last test)
     vllm = {"launch": True, "python": str(VLLM_PYTHON), "start_timeout_s": 600, "request_timeout_s": 60,
-            "server_args": SERVER_ARGS, "probe_tolerance": 1e-4}  # fmt: skip
+            "server_args": SERVER_ARGS, "probe_tolerance": 1e-4, "max_restarts": 0}  # fmt: skip
     path = write_config(math_demo, tmp_path / "run", "vllm", vllm, max_steps=6, eval_interval=0)
     save = ["--checkpoint.save_interval", "1"]
     errors = run_distributed(train, 2, str(path), save, "kill", timeout_s=900)
@@ -1149,6 +1349,39 @@ def test_a_killed_engine_is_a_named_error_on_every_rank_and_the_run_resumes(math
     assert sorted(by_step(tmp_path / "run", "train/policy_loss")) == [1, 2, 3, 4, 5, 6]
     diff = by_step(tmp_path / "run", "rl/logprob_diff")
     assert sorted(diff) == [1, 3, 5] and all(value < 1e-5 for value in diff.values())
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@requires_vllm
+def test_a_server_killed_mid_run_leaves_the_rollouts_unchanged_and_is_relaunched(math_demo, tmp_path):
+    """`launch: 2`, `max_restarts: 1`, 2 ranks, rollout batches of 4 prompts x 4 samples over 2 steps. The first
+    server's process killed alone (SIGKILL) mid-wave in the second batch: its samples go to the other server, its group
+    ends by itself and unlinks its shared memory, a new server is launched in its place, and (once up) is synced and
+    serves samples of the third batch. Every rollout of the 6 steps (rollouts.jsonl: both ranks' 16 a batch) equals the
+    run's without the failure, and so do the losses. Both servers then killed, the relaunch used: the next sync is a
+    named error on every rank ("no server left"), and no process of any server's group is left. The session's servers
+    are stopped first (two servers at a time on this machine)."""
+    for server in _SERVED:
+        server.stop()
+    vllm = {"launch": 2, "python": str(VLLM_PYTHON), "start_timeout_s": 900, "request_timeout_s": 120,
+            "server_args": SERVER_ARGS, "probe_tolerance": 1e-4, "max_restarts": 1}  # fmt: skip
+    extra = ["--rl.rollouts_sample", "16", "--parallel.collective_timeout_s", "1200"]
+    healthy = write_config(math_demo, tmp_path / "healthy", "vllm", vllm, max_steps=6, eval_interval=0)
+    assert run_distributed(train, 2, str(healthy), extra, timeout_s=1200) == [None, None]
+    failing = write_config(math_demo, tmp_path / "failing", "vllm", vllm, max_steps=8, eval_interval=0)
+    errors = run_distributed(train, 2, str(failing), extra, "failover", timeout_s=1800)
+    named = (
+        "vLLM engine, weight sync of version 6: rank 0: vLLM engine: no server left of 2; relaunches used: 1 of "
+        "rl.vllm.max_restarts = 1; the last failure: vLLM engine at"
+    )
+    for message in errors:
+        assert message is not None and named in message, message
+    losses = [by_step(tmp_path / run, "train/policy_loss") for run in ("healthy", "failing")]
+    assert sorted(losses[1]) == [1, 2, 3, 4, 5, 6] and all(abs(losses[1][s] - losses[0][s]) < 1e-6 for s in losses[0])
+    rows = [(tmp_path / run / "rollouts.jsonl").read_text().splitlines() for run in ("healthy", "failing")]
+    print(f"\nfailover: the {len(rows[0])} rollouts of 6 steps equal with and without the killed server")
+    assert len(rows[0]) == 6 * 16 and rows[1] == rows[0]  # the 16 samples of the batch each step trains
 
 
 @pytest.mark.vllm

@@ -58,7 +58,9 @@ def noise_seed(seed: int, position: int) -> int:
     return mix(mix(seed & _MASK64) ^ position)
 
 
-def _processors(settings: SamplingSettings, seeds: Sequence[int], prompt_width: int, device: torch.device) -> Any:
+def _processors(
+    settings: SamplingSettings, seeds: Sequence[int], offsets: Sequence[int], prompt_width: int, device: torch.device
+) -> Any:
     """The logits processors of one `generate` call, and the recorder that holds each step's tokens and log-probs."""
     from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
@@ -74,7 +76,7 @@ def _processors(settings: SamplingSettings, seeds: Sequence[int], prompt_width: 
             steps.append(TopKLogitsWarper(settings.top_k))
         if settings.top_p < 1:
             steps.append(TopPLogitsWarper(settings.top_p))
-        steps.append(_SeededGumbelMax(seeds, prompt_width, device))
+        steps.append(_SeededGumbelMax(seeds, offsets, prompt_width, device))
     record = _Chosen(raw, settings.temperature)
     return LogitsProcessorList([*steps, record]), record
 
@@ -91,10 +93,12 @@ class _RawLogits:
 
 class _SeededGumbelMax:
     """Adds Gumbel noise -log(-log(U)), U uniform, row r's drawn from a generator seeded by noise_seed(seeds[r],
-    position): the argmax of the result is an exact sample of softmax(scores) (filtered tokens stay -inf)."""
+    position + offsets[r]): the argmax of the result is an exact sample of softmax(scores) (filtered tokens stay
+    -inf); a row's offset is the response tokens its prompt already holds (`RolloutRequest.continued`)."""
 
-    def __init__(self, seeds: Sequence[int], prompt_width: int, device: torch.device) -> None:
+    def __init__(self, seeds: Sequence[int], offsets: Sequence[int], prompt_width: int, device: torch.device) -> None:
         self.seeds = list(seeds)
+        self.offsets = list(offsets)
         self.prompt_width = prompt_width
         self.generator = torch.Generator(device=device)
         self.noise: torch.Tensor | None = None
@@ -103,8 +107,9 @@ class _SeededGumbelMax:
         position = input_ids.shape[1] - self.prompt_width
         if self.noise is None or self.noise.shape != scores.shape:
             self.noise = torch.empty_like(scores)
-        for row, seed in zip(self.noise, self.seeds):  # one short call per row (exponential_ is 4x slower on CPU)
-            row.uniform_(generator=self.generator.manual_seed(noise_seed(seed, position)))
+        # one short call per row (exponential_ is 4x slower on CPU)
+        for row, seed, offset in zip(self.noise, self.seeds, self.offsets):
+            row.uniform_(generator=self.generator.manual_seed(noise_seed(seed, position + offset)))
         tiny = torch.finfo(scores.dtype).tiny  # U > 0: the noise is finite, a filtered -inf stays -inf
         return scores - self.noise.clamp_min_(tiny).log_().neg_().log_()
 
@@ -224,7 +229,8 @@ class TransformersEngine(RolloutEngine):
             return_dict_in_generate=True,
         )
         seeds = [requests[i].seeds[j] for i, j in rows]
-        processors, record = _processors(settings, seeds, width, self.device)
+        offsets = [requests[i].continued for i, _ in rows]
+        processors, record = _processors(settings, seeds, offsets, width, self.device)
         inputs = {key: value.to(self.device) for key, value in inputs.items()}
         recording = record_every_forward(self.model) if self.record_experts else contextlib.nullcontext()
         with torch.no_grad(), recording as calls:

@@ -146,9 +146,13 @@ class RLConfig:
     ranks; once it ran `veomni_lite.rl.tools.MIN_TOOL_CALLS` = 16 times there) fails the run, naming the tool and its
     first error; in [0, 1], 1: never. The model's malformed calls do not count."""
     async_steps: int = 0
-    """Rollout batches generated ahead of training: 0 synchronous; 1 (vLLM engine) batch k+1 is generated while batch
-    k trains, by the weights before batch k (one rollout batch stale, logged as `rl/staleness` in optimizer steps), with
-    `rl.importance_sampling` correcting by the engine's log-probabilities."""
+    """The staleness bound k in rollout batches (`veomni_lite.rl.rollout_queue`): 0 synchronous; k: batch b is sampled
+    by the weights of batch b - k while the batches before it train; an older sample is dropped and generated again
+    (`rl/staleness/{mean,max,dropped}`); `rl.importance_sampling` or `rl.decoupled` corrects by the engine's
+    log-probabilities (prime-rl's max_async_level, AReaL's max_head_offpolicyness, verl's staleness_threshold)."""
+    partial_rollouts: bool = False
+    """k >= 2: responses generate in k chunks, each by the weights of the batch it starts at, so a generation
+    continues across weight updates, each token with its own version and log-probability (verl's partial_rollout)."""
 
     @property
     def filter_groups(self) -> DynamicSampling | None:
@@ -233,16 +237,26 @@ class RLConfig:
                 "rl.routing_replay: rollout records the experts of one generate call per response; an episode's "
                 "turns are several, with environment tokens between them: use rl.routing_replay old"
             )
-        if self.async_steps not in (0, 1):
-            raise ConfigError(f"rl.async_steps: 0 (synchronous) or 1 (one-step-async), got {self.async_steps}")
-        if self.async_steps and (self.engine != "vllm" or self.rollouts_path):
-            raise ConfigError(
-                "rl.async_steps: 1 generates on a vLLM server while the trainer trains: needs rl.engine: vllm and no "
-                "rl.rollouts_path"
-            )
+        if self.async_steps < 0:
+            raise ConfigError(f"rl.async_steps: the staleness bound in rollout batches, >= 0; got {self.async_steps}")
+        if self.async_steps and self.rollouts_path:
+            raise ConfigError("rl.async_steps: generates rollouts while the trainer trains; rl.rollouts_path has them")
+        if self.partial_rollouts and self.async_steps < 2:
+            raise ConfigError(f"rl.partial_rollouts: needs rl.async_steps >= 2 (got {self.async_steps}): with 1 "
+                              "a batch generates within one batch's training, across no update")  # fmt: skip
+        if self.partial_rollouts and self.max_new_tokens < self.async_steps:
+            raise ConfigError(f"rl.partial_rollouts: rl.max_new_tokens ({self.max_new_tokens}) must be >= "
+                              f"rl.async_steps ({self.async_steps}), the chunks a response generates in")  # fmt: skip
+        if self.partial_rollouts and self.routing_replay == "rollout":
+            raise ConfigError("rl.partial_rollouts: a response of several chunks has no one routing record; use "
+                              "rl.routing_replay old")  # fmt: skip
+        if self.async_steps > 1 and self.dynamic_sampling:
+            raise ConfigError(f"rl.async_steps: {self.async_steps} with rl.dynamic_sampling: a batch's first "
+                              "block is known once the one before is filtered; use 0 or 1")  # fmt: skip
         if self.async_steps and self.importance_sampling == "none" and not self.decoupled:
             raise ConfigError(
-                "rl.async_steps: 1 samples with the weights one rollout batch old: set rl.importance_sampling "
+                f"rl.async_steps: {self.async_steps} samples with weights up to that many rollout batches old: set "
+                "rl.importance_sampling "
                 f"({', '.join(n for n in IS_CORRECTIONS.names() if n != 'none')}) or rl.decoupled so the engine's "
                 "log-probabilities correct it"
             )
@@ -299,7 +313,7 @@ class RLConfig:
                 f"{self.max_episode_tokens}"
             )
         if self.async_steps:
-            raise ConfigError("rl.async_steps: 1 generates single-turn rollouts; episodes (rl.tools, "
+            raise ConfigError("rl.async_steps: generates single-turn rollouts; episodes (rl.tools, "
                               "rl.environment) need rl.async_steps: 0")  # fmt: skip
         from veomni_lite.rl.environments import load_environment
         from veomni_lite.rl.tools import load_tools

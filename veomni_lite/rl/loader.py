@@ -47,8 +47,8 @@ class RolloutLoader:
         k, position = divmod(self.step, self.steps_per_rollout)
         if self.batch is None or self.batch.index != k:
             restored, self._restored = self._restored, None
-            following = self.max_steps is None or (k + 1) * self.steps_per_rollout < self.max_steps
-            self.batch = self.made = self.pipeline.make(k, self.step, following, restored)
+            last = None if self.max_steps is None else (self.max_steps - 1) // self.steps_per_rollout
+            self.batch = self.made = self.pipeline.make(k, self.step, last, restored)
         self.step += 1
         return [dict(micro_batch) for micro_batch in self.batch.micro_batches[position % self.minibatches]]
 
@@ -58,15 +58,18 @@ class RolloutLoader:
         return made
 
     def state_dict(self) -> dict[str, Any]:
-        """The trained steps and, when the last trained step fell inside a rollout batch, that batch's samples (plain
-        data, the same on every rank)."""
+        """The trained steps, when the last trained step fell inside a rollout batch that batch's samples, and under
+        `rl.async_steps` the blocks generating ahead (collected first: collective) (plain data, the same on every
+        rank)."""
         trained = self.trained
         inside = trained % self.steps_per_rollout != 0 and self.batch is not None
         last = (trained - 1) // self.steps_per_rollout  # the rollout batch of the last trained step (-1: none)
+        queue = self.pipeline.source.queue
         return {
             "step": trained,
             "samples": [s.plain() for s in self.batch.samples] if inside else None,
             "prompt_block": self.pipeline.source.start_block(self.pipeline.context, last + 1),
+            **({"queue": queue.state(self.pipeline.context)} if queue is not None else {}),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -74,6 +77,9 @@ class RolloutLoader:
         self.batch = self.made = None
         last = (self.step - 1) // self.steps_per_rollout
         self.pipeline.source.block_ends = {last: int(state.get("prompt_block", last + 1))}
+        queue = self.pipeline.source.queue
+        if queue is not None:  # a checkpoint without it (or of k = 0): the blocks ahead are generated anew
+            queue.load(self.pipeline.context, state.get("queue", []))
         samples = state.get("samples")
         self._restored = [RolloutSample(**s) for s in samples] if samples is not None else None
 

@@ -41,6 +41,7 @@ from veomni_lite.rl.critic import Critic, gae_advantages
 from veomni_lite.rl.logprob_pass import collate_plans, fill, needs_fill, plan
 from veomni_lite.rl.records import engine_mismatch_metrics, rollout_metrics
 from veomni_lite.rl.rollout_batch import RolloutSource
+from veomni_lite.rl.rollout_queue import RolloutQueue
 from veomni_lite.rl.rollouts import RolloutSample
 
 __all__ = ["RolloutBatch", "RolloutContext", "RolloutPipeline", "advantages"]
@@ -121,18 +122,20 @@ class RolloutPipeline:
 
     def __init__(self, context: RolloutContext) -> None:
         self.context = context
-        self.source = RolloutSource()
+        rl = context.rl
+        self.source = RolloutSource(RolloutQueue(rl.async_steps, rl.partial_rollouts) if rl.async_steps else None)
         self.last: list[RolloutSample] = []
 
-    def make(self, k: int, step: int, following: bool, restored: list[RolloutSample] | None = None) -> RolloutBatch:
+    def make(self, k: int, step: int, last: int | None, restored: list[RolloutSample] | None = None) -> RolloutBatch:
         """Rollout batch `k` (collective), made when `step` optimizer steps have trained (the current weights'
-        version); `following`: another batch follows in the run; `restored`: the batch's samples from a checkpoint."""
+        version); `last`: the run's last rollout batch (None: no end); `restored`: the batch's samples from a
+        checkpoint."""
         context = self.context
         metrics: dict[str, Any] = {}
         generate_s = 0.0
         if restored is None:
             start = time.perf_counter()
-            samples, counts = self.source.collect(context, k, step, following)  # generate -> score -> gather
+            samples, counts = self.source.collect(context, k, step, last)  # generate -> score -> gather
             if not ADVANTAGES.get(context.rl.advantage, "rl.advantage").needs_critic:
                 advantages(context, samples)
             generate_s = time.perf_counter() - start
@@ -148,6 +151,11 @@ class RolloutPipeline:
         if not context.on_policy:  # on policy the loss records them, from the training forward
             metrics |= engine_mismatch_metrics(self._mine(samples))
         return RolloutBatch(k, samples, collate_plans(context, plans), metrics, generate_s)
+
+    def start_ahead(self, step: int) -> None:
+        """Async rollouts: once the batch just made starts training (at `step`), the blocks after it start generating
+        by the current weights (`RolloutSource.start_ahead`; collective)."""
+        self.source.start_ahead(self.context, step)
 
     def _mine(self, samples: list[RolloutSample]) -> list[RolloutSample]:
         """The samples this rank records (each sample one rank's)."""

@@ -80,8 +80,9 @@ def rollout_specs(rl: Any, reward_names: Sequence[str]) -> list[MetricSpec]:
         MetricSpec("rl/response_length/min", "min", fmt=".0f"),
         MetricSpec("rl/response_length/max", "max", fmt=".0f"),
         MetricSpec("rl/truncated_ratio", "mean"),
-        MetricSpec("rl/staleness", "mean", fmt=".1f"),  # optimizer steps between a sample's weights and now
+        MetricSpec("rl/staleness/mean", "mean", fmt=".1f"),  # optimizer steps between a sample's weights and now
         MetricSpec("rl/staleness/max", "max", fmt=".0f"),
+        *([MetricSpec("rl/staleness/dropped", "mean", fmt=".0f")] if rl.async_steps else []),  # per batch, rank 0
         MetricSpec("rl/kl", "mean"),
         MetricSpec("rl/entropy", "mean"),
         *(MetricSpec(name, "mean") for name in POLICY_LOSSES.get(rl.policy_loss, "rl.policy_loss").metrics),
@@ -138,7 +139,7 @@ def rollout_metrics(samples: Sequence[RolloutSample], group_size: int, step: int
     record["rl/truncated_ratio"] = (truncated.sum(), float(truncated.numel()))
     if step is not None:  # optimizer steps since the weights that sampled each
         staleness = torch.tensor([float(step - s.version) for s in samples], dtype=torch.float64)
-        record["rl/staleness"] = (staleness.sum(), float(staleness.numel()))
+        record["rl/staleness/mean"] = (staleness.sum(), float(staleness.numel()))
         record["rl/staleness/max"] = staleness.max()
     return record
 

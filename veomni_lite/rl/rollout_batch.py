@@ -8,8 +8,9 @@ Rollout batch k (collective, made when the loader first needs it): its `rl.promp
 weights (synced when they changed: one gather of the full weights); each rank scores its own samples
 (`veomni_lite.rl.rewards.score`), a reward function failing on any rank being the same `RewardError` on every rank
 (`agree`); the samples are then all-gathered in batch order (every rank holds every sample).
-Given rollouts (`rl.rollouts_path`) skip the generation. Under `rl.async_steps: 1` batch k+1 is generated in the
-background while batch k trains (the vLLM engine).
+Given rollouts (`rl.rollouts_path`) skip the generation. Under `rl.async_steps: k` >= 1 batches k+1 .. k+k are
+generated in the background while batch k trains, by the engine's queue (`veomni_lite.rl.rollout_queue`: the
+schedule, the staleness bound, partial rollouts, the queue in checkpoints).
 
 `rl.dynamic_sampling` (DAPO, verl's filter_groups): batch k is made of rounds; round r generates prompt block b (block
 b = `PromptSet.batch(b, prompts_per_step)`, the prompt order's next; seeds by (seed, b, i, j)), gathers it, drops the
@@ -98,7 +99,7 @@ def generate(
         return generate_episodes(context, k, prompts, indices, count, settings, step, sample_seed, score)
     requests = [request(context, k, i, prompts[i], count) for i in indices]
     results = context.engine.generate(requests, settings)  # every rank: the vLLM engine's call is collective
-    return _samples_of(context, k, prompts, indices, results, step)
+    return samples_of(context, k, prompts, indices, results, step)
 
 
 def mine(context: Any, count: int) -> list[int]:
@@ -144,7 +145,7 @@ def gather(context: Any, samples: list[RolloutSample]) -> list[RolloutSample]:
     return [every[i] for i in order]
 
 
-def _samples_of(
+def samples_of(
     context: Any, k: int, prompts: Sequence[Prompt], indices: list[int], results: list[list[Any]], version: int
 ) -> list[RolloutSample]:
     """This rank's samples of prompts `indices` from the engine's `results` (made by the weights of `version`),
@@ -167,13 +168,23 @@ def _samples_of(
 
 
 class RolloutSource:
-    """Where rollout batches come from: the engine (generated and scored, under `rl.async_steps: 1` one prompt block
-    in flight in the background, under `rl.dynamic_sampling` in rounds) or the given rollouts. State: the block in
-    flight and `block_ends` (rollout batch -> the prompt block after its last; the loader checkpoints it)."""
+    """Where rollout batches come from: the engine (generated and scored, under `rl.async_steps` the prompt blocks
+    ahead in flight in `queue`, under `rl.dynamic_sampling` in rounds) or the given rollouts. State: the queue, the
+    blocks to start once the batch just made trains (`ahead`) and `block_ends` (rollout batch -> the prompt block after
+    its last; the loader checkpoints it and the queue)."""
 
-    def __init__(self) -> None:
-        self._async_pending: tuple[int, int] | None = None  # (prompt block, weights version) generating
+    def __init__(self, queue: Any = None) -> None:
+        self.queue = queue  # async: the `veomni_lite.rl.rollout_queue.RolloutQueue` (None: synchronous)
+        self.ahead: list[int] | None = None  # async: the blocks to start once the batch just made starts training
         self.block_ends: dict[int, int] = {}
+
+    def start_ahead(self, context: Any, step: int) -> None:
+        """Async (`rl.async_steps`): the blocks ahead of the batch just made start generating (`RolloutQueue.advance`)
+        by the weights of `step`, the ones its first optimizer step is about to update (collective); called once that
+        step starts, so a checkpoint saved between the make and it holds the queue as it was before the make."""
+        if self.queue is not None and self.ahead is not None:
+            self.queue.advance(context, self.ahead, sampling(context, greedy=False), step)
+            self.ahead = None
 
     def start_block(self, context: Any, k: int) -> int:
         """The prompt block of rollout batch k's first round: k, or under dynamic sampling the block after batch
@@ -182,10 +193,11 @@ class RolloutSource:
             return k
         return self.block_ends.get(k - 1, k)
 
-    def collect(self, context: Any, k: int, step: int, following: bool) -> tuple[list[RolloutSample], dict[str, Any]]:
+    def collect(self, context: Any, k: int, step: int, last: int | None) -> tuple[list[RolloutSample], dict[str, Any]]:
         """Rollout batch `k`'s samples in batch order, every reward filled, every rank's (collective), and its
-        metrics (`rl/dynamic_sampling/...`, the world's counts, on rank 0). `step`: the optimizer steps trained (the
-        current weights' version); `following`: another batch follows in this run (async: started now)."""
+        metrics (`rl/dynamic_sampling/...`, `rl/staleness/dropped`: the world's counts, on rank 0). `step`: the
+        optimizer steps trained (the current weights' version); `last`: the run's last rollout batch (None: no end;
+        async: no block past it starts)."""
         rl = context.rl
         if context.given is not None:
             at = (k % (len(context.given) // rl.rollout_size)) * rl.rollout_size
@@ -195,28 +207,31 @@ class RolloutSource:
             return samples, {}
         settings = sampling(context, greedy=False)
         if rl.filter_groups is not None:
-            samples, counts = self._filtered(context, k, rl.filter_groups, step, following)
-            if context.parallel.rank != 0:  # world counts: one rank records them
-                return samples, {}
-            return samples, {f"rl/dynamic_sampling/{name}": (float(n), 1.0) for name, n in counts.items()}
-        prompts = context.prompts.batch(k, rl.prompts_per_step, context.seed)
-        if rl.async_steps:
-            mine_ = self._generate_async(context, k, prompts, settings, step, k + 1 if following else None)
+            samples, counts = self._filtered(context, k, rl.filter_groups, step, last is None or k < last)
         else:
-            mine_ = generate(context, k, prompts, settings, step)
-        return gather(context, mine_), {}
+            prompts = context.prompts.batch(k, rl.prompts_per_step, context.seed)
+            counts = {}
+            if self.queue is not None:
+                mine_, counts["staleness/dropped"] = self.queue.take(context, k, prompts, settings, step)
+                self.ahead = [b for b in range(k + 1, k + rl.async_steps + 1) if last is None or b <= last]
+            else:
+                mine_ = generate(context, k, prompts, settings, step)
+            samples = gather(context, mine_)
+        if context.parallel.rank != 0:  # world counts: one rank records them
+            return samples, {}
+        return samples, {f"rl/{name}": (float(n), 1.0) for name, n in counts.items()}
 
     def _filtered(
         self, context: Any, k: int, rule: DynamicSampling, step: int, following: bool
     ) -> tuple[list[RolloutSample], dict[str, int]]:
         """Batch k under dynamic sampling (module docstring): its `prompts_per_step` learning groups, renumbered in
-        batch order, and the counts {generated, kept, dropped}_groups and rounds (collective; the same on every
-        rank). Too few within `rule.max_generation_rounds` is a DynamicSamplingError on every rank."""
+        batch order, and the counts dynamic_sampling/{generated, kept, dropped}_groups and rounds (collective; the
+        same on every rank). Too few within `rule.max_generation_rounds` is a DynamicSamplingError on every rank."""
         rl = context.rl
         settings, seed, size = sampling(context, greedy=False), context.seed, rl.prompts_per_step
         block = self.start_block(context, k)
         kept: list[list[RolloutSample]] = []
-        generated = dropped = rounds = 0
+        generated = dropped = rounds = stale = 0
         while len(kept) < size:
             if rounds == rule.max_generation_rounds:
                 raise DynamicSamplingError(
@@ -226,8 +241,8 @@ class RolloutSource:
                     "reward (does it ever differ within a group?)"
                 )
             prompts = context.prompts.batch(block, size, seed)
-            if rl.async_steps and rounds == 0:  # the round generated in the background while batch k-1 trained
-                mine_ = self._generate_async(context, block, prompts, settings, step, None)
+            if self.queue is not None and rounds == 0:  # the round generated in the background while k-1 trained
+                mine_, stale = self.queue.take(context, block, prompts, settings, step)
             else:
                 mine_ = generate(context, block, prompts, settings, step)
             samples = gather(context, mine_)
@@ -242,50 +257,11 @@ class RolloutSource:
             )
         self.block_ends = {b: end for b, end in self.block_ends.items() if b >= k - 1}  # the loader may need k-1's
         self.block_ends[k] = block  # the next batch starts here (the loader checkpoints it)
-        if rl.async_steps and following:
-            self._start_async(context, block, settings, step)
+        if self.queue is not None:
+            self.ahead = [block] if following else []
         batch = [sample for group in kept for sample in group]
         for index, sample in enumerate(batch):
             sample.group = index // rl.num_generations
         counts = {"generated_groups": generated, "kept_groups": len(kept), "dropped_groups": dropped, "rounds": rounds}
-        return batch, counts
-
-    def _generate_async(
-        self,
-        context: Any,
-        k: int,
-        prompts: Sequence[Prompt],
-        settings: SamplingSettings,
-        step: int,
-        following: int | None,
-    ) -> list[RolloutSample]:
-        """Prompt block k's samples (this rank's, scored) under `rl.async_steps: 1`: generated in the background while
-        the batch before trained, by the weights before it (batch 0, and the first batch after a resume, are generated
-        now); then, unless `following` is None, the current weights are synced and block `following`'s generation
-        starts, to overlap this batch's training."""
-        engine = context.engine
-        if self._async_pending is not None and self._async_pending[0] == k:
-            version = self._async_pending[1]
-            results = engine.finish_generate()
-        else:
-            sync_engine(context, step)
-            version = step
-            engine.start_generate(_requests_by_rank(context, k, prompts), settings)
-            results = engine.finish_generate()
-        self._async_pending = None
-        if following is not None:
-            self._start_async(context, following, settings, step)
-        return _samples_of(context, k, prompts, mine(context, len(prompts)), results, version)
-
-    def _start_async(self, context: Any, block: int, settings: SamplingSettings, step: int) -> None:
-        """Prompt block `block`'s generation started in the background by the current weights (nothing in flight)."""
-        sync_engine(context, step)
-        prompts = context.prompts.batch(block, context.rl.prompts_per_step, context.seed)
-        context.engine.start_generate(_requests_by_rank(context, block, prompts), settings)
-        self._async_pending = (block, step)
-
-
-def _requests_by_rank(context: Any, k: int, prompts: Sequence[Prompt]) -> list[list[RolloutRequest]]:
-    """Every rank's requests of batch k (prompt i is rank i mod world's), as `generate` makes its own."""
-    world, count = context.parallel.world_size, context.rl.num_generations
-    return [[request(context, k, i, prompts[i], count) for i in range(r, len(prompts), world)] for r in range(world)]
+        counts = {f"dynamic_sampling/{name}": n for name, n in counts.items()}
+        return batch, counts | ({"staleness/dropped": stale} if self.queue is not None else {})

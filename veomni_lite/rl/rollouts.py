@@ -85,7 +85,8 @@ class RolloutSample:
     prompt_text: str = ""
     response_text: str = ""
     where: str = ""
-    version: int = 0  # the policy version (optimizer steps) whose weights sampled it
+    version: int = 0  # the policy version (optimizer steps) of the weights that sampled it (partial: its first token)
+    versions: list[int] | None = None  # partial rollouts: each response token's version (None: all `version`)
     old_values: list[float] | None = None  # the critic's (`rl.advantage: gae`, `veomni_lite.rl.critic`)
     returns: list[float] | None = None
     token_advantages: list[float] | None = None  # GAE's per token; else `advantage` at every token

@@ -42,6 +42,7 @@ from veomni_lite.data.checks import DataError
 from veomni_lite.data.loader import StepLoader
 from veomni_lite.data.sft import read_sources
 from veomni_lite.distributed.collectives import agree, all_reduce
+from veomni_lite.engines.background import BackgroundEngine
 from veomni_lite.engines.base import RolloutEngine
 from veomni_lite.engines.embedded import TransformersEngine
 from veomni_lite.engines.weights import engine_model
@@ -285,7 +286,8 @@ class RLTrainer(SFTTrainer):
         model = engine_model(self.model_config, self.config.parallel.master_dtype)
         counts = self.images.token_counts if self.images is not None else None
         record = self.rl.routing_replay == "rollout"
-        return TransformersEngine(model, self.device, image_tokens=counts, record_experts=record)
+        engine = TransformersEngine(model, self.device, image_tokens=counts, record_experts=record)
+        return BackgroundEngine(engine, self.parallel.rank) if self.rl.async_steps else engine
 
     def close(self) -> None:
         """The engine released too (a launched vLLM server stopped), then the trainer's own."""
@@ -333,6 +335,7 @@ class RLTrainer(SFTTrainer):
         """The loop's step, with the metrics of the rollout batch it starts (if it starts one), its times and the
         rollouts sample recorded (`RolloutRecords.flush`)."""
         start = time.perf_counter()
+        self.rollouts.start_ahead(self.step)  # async: the batches ahead generate while this step trains
         try:
             super().train_step(micro_batches)
         finally:

@@ -7,6 +7,8 @@ One responsibility per module:
   a file by vLLM's interpreter, standard library only) and how the group ends;
 - `client`: rank 0's HTTP client of the servers (requests with the API key, errors naming the URL, readiness, prompt
   log-probabilities, a wave of sampling requests spread over the servers);
+- `pool`: which servers serve (`Pool`): a dead server's samples go to the others, a launched one is relaunched
+  (`max_restarts`) and rejoins;
 - `check`: whether a server serves the trainer's weights after a sync (`SyncCheck`);
 - `sync`: the weight sync's parts (writing the safetensors, each server's reload and cache resets, the checks);
 - `engine`: `VLLMEngine`, the `RolloutEngine` composing them into collectives over the trainer's ranks.

@@ -55,14 +55,22 @@ def spread(count: int, servers: int) -> list[range]:
     return [range(bounds[k], bounds[k + 1]) for k in range(servers)]
 
 
-@dataclass
+class ServerDown(EngineError):
+    """A server is gone (its connection refused, reset or closed, or a launched server exited): its requests may go to
+    another server (`pool`), unlike an error it answered or a request it did not answer in time while running."""
+
+
+@dataclass(eq=False)
 class Endpoint:
-    """One server as rank 0 reaches it."""
+    """One server as rank 0 reaches it: one process, for a launched server (a relaunch is another Endpoint).
+    `state` (`pool`): "serving", "joining" (a relaunched server starting, or a user's server that stopped answering,
+    both tried again before each wave and sync) or "gone" (a launched server not relaunched)."""
 
     url: str
     server: VLLMServer | None
     check: SyncCheck
     model_name: str | None = None
+    state: str = "serving"
 
 
 Plain = tuple[list[int], list[int], dict[str, Any]]  # a request as rank 0 gets it: prompt ids, seeds, chat fields
@@ -89,30 +97,43 @@ class Client:
                 continue
             if endpoint.server is not None:
                 endpoint.server.wait_ready(self.settings.start_timeout_s, started)
-            models = self.call(endpoint, "GET", "/v1/models", None, "list the served models")
-            try:
-                endpoint.model_name = str(models["data"][0]["id"])
-            except (KeyError, IndexError, TypeError) as exc:
-                raise EngineError(f"{NAME} at {endpoint.url}: GET /v1/models answered {str(models)[:300]!r}") from exc
+            self.model_name(endpoint)
 
-    def call(self, endpoint: Endpoint, method: str, route: str, body: Any, what: str) -> Any:
-        """One HTTP call to `endpoint` within `request_timeout_s` (the API key in its headers), its JSON answer (None
-        when empty); EngineError naming the engine, the server's URL, the request and the cause (with a launched
-        server's state)."""
+    def model_name(self, endpoint: Endpoint, timeout_s: float | None = None) -> None:
+        """`endpoint.model_name` from GET /v1/models (within `timeout_s`, default `request_timeout_s`)."""
+        models = self.call(endpoint, "GET", "/v1/models", None, "list the served models", timeout_s)
+        try:
+            endpoint.model_name = str(models["data"][0]["id"])
+        except (KeyError, IndexError, TypeError) as exc:
+            raise EngineError(f"{NAME} at {endpoint.url}: GET /v1/models answered {str(models)[:300]!r}") from exc
+
+    def call(
+        self, endpoint: Endpoint, method: str, route: str, body: Any, what: str, timeout_s: float | None = None
+    ) -> Any:
+        """One HTTP call to `endpoint` within `timeout_s` (default `request_timeout_s`; the API key in its headers),
+        its JSON answer (None when empty); EngineError naming the engine, the server's URL, the request and the cause
+        (with a launched server's state): `ServerDown` when the server is gone (the connection refused, reset or
+        closed, or a launched server exited), not when it answered an error or did not answer in time while running."""
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(endpoint.url + route, data=data, method=method, headers=self.headers)
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the job's own nodes: never a proxy
         where = f"{NAME} at {endpoint.url}: {what} ({method} {route})"
+        limit = "rl.vllm.request_timeout_s = " if timeout_s is None else ""
+        timeout_s = self.settings.request_timeout_s if timeout_s is None else timeout_s
         try:
-            with opener.open(request, timeout=self.settings.request_timeout_s) as response:
+            with opener.open(request, timeout=timeout_s) as response:
                 raw = response.read()
         except urllib.error.HTTPError as exc:
             detail = exc.read()[:600].decode(errors="replace")
-            raise EngineError(f"{where} answered HTTP {exc.code}: {detail}") from None
+            state, exited = _state(endpoint)
+            error = ServerDown if exited else EngineError
+            raise error(f"{where} answered HTTP {exc.code}: {detail}{state}") from None
         except (OSError, urllib.error.URLError) as exc:  # refused, reset, or timed out (socket.timeout is an OSError)
             timed_out = isinstance(exc, TimeoutError) or "timed out" in str(exc)
-            cause = f"no answer within rl.vllm.request_timeout_s = {self.settings.request_timeout_s:g} s"
-            raise EngineError(f"{where} failed: {cause if timed_out else exc}{_state(endpoint)}") from exc
+            cause = f"no answer within {limit}{timeout_s:g} s"
+            state, exited = _state(endpoint)
+            error = ServerDown if exited or not timed_out else EngineError
+            raise error(f"{where} failed: {cause if timed_out else exc}{state}") from exc
         try:
             return json.loads(raw) if raw.strip() else None
         except ValueError as exc:
@@ -133,28 +154,44 @@ class Client:
             raise EngineError(f"{NAME} at {endpoint.url}: {what}: unexpected answer ({exc!r})") from exc
 
     def wave(
-        self, endpoints: Sequence[Endpoint], everyone: Sequence[Sequence[Plain]], settings: SamplingSettings
-    ) -> list[list[list[tuple[list[int], list[float], str]]]]:
-        """Every rank's requests as one wave, one HTTP request per sample, the samples spread over the servers
-        (`spread`), `max_concurrency` in flight per server; the first failure stops the rest. Per rank, per request,
-        per seed: (response ids, log-probabilities, finish reason)."""
+        self,
+        endpoints: Sequence[Endpoint],
+        everyone: Sequence[Sequence[Plain]],
+        settings: SamplingSettings,
+        out: list[list[list[Any]]] | None = None,
+        on_down: Callable[[Endpoint, ServerDown], None] | None = None,
+    ) -> list[list[list[Any]]]:
+        """Every rank's requests as one wave, one HTTP request per sample, the samples not answered yet in `out` (all
+        when None) spread over the servers (`spread`), `max_concurrency` in flight per server; the first failure stops
+        the rest, except a `ServerDown` when `on_down` is given: it gets the server and the error, and that server's
+        other samples stay unanswered (None) for another wave. Per rank, per request, per seed: (response ids,
+        log-probabilities, finish reason), or None."""
+        if out is None:
+            out = [[[None] * len(seeds) for _, seeds, _ in requests] for requests in everyone]
         rows = [
             (rank, i, j)
             for rank, requests in enumerate(everyone)
             for i, (_, seeds, _) in enumerate(requests)
             for j in range(len(seeds))
+            if out[rank][i][j] is None
         ]
-        out: list[list[list[Any]]] = [[[None] * len(seeds) for _, seeds, _ in requests] for requests in everyone]
         failed = threading.Event()
+        down: set[int] = set()
 
-        def one(endpoint: Endpoint, row: tuple[int, int, int]) -> None:
-            if failed.is_set():
+        def one(k: int, endpoint: Endpoint, row: tuple[int, int, int]) -> None:
+            if failed.is_set() or k in down:
                 return
             rank, i, j = row
             try:
                 prompt, seeds, chat = everyone[rank][i]
                 what = f"rank {rank}'s request {i}, sample {j}"
                 out[rank][i][j] = self.sample(endpoint, prompt, chat, seeds[j], settings, what)
+            except ServerDown as exc:
+                if on_down is None:
+                    failed.set()
+                    raise
+                down.add(k)
+                on_down(endpoint, exc)
             except BaseException:
                 failed.set()
                 raise
@@ -165,7 +202,7 @@ class Client:
                 if share:
                     workers = min(len(share), self.settings.max_concurrency)
                     pool = pools.enter_context(ThreadPoolExecutor(workers, f"vllm-request-{k}"))
-                    futures += [pool.submit(one, endpoint, rows[r]) for r in share]
+                    futures += [pool.submit(one, k, endpoint, rows[r]) for r in share]
             errors = [future.exception() for future in futures]
         first = next((e for e in errors if e is not None), None)
         if first is not None:
@@ -242,16 +279,16 @@ def each(endpoints: Sequence[Endpoint], fn: Callable[[Endpoint], Any]) -> list[A
     return [future.result() for future in futures]
 
 
-def _state(endpoint: Endpoint) -> str:
-    """A launched server's state, for an error after a failed call: a server killed a moment ago may still be exiting
-    when its connections fail, so it gets a few seconds to be seen as exited."""
+def _state(endpoint: Endpoint) -> tuple[str, bool]:
+    """A launched server's state, for an error after a failed call, and whether it has exited: a server killed a moment
+    ago may still be exiting when its connections fail, so it gets a few seconds to be seen as exited."""
     server = endpoint.server
     if server is None:
-        return ""
+        return "", False
     code = server.exited(wait_s=5.0)
     if code is None:
-        return f" (launched server pid {server.pid} still running; log {server.log_path})"
-    return f" (launched server pid {server.pid} exited with code {code}; log {server.log_path})"
+        return f" (launched server pid {server.pid} still running; log {server.log_path})", False
+    return f" (launched server pid {server.pid} exited with code {code}; log {server.log_path})", True
 
 
 def _logprob_of(entry: Mapping[str, Any], token: int) -> float:

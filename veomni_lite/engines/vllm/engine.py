@@ -6,22 +6,28 @@ rank calls them, with its own requests): every rank's requests are gathered on r
 HTTP requests spread over the servers (`spread`: contiguous shares of the samples, so a prompt's samples mostly share a
 server and its prefix cache), and the rollouts broadcast back. Why rank 0 alone: a launched server listens on loopback
 of rank 0's node, which other nodes cannot reach, and one wave holding the whole rollout batch fills vLLM's batches
-better than world-size smaller ones. A failure on rank 0 (no answer within `request_timeout_s`, an HTTP error, a
-launched server gone) is the same `EngineError` on every rank, naming the engine, the server's URL and the request
-(`agree`). While rank 0 waits on the servers, every rank joins a small all-reduce each second, so no collective waits
-on rank 0 for long (`parallel.collective_timeout_s` need not cover a server's start or a batch's generation).
+better than world-size smaller ones. A server that is gone (its connection refused or reset, or a launched server
+exited) is the pool's (`pool`): its samples go to the servers that serve, with their own seeds, a launched one is
+relaunched and rejoins on the synced weights; rank 0 alone decides, so no rank's collectives change. Any other failure
+on rank 0 (no answer within `request_timeout_s`, an HTTP error, no server left) is the same `EngineError` on every rank,
+naming the engine, the server's URL and the request (`agree`). While rank 0 waits on the servers, every rank joins a
+small all-reduce each second, so no collective waits on rank 0 for long (`parallel.collective_timeout_s` need not cover
+a server's start or a batch's generation).
 
-One-step-async rollouts (`rl.async_steps: 1`): `start_generate` starts a rollout batch's generation in a thread of rank
-0 that makes no collective, `finish_generate` collects it; a weight sync waits for a generation in flight first.
+Async rollouts (`rl.async_steps` >= 1): `start_generate` starts a rollout batch's generation in a thread of rank 0 that
+makes no collective, `finish_generate` collects the oldest one started; a weight sync waits for every generation in
+flight first.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, wait
 from pathlib import Path
@@ -33,7 +39,8 @@ import torch.distributed as dist
 from veomni_lite.distributed.collectives import agree, all_gather_objects, all_reduce, group_size
 from veomni_lite.engines.base import Rollout, RolloutEngine, RolloutRequest, SamplingSettings
 from veomni_lite.engines.vllm.check import SyncCheck
-from veomni_lite.engines.vllm.client import Client, Endpoint, Plain, each, plain
+from veomni_lite.engines.vllm.client import Client, Endpoint, Plain, ServerDown, each, plain
+from veomni_lite.engines.vllm.pool import Pool
 from veomni_lite.engines.vllm.server import VLLMServer
 from veomni_lite.engines.vllm.settings import NAME, EngineError, VLLMSettings
 from veomni_lite.engines.vllm.sync import judge, reload, write_weights
@@ -71,71 +78,123 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"VLLMEngine: the probe needs at least 2 tokens, got {len(self.probe_ids)}")
         self.leader = not (dist.is_available() and dist.is_initialized()) or dist.get_rank(group) == 0
         self.config_path = Path(config_path) if config_path else Path(model_dir) / "config.json"
-        self.endpoints: list[Endpoint] = []
         self.sync_path = Path(settings.sync_dir) / f"run-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.last_probe_diff = float("nan")
         """The last sync's largest mean |engine - trainer| over the servers."""
         self.client = Client(settings)  # rank 0's, with the API key below
         self._started = time.monotonic()
         self._closed = False
-        self._pending: Future[Any] | None = None  # a started generation (rank 0), see start_generate
+        self._pending: deque[Any] = deque()  # started generations, oldest first (rank 0's Futures), see start_generate
+        self._up = False  # rank 0: every server answered once (`_ready`)
+        self._synced: tuple[int, list[float]] | None = None  # rank 0: the version on the servers, the trainer's probe
+        self.model_dir = model_dir
+        self.pool = Pool(settings, [], self._launch)
+        self._key = ""
         problem = None
         if self.leader:
             try:
-                key = settings.api_key()
-                self.client = Client(settings, key)
+                self._key = settings.api_key()
+                self.client = Client(settings, self._key)
                 for url in settings.server_urls:
-                    self.endpoints.append(Endpoint(url, None, SyncCheck(settings.probe_tolerance)))
+                    self.pool.slots.append(Endpoint(url, None, SyncCheck(settings.probe_tolerance)))
                 log_path = Path(log_path)
                 for k in range(settings.launch):
                     log = log_path if k == 0 else log_path.with_name(f"{log_path.stem}_{k}{log_path.suffix}")
-                    server = VLLMServer(
-                        settings.python, model_dir, log, settings.server_args, renders_prompts=renders_prompts,
-                        api_key=key,
-                    )  # fmt: skip
-                    self.endpoints.append(Endpoint(server.url, server, SyncCheck(settings.probe_tolerance)))
+                    server = self._launch(log)
+                    self.pool.slots.append(Endpoint(server.url, server, SyncCheck(settings.probe_tolerance)))
             except (EngineError, OSError) as exc:
                 problem = exc
                 self._stop_servers()
         agree(problem, EngineError, group, where=f"{NAME}: start: ")
 
+    def _launch(self, log_path: Path) -> VLLMServer:
+        """Rank 0: a server of `model_dir` started, logging to `log_path`."""
+        return VLLMServer(
+            self.settings.python, self.model_dir, log_path, self.settings.server_args,
+            renders_prompts=self.renders_prompts, api_key=self._key,
+        )  # fmt: skip
+
+    @property
+    def endpoints(self) -> list[Endpoint]:
+        """Every server as rank 0 reaches it, serving or not (`pool`; [] on other ranks)."""
+        return self.pool.slots
+
     @property
     def servers(self) -> list[VLLMServer]:
-        """The servers this engine launched (rank 0; [] elsewhere or with `url`/`urls`)."""
+        """The servers this engine launched, relaunched ones in place of those they replace (rank 0; [] elsewhere or
+        with `url`/`urls`)."""
         return [endpoint.server for endpoint in self.endpoints if endpoint.server is not None]
 
     def _ready(self) -> None:
-        """Rank 0: every server is up (a launched one answered /health) and its model name is known."""
-        self.client.ready(self.endpoints, self._started)
+        """Rank 0: every server is up (a launched one answered /health) and its model name is known, once: a server
+        that never answered is an EngineError (a configuration to fix), while one that served and went is the
+        pool's to replace."""
+        if not self._up:
+            self.client.ready(self.endpoints, self._started)
+            self._up = True
+
+    def _serving(self) -> list[Endpoint]:
+        """Rank 0: the servers that serve (at least one), once those that can join have joined, each brought to the
+        weights on the servers (reloaded, and its sync check passed against the trainer's probe of them; a server
+        joining before the first sync, or within a sync, gets the sync's weights with the others)."""
+        self._ready()
+        while True:
+            for endpoint in self.pool.joiners(self.client, wait=True):
+                if self._synced is not None:
+                    version, trainer = self._synced
+                    probe = self._attempt(endpoint, functools.partial(self._reload, endpoint, version))
+                    if probe is None:
+                        continue
+                    verdict = endpoint.check(version, probe, trainer)
+                    if verdict is not None:
+                        raise EngineError(f"{NAME} at {endpoint.url}: {verdict}")
+                self.pool.admit(endpoint)
+            serving = self.pool.serving()
+            if serving:
+                return serving
+
+    def _attempt(self, endpoint: Endpoint, fn: Callable[[], Any]) -> Any:
+        """`fn()`, or None when `endpoint` went down meanwhile (reported to the pool)."""
+        try:
+            return fn()
+        except ServerDown as exc:
+            self.pool.down(endpoint, exc)
+            return None
+
+    def _reload(self, endpoint: Endpoint, version: int) -> list[float]:
+        return reload(self.client, endpoint, self.sync_path, version, self.probe_ids, self.renders_prompts)
 
     # ------------------------------------------------------------------ weights
 
     def sync_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Collective (the `sync` module): rank 0 writes once, then every server reloads and resets its prefix cache;
-        then each server's sync check (`SyncCheck`)."""
+        """Collective (the `sync` module): rank 0 writes once, then every server that serves reloads and resets its
+        prefix cache (one that is down meanwhile is left to the pool; at least one must take the weights); then each
+        synced server's sync check (`SyncCheck`)."""
         where = f"{NAME}, weight sync of version {version}: "
 
-        def sync() -> list[list[float]]:
-            if self._pending is not None:  # a generation in flight finishes on the weights it started with
-                wait([self._pending])
-            self._ready()
+        def sync() -> list[tuple[Endpoint, list[float]]]:
+            if self._pending:  # the generations in flight finish on the weights they started with
+                wait([f for f in self._pending if f is not None])
+            self._serving()  # joiners first, on the weights they will replace
             start = time.perf_counter()
             self._write(state_dict)
+            self._synced = None  # the servers' weights are this version's, whose trainer's probe comes below
             written = time.perf_counter()
-            probes = each(
-                self.endpoints,
-                lambda e: reload(self.client, e, self.sync_path, version, self.probe_ids, self.renders_prompts),
-            )
+            synced: list[tuple[Endpoint, list[float]]] = []
+            while not synced:
+                serving = self._serving()
+                probes = each(serving, lambda e: self._attempt(e, lambda: self._reload(e, version)))
+                synced = [(e, probe) for e, probe in zip(serving, probes) if probe is not None]
             self.sync_s = (written - start, time.perf_counter() - written)
-            return probes
+            return synced
 
-        engine_logprobs = self._on_leader(sync, where)
+        synced = self._on_leader(sync, where)
         trainer_logprobs = self.reference(self.probe_ids)
         problem = None
         if self.leader:
-            problem, self.last_probe_diff = judge(
-                self.endpoints, version, engine_logprobs, trainer_logprobs, self.sync_s
-            )
+            endpoints, engine_logprobs = [e for e, _ in synced], [probe for _, probe in synced]
+            problem, self.last_probe_diff = judge(endpoints, version, engine_logprobs, trainer_logprobs, self.sync_s)
+            self._synced = (version, list(trainer_logprobs))
         agree(problem, EngineError, self.group, where=where)
         self._version = version
 
@@ -190,17 +249,16 @@ class VLLMEngine(RolloutEngine):
         everyone = all_gather_objects([plain(r) for r in requests], self.group)
         return self._collect(self._start(everyone, settings))
 
-    # One-step-async rollouts (`rl.async_steps: 1`): the trainer starts a rollout batch's generation, trains, and
-    # collects it later; the HTTP work runs in a thread of rank 0 that makes no collective.
+    # Async rollouts (`rl.async_steps`): the trainer starts a rollout batch's generation, trains, and collects it
+    # later; the HTTP work runs in a thread of rank 0 that makes no collective.
     def start_generate(self, everyone: Sequence[Sequence[RolloutRequest]], settings: SamplingSettings) -> None:
         """Not collective: rank 0 starts generating every rank's requests (`everyone[rank]`) in the background; other
         ranks do nothing. `finish_generate` collects them; a weight sync waits for them first."""
-        self._pending = self._start([[plain(r) for r in requests] for requests in everyone], settings)
+        self._pending.append(self._start([[plain(r) for r in requests] for requests in everyone], settings))
 
     def finish_generate(self) -> list[list[Rollout]]:
-        """Collective: this rank's rollouts of the generation `start_generate` began (waiting for it)."""
-        pending, self._pending = self._pending, None
-        return self._collect(pending)
+        """Collective: this rank's rollouts of the oldest generation `start_generate` began (waiting for it)."""
+        return self._collect(self._pending.popleft())
 
     def _start(self, everyone: Sequence[Sequence[Plain]], settings: SamplingSettings) -> Any:
         """Rank 0: a Future of every rank's rollouts, computed in a daemon thread (None on other ranks)."""
@@ -210,13 +268,21 @@ class VLLMEngine(RolloutEngine):
 
         def run() -> None:
             try:
-                self._ready()
-                future.set_result(self.client.wave(self.endpoints, everyone, settings))
+                future.set_result(self._wave(everyone, settings))
             except BaseException as exc:  # noqa: BLE001 - collected by _collect
                 future.set_exception(exc)
 
         threading.Thread(target=run, name="vllm-generate", daemon=True).start()
         return future
+
+    def _wave(self, everyone: Sequence[Sequence[Plain]], settings: SamplingSettings) -> Any:
+        """Rank 0: every rank's rollouts, from the servers that serve; the samples of a server that went down meanwhile
+        go to the others in another wave, with their own seeds (so the same tokens as from the server that went)."""
+        out = None
+        while True:
+            out = self.client.wave(self._serving(), everyone, settings, out, self.pool.down)
+            if all(sample is not None for requests in out for seeds in requests for sample in seeds):
+                return out
 
     def _collect(self, future: Any) -> list[list[Rollout]]:
         """Collective: wait for rank 0's `future`, agree on its failure, broadcast; this rank's share."""
@@ -239,6 +305,7 @@ class VLLMEngine(RolloutEngine):
             shutil.rmtree(self.sync_path, ignore_errors=True)
 
     def _stop_servers(self) -> None:
+        self.pool.close()  # no relaunch from here on
         for server in self.servers:  # all asked at once, then each waited for
             server.terminate()
         for server in self.servers:

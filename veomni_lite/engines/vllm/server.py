@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from veomni_lite.engines.vllm.boot import end_group
+from veomni_lite.engines.vllm.boot import end_group, members
 from veomni_lite.engines.vllm.settings import NAME, EngineError
 
 logger = logging.getLogger(__name__)
@@ -46,6 +46,25 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def shared_memory(pids: Sequence[int]) -> dict[str, int]:
+    """The files in /dev/shm of Python's multiprocessing that the processes `pids` map, with their inodes: shared
+    memory segments (psm_*; a launched server's: vLLM's message queues) and named semaphores (sem.mp-*, mapped under
+    a temporary name, so found by inode)."""
+    inodes = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
+                if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+                    inodes.add(int(fields[4]))
+    found = {}
+    with contextlib.suppress(OSError), os.scandir("/dev/shm") as entries:
+        for entry in entries:
+            if entry.name.startswith(("psm_", "sem.mp-")) and entry.inode() in inodes:
+                found[entry.path] = entry.inode()
+    return found
 
 
 def cpu_server_args(server_args: Sequence[str]) -> list[str]:
@@ -86,6 +105,7 @@ class VLLMServer:
         self.api_key = api_key
         self._code: int | None = None
         self._stopped = False
+        self._shm: dict[str, int] = {}  # the shared memory its group mapped, by inode (`stop` unlinks what is left)
         args = [
             "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager",
             "--trust-request-chat-template" if renders_prompts else "--skip-tokenizer-init", "--generation-config",
@@ -105,6 +125,7 @@ class VLLMServer:
                 boot, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
             )
         self.pid = self.process.pid  # also the process group's id (a session of its own)
+        self.started = time.monotonic()
         atexit.register(self.stop)
         logger.info("%s: started pid %d on %s (log %s)", NAME, self.pid, self.url, self.log_path)
 
@@ -140,31 +161,35 @@ class VLLMServer:
     def wait_ready(self, timeout_s: float, started: float) -> None:
         """Until GET /health answers 200; EngineError (server stopped) when it exits or `timeout_s` after
         `started` (a `time.monotonic()`) passes."""
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        while True:
-            code = self.exited()
-            if code is not None:
-                self.stop()
-                raise EngineError(
-                    f"{NAME} (launched, pid {self.pid}) exited with code {code} before it was ready; the end of its "
-                    f"log {self.log_path}:\n{self.log_tail()}"
-                )
-            with (
-                contextlib.suppress(OSError, urllib.error.URLError),
-                urllib.request.urlopen(
-                    urllib.request.Request(self.url + "/health", headers=headers), timeout=5
-                ) as answer,
-            ):
-                if answer.status == 200:
-                    return
-            if time.monotonic() - started > timeout_s:
-                self.stop()
-                raise EngineError(
-                    f"{NAME} (launched, pid {self.pid}) did not answer GET {self.url}/health within "
-                    f"rl.vllm.start_timeout_s = {timeout_s:g} s; stopped it. The end of its log {self.log_path}:\n"
-                    f"{self.log_tail()}"
-                )
+        while not self.ready_now(timeout_s, started):
             time.sleep(0.5)
+
+    def ready_now(self, timeout_s: float, started: float) -> bool:
+        """One look: whether GET /health answers 200 now; EngineError (server stopped) when the server has exited or
+        `timeout_s` after `started` (a `time.monotonic()`) has passed."""
+        code = self.exited()
+        if code is not None:
+            self.stop()
+            raise EngineError(
+                f"{NAME} (launched, pid {self.pid}) exited with code {code} before it was ready; the end of its "
+                f"log {self.log_path}:\n{self.log_tail()}"
+            )
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        with (
+            contextlib.suppress(OSError, urllib.error.URLError),
+            urllib.request.urlopen(urllib.request.Request(self.url + "/health", headers=headers), timeout=5) as answer,
+        ):
+            if answer.status == 200:
+                self._shm |= shared_memory(members(self.pid))  # vLLM's queues and semaphores, made at its start
+                return True
+        if time.monotonic() - started > timeout_s:
+            self.stop()
+            raise EngineError(
+                f"{NAME} (launched, pid {self.pid}) did not answer GET {self.url}/health within "
+                f"rl.vllm.start_timeout_s = {timeout_s:g} s; stopped it. The end of its log {self.log_path}:\n"
+                f"{self.log_tail()}"
+            )
+        return False
 
     def terminate(self) -> None:
         """Ask the server's whole process group to shut down (SIGTERM), without waiting; `stop` finishes."""
@@ -174,10 +199,16 @@ class VLLMServer:
 
     def stop(self) -> None:
         """End the server's whole process group (`boot.end_group`: SIGTERM, up to 10 s, SIGKILL), whether the
-        server runs or has exited, then reap it (idempotent)."""
+        server runs or has exited, then reap it, and unlink the shared memory its group mapped that is left
+        (idempotent)."""
         if self._stopped:
             return
+        self._shm |= shared_memory(members(self.pid))
         end_group(self.pid)  # the server is not reaped yet: its pid still names its group
+        for path, inode in self._shm.items():  # left when the group was killed before vLLM or its resource tracker
+            with contextlib.suppress(OSError):  # unlinked them; the inode: still that file, not a new one of the name
+                if os.stat(path).st_ino == inode:
+                    os.unlink(path)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=30)
         self._code = self.process.returncode if self._code is None else self._code

@@ -56,6 +56,10 @@ class VLLMSettings:
     """`launch`: more arguments for each server (e.g. ["--dtype", "float32", "--max-model-len", "4096"])."""
     max_concurrency: int = 256
     """Requests (samples) in flight at once per server."""
+    max_restarts: int = 3
+    """`launch`: how many times over the run rank 0 relaunches a launched server that died after it served (all servers
+    together); a relaunched server is synced and rejoins. 0: a dead launched server is not relaunched. With several
+    servers a dead one's requests go to the others either way (docs/vllm.md, Faults)."""
 
     @classmethod
     def parse(cls, section: VLLMSettings | Mapping[str, Any] | None) -> VLLMSettings:
@@ -82,6 +86,8 @@ class VLLMSettings:
         for key in ("start_timeout_s", "request_timeout_s", "probe_tolerance", "max_concurrency"):
             if not getattr(settings, key) > 0:
                 raise ValueError(f"rl.vllm.{key}: must be > 0, got {getattr(settings, key)}")
+        if isinstance(settings.max_restarts, bool) or not settings.max_restarts >= 0:
+            raise ValueError(f"rl.vllm.max_restarts: must be an integer >= 0, got {settings.max_restarts!r}")
         if not isinstance(settings.server_args, list) or not all(isinstance(a, str) for a in settings.server_args):
             raise ValueError("rl.vllm.server_args: must be a list of strings")
         return settings
