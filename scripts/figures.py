@@ -28,6 +28,7 @@ import argparse
 import datetime
 import json
 import os
+import platform
 import re
 import shlex
 import shutil
@@ -295,6 +296,17 @@ def draw_curves(events: list[dict], path: Path, panels: tuple[Panel, ...]) -> No
     LossCurveSink(path, series, panels=panels).redraw()
 
 
+def machine() -> str:
+    """The machine a run's numbers hold on: its cores, its CPU's name and the float32 kernels torch picks for it
+    (AVX512, AVX2, ...: their sums round differently, so a demo's figures reproduce on the same kind of CPU only)."""
+    import torch
+
+    cpuinfo = Path("/proc/cpuinfo")  # Linux; elsewhere platform's name
+    names = re.findall(r"^model name\s*:\s*(.+)$", cpuinfo.read_text(), re.M) if cpuinfo.is_file() else []
+    name = names[0].strip() if names else platform.processor() or platform.machine()
+    return f"{os.cpu_count()} CPU cores ({name}, torch's {torch.backends.cpu.get_cpu_capability()} kernels)"
+
+
 def run_figure(name: str, commit: str) -> dict:
     """Run one figure's job from a clean output directory; its recorded result."""
     figure = FIGURES[name]
@@ -316,7 +328,7 @@ def run_figure(name: str, commit: str) -> dict:
         "command": figure.command,
         "commit": commit,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-        "machine": f"{os.cpu_count()} CPU cores",
+        "machine": machine(),
         "seconds": round(seconds, 1),
         "load_1min": [round(load, 2), round(os.getloadavg()[0], 2)],  # before and after the command
         "values": values,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -84,6 +85,16 @@ def test_render_states_the_command_commit_and_what_the_time_leaves_out():
     assert "(1-minute load 1.0 before, 2.5 after), not counting `make install`" in flat
     assert all(len(line) <= 120 for line in text.splitlines())
     assert figures.render("train", result, log=True) == "```\nstep 2/2 | x\n```\n"
+
+
+def test_a_run_names_its_cpu_and_torchs_kernels():
+    """A demo's figures reproduce on the same kind of CPU: torch's float32 kernels (AVX512, AVX2, ...) round
+    differently, so a run records which it used."""
+    import torch
+
+    cores, rest = figures.machine().split(" CPU cores (")
+    assert int(cores) == os.cpu_count()
+    assert rest.endswith(f", torch's {torch.backends.cpu.get_cpu_capability()} kernels)")
 
 
 def test_render_quotes_the_json_file_a_job_writes():
