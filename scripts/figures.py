@@ -104,7 +104,8 @@ FIGURES: dict[str, Figure] = {
         "make train-rl-math",
         "outputs/rl_math_grpo",
         "eval/accuracy",
-        "GRPO with the math reward on arithmetic word problems after a short SFT warm start, which it runs first; "
+        "GRPO with the math reward (a worked-out answer: '12 + 8' for 20 scores 0) on arithmetic word problems after "
+        "a short SFT warm start, which it runs first; "
         "step 1 is the warm start's greedy accuracy",
         clean=("outputs/rl_math", "outputs/rl_math_sft", "outputs/rl_math_sft_hf"),
         images={"reward_curve.png": "docs/rl_math_reward_curve.png"},

@@ -64,6 +64,9 @@ def test_math_reward_scores_every_solution_right_and_an_off_by_one_wrong(demo):
     wrong = [str(int(answer) + 1) for answer in answers]  # negative control
     total, _ = score(rewards, prompts, solutions, wrong, [{}] * len(train), rows)
     assert total.tolist() == [0.0] * len(train)
+    restated = [solution.rsplit(" = ", 1)[0] for solution in solutions]  # "3 + 4": the question's operands, no answer
+    total, _ = score(rewards, prompts, restated, answers, [{}] * len(train), rows)
+    assert total.tolist() == [0.0] * len(train)
     # with the end-of-turn text a decoder may leave, and boxed
     total, _ = score(rewards, ["q"] * 2, ["3 + 4 = 7<|im_end|>", "\\boxed{7}"], ["7", "7"], [{}, {}], ["r0", "r1"])
     assert total.tolist() == [1.0, 1.0]

@@ -75,6 +75,42 @@ def test_math_scores_the_solution_the_demo_model_writes_and_the_boxed_form():
     ]
 
 
+@pytest.mark.parametrize(
+    ("completion", "answer", "expected"),
+    [
+        ("10", "10", 1.0),
+        ("\\boxed{10}", "10", 1.0),
+        ("10.0", "10", 1.0),
+        ("4 + 6 = 10", "10", 1.0),
+        ("1/2", "0.5", 1.0),  # a fraction is an answer
+        ("-3/4", "-0.75", 1.0),
+        ("2^10", "2^10", 1.0),  # a reference left undone accepts the same form
+        ("1024", "2^10", 1.0),
+        ("4 + 6", "10", 0.0),  # the question's operands restated, not the answer
+        ("12 + 8", "20", 0.0),
+        ("\\boxed{4+6}", "10", 0.0),
+        ("12 - 8 + 1", "5", 0.0),
+        ("2^3", "8", 0.0),
+        ("4 + 6 = 11", "10", 0.0),
+    ],
+)
+def test_math_accepts_a_worked_out_answer_and_rejects_the_arithmetic_left_undone(completion, answer, expected):
+    reward = one({"name": "correct", "function": "math"})
+    assert run(reward, [completion], [answer]) == [expected]
+
+
+def test_math_verify_alone_finds_the_undone_sum_equal_to_the_answer():
+    """The negative control: without the worked-out check math-verify scores '4 + 6' as '10' (what the demo's policy
+    learned to exploit), so the rejection above comes from `_undone`, not from math-verify."""
+    from math_verify import parse, verify
+
+    from veomni_lite.rl.rewards import _undone
+
+    predicted, reference = parse("4 + 6"), parse("10")
+    assert verify(reference, predicted)
+    assert _undone(predicted[0]) and not _undone(reference[0])
+
+
 def test_math_missing_or_unparseable_answer_is_an_error_naming_the_row():
     reward = one({"name": "correct", "function": "math"})
     rows = [row_name("data/rl.jsonl", 4), row_name("data/rl.jsonl", 5)]

@@ -17,7 +17,12 @@ Contract:
   `TRAILING_PUNCTUATION`, collapses whitespace runs to one space and casefolds. A missing answer is an error.
   `math`: 1.0 when math-verify finds the completion's answer equivalent to the reference
   (`verify(parse(answer), parse(completion))`: the last number, expression or `\\boxed{}` of the completion, compared
-  symbolically), else 0.0. A missing answer, or one math-verify cannot parse, is an error.
+  symbolically) and the answer is worked out as far as the reference is, else 0.0. Worked out: arithmetic on numbers
+  left undone (`4 + 6`, `2^3`, `12 - 8 + 1`: an expression that sympy's `doit()` changes; a fraction `p/q` is
+  an answer) scores 0 against a reference that is not itself undone (`10`), because math-verify alone finds `4 + 6`
+  equal to `10` and a policy learns to restate the question's operands instead of answering. `10`, `\\boxed{10}`,
+  `10.0`, `4 + 6 = 10` and `1/2` against `0.5` still score 1; a reference such as `2^10` accepts `2^10`. A missing
+  answer, or one math-verify cannot parse, is an error.
   `regex`: 1.0 when `re.search(pattern, completion)` matches (option `pattern`, required; anchor it with `^...$`, or
   `\\A...\\Z`, to require the whole completion), else 0.0.
   `reward_model` (a sequence-classification reward model directory's score of the rendered prompt + completion, in
@@ -341,7 +346,23 @@ def _math(prompt: str, completion: str, answer: Any) -> float:
     timeout = _math_timeout()
     reference = _math_reference(answer, timeout)
     predicted = parse(completion, parsing_timeout=timeout)
-    return float(bool(predicted) and verify(reference, predicted, timeout_seconds=timeout))
+    if not predicted or (_undone(predicted[0]) and not _undone(reference[0])):
+        return 0.0
+    return float(verify(reference, predicted, timeout_seconds=timeout))
+
+
+def _undone(expr: Any) -> bool:
+    """Whether math-verify's parse `expr` is arithmetic on numbers left undone (`4 + 6`, `2^3`; module docstring):
+    a number-valued sympy expression that `doit()` changes, other than a fraction `p/q` (or `-p/q`)."""
+    import sympy
+
+    if not isinstance(expr, sympy.Basic) or not expr.is_number:
+        return False
+    if isinstance(expr, sympy.Mul) and all(
+        arg.is_Rational or (arg.is_Pow and arg.base.is_Integer and arg.exp == -1) for arg in expr.args
+    ):
+        return False
+    return expr.doit() != expr
 
 
 def _regex(pattern: re.Pattern[str]) -> Callable[[str, str, Any], float]:
