@@ -51,7 +51,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,13 +64,14 @@ from veomni_lite.config_sections import ConfigError
 from veomni_lite.distributed.collectives import all_reduce, collective_device
 from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS, SEQUENCE_IDS, loss_key, sequences_key, tokens_key
 from veomni_lite.metrics.accumulator import MetricSpec
+from veomni_lite.models.routing import ROUTED_EXPERTS
 from veomni_lite.registries import Registry
 from veomni_lite.utils.loss_utils import LossModes
 
 __all__ = [
     *("ROUTER_AUX", "ROUTER_LOSSES", "ROUTER_Z", "RouterLosses", "RouterRecord"),
-    *("load_balancing_loss", "membership", "router_losses", "router_outputs", "routers", "routing", "routing_sums"),
-    *("token_weights", "write_loads"),
+    *("expert_counts", "load_balancing_loss", "membership", "router_losses", "router_outputs", "routers", "routing"),
+    *("routing_sums", "token_weights", "write_loads"),
 ]
 
 ROUTER_AUX, ROUTER_Z = "router_aux", "router_z"
@@ -244,6 +245,16 @@ def sequence_balance(x: RouterInputs) -> torch.Tensor:
     return x.probs.shape[-1] * (f * p).sum() / x.weights.sum().clamp(min=1).to(x.probs.dtype)
 
 
+def expert_counts(experts: torch.Tensor, weights: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64 [E + 1] of a given routing `experts` [B, S, L, top_k] with token weights `weights` [B * S]: per expert
+    sum_l sum_t w_t c_{l,t,i}, then L T (T = sum_t w_t): what a training forward adds to a step's counts."""
+    layers, top_k = experts.shape[-2:]
+    chosen = experts.reshape(-1).long().to(weights.device)
+    slot_weights = weights.long().repeat_interleave(layers * top_k)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=weights.device).index_add_(0, chosen, slot_weights)
+    return torch.cat([counts, (weights.sum() * layers).reshape(1)])
+
+
 def z_loss(logits: list[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
     """The local token mean (weights w) of (1/L) sum_l logsumexp(logits_{l,t})^2 (ST-MoE)."""
     z = sum(torch.logsumexp(x if x.dtype == torch.float64 else x.float(), -1) ** 2 for x in logits) / len(logits)
@@ -338,13 +349,16 @@ class RouterLosses:
         heads = self.heads(record, micro_batch)
         return {**outputs, **heads}
 
-    def step_slots(self, device: torch.device) -> torch.Tensor | None:
-        """`global-batch`: the previous step's local counts [E + 1] (zeros before any), the extra slots of this step's
-        all-reduce; None otherwise."""
+    def step_slots(self, device: torch.device, micro_batches: Sequence[Mapping[str, Any]] = ()) -> torch.Tensor | None:
+        """`global-batch`: the extra slots [E + 1] of this step's all-reduce, local counts: this step's own where
+        every micro-batch carries its routing (`ROUTED_EXPERTS`: RL's old pass or rollout, `expert_counts`), else
+        the previous step's (zeros before any); None for the other modes."""
         if self.balance != "global-batch":
             return None
         counts = self._step_counts
         self._step_counts = None
+        if micro_batches and all(ROUTED_EXPERTS in mb for mb in micro_batches):
+            counts = sum(expert_counts(mb[ROUTED_EXPERTS], _weights(mb), self.experts) for mb in micro_batches)
         return (
             counts.to(device) if counts is not None else torch.zeros(self.experts + 1, dtype=torch.int64, device=device)
         )

@@ -20,7 +20,9 @@ to train the head): the balance term is not the reward's, and its gradient moves
 the rollouts were sampled with (TRL and Unsloth set it to 0 for GRPO). `rl.routing_replay` (`old` or `rollout`): a
 micro-batch carries the experts to route to (`routed_experts`); `forward` replays them, its record of the model's
 own choices giving `rl/routing/mismatch`, and keeps the replay on until the micro-batch's backward has run (an
-activation-checkpointing recompute replays the same experts).
+activation-checkpointing recompute replays the same experts). With `moe.balance: global-batch`, a step whose
+micro-batches carry experts (the old pass's, recorded without replay too, or the rollout's) trains with the f of
+those experts (`RouterLosses.step_slots`): this step's own, exact where they are the experts its forward uses.
 """
 
 from __future__ import annotations
@@ -271,6 +273,7 @@ class RLTrainer(SFTTrainer):
                 shard_micro_batch, loss_modes=self.loss_modes, parallel=self.parallel, pad_id=self.pad_id
             ),
             logprobs=functools.partial(policy_logprobs, self.model, self.device), teacher=self.teacher,
+            global_f=self.router is not None and self.router.balance == "global-batch",
         )  # fmt: skip
 
     def _build_engine(self, context: RolloutContext) -> RolloutEngine:
@@ -319,6 +322,8 @@ class RLTrainer(SFTTrainer):
         """The policy loss of one micro-batch from the model's log-probabilities and entropies (see `PolicyLoss`)."""
         self.replay.close()  # the previous micro-batch's backward has run
         batch = self.preforward(micro_batch)
+        if self.rl.routing_replay == "none":  # the old pass's experts gave the step's f only (`global-batch`)
+            batch.pop(ROUTED_EXPERTS, None)
         given = batch.get(ROUTED_EXPERTS)
         own = self.replay.enter_context(record_routing(self.model)) if given is not None else None
         self.replay.enter_context(replayed(self.model, batch))  # after the record: it sees the model's own top-k

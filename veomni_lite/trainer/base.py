@@ -691,10 +691,11 @@ class BaseTrainer(ABC):
 
     def _loss_step(self, micro_batches: list[dict[str, torch.Tensor]], train: bool) -> LossStep:
         """The step's `LossStep`, with the router heads' counts of an MoE model; `global-batch` (training): the
-        previous step's expert counts in its one all-reduce, made now so every forward of the step has the f."""
+        expert counts of the step's f (its micro-batches' given routing, else the previous step's:
+        `RouterLosses.step_slots`) in its one all-reduce, made now so every forward of the step has the f."""
         if self.router is None:
             return LossStep(micro_batches, self.loss_modes, marked=True)
-        slots = self.router.step_slots(self.device) if train else None
+        slots = self.router.step_slots(self.device, micro_batches) if train else None
         step = LossStep(micro_batches, self.loss_modes, marked=True, extra_counts=self.router.counts, slots=slots)
         if slots is not None:
             self.router.set_global_counts(step.step_slots(self.loss_keys))
