@@ -1,7 +1,8 @@
 """MoE router heads over real gloo processes (`check_split_invariance`): global-batch (a fixed f) and the z-loss over
 GA x DP x Ulysses SP x packing (with a token budget), sequence over GA x DP x packing with shared prompts, each equal
 to the float64 hand reference with ONE loss all-reduce per step; the previous step's expert counts summed over the
-ranks in that same all-reduce."""
+ranks in that same all-reduce; a step whose micro-batches carry their routing (RL's old pass) trains with its own
+global f, exact over GA x DP x SP x packing with shared prompts, counted in that same all-reduce."""
 
 from __future__ import annotations
 
@@ -9,12 +10,26 @@ import pytest
 import torch
 
 from tests.dist_helpers import counting_world_all_reduces, run_distributed
-from tests.models.moe_fixtures import EXPERTS, TOP_K, RoutedMoE, moe_samples, packed, packed_shared, padded, reference
+from tests.models.moe_fixtures import (
+    EXPERTS,
+    LAYERS,
+    TOP_K,
+    RoutedMoE,
+    moe_samples,
+    packed,
+    packed_shared,
+    padded,
+    reference,
+    tiny_moe,
+)
+from veomni_lite.data.packing import padding_micro_batch
 from veomni_lite.distributed.parallel_state import init_parallel_state
-from veomni_lite.models.moe import ROUTER_AUX, ROUTER_Z
+from veomni_lite.distributed.sequence_parallel import slice_micro_batch
+from veomni_lite.models.moe import ROUTER_AUX, ROUTER_Z, RouterLosses
+from veomni_lite.models.routing import ROUTED_EXPERTS, record_routing
 from veomni_lite.plain_loop import LossStep
-from veomni_lite.split_invariance import Layout, _mode_name, check_split_invariance
-from veomni_lite.utils.loss_utils import LossModes
+from veomni_lite.split_invariance import Layout, _chunks, _mode_name, check_split_invariance
+from veomni_lite.utils.loss_utils import LossModes, mark_sequences
 
 FIXED_F = torch.linspace(0.5, 1.5, EXPERTS, dtype=torch.float64) * TOP_K / EXPERTS  # sums to k, not uniform
 F64 = 1e-12
@@ -84,3 +99,61 @@ def test_the_previous_steps_counts_are_summed_over_the_ranks_in_the_steps_one_al
     for totals, calls in results:
         assert totals == [3] * (EXPERTS + 1)
         assert calls == 1
+
+
+def _with_the_old_pass_routing(rank: int, world_size: int, layout: Layout, collate) -> dict:  # noqa: ANN001
+    """This rank's step of `layout` as RL runs it: an old pass (no grad) records each micro-batch's experts
+    (`ROUTED_EXPERTS`, this SP shard's), then the step trains the global-batch head with the f of those experts."""
+    state = init_parallel_state(layout.dp, layout.sp)
+    model = tiny_moe()
+    if layout.sp > 1:
+        model.enable_sequence_parallel(state.sp_group)
+    router = RouterLosses(model, "global-batch", aux_coef=1.0, z_coef=0.0)
+    modes = _modes("token-mean")
+    chunks = _chunks(layout, moe_samples(), state.dp_rank)
+    marked = [mark_sequences(collate(chunk or chunks[0]), modes) for chunk in chunks]
+    marked = [batch if chunk else padding_micro_batch(batch) for batch, chunk in zip(marked, chunks)]
+    micro_batches = [slice_micro_batch(batch, state.sp_rank, layout.sp) for batch in marked]
+    for micro_batch in micro_batches:  # the old-log-probability pass: the same tokens, the same weights
+        with torch.no_grad(), record_routing(model) as record:
+            model(**micro_batch)
+        micro_batch[ROUTED_EXPERTS] = torch.stack(record, 1).view(*micro_batch["input_ids"].shape, LAYERS, TOP_K)
+    slots = router.step_slots(torch.device("cpu"), micro_batches)
+    total = 0.0
+    with counting_world_all_reduces() as calls:
+        step = LossStep(micro_batches, modes, marked=True, extra_counts=router.counts, slots=slots)
+        router.set_global_counts(step.step_slots(router.loss_keys))
+        for micro_batch, tokens in step:
+            inputs = {k: v for k, v in micro_batch.items() if k != ROUTED_EXPERTS}  # the trainer pops them
+            outputs = router.routed(model, inputs, lambda batch: model(**batch))
+            loss = step.loss({key: outputs[key] for key in router.loss_keys}, tokens)
+            loss.backward()
+            total += float(loss.detach())
+    return {"f": router.global_f, "local": slots, "loss": total, "calls": len(calls)}
+
+
+LAYOUTS_WITH_ROUTING = [
+    (Layout(2, 1, 2), padded),
+    (Layout(2, 1, 2, packed=True, max_tokens=24), packed),
+    (Layout(2, 1, 4, packed=True, max_tokens=30), packed_shared),
+    (Layout(1, 2, 4), padded),
+    (Layout(2, 2, 2), padded),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("layout", "collate"), LAYOUTS_WITH_ROUTING, ids=lambda x: str(x) if isinstance(x, Layout) else x.__name__
+)
+def test_a_step_carrying_its_routing_trains_with_its_own_global_f(layout: Layout, collate) -> None:  # noqa: ANN001
+    world = layout.dp * layout.sp
+    results = run_distributed(_with_the_old_pass_routing, world, layout, collate)
+    ref = reference(tiny_moe(), moe_samples())
+    for result in results:
+        assert torch.allclose(result["f"], ref["f"], rtol=0, atol=1e-15), (result["f"], ref["f"])
+        assert result["calls"] == 1, "the counts ride in the step's one loss all-reduce"
+    loss = sum(result["loss"] for result in results) / world
+    assert loss == pytest.approx(float(ref["global-batch"].detach()), rel=F64)
+    # negative control: one rank's own counts are not the step's f (the all-reduce is what makes it global)
+    local = results[0]["local"].double()
+    assert (local[:-1] / local[-1] - ref["f"]).abs().max() > 1e-3
