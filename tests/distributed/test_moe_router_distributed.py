@@ -2,7 +2,9 @@
 GA x DP x Ulysses SP x packing (with a token budget), sequence over GA x DP x packing with shared prompts, each equal
 to the float64 hand reference with ONE loss all-reduce per step; the previous step's expert counts summed over the
 ranks in that same all-reduce; a step whose micro-batches carry their routing (RL's old pass) trains with its own
-global f, exact over GA x DP x SP x packing with shared prompts, counted in that same all-reduce."""
+global f, exact over GA x DP x SP x packing with shared prompts, counted in that same all-reduce; under Ulysses SP,
+sequence (whole samples' counts summed over the SP group, one all-reduce per micro-batch) and global-batch with
+shared prompts cut across the shards equal the hand reference too."""
 
 from __future__ import annotations
 
@@ -41,6 +43,17 @@ def global_batch_model() -> RoutedMoE:
 
 def sequence_model() -> RoutedMoE:
     return RoutedMoE("sequence")
+
+
+class ShardLocalSequence(RoutedMoE):
+    """The negative control: the model runs Ulysses SP but the router heads count each shard's tokens as if whole."""
+
+    def enable_sequence_parallel(self, group) -> None:  # noqa: ANN001
+        self.inner.enable_sequence_parallel(group)
+
+
+def shard_local_sequence_model() -> RoutedMoE:
+    return ShardLocalSequence("sequence")
 
 
 def _modes(aux: str) -> LossModes:
@@ -157,3 +170,45 @@ def test_a_step_carrying_its_routing_trains_with_its_own_global_f(layout: Layout
     # negative control: one rank's own counts are not the step's f (the all-reduce is what makes it global)
     local = results[0]["local"].double()
     assert (local[:-1] / local[-1] - ref["f"]).abs().max() > 1e-3
+
+
+SP_LAYOUTS = [
+    Layout(1, 2, 4),
+    Layout(2, 2, 2),
+    Layout(1, 2, 4, packed=True),
+    Layout(2, 2, 2, packed=True, max_tokens=30),
+]
+
+
+def _check_sp(report, expected: torch.Tensor, per_micro_batch: bool) -> None:
+    for (layout, _), loss in report.losses.items():
+        assert loss == pytest.approx(float(expected.detach()), rel=F64), layout
+    assert report.worst() < 1e-10, str(report)
+    for layout in SP_LAYOUTS:  # the step's loss all-reduce, plus (sequence) one SP all-reduce per micro-batch
+        micro_batches = 8 // (layout.micro_batch_size * layout.dp) if not layout.max_tokens else None
+        calls = report.collectives_per_step[str(layout)]
+        if micro_batches is not None:
+            assert calls == 1 + (micro_batches if per_micro_batch else 0), (layout, calls)
+
+
+@pytest.mark.slow
+def test_sequence_under_ulysses_sp_with_shared_prompts_equals_the_hand_reference():
+    modes = _modes("seq-mean-token-sum")
+    report = check_split_invariance(sequence_model, moe_samples(), padded, [modes], SP_LAYOUTS, packed_shared)
+    print(f"\n{report}")
+    ref = reference(sequence_model().inner, moe_samples())
+    expected = ref["sequence"].detach() + 0.01 * ref["z"].detach()
+    _check_sp(report, expected, per_micro_batch=True)
+    # negative control: each shard's tokens counted as whole samples
+    bad = check_split_invariance(shard_local_sequence_model, moe_samples(), padded, [modes], [Layout(1, 2, 4)])
+    assert abs(bad.losses["dp1xsp2/mbs4", _mode_name(modes)] - float(expected)) > 1e-3
+
+
+@pytest.mark.slow
+def test_global_batch_under_ulysses_sp_with_shared_prompts_equals_the_hand_reference():
+    modes = _modes("token-mean")
+    layouts = SP_LAYOUTS[2:]
+    report = check_split_invariance(global_batch_model, moe_samples(), padded, [modes], layouts, packed_shared)
+    print(f"\n{report}")
+    ref = reference(global_batch_model().inner, moe_samples(), FIXED_F)
+    _check(report, modes, ref["global-batch"] + 0.01 * ref["z"])

@@ -259,8 +259,7 @@ class BaseTrainer(ABC):
             raise ConfigError(str(exc)) from None
         self.loss_keys: tuple[str, ...] = self.trained_loss_keys(model)
         self.labeled_loss_keys = self.loss_keys  # the heads whose `<name>_labels` every micro-batch carries
-        shared = config.data.packing and config.data.shared_prefix
-        self.router = router_losses(model, config.moe, config.parallel.sp_size, shared)  # None: a dense decoder
+        self.router = router_losses(model, config.moe)  # None: a dense decoder
         if self.router is not None:
             self.loss_keys += self.router.loss_keys
             self.loss_modes = self.router.modes(self.loss_modes)
@@ -276,6 +275,8 @@ class BaseTrainer(ABC):
         if self.parallel.sp_enabled:
             for each in models:
                 each.enable_sequence_parallel(self.parallel.sp_group)
+            if self.router is not None:  # whole samples counted over the SP group
+                self.router.enable_sequence_parallel(self.parallel.sp_group)
         layers = [layer for each in models for layer in each.layers]
         if config.parallel.activation_checkpointing:
             checkpoint_activations(layers)
