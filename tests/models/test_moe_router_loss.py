@@ -127,7 +127,7 @@ def test_global_batch_with_a_micro_batch_f_or_counted_padding_misses_the_referen
     values, _ = _step(model, batches)
     assert abs(values["router_aux_loss"] - float(ref["global-batch"].detach())) > 1e-4
     model.router.global_f = ref["f"]
-    monkeypatch.setattr(moe, "token_weights", lambda b: torch.ones(b["input_ids"].numel(), dtype=torch.long))
+    monkeypatch.setattr(moe, "token_weights", lambda b, *_: torch.ones(b["input_ids"].numel(), dtype=torch.long))
     values, _ = _step(model, batches)  # padding counted
     assert abs(values["router_aux_loss"] - float(ref["global-batch"].detach())) > 1e-4
 
