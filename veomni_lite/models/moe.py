@@ -19,15 +19,24 @@ gradient).
   transformers' value on it; the head is the mean over the step's micro-batches (on every rank and SP shard) that
   route a token (count 1 each), as the HF drop-in and TRL train.
 - `global-batch`: the set is every routed token of the optimizer step on every rank and shard. P is a token mean,
-  exact over micro-batches through the loss core (count T); f is the PREVIOUS optimizer step's global f (its counts,
-  E + 1 int64 slots `STEP_SLOTS`, travel in this step's one all-reduce, made before the first forward:
-  `RouterLosses.step_slots`, `set_global_counts`): exact counts, one step late, at no extra forward or collective.
-  The first step has no f: uniform f (k / E each), whose loss is the constant k (no gradient); a checkpoint keeps the
-  last step's counts (`state_dict`), so a resumed step trains with the f of the uninterrupted run. A routing
-  pre-pass would give this step's own f for one more forward per micro-batch.
+  exact over micro-batches through the loss core (count T); f's counts, E + 1 int64 slots `STEP_SLOTS`, travel in
+  the step's one all-reduce, made before the first forward (`RouterLosses.step_slots`, `set_global_counts`), and are:
+  - THIS step's, where every micro-batch carries its routing (`ROUTED_EXPERTS` [B, S, L, k]; `expert_counts`): an RL
+    step after an old-log-probability pass (which records each sample's experts, replayed or not) or with rollout
+    replay. The counts are of those experts: exactly the step's routing on the batch's first step (the old pass ran
+    the same tokens with the same weights) and under replay (the forward uses them); without replay, a later step of
+    the batch gets its tokens' routing under the batch's starting weights.
+  - otherwise the PREVIOUS optimizer step's (its training forwards' counts): exact counts, one step late, at no extra
+    forward or collective. The first step has no f: uniform f (k / E each), whose loss is the constant k (no
+    gradient); a checkpoint keeps the last step's counts (`state_dict`), so a resumed step trains with the f of the
+    uninterrupted run. A routing pre-pass and Qwen's per-micro-batch buffer were measured against it
+    (`benchmarks/moe_global_f.py`, docs/moe.md).
 - `sequence`: DeepSeek-V3's sequence-wise loss: the set is one sample (a row, a packed segment, with its shared
   prefix); the head is the mean over the step's samples (count: samples), in the same layer-averaged form (DeepSeek
-  writes f_i = E / (k T) x count, so its alpha is our coefficient x k).
+  writes f_i = E / (k T) x count, so its alpha is our coefficient x k). Under Ulysses SP a sample's tokens are on
+  several shards: every shard numbers the micro-batch's whole samples alike (`membership`), their counts are summed
+  over the SP group (ONE all-reduce of [samples, E + 1] per micro-batch, beside SP's per-layer all-to-alls), each
+  shard adds its own tokens' part of P (linear), and the first shard counts the samples.
 `router_z`: ST-MoE's z-loss, the token mean of (1/L) sum_l logsumexp(logits_{l,t})^2 (count T).
 The coefficients multiply the heads: `moe.aux_loss_coef` (None: the model config's `router_aux_loss_coef`) and
 `moe.z_loss_coef` (0: no `router_z` head).
@@ -41,8 +50,8 @@ routed token-slots since the last log step) in `expert_load.jsonl` and `expert_l
 every rank; a micro-batch of a few tokens alone is nearly always at its ceiling E / k, so the window is what says
 whether the experts are balanced).
 
-Limits (raised before any collective): `sequence` and a shared prefix need the whole row on the rank (no Ulysses SP).
-Under SP, `micro-batch` is transformers' value per shard (its mean over shards), `global-batch` and `router_z` exact.
+Under Ulysses SP, `micro-batch` is transformers' value per shard (its mean over shards); `global-batch`, `sequence`
+and `router_z` are exact, shared prefixes cut across shards included (`RouterLosses.enable_sequence_parallel`).
 A companion model's routers (an RL critic's own MoE value model) are not captured: it trains without router losses.
 """
 
