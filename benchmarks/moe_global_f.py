@@ -18,8 +18,8 @@ Per step, rank 0 appends to OUTPUT_DIR/global_f.jsonl: {step, tv, step_time_s}: 
 between the f a token's loss used and the step's true f (the step's training forwards' counts summed over the ranks:
 one extra all-reduce after the step, outside the timed step), as distributions (f / k), averaged over the step's
 routed tokens; `step_time_s` rank 0's wall time of the step (`train_step`, the pre-pass included).
-`summary` prints, per run: the median step time (steps 2..N), the mean and max tv, and the last logged
-`train/foundation_loss`, `train/router_aux_loss` and `moe/load_imbalance` of its metrics.jsonl.
+`summary` prints, per run: the median step time and the mean and max tv over steps 2..N, tv's mean over the last two
+thirds, and the last logged `train/foundation_loss`, `train/router_aux_loss` and `moe/load_imbalance`.
 """
 
 from __future__ import annotations
@@ -95,15 +95,19 @@ def trainer_class(source: str) -> type:
 
 
 def summary(runs: list[str]) -> None:
+    """Per run: the median step time and tv over steps 2..N (step 1 is a warm-up whose `previous` f is uniform), tv's
+    mean over the last two thirds of the run, and the last logged metrics."""
     for run in runs:
         rows = [json.loads(line) for line in (Path(run) / "global_f.jsonl").read_text().splitlines()]
         metrics = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
-        times = [r["step_time_s"] for r in rows if r["step"] > 1]
+        later = [r for r in rows if r["step"] > 1]
+        tvs = [r["tv"] for r in later]
+        late = [r["tv"] for r in rows if r["step"] > len(rows) // 3]
         last = {k: v for m in metrics for k, v in m.items()}
-        tvs = [r["tv"] for r in rows]
         print(
-            f"{run}: steps {len(rows)}, median step_time_s {statistics.median(times):.3f}, "
-            f"tv mean {statistics.mean(tvs):.4f} max {max(tvs):.4f}, "
+            f"{run}: steps {len(rows)}, median step_time_s {statistics.median(r['step_time_s'] for r in later):.3f}, "
+            f"tv (steps 2..N) mean {statistics.mean(tvs):.4f} max {max(tvs):.4f}, "
+            f"tv (last two thirds) mean {statistics.mean(late):.4f}, "
             f"last foundation_loss {last.get('train/foundation_loss'):.4f}, "
             f"router_aux_loss {last.get('train/router_aux_loss'):.5f}, "
             f"load_imbalance {last.get('moe/load_imbalance'):.3f}"
