@@ -19,7 +19,8 @@ between the f a token's loss used and the step's true f (the step's training for
 one extra all-reduce after the step, outside the timed step), as distributions (f / k), averaged over the step's
 routed tokens; `step_time_s` rank 0's wall time of the step (`train_step`, the pre-pass included).
 `summary` prints, per run: the median step time and the mean and max tv over steps 2..N, tv's mean over the last two
-thirds, and the last logged `train/foundation_loss`, `train/router_aux_loss` and `moe/load_imbalance`.
+thirds, and the last logged `train/foundation_loss`, `train/router_aux_loss` and `moe/load_imbalance`; given several
+runs, also the median step time pooled over them.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def summary(runs: list[str]) -> None:
     """Per run: the median step time and tv over steps 2..N (step 1 is a warm-up whose `previous` f is uniform), tv's
     mean over the last two thirds of the run, and the last logged metrics."""
     for run in runs:
-        rows = [json.loads(line) for line in (Path(run) / "global_f.jsonl").read_text().splitlines()]
+        rows = _rows(run)
         metrics = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
         later = [r for r in rows if r["step"] > 1]
         tvs = [r["tv"] for r in later]
@@ -112,6 +113,13 @@ def summary(runs: list[str]) -> None:
             f"router_aux_loss {last.get('train/router_aux_loss'):.5f}, "
             f"load_imbalance {last.get('moe/load_imbalance'):.3f}"
         )
+    if len(runs) > 1:
+        pooled = [r["step_time_s"] for run in runs for r in _rows(run) if r["step"] > 1]
+        print(f"pooled over these runs: median step_time_s {statistics.median(pooled):.3f}")
+
+
+def _rows(run: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (Path(run) / "global_f.jsonl").read_text().splitlines()]
 
 
 if __name__ == "__main__":
