@@ -45,6 +45,7 @@ __all__ = [
     "plan",
     "policy_logprobs",
     "probe",
+    "replay_experts",
     "replayed",
     "whole_sequence",
 ]
@@ -168,6 +169,14 @@ def model_logprobs(model: torch.nn.Module, batch: Mapping[str, Any], request: Lo
     """The model's {"logprobs", "entropy"} of `request` on a prepared micro-batch (the LM head fused with them
     unless `model.fused_lm_head` is false: `LogprobRequest`)."""
     return model(**{k: v for k, v in batch.items() if not is_labels_key(k)}, logprobs=request)
+
+
+def replay_experts(batch: dict[str, Any], routing_replay: str) -> torch.Tensor | None:
+    """The micro-batch's experts to replay (`routed_experts`), None without; under `rl.routing_replay: none` those the
+    old pass recorded for `moe.balance: global-batch`'s f only, popped: never replayed."""
+    if routing_replay == "none":
+        batch.pop(ROUTED_EXPERTS, None)
+    return batch.get(ROUTED_EXPERTS)
 
 
 def replayed(model: torch.nn.Module, batch: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
