@@ -121,6 +121,7 @@ class RoutedMoE(nn.Module):
 
     def enable_sequence_parallel(self, group: Any) -> None:
         self.inner.enable_sequence_parallel(group)
+        self.router.enable_sequence_parallel(group)
 
     def forward(self, **micro_batch: Any) -> dict[str, Any]:
         return self.router.routed(self.inner, micro_batch, lambda batch: self.inner(**batch))

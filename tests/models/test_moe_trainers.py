@@ -1,6 +1,7 @@
 """Every trainer trains an MoE decoder with its router heads: SFT, RL (given rollouts), DPO and a reward model on a tiny
 Qwen3-MoE directory (8 experts, top-2, the demo's tokenizer) log `train/router_aux_loss`, `train/router_z_loss` and
-`moe/load_imbalance`; the global-batch head's first step is the uniform-f constant k x coefficient."""
+`moe/load_imbalance`; the global-batch head's first step is the uniform-f constant k x coefficient; an off-policy RL
+step trains with the f of its old-log-probability pass's routing (with and without routing replay)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,18 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from examples.preference_pairs import help_pairs, write_jsonl
 from tests.pref.test_train_preference import pref_args
 from tests.pref.test_train_preference import train as train_preference
+from tests.rl.test_train_rl import config as rl_config
 from tests.rl.test_train_rl import rl_args, write_rollouts
 from tests.rl.test_train_rl import train as train_rl
 from tests.trainer.helpers import read_events, train_built
 from veomni_lite.config import load_config
+from veomni_lite.models.routing import ROUTED_EXPERTS
+from veomni_lite.rl.trainer import RLTrainer
 from veomni_lite.trainer.sft import SFTTrainer
 
 COEF, TOP_K = 0.001, 2
@@ -118,6 +123,35 @@ def test_rl_trains_the_router_heads_beside_the_policy_head(moe_dir, tmp_path):
     train_rl(args)
     _check(tmp_path / "out", 2)
     assert sorted(_router_series(tmp_path / "out")["train/router_aux_loss"]) == [1, 2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("replay", ["none", "old"])
+def test_an_off_policy_rl_step_trains_with_its_old_pass_routings_global_f(moe_dir, tmp_path, replay):
+    rollouts = write_rollouts(tmp_path / "rollouts.jsonl", vocab=1000)
+    extra = ("--moe.balance", "global-batch", "--moe.aux_loss_coef", "0.01", "--rl.routing_replay", replay)
+    args = rl_args(Path("unused"), rollouts, tmp_path / "out", *SHORT, *extra)  # 2 mini-batches: an old pass
+    args[args.index("--model.pretrained_dir") + 1] = str(moe_dir)
+    trainer = RLTrainer(rl_config(args))
+    steps: list[tuple[bool, torch.Tensor, torch.Tensor]] = []  # (carried experts, f trained with, own forwards' f)
+    train_step = trainer.train_step
+
+    def recorded(micro_batches: list[dict[str, torch.Tensor]]) -> None:
+        carried = all(ROUTED_EXPERTS in micro_batch for micro_batch in micro_batches)
+        train_step(micro_batches)
+        own = trainer.router._step_counts.double()  # this step's training forwards' counts (one process)
+        steps.append((carried, trainer.router.global_f.clone(), own[:-1] / own[-1]))
+
+    trainer.train_step = recorded
+    train_built(trainer)
+    assert [carried for carried, _, _ in steps] == [True, True]
+    (_, f1, own1), (_, f2, _) = steps
+    # step 1 routes the tokens the old pass routed, with its weights: its own f exactly, not the uniform first f
+    assert torch.equal(f1, own1)
+    assert (f1 - TOP_K / 8).abs().max() > 1e-3
+    # step 2 (the second mini-batch): its tokens' old-pass f, not the previous step's f
+    assert (f2 - own1).abs().max() > 1e-3
+    assert float(f2.sum()) == pytest.approx(TOP_K)
 
 
 @pytest.mark.slow

@@ -139,7 +139,7 @@ def context_for(model: torch.nn.Module, samples: list[RolloutSample], replay: st
 
 
 def trainer_forward(
-    model: torch.nn.Module, micro_batch: dict[str, torch.Tensor]
+    model: torch.nn.Module, micro_batch: dict[str, torch.Tensor], replay: str = "old"
 ) -> tuple[RLTrainer, dict, torch.Tensor]:
     """`RLTrainer.forward` on a trainer holding only what it reads; (its outputs, the log-probs it trained on). The
     replay stays on until `trainer.replay` closes (after the backward)."""
@@ -152,7 +152,8 @@ def trainer_forward(
         return loss(outputs, batch, group)
 
     trainer.__dict__.update(
-        model=model, device=torch.device("cpu"), rl=RLConfig(temperature=1.0), policy=policy, critic=None,
+        model=model, device=torch.device("cpu"), rl=RLConfig(temperature=1.0, routing_replay=replay), policy=policy,
+        critic=None,
         parallel=SimpleNamespace(sp_size=1, sp_group=None), replay=contextlib.ExitStack(),
     )  # fmt: skip
     outputs = trainer.forward(micro_batch)
@@ -236,6 +237,36 @@ def test_replayed_forward_hands_the_experts_exactly_the_stored_ones() -> None:
         assert len(seen) == LAYERS
         same = all(torch.equal(s.long(), e.long()) for s, e in zip(seen, stored))
         assert same == (shift == 0)
+
+
+@pytest.mark.parametrize("global_f", [True, False])
+def test_without_replay_the_old_pass_records_the_experts_for_global_batch_f_only(global_f: bool) -> None:
+    """`rl.routing_replay: none` under `moe.balance: global-batch` (`RolloutContext.global_f`): the old pass records
+    each sample's experts (the step's f, `RouterLosses.step_slots`), and the trainer's forward does not replay them;
+    without global-batch nothing is recorded."""
+    model = moe().eval()
+    samples = rollouts()
+    context = context_for(model, samples, "none", False)
+    context.global_f = global_f
+    fill(context, samples, [[(samples, [0, 1, 2, 3])]])
+    if not global_f:
+        assert all(sample.routed_experts is None for sample in samples)
+        return
+    for sample in samples:
+        run = slice(0, len(sample) - 1)
+        own = plain_routing(model, sample.prompt_ids + sample.response_ids)
+        assert torch.equal(sorted_experts(sample.routed_experts[run]), own[run])
+    whole = batch_of(samples)
+    nudge_routers(model, 0.3)  # the router's own choices now differ from the recorded ones
+    with torch.no_grad(), record_routing(model) as own:
+        model(**{k: v for k, v in whole.items() if k in MODEL_INPUTS})
+    seen, handles = experts_see(model)
+    _, outputs, _ = trainer_forward(model, dict(whole), replay="none")
+    for handle in handles:
+        handle.remove()
+    assert all(torch.equal(s.long(), o.long()) for s, o in zip(seen, own)), "the router's own experts, not replayed"
+    assert not all(torch.equal(o.long(), r.long()) for o, r in zip(own, whole[ROUTED_EXPERTS].flatten(0, 1).unbind(1)))
+    assert "rl/routing/mismatch" not in outputs["metrics"]
 
 
 def test_replay_holds_through_an_activation_checkpointing_recompute() -> None:

@@ -19,15 +19,24 @@ gradient).
   transformers' value on it; the head is the mean over the step's micro-batches (on every rank and SP shard) that
   route a token (count 1 each), as the HF drop-in and TRL train.
 - `global-batch`: the set is every routed token of the optimizer step on every rank and shard. P is a token mean,
-  exact over micro-batches through the loss core (count T); f is the PREVIOUS optimizer step's global f (its counts,
-  E + 1 int64 slots `STEP_SLOTS`, travel in this step's one all-reduce, made before the first forward:
-  `RouterLosses.step_slots`, `set_global_counts`): exact counts, one step late, at no extra forward or collective.
-  The first step has no f: uniform f (k / E each), whose loss is the constant k (no gradient); a checkpoint keeps the
-  last step's counts (`state_dict`), so a resumed step trains with the f of the uninterrupted run. A routing
-  pre-pass would give this step's own f for one more forward per micro-batch.
+  exact over micro-batches through the loss core (count T); f's counts, E + 1 int64 slots `STEP_SLOTS`, travel in
+  the step's one all-reduce, made before the first forward (`RouterLosses.step_slots`, `set_global_counts`), and are:
+  - THIS step's, where every micro-batch carries its routing (`ROUTED_EXPERTS` [B, S, L, k]; `expert_counts`): an RL
+    step after an old-log-probability pass (which records each sample's experts, replayed or not) or with rollout
+    replay. The counts are of those experts: exactly the step's routing on the batch's first step (the old pass ran
+    the same tokens with the same weights) and under replay (the forward uses them); without replay, a later step of
+    the batch gets its tokens' routing under the batch's starting weights.
+  - otherwise the PREVIOUS optimizer step's (its training forwards' counts): exact counts, one step late, at no extra
+    forward or collective. The first step has no f: uniform f (k / E each), whose loss is the constant k (no
+    gradient); a checkpoint keeps the last step's counts (`state_dict`), so a resumed step trains with the f of the
+    uninterrupted run. A routing pre-pass and Qwen's per-micro-batch buffer were measured against it
+    (`benchmarks/moe_global_f.py`, docs/moe.md).
 - `sequence`: DeepSeek-V3's sequence-wise loss: the set is one sample (a row, a packed segment, with its shared
   prefix); the head is the mean over the step's samples (count: samples), in the same layer-averaged form (DeepSeek
-  writes f_i = E / (k T) x count, so its alpha is our coefficient x k).
+  writes f_i = E / (k T) x count, so its alpha is our coefficient x k). Under Ulysses SP a sample's tokens are on
+  several shards: every shard numbers the micro-batch's whole samples alike (`membership`), their counts are summed
+  over the SP group (ONE all-reduce of [samples, E + 1] per micro-batch, beside SP's per-layer all-to-alls), each
+  shard adds its own tokens' part of P (linear), and the first shard counts the samples.
 `router_z`: ST-MoE's z-loss, the token mean of (1/L) sum_l logsumexp(logits_{l,t})^2 (count T).
 The coefficients multiply the heads: `moe.aux_loss_coef` (None: the model config's `router_aux_loss_coef`) and
 `moe.z_loss_coef` (0: no `router_z` head).
@@ -41,8 +50,8 @@ routed token-slots since the last log step) in `expert_load.jsonl` and `expert_l
 every rank; a micro-batch of a few tokens alone is nearly always at its ceiling E / k, so the window is what says
 whether the experts are balanced).
 
-Limits (raised before any collective): `sequence` and a shared prefix need the whole row on the rank (no Ulysses SP).
-Under SP, `micro-batch` is transformers' value per shard (its mean over shards), `global-batch` and `router_z` exact.
+Under Ulysses SP, `micro-batch` is transformers' value per shard (its mean over shards); `global-batch`, `sequence`
+and `router_z` are exact, shared prefixes cut across shards included (`RouterLosses.enable_sequence_parallel`).
 A companion model's routers (an RL critic's own MoE value model) are not captured: it trains without router losses.
 """
 
@@ -51,26 +60,27 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from veomni_lite.config_sections import ConfigError
 from veomni_lite.distributed.collectives import all_reduce, collective_device
 from veomni_lite.loss_keys import ATTENTION_SEQUENCE_IDS, SEQUENCE_IDS, loss_key, sequences_key, tokens_key
 from veomni_lite.metrics.accumulator import MetricSpec
+from veomni_lite.models.routing import ROUTED_EXPERTS
 from veomni_lite.registries import Registry
 from veomni_lite.utils.loss_utils import LossModes
 
 __all__ = [
     *("ROUTER_AUX", "ROUTER_LOSSES", "ROUTER_Z", "RouterLosses", "RouterRecord"),
-    *("load_balancing_loss", "membership", "router_losses", "router_outputs", "routers", "routing", "routing_sums"),
-    *("token_weights", "write_loads"),
+    *("expert_counts", "load_balancing_loss", "membership", "router_losses", "router_outputs", "routers", "routing"),
+    *("routing_sums", "token_weights", "write_loads"),
 ]
 
 ROUTER_AUX, ROUTER_Z = "router_aux", "router_z"
@@ -138,28 +148,40 @@ def router_outputs(model: nn.Module) -> Iterator[RouterRecord]:
 # ---------------------------------------------------------------- tokens and sequences
 
 
-def token_weights(micro_batch: Mapping[str, Any]) -> torch.Tensor:
+def token_weights(micro_batch: Mapping[str, Any], sp_rank: int = 0, sp_size: int = 1) -> torch.Tensor:
     """int64 [B * S]: how many samples each routed position of the micro-batch counts for (see the module docstring):
-    0 on padding, 1 on a sample's token, m on a prefix shared by m samples; every position without `sequence_ids`."""
+    0 on padding, 1 on a sample's token, m on a prefix shared by m samples; every position without `sequence_ids`.
+    Under Ulysses SP (`sp_size` > 1) the micro-batch is shard `sp_rank`'s (see `membership`)."""
     ids = micro_batch.get(SEQUENCE_IDS)
     if ids is None:
         return torch.ones(micro_batch["input_ids"].numel(), dtype=torch.int64, device=micro_batch["input_ids"].device)
     if bool((ids == -2).any()):  # host tensors: the trainer reads the micro-batch before moving it
-        return membership(micro_batch).sum(0)
+        return membership(micro_batch, sp_rank, sp_size).sum(0)
     return (ids >= 0).long().reshape(-1)
 
 
-def membership(micro_batch: Mapping[str, Any]) -> torch.Tensor:
+def membership(micro_batch: Mapping[str, Any], sp_rank: int = 0, sp_size: int = 1) -> torch.Tensor:
     """int64 [N, B * S]: 1 where position t belongs to sample n (a row's or packed segment's own tokens, and the
-    shared prefix its branch follows: `veomni_lite.data.collator.pack` puts a group's prefix, then its branches)."""
+    shared prefix its branch follows: `veomni_lite.data.collator.pack` puts a group's prefix, then its branches).
+    Under Ulysses SP (`sp_size` > 1; the micro-batch is shard `sp_rank`'s, `slice_micro_batch`) this shard's columns of
+    the whole micro-batch's membership, so every shard numbers the same N samples alike: packed rows from the whole
+    rows' `attention_sequence_ids` (kept whole under SP, a prefix marked <= -2), padded rows one sample a row."""
     ids = micro_batch[SEQUENCE_IDS]
+    if sp_size == 1:
+        return _membership(ids)
+    rows, length = ids.shape
     whole = micro_batch.get(ATTENTION_SEQUENCE_IDS)
-    if whole is not None and whole.shape != ids.shape:
-        raise ValueError(
-            f"MoE router loss: a per-sample count needs the whole row on the rank ({SEQUENCE_IDS} {tuple(ids.shape)}, "
-            f"{ATTENTION_SEQUENCE_IDS} {tuple(whole.shape)}): `moe.balance: sequence` and shared prefixes "
-            "(`data.shared_prefix`) are not supported under Ulysses SP"
-        )
+    if whole is None:  # padded rows: row r is sample r
+        out = torch.zeros(rows, rows, length, dtype=torch.int64, device=ids.device)
+        out[torch.arange(rows, device=ids.device), torch.arange(rows, device=ids.device)] = (ids >= 0).long()
+        return out.reshape(rows, rows * length)
+    start = sp_rank * length
+    shard = _membership(whole.clamp(min=-2)).view(-1, rows, whole.shape[1])[:, :, start : start + length]
+    return shard.reshape(-1, rows * length)
+
+
+def _membership(ids: torch.Tensor) -> torch.Tensor:
+    """`membership` of whole rows of `sequence_ids`."""
     rows, length = ids.shape
     prefix = ids == -2
     run_starts = prefix & ~F.pad(prefix[:, :-1], (1, 0), value=False)
@@ -193,6 +215,7 @@ class RouterInputs:
     micro_batch: Mapping[str, Any]
     global_f: torch.Tensor | None  # [E] the step's f (global-batch), None: uniform
     top_k: int
+    sp: tuple[int, int, Any] = (0, 1, None)  # Ulysses SP: (this shard's rank, sp size, the SP group)
 
 
 def routing_sums(
@@ -237,11 +260,27 @@ def global_batch_balance(x: RouterInputs) -> torch.Tensor:
 @ROUTER_LOSSES.register("sequence", metrics=(loss_key(ROUTER_AUX),))
 def sequence_balance(x: RouterInputs) -> torch.Tensor:
     """The sum over this micro-batch's samples of each one's E sum_i f_i P_i, over the local count T (the core
-    multiplies by T and divides by the step's samples: the mean over samples)."""
-    members = membership(x.micro_batch).to(x.probs)  # [N, T]
-    sizes = members.sum(1, keepdim=True).clamp(min=1) * x.layers  # L T_s
-    f, p = members @ x.chosen / sizes, members @ x.probs / sizes
+    multiplies by T and divides by the step's samples: the mean over samples). Under Ulysses SP a sample's tokens
+    are on several shards: its counts (f's, and T_s) are summed over the SP group (one all-reduce of [N, E + 1] per
+    micro-batch), and each shard adds its tokens' part of P, which sums linearly over the shards."""
+    sp_rank, sp_size, sp_group = x.sp
+    members = membership(x.micro_batch, sp_rank, sp_size).to(x.probs)  # [N, T]
+    counts = torch.cat([members @ x.chosen, members.sum(1, keepdim=True)], dim=1).detach()  # [N, E + 1]
+    if sp_size > 1:
+        counts = all_reduce(counts.double(), op="sum", group=sp_group).to(x.probs)
+    sizes = counts[:, -1:].clamp(min=1) * x.layers  # L T_s
+    f, p = counts[:, :-1] / sizes, members @ x.probs / sizes
     return x.probs.shape[-1] * (f * p).sum() / x.weights.sum().clamp(min=1).to(x.probs.dtype)
+
+
+def expert_counts(experts: torch.Tensor, weights: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64 [E + 1] of a given routing `experts` [B, S, L, top_k] with token weights `weights` [B * S]: per expert
+    sum_l sum_t w_t c_{l,t,i}, then L T (T = sum_t w_t): what a training forward adds to a step's counts."""
+    layers, top_k = experts.shape[-2:]
+    chosen = experts.reshape(-1).long().to(weights.device)
+    slot_weights = weights.long().repeat_interleave(layers * top_k)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=weights.device).index_add_(0, chosen, slot_weights)
+    return torch.cat([counts, (weights.sum() * layers).reshape(1)])
 
 
 def z_loss(logits: list[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
@@ -254,10 +293,10 @@ def z_loss(logits: list[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- the heads of a trainer
 
 
-def _weights(micro_batch: Mapping[str, Any]) -> torch.Tensor:
+def _weights(micro_batch: Mapping[str, Any], sp_rank: int = 0, sp_size: int = 1) -> torch.Tensor:
     """`token_weights`, all 0 in a no-target micro-batch (`padding_flag`: a copy run only to keep the ranks' counts of
     micro-batches equal under a token budget)."""
-    weights = token_weights(micro_batch)
+    weights = token_weights(micro_batch, sp_rank, sp_size)
     return torch.zeros_like(weights) if bool(micro_batch.get("padding_flag", False)) else weights
 
 
@@ -277,6 +316,14 @@ class RouterLosses:
         self.global_f: torch.Tensor | None = None
         self._step_counts: torch.Tensor | None = None  # this step's local [E + 1]: sum_l sum_t w c, then L T
         self._window_loads: torch.Tensor | None = None  # [L, E] weighted loads since the last `write_loads`
+        self.sp: tuple[int, int, Any] = (0, 1, None)  # (shard rank, size, group) under Ulysses SP
+
+    def enable_sequence_parallel(self, group: Any) -> None:
+        """The micro-batches are shards of Ulysses SP `group`: whole samples are counted over it."""
+        self.sp = (dist.get_rank(group), dist.get_world_size(group), group)
+
+    def _weights(self, micro_batch: Mapping[str, Any]) -> torch.Tensor:
+        return _weights(micro_batch, self.sp[0], self.sp[1])
 
     @property
     def loss_keys(self) -> tuple[str, ...]:
@@ -295,15 +342,20 @@ class RouterLosses:
 
     def counts(self, micro_batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """The micro-batch's counts of the router heads (the loss core's n, summed into the step's D)."""
-        tokens = _weights(micro_batch).sum()
+        tokens = self._weights(micro_batch).sum()
         out = {tokens_key(ROUTER_Z): tokens} if self.z_coef else {}
         if self.balance == "micro-batch":
             out[tokens_key(ROUTER_AUX)] = (tokens > 0).long()
         else:
             out[tokens_key(ROUTER_AUX)] = tokens
         if self.balance == "sequence":
-            samples = torch.full_like(tokens, membership(micro_batch).shape[0])
-            out[sequences_key(ROUTER_AUX)] = torch.where(tokens > 0, samples, 0)
+            sp_rank, sp_size, _ = self.sp
+            samples = torch.full_like(tokens, membership(micro_batch, sp_rank, sp_size).shape[0])
+            if sp_size > 1:  # every shard numbers the whole micro-batch's samples: the first shard counts them
+                real = not bool(micro_batch.get("padding_flag", False))
+                out[sequences_key(ROUTER_AUX)] = samples if sp_rank == 0 and real else torch.zeros_like(samples)
+            else:
+                out[sequences_key(ROUTER_AUX)] = torch.where(tokens > 0, samples, 0)
         return out
 
     def heads(self, record: RouterRecord, micro_batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -311,9 +363,9 @@ class RouterLosses:
         loads join the log window's (`write_loads`)."""
         if not record.logits:
             raise RuntimeError("MoE router loss: no router logits were recorded in this forward")
-        weights = _weights(micro_batch).to(record.logits[0].device)
+        weights = self._weights(micro_batch).to(record.logits[0].device)
         probs, chosen, loads = routing_sums(record.logits, self.top_k, weights)
-        x = RouterInputs(probs, chosen, len(record.logits), weights, micro_batch, self.global_f, self.top_k)
+        x = RouterInputs(probs, chosen, len(record.logits), weights, micro_batch, self.global_f, self.top_k, self.sp)
         out = {loss_key(ROUTER_AUX): self.aux_coef * self.fn(x)}
         if self.z_coef:
             out[loss_key(ROUTER_Z)] = self.z_coef * z_loss(record.logits, weights)
@@ -338,13 +390,16 @@ class RouterLosses:
         heads = self.heads(record, micro_batch)
         return {**outputs, **heads}
 
-    def step_slots(self, device: torch.device) -> torch.Tensor | None:
-        """`global-batch`: the previous step's local counts [E + 1] (zeros before any), the extra slots of this step's
-        all-reduce; None otherwise."""
+    def step_slots(self, device: torch.device, micro_batches: Sequence[Mapping[str, Any]] = ()) -> torch.Tensor | None:
+        """`global-batch`: the extra slots [E + 1] of this step's all-reduce, local counts: this step's own where
+        every micro-batch carries its routing (`ROUTED_EXPERTS`: RL's old pass or rollout, `expert_counts`), else
+        the previous step's (zeros before any); None for the other modes."""
         if self.balance != "global-batch":
             return None
         counts = self._step_counts
         self._step_counts = None
+        if micro_batches and all(ROUTED_EXPERTS in mb for mb in micro_batches):
+            counts = sum(expert_counts(mb[ROUTED_EXPERTS], self._weights(mb), self.experts) for mb in micro_batches)
         return (
             counts.to(device) if counts is not None else torch.zeros(self.experts + 1, dtype=torch.int64, device=device)
         )
@@ -374,17 +429,11 @@ class RouterLosses:
         self.global_f = torch.where(total > 0, totals[:-1].double() / total.clamp(min=1), uniform)
 
 
-def router_losses(model: nn.Module, moe: Any, sp_size: int = 1, shared_prefix: bool = False) -> RouterLosses | None:
-    """The router heads of `model` under the config section `moe` (`MoEConfig`), None for a model that does not route.
-    Raises a ConfigError (every rank alike: from the config) for what needs the whole row under Ulysses SP."""
+def router_losses(model: nn.Module, moe: Any) -> RouterLosses | None:
+    """The router heads of `model` under the config section `moe` (`MoEConfig`), None for a model that does not route
+    (under Ulysses SP, `RouterLosses.enable_sequence_parallel`)."""
     if not routing(model):
         return None
-    if sp_size > 1 and (moe.balance == "sequence" or shared_prefix):
-        what = "moe.balance: sequence" if moe.balance == "sequence" else "data.shared_prefix with data.packing"
-        raise ConfigError(
-            f"{what} counts whole samples, which Ulysses SP (parallel.sp_size={sp_size}) cuts across ranks: use "
-            "moe.balance micro-batch or global-batch and data.shared_prefix false, or sp_size 1"
-        )
     return RouterLosses(model, moe.balance, moe.aux_loss_coef, moe.z_loss_coef)
 
 

@@ -39,6 +39,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+ROUTED_EXPERTS = "routed_experts"
+"""The micro-batch key of a given routing, [B, S, MoE layers, top_k] (sliced under SP like the ids): the experts RL
+replays (`rl.routing_replay`) or the old pass chose (`moe.balance: global-batch`'s f, `veomni_lite.models.moe`)."""
+
 
 def _softmax_scores(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
     top = F.softmax(logits, dim=-1, dtype=torch.float).gather(-1, indices)

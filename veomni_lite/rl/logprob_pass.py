@@ -11,7 +11,9 @@ micro-batches, every rank running the same count of forwards (agreed in one all-
 them, before the first forward), then kept per sample (so a checkpoint holds the batch, and resumes it on any
 layout); with the critic (`rl.advantage: gae`) its old values too, and GAE's advantages from them
 (`veomni_lite.rl.critic`). Routing replay (`rl.routing_replay`): every forward of a micro-batch carrying
-`routed_experts` replays them (`replayed`); with `old` the old pass records each sample's experts (`routed_experts`).
+`routed_experts` replays them (`replayed`); with `old` the old pass records each sample's experts (`routed_experts`),
+and so it does with `none` under `moe.balance: global-batch` (`RolloutContext.global_f`), where the experts only give
+each step's f (`veomni_lite.models.moe`) and the training forward does not replay them.
 `probe`: the current weights' log-probabilities of a token sequence, for the vLLM engine's sync check.
 """
 
@@ -43,6 +45,7 @@ __all__ = [
     "plan",
     "policy_logprobs",
     "probe",
+    "replay_experts",
     "replayed",
     "whole_sequence",
 ]
@@ -105,7 +108,9 @@ def fill(context: Any, samples: list[RolloutSample], plans: Plans) -> None:
         passes.append((OLD_VALUES, None))
     if context.reference is not None:
         passes.append((REF_LOGPROBS, context.reference))
-    records = context.rl.routing_replay == "old" and not context.on_policy  # the old pass's experts, kept per sample
+    # the old pass's experts, kept per sample: replayed (`old`) or, without replay, the global-batch balance's f
+    replay = context.rl.routing_replay
+    records = (replay == "old" or (replay == "none" and context.global_f)) and not context.on_policy
     routing: dict[int, torch.Tensor] = {}
     prepared: list[tuple[list[RolloutSample], dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
     problem: Exception | str | None = None
@@ -164,6 +169,14 @@ def model_logprobs(model: torch.nn.Module, batch: Mapping[str, Any], request: Lo
     """The model's {"logprobs", "entropy"} of `request` on a prepared micro-batch (the LM head fused with them
     unless `model.fused_lm_head` is false: `LogprobRequest`)."""
     return model(**{k: v for k, v in batch.items() if not is_labels_key(k)}, logprobs=request)
+
+
+def replay_experts(batch: dict[str, Any], routing_replay: str) -> torch.Tensor | None:
+    """The micro-batch's experts to replay (`routed_experts`), None without; under `rl.routing_replay: none` those the
+    old pass recorded for `moe.balance: global-batch`'s f only, popped: never replayed."""
+    if routing_replay == "none":
+        batch.pop(ROUTED_EXPERTS, None)
+    return batch.get(ROUTED_EXPERTS)
 
 
 def replayed(model: torch.nn.Module, batch: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:

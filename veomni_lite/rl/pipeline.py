@@ -80,6 +80,7 @@ class RolloutContext:
     shard: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
     logprobs: Callable[[Mapping[str, Any], float], torch.Tensor]
     teacher: Any = None  # `rl.teacher`: a `veomni_lite.rl.teacher` LocalTeacher or ServedTeacher
+    global_f: bool = False  # moe.balance global-batch: the old pass records each sample's experts for the step's f
 
     @property
     def minibatches(self) -> int:

@@ -33,6 +33,7 @@ import torch
 from veomni_lite.data.checks import DataError
 from veomni_lite.data.sft import row_name
 from veomni_lite.loss_keys import IGNORE_INDEX, SEQUENCE_IDS
+from veomni_lite.models.routing import ROUTED_EXPERTS
 from veomni_lite.rl.critic import CRITIC_VALUES, OLD_VALUES, RETURNS, VALUE_LABELS
 from veomni_lite.rl.policy_loss import (
     ADVANTAGES,
@@ -53,9 +54,6 @@ __all__ = [
     "prefix_positions",
     "read_rollouts",
 ]
-
-ROUTED_EXPERTS = "routed_experts"
-"""The micro-batch key of the replayed experts, [B, S, MoE layers, top_k] (sliced under SP like the ids)."""
 
 EVALUATION = -1
 """The batch number of an evaluation's greedy generation (`RLTrainer.evaluate`), which is no rollout batch."""

@@ -20,7 +20,9 @@ to train the head): the balance term is not the reward's, and its gradient moves
 the rollouts were sampled with (TRL and Unsloth set it to 0 for GRPO). `rl.routing_replay` (`old` or `rollout`): a
 micro-batch carries the experts to route to (`routed_experts`); `forward` replays them, its record of the model's
 own choices giving `rl/routing/mismatch`, and keeps the replay on until the micro-batch's backward has run (an
-activation-checkpointing recompute replays the same experts).
+activation-checkpointing recompute replays the same experts). With `moe.balance: global-batch`, a step whose
+micro-batches carry experts (the old pass's, recorded without replay too, or the rollout's) trains with the f of
+those experts (`RouterLosses.step_slots`): this step's own, exact where they are the experts its forward uses.
 """
 
 from __future__ import annotations
@@ -58,14 +60,14 @@ from veomni_lite.rl.critic import VALUE, VALUE_LABELS, Critic
 from veomni_lite.rl.episodes import make_agent
 from veomni_lite.rl.hubs import hub_sources
 from veomni_lite.rl.loader import RolloutLoader
-from veomni_lite.rl.logprob_pass import model_logprobs, policy_logprobs, probe, replayed
+from veomni_lite.rl.logprob_pass import model_logprobs, policy_logprobs, probe, replay_experts, replayed
 from veomni_lite.rl.pipeline import RolloutContext, RolloutPipeline
 from veomni_lite.rl.policy_loss import POLICY_LABELS, PolicyLoss
 from veomni_lite.rl.prompts import PromptSet, encode_row, read_prompts
 from veomni_lite.rl.records import RolloutRecords, rollout_specs
 from veomni_lite.rl.rewards import check_answers, load_rewards
 from veomni_lite.rl.rollout_batch import generate, sampling
-from veomni_lite.rl.rollouts import EVALUATION, ROUTED_EXPERTS, RolloutSample, collate_rollouts, read_rollouts
+from veomni_lite.rl.rollouts import EVALUATION, RolloutSample, collate_rollouts, read_rollouts
 from veomni_lite.rl.teacher import make_teacher
 from veomni_lite.trainer.base import shard_micro_batch
 from veomni_lite.trainer.sft import SFTTrainer
@@ -266,7 +268,7 @@ class RLTrainer(SFTTrainer):
             image_token_id=self.model_config.image_token_id if self.images is not None else None,
             rewards=self.rewards, prompts=self.train_dataset, given=self.given, engine=None, agent=None,
             planner=planner, model=self.model, lora=self.lora, reference=self.reference, critic=self.critic,
-            collate=collate,
+            collate=collate, global_f=self.router is not None and self.router.balance == "global-batch",
             shard=functools.partial(
                 shard_micro_batch, loss_modes=self.loss_modes, parallel=self.parallel, pad_id=self.pad_id
             ),
@@ -319,7 +321,7 @@ class RLTrainer(SFTTrainer):
         """The policy loss of one micro-batch from the model's log-probabilities and entropies (see `PolicyLoss`)."""
         self.replay.close()  # the previous micro-batch's backward has run
         batch = self.preforward(micro_batch)
-        given = batch.get(ROUTED_EXPERTS)
+        given = replay_experts(batch, self.rl.routing_replay)
         own = self.replay.enter_context(record_routing(self.model)) if given is not None else None
         self.replay.enter_context(replayed(self.model, batch))  # after the record: it sees the model's own top-k
         request = LogprobRequest(batch[POLICY_LABELS], self.rl.temperature, entropy=True)

@@ -259,8 +259,7 @@ class BaseTrainer(ABC):
             raise ConfigError(str(exc)) from None
         self.loss_keys: tuple[str, ...] = self.trained_loss_keys(model)
         self.labeled_loss_keys = self.loss_keys  # the heads whose `<name>_labels` every micro-batch carries
-        shared = config.data.packing and config.data.shared_prefix
-        self.router = router_losses(model, config.moe, config.parallel.sp_size, shared)  # None: a dense decoder
+        self.router = router_losses(model, config.moe)  # None: a dense decoder
         if self.router is not None:
             self.loss_keys += self.router.loss_keys
             self.loss_modes = self.router.modes(self.loss_modes)
@@ -276,6 +275,8 @@ class BaseTrainer(ABC):
         if self.parallel.sp_enabled:
             for each in models:
                 each.enable_sequence_parallel(self.parallel.sp_group)
+            if self.router is not None:  # whole samples counted over the SP group
+                self.router.enable_sequence_parallel(self.parallel.sp_group)
         layers = [layer for each in models for layer in each.layers]
         if config.parallel.activation_checkpointing:
             checkpoint_activations(layers)
@@ -691,10 +692,11 @@ class BaseTrainer(ABC):
 
     def _loss_step(self, micro_batches: list[dict[str, torch.Tensor]], train: bool) -> LossStep:
         """The step's `LossStep`, with the router heads' counts of an MoE model; `global-batch` (training): the
-        previous step's expert counts in its one all-reduce, made now so every forward of the step has the f."""
+        expert counts of the step's f (its micro-batches' given routing, else the previous step's:
+        `RouterLosses.step_slots`) in its one all-reduce, made now so every forward of the step has the f."""
         if self.router is None:
             return LossStep(micro_batches, self.loss_modes, marked=True)
-        slots = self.router.step_slots(self.device) if train else None
+        slots = self.router.step_slots(self.device, micro_batches) if train else None
         step = LossStep(micro_batches, self.loss_modes, marked=True, extra_counts=self.router.counts, slots=slots)
         if slots is not None:
             self.router.set_global_counts(step.step_slots(self.loss_keys))
