@@ -211,8 +211,9 @@ TRAINED_WITH = {
 
 
 def test_every_shipped_config_trains_exactly_as_before(tmp_path):
-    # own sections and schedules: tests/rl, tests/pref; the MoE demo is new (tests/examples/test_moe_demo.py)
-    post_training = ("rl_", "dpo_", "rm_", "agent_", "ppo_", "moe_")
+    # own sections and schedules: tests/rl, tests/pref; written after these knobs: the MoE demo
+    # (tests/examples/test_moe_demo.py), distillation's and the hub environments' (tests/rl, `make train-envs`)
+    post_training = ("rl_", "dpo_", "rm_", "agent_", "ppo_", "moe_", "distill_", "rg_", "verifiers_")
     shipped = [path.name for path in (REPO / "configs").glob("*.yaml") if not path.name.startswith(post_training)]
     assert sorted(TRAINED_WITH) == sorted(shipped)
     (tmp_path / "config.json").write_text('{"num_attention_heads": 4, "num_key_value_heads": 2}')
