@@ -15,6 +15,7 @@ lock, so the time either spends in Python rather than in torch's kernels does no
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -24,7 +25,10 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 2, "num_attention_heads": 8}
-VARIANTS = {"k=0": (0, False), "k=1": (1, False), "k=2": (2, False), "k=4": (4, False), "k=2 partial": (2, True)}
+VARIANTS = {  # name: (k, partial rollouts, engine worker)
+    "k=0": (0, False, "thread"), "k=1": (1, False, "process"), "k=2": (2, False, "process"),
+    "k=4": (4, False, "process"), "k=2 partial": (2, True, "process"), "k=2 thread": (2, False, "thread"),
+}  # fmt: skip
 TARGET_SPEEDUP = 1.6  # k = 2 over k = 0 (the target; two cores bound it at 2)
 
 
@@ -35,26 +39,31 @@ def _worker(work_dir: Path, model_dir: Path, batches: int, new_tokens: int, roun
 
     from veomni_lite.config import load_config
     from veomni_lite.engines.background import BackgroundEngine
+    from veomni_lite.engines.process import ProcessEngine
     from veomni_lite.rl.config import RLConfig
     from veomni_lite.rl.trainer import RLTrainer
 
     torch.set_num_threads(1)
     os.sched_setaffinity(0, {1})  # this (the trainer's) thread; the engine's worker pins itself to core 0
     results: dict[str, list[dict[str, float]]] = {name: [] for name in VARIANTS}
-    for name, (k, partial) in [item for _ in range(rounds) for item in VARIANTS.items()]:
+    for name, (k, partial, worker) in [item for _ in range(rounds) for item in VARIANTS.items()]:
         args = [
             "--model.arch", "auto", "--model.pretrained_dir", str(model_dir), "--data.format", "messages",
             "--data.train_path", str(work_dir / "data" / "rl_train.jsonl"), "--data.max_seq_len", "160",
             "--rl.prompts_per_step", "8", "--rl.num_generations", "4", "--rl.max_new_tokens", str(new_tokens),
             "--rl.rewards", "[{name: correct, function: math}]", "--rl.importance_sampling", "token",
             "--rl.async_steps", str(k), "--rl.partial_rollouts", str(partial).lower(),
+            *(["--rl.engine_worker", worker] if k else []),
             "--train.micro_batch_size", "32", "--train.global_batch_size", "32", "--train.max_steps", "1000",
             "--train.output_dir", str(work_dir / "run"), "--checkpoint.save_interval", "0",
             "--logging.log_interval", "1000", "--logging.progress_bar", "false", "--logging.tensorboard", "false",
             "--logging.plot", "false",
         ]  # fmt: skip
         trainer = RLTrainer(load_config(None, args, world_size=1, sections={"rl": RLConfig}))
-        if isinstance(trainer.engine, BackgroundEngine):
+        engine = getattr(trainer.engine, "engine", None)
+        if isinstance(engine, ProcessEngine):
+            engine.run(functools.partial(os.sched_setaffinity, 0, {0}))
+        elif isinstance(trainer.engine, BackgroundEngine):
             trainer.engine.call(lambda: os.sched_setaffinity(0, {0})).result()
         trainer.loader.max_steps = batches + 2
         tokens, start, waited = 0, 0.0, 0.0
