@@ -1,15 +1,18 @@
 """Bounded-staleness rollouts (`rl.async_steps: k`, `rl.partial_rollouts`, `veomni_lite.rl.rollout_queue`): batch b is
 sampled by the weights synced at batch b - k (checked against an engine given those weights, and against the newest
 as a negative control); partial rollouts continue across weight syncs, each token carrying the version and
-log-probability of the weights that sampled it, and with unchanged weights they are the whole generations; a resume
-(at a batch boundary or inside a batch) trains the samples of the uninterrupted run; DP=2 makes the same rollouts as
-one process; a block older than the bound is dropped and generated again; a generation failing on one rank is the
-same named error on every rank; the background engine keeps its jobs' order; the truncated correction weighs each
-token by its own version's behaviour log-probability, against a float64 reference at GA and DP=2 x GA."""
+log-probability of the weights that sampled it, and with unchanged weights they are the whole generations; the
+staleness histogram is a hand count of each batch's tokens (hand-made samples, and the runs' own, the same at DP=2);
+a resume (at a batch boundary or inside a batch, also from one process on two ranks and back) trains the samples of
+the uninterrupted run (a checkpoint whose queue is lost does not); DP=2 makes the same rollouts as one process; a
+block older than the bound is dropped and generated again; a generation failing on one rank is the same named error
+on every rank; the background engine keeps its jobs' order; the truncated correction weighs each token by its own
+version's behaviour log-probability, against a float64 reference at GA and DP=2 x GA."""
 
 from __future__ import annotations
 
 import math
+import shutil
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -26,9 +29,12 @@ from veomni_lite.engines.base import Rollout, RolloutEngine, RolloutRequest, Sam
 from veomni_lite.engines.embedded import TransformersEngine
 from veomni_lite.engines.weights import engine_model
 from veomni_lite.rl.config import RLConfig
+from veomni_lite.rl.records import rollout_metrics, rollout_specs, staleness_histogram
 from veomni_lite.rl.rollout_batch import request, sampling
 from veomni_lite.rl.rollout_queue import chunk_bounds
+from veomni_lite.rl.rollouts import RolloutSample
 from veomni_lite.rl.trainer import RLTrainer
+from veomni_lite.trainer.checkpoint import TRAINER_STATE
 
 P, G, S = 4, 4, 2  # prompts and samples per rollout batch; optimizer steps per rollout batch (two mini-batches)
 
@@ -71,16 +77,31 @@ def record_syncs(trainer: RLTrainer) -> dict[int, dict[str, torch.Tensor]]:
     return seen
 
 
+def record_batches(trainer: RLTrainer) -> list[tuple[int, list[RolloutSample]]]:
+    """Every rollout batch the run generates: (the optimizer steps trained when it was made, its samples)."""
+    made: list[tuple[int, list[RolloutSample]]] = []
+    original = trainer.rollouts.make
+
+    def make(k: int, step: int, last: int | None, restored: list[RolloutSample] | None = None) -> Any:
+        batch = original(k, step, last, restored)
+        if restored is None:
+            made.append((step, batch.samples))
+        return batch
+
+    trainer.rollouts.make = make
+    return made
+
+
 def run(args: list[str], world_size: int = 1, stop_after: int | None = None) -> dict[str, Any]:
     trainer = build(args, world_size)
-    seen = record_syncs(trainer)
+    seen, made = record_syncs(trainer), record_batches(trainer)
     train_built(trainer, stop_after)
-    return {"trainer": trainer, "seen": seen, "last": [s.plain() for s in trainer.rollouts.last],
+    return {"trainer": trainer, "seen": seen, "made": made, "last": [s.plain() for s in trainer.rollouts.last],
             "events": read_events(trainer.output_dir)}  # fmt: skip
 
 
-def _ranked(rank: int, world: int, args: list[str]) -> dict[str, Any]:
-    out = run(args, world)
+def _ranked(rank: int, world: int, args: list[str], stop_after: int | None = None) -> dict[str, Any]:
+    out = run(args, world, stop_after)
     return {"last": out["last"], "events": out["events"]}
 
 
@@ -114,6 +135,56 @@ def token_logprobs(trainer: RLTrainer, state: Mapping[str, torch.Tensor], sample
     return logits[positions, ids[0, start:]]
 
 
+def hand_histogram(made: Sequence[tuple[int, Sequence[RolloutSample]]], k: int) -> dict[int, list[float]]:
+    """Plain Python: each batch's share of response tokens sampled d = 0..k rollout batches (S steps) before the step
+    that trains it, d = ceil((step - token version) / S), by the logged step (the batch's first, step + 1)."""
+    out = {}
+    for step, samples in made:
+        counts = [0] * (k + 1)
+        for sample in samples:
+            for version in sample.versions or [sample.version] * len(sample.response_ids):
+                counts[math.ceil((step - version) / S)] += 1
+        out[step + 1] = [n / sum(counts) for n in counts]
+    return out
+
+
+def assert_logged_histogram(out: Mapping[str, Any], k: int = 2) -> None:
+    """The run's logged `rl/staleness/hist/{d}` is the hand count of the batches it generated."""
+    expected = hand_histogram(out["made"], k)
+    assert len(expected) == len(out["made"]) >= 3
+    for d in range(k + 1):
+        logged = series(out["events"], f"rl/staleness/hist/{d}")
+        assert logged == pytest.approx({step: shares[d] for step, shares in expected.items()}, rel=0, abs=1e-12), d
+    assert not series(out["events"], f"rl/staleness/hist/{k + 1}")
+
+
+def test_the_staleness_histogram_is_the_share_of_tokens_by_batches_behind():
+    # the batch trains from step 8, S = 2 steps per rollout batch, k = 3
+    samples = [
+        RolloutSample(group=0, prompt_ids=[1], response_ids=[5, 6, 7], version=6),  # 3 tokens 1 batch behind
+        RolloutSample(group=0, prompt_ids=[1], response_ids=[5, 6, 7, 8], version=2, versions=[2, 2, 4, 6]),  # 3 3 2 1
+        RolloutSample(group=1, prompt_ids=[1], response_ids=[5, 6], version=8),  # 0 0
+        RolloutSample(group=1, prompt_ids=[1], response_ids=[5], version=5),  # ceil(3 / 2) = 2
+        RolloutSample(group=2, prompt_ids=[1], response_ids=[5, 6], version=4),  # 2 2
+        RolloutSample(group=2, prompt_ids=[1], response_ids=[], version=0),  # no tokens
+    ]
+    counts = {0: 2, 1: 4, 2: 4, 3: 2}  # of 12 tokens
+    assert hand_histogram([(8, samples)], 3) == {9: [counts[d] / 12 for d in range(4)]}
+    record = rollout_metrics(samples, 2, 8, steps_per_rollout=2, async_steps=3)
+    assert {d: record[f"rl/staleness/hist/{d}"] for d in range(4)} == {d: (float(n), 12.0) for d, n in counts.items()}
+    halves = [staleness_histogram(part, 8, 2, 3) for part in (samples[:1], samples[1:])]  # two ranks' shares
+    for d in range(4):
+        (a, ta), (b, tb) = (half[f"rl/staleness/hist/{d}"] for half in halves)
+        assert (a + b) / (ta + tb) == counts[d] / 12
+    whole = [RolloutSample(**{**sample.plain(), "versions": None}) for sample in samples]  # negative control
+    assert staleness_histogram(whole, 8, 2, 3)["rl/staleness/hist/3"] == (4.0, 12.0)
+    assert not any("hist" in name for name in rollout_metrics(samples, 2, None, 2, 3))  # given rollouts
+    assert not any("hist" in name for name in rollout_metrics(samples, 2, 8, 2, 0))  # synchronous
+    names = [spec.name for spec in rollout_specs(RLConfig(async_steps=3, importance_sampling="token"), [])]
+    assert [n for n in names if "hist" in n] == [f"rl/staleness/hist/{d}" for d in range(4)]
+    assert not any("hist" in spec.name for spec in rollout_specs(RLConfig(), []))
+
+
 @pytest.mark.slow
 def test_k2_samples_each_batch_by_the_weights_synced_two_batches_before(math_demo, tmp_path):
     out = run(async_args(math_demo, tmp_path / "k2"))
@@ -122,6 +193,8 @@ def test_k2_samples_each_batch_by_the_weights_synced_two_batches_before(math_dem
     assert series(out["events"], "rl/staleness/max") == {1: 0.0, 3: 2.0, 5: 4.0, 7: 4.0}
     assert series(out["events"], "rl/staleness/mean") == {1: 0.0, 3: 2.0, 5: 4.0, 7: 4.0}
     assert series(out["events"], "rl/staleness/dropped") == {1: 0.0, 3: 0.0, 5: 0.0, 7: 0.0}
+    assert series(out["events"], "rl/staleness/hist/2") == {1: 0.0, 3: 0.0, 5: 1.0, 7: 1.0}
+    assert_logged_histogram(out)
     assert sorted(out["seen"]) == [0, 2] and {s["version"] for s in last} == {2}
     assert all(s["versions"] is None for s in last)
     expected = regenerate(trainer, 3, out["seen"][2])
@@ -144,6 +217,8 @@ def test_partial_rollouts_carry_each_tokens_version_and_logprob(math_demo, tmp_p
         n = len(sample["response_ids"])
         assert sample["version"] == 2 and sample["versions"] == [2] * min(n, 4) + [4] * max(n - 4, 0)
     assert series(out["events"], "rl/staleness/max") == {1: 0.0, 3: 2.0, 5: 4.0, 7: 4.0}
+    assert_logged_histogram(out)  # batch 1: its first chunk 1 batch behind, the rest by the weights it trains
+    assert 0 < series(out["events"], "rl/staleness/hist/0")[3] < 1
     long = [s for s in last if len(s["response_ids"]) > 4]
     assert long, "no response spans the update"
     worst = wrong = 0.0
@@ -167,6 +242,21 @@ def test_with_unchanged_weights_partial_rollouts_are_the_whole_generations(math_
     assert any(len(set(s["versions"])) == 2 for s in partial)
 
 
+def assert_trains_like(whole: Mapping[str, Any], resumed: Mapping[str, Any], logprob_abs: float = 0.0) -> None:
+    """`resumed` (a run resumed from a checkpoint) trained the last batch's samples of the uninterrupted `whole` run
+    and logged its values; `logprob_abs`: the engine log-probabilities' bound (another world size batches the
+    engine's requests otherwise, 0: equal)."""
+    for key in ("response_ids", "version", "versions", "reward"):
+        assert [s[key] for s in resumed["last"]] == [s[key] for s in whole["last"]], key
+    for got, expected in zip(resumed["last"], whole["last"]):
+        assert got["engine_logprobs"] == pytest.approx(expected["engine_logprobs"], rel=0, abs=logprob_abs)
+    rel, abs_ = (1e-6, 1e-9) if logprob_abs == 0 else (1e-5, 1e-6)  # another layout: float32 sums in its own order
+    for key in ("train/policy_loss", "rl/reward/mean", "rl/staleness/mean", "rl/staleness/hist/1", "rl/logprob_diff"):
+        expected, got = series(whole["events"], key), series(resumed["events"], key)
+        # (a batch restored inside it records its engine mismatch again at the resumed step)
+        assert {s: got[s] for s in expected} == pytest.approx(expected, rel=rel, abs=abs_), key
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stop_after", [2, 5])  # at a batch boundary (the next batch made, not trained); inside
 def test_a_resume_trains_the_samples_of_the_uninterrupted_run(math_demo, tmp_path, stop_after):
@@ -174,12 +264,55 @@ def test_a_resume_trains_the_samples_of_the_uninterrupted_run(math_demo, tmp_pat
     whole = run(async_args(math_demo, tmp_path / "whole", *extra))
     run(async_args(math_demo, tmp_path / "cut", *extra), stop_after=stop_after)
     resumed = run(async_args(math_demo, tmp_path / "cut", *extra, "--checkpoint.resume", "true"))
-    for key in ("response_ids", "engine_logprobs", "versions", "reward"):
-        assert [s[key] for s in resumed["last"]] == [s[key] for s in whole["last"]], key
-    for key in ("train/policy_loss", "rl/reward/mean", "rl/staleness/mean", "rl/logprob_diff"):
-        expected, got = series(whole["events"], key), series(resumed["events"], key)
-        # (a batch restored inside it records its engine mismatch again at the resumed step)
-        assert {s: got[s] for s in expected} == pytest.approx(expected, rel=1e-6, abs=1e-9), key
+    assert_trains_like(whole, resumed)
+
+
+def drop_saved_queue(out: Path, copy: Path) -> Path:
+    """A copy of the run under `out` whose checkpoint lost its queue (the negative control: its blocks ahead are
+    generated anew by the resumed weights)."""
+    shutil.copytree(out, copy)
+    (path,) = copy.glob(f"checkpoints/*/{TRAINER_STATE}")
+    state = torch.load(path, weights_only=True)
+    del state["loader"]["queue"]
+    torch.save(state, path)
+    return copy
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("partial", "stop_after"),
+    [
+        (False, 5),  # inside batch 2: block 3 in flight, by the weights of step 2
+        (True, 2),  # batch 1 made, not trained; block 2's first chunk in flight, continued by the two ranks' rows
+    ],
+)
+def test_a_checkpoint_of_one_process_resumes_on_two_ranks_to_the_uninterrupted_run(
+    math_demo, tmp_path, partial, stop_after
+):
+    extra = ("--checkpoint.save_interval", "0", *(("--rl.partial_rollouts", "true") if partial else ()))
+    resume = ("--checkpoint.resume", "true")
+    whole = run(async_args(math_demo, tmp_path / "whole", *extra))
+    run(async_args(math_demo, tmp_path / "cut", *extra), stop_after=stop_after)
+    dropped = drop_saved_queue(tmp_path / "cut", tmp_path / "dropped")
+    ranks = run_distributed(_ranked, 2, async_args(math_demo, tmp_path / "cut", *extra, *resume), timeout_s=600)
+    for rank_result in ranks:  # every rank holds every sample
+        assert_trains_like(whole, {"last": rank_result["last"], "events": ranks[0]["events"]}, logprob_abs=1e-5)
+    (control, _) = run_distributed(_ranked, 2, async_args(math_demo, dropped, *extra, *resume), timeout_s=600)
+    # the blocks of the lost queue generated again by the resumed weights: fresher, and caught by the comparison
+    fresher = series(control["events"], "rl/staleness/mean")
+    assert any(fresher[s] < value for s, value in series(whole["events"], "rl/staleness/mean").items()), fresher
+    with pytest.raises(AssertionError):
+        assert_trains_like(whole, control, logprob_abs=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop_after", [2, 5])
+def test_a_checkpoint_of_two_ranks_resumes_on_one_process_to_the_uninterrupted_run(math_demo, tmp_path, stop_after):
+    extra = ("--checkpoint.save_interval", "0", "--rl.partial_rollouts", "true")
+    whole = run(async_args(math_demo, tmp_path / "whole", *extra))
+    run_distributed(_ranked, 2, async_args(math_demo, tmp_path / "cut", *extra), stop_after, timeout_s=600)
+    resumed = run(async_args(math_demo, tmp_path / "cut", *extra, "--checkpoint.resume", "true"))
+    assert_trains_like(whole, resumed, logprob_abs=1e-5)
 
 
 @pytest.mark.slow
@@ -190,8 +323,9 @@ def test_dp2_makes_the_rollouts_of_one_process(math_demo, tmp_path):
     for rank_result in two:
         assert [s["response_ids"] for s in rank_result["last"]] == [s["response_ids"] for s in one["last"]]
         assert [s["versions"] for s in rank_result["last"]] == [s["versions"] for s in one["last"]]
-    for step, value in series(one["events"], "rl/staleness/max").items():
-        assert series(two[0]["events"], "rl/staleness/max")[step] == value
+    for key in ("rl/staleness/max", "rl/staleness/hist/0", "rl/staleness/hist/1", "rl/staleness/hist/2"):
+        assert series(two[0]["events"], key) == series(one["events"], key), key  # the world's tokens: exact
+    assert_logged_histogram(one)
 
 
 @pytest.mark.slow

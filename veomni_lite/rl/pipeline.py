@@ -146,7 +146,10 @@ class RolloutPipeline:
             if context.teacher is not None:
                 teacher_logprobs(context, samples, batch_name(k, step))
             generate_s = time.perf_counter() - start
-            metrics = rollout_metrics(self._mine(samples), context.rl.num_generations, self._version(step)) | counts
+            metrics = rollout_metrics(
+                self._mine(samples), context.rl.num_generations, self._version(step), context.steps_per_rollout,
+                context.rl.async_steps,
+            ) | counts  # fmt: skip
             self.last = samples
         else:
             samples = restored

@@ -3,8 +3,8 @@
 `RolloutRecords`, which records them and the rollouts sample.
 
 Each rollout batch's metrics (`rl/reward/...`, `rl/rewards/<name>`, `rl/advantage/...`, response lengths, truncation,
-staleness; off policy the engine's mismatch `rl/importance_ratio/...`, `rl/logprob_diff`, `rl/mismatch/kl` and
-`rl/mismatch/ppl_ratio`) are this rank's share
+staleness, under `rl.async_steps` its histogram `rl/staleness/hist/{d}`; off policy the engine's mismatch
+`rl/importance_ratio/...`, `rl/logprob_diff`, `rl/mismatch/kl` and `rl/mismatch/ppl_ratio`) are this rank's share
 (each sample recorded by one rank; `rl/dynamic_sampling/...`, the world's counts per batch, by rank 0), kept until
 the step that trains the batch's first part records them; at log steps the main rank appends the batch's first
 `rl.rollouts_sample` rollouts to rollouts.jsonl and TensorBoard's text tab.
@@ -26,7 +26,14 @@ from veomni_lite.rl.rollouts import RolloutSample
 
 ROLLOUTS_FILE = "rollouts.jsonl"
 
-__all__ = ["ROLLOUTS_FILE", "RolloutRecords", "engine_mismatch_metrics", "rollout_metrics", "rollout_specs"]
+__all__ = [
+    "ROLLOUTS_FILE",
+    "RolloutRecords",
+    "engine_mismatch_metrics",
+    "rollout_metrics",
+    "rollout_specs",
+    "staleness_histogram",
+]
 
 
 def _stats(prefix: str, values: torch.Tensor, weights: torch.Tensor | None = None) -> dict[str, Any]:
@@ -83,6 +90,7 @@ def rollout_specs(rl: Any, reward_names: Sequence[str]) -> list[MetricSpec]:
         MetricSpec("rl/staleness/mean", "mean", fmt=".1f"),  # optimizer steps between a sample's weights and now
         MetricSpec("rl/staleness/max", "max", fmt=".0f"),
         *([MetricSpec("rl/staleness/dropped", "mean", fmt=".0f")] if rl.async_steps else []),  # per batch, rank 0
+        *(MetricSpec(f"rl/staleness/hist/{d}", "mean") for d in range(rl.async_steps + 1) if rl.async_steps),
         MetricSpec("rl/kl", "mean"),
         *([MetricSpec("rl/teacher/reverse_kl", "mean")] if rl.teacher else []),
         MetricSpec("rl/entropy", "mean"),
@@ -117,9 +125,33 @@ def rollout_specs(rl: Any, reward_names: Sequence[str]) -> list[MetricSpec]:
     return specs
 
 
-def rollout_metrics(samples: Sequence[RolloutSample], group_size: int, step: int | None) -> dict[str, Any]:
+def staleness_histogram(
+    samples: Sequence[RolloutSample], step: int, steps_per_rollout: int, bound: int
+) -> dict[str, tuple[float, float]]:
+    """This rank's share of `rl/staleness/hist/{d}`, d = 0..`bound`: (response tokens d rollout batches stale, all its
+    response tokens), d = ceil((step - the token's version) / steps_per_rollout) (versions: `RolloutSample.versions`,
+    else the sample's `version` for each token; the model's tokens of an episode), capped at `bound` (the staleness
+    bound k keeps every token within it)."""
+    counts = [0] * (bound + 1)
+    for sample in samples:
+        versions = sample.versions if sample.versions is not None else [sample.version] * len(sample.response_ids)
+        for version in _model_tokens(sample, versions)[0]:
+            counts[min(max(-(-(step - version) // steps_per_rollout), 0), bound)] += 1
+    total = float(sum(counts))
+    return {f"rl/staleness/hist/{d}": (float(n), total) for d, n in enumerate(counts)}
+
+
+def rollout_metrics(
+    samples: Sequence[RolloutSample],
+    group_size: int,
+    step: int | None,
+    steps_per_rollout: int = 1,
+    async_steps: int = 0,
+) -> dict[str, Any]:
     """This rank's share of a batch's rollout metrics (each sample recorded by one rank); `step`: the optimizer steps
-    trained when it was made, for the staleness (None: given rollouts, whose weights are unknown)."""
+    trained when it was made, for the staleness (None: given rollouts, whose weights are unknown); under
+    `async_steps` k >= 1 also the staleness histogram in rollout batches of `steps_per_rollout` steps
+    (`staleness_histogram`)."""
     record: dict[str, Any] = {}
     if not samples:
         return record
@@ -142,6 +174,8 @@ def rollout_metrics(samples: Sequence[RolloutSample], group_size: int, step: int
         staleness = torch.tensor([float(step - s.version) for s in samples], dtype=torch.float64)
         record["rl/staleness/mean"] = (staleness.sum(), float(staleness.numel()))
         record["rl/staleness/max"] = staleness.max()
+        if async_steps:
+            record.update(staleness_histogram(samples, step, steps_per_rollout, async_steps))
     return record
 
 

@@ -4,7 +4,7 @@
 Versions: the policy version of a token is the optimizer steps trained when the weights that sampled it were synced
 to the engine (a rollout batch's make, `RolloutPipeline.make`: once per rollout batch of S = `steps_per_rollout`
 steps). A sample's staleness is the steps trained when its batch is made minus its oldest token's version
-(`rl/staleness/{mean,max}`).
+(`rl/staleness/{mean,max}`; per token, in rollout batches, `rl/staleness/hist/{d}`).
 
 The schedule is fixed, so every rank and every rerun decides alike (nothing depends on how fast the engine runs):
 when rollout batch t is made (at step tS), block t is taken from the queue (finished now if its generation is still
