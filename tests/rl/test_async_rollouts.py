@@ -418,7 +418,6 @@ def test_async_configs_are_checked(math_demo, tmp_path):
         ("--rl.partial_rollouts", "true", "--rl.max_new_tokens", "1"): r"rl.max_new_tokens \(1\) must be >= rl.asy",
         ("--rl.dynamic_sampling", "{metric: correct}"): r"rl.async_steps: 2 with rl.dynamic_sampling",
         ("--rl.importance_sampling", "none"): r"rl.async_steps: 2 samples with weights up to that many rollout",
-        ("--rl.engine_worker", "process", "--rl.async_steps", "0"): r"rl.engine_worker: process runs the embedded",
     }
     for extra, message in cases.items():
         with pytest.raises(ConfigError, match=message):

@@ -4,14 +4,12 @@
 mesh: every rank calls it; `get_model_state_dict` with `full_state_dict`), keeps the transformers model inside the
 trainer's wrapper (`hf_child`; an extra head such as the digits' image head is not the engine's), strips the
 wrapper's prefix and merges each LoRA adapter into its base weight (W + alpha / rank B A). `engine_model(config)`
-builds the plain transformers model of the same architecture that an embedded engine generates with;
-`embedded_engine(...)` the engine around it (picklable as a `functools.partial`: `rl.engine_worker: process`).
+builds the plain transformers model of the same architecture that an embedded engine generates with.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,10 +19,7 @@ from veomni_lite.models.lora import LoraSettings
 from veomni_lite.models.pretrained import hf_child
 from veomni_lite.models.registry import DTYPES, family_of
 
-if TYPE_CHECKING:
-    from veomni_lite.engines.embedded import TransformersEngine
-
-__all__ = ["embedded_engine", "engine_model", "full_hf_state"]
+__all__ = ["engine_model", "full_hf_state"]
 
 
 def engine_model(config: Any, dtype: str = "fp32") -> nn.Module:
@@ -32,20 +27,6 @@ def engine_model(config: Any, dtype: str = "fp32") -> nn.Module:
     cls = family_of(config).hf_class()
     build = cls.from_config if cls.__name__.startswith("Auto") else cls._from_config  # an Auto class, or a model's
     return build(config, attn_implementation="sdpa", dtype=DTYPES[dtype]).eval()
-
-
-def embedded_engine(
-    config: Any,
-    dtype: str,
-    device: torch.device,
-    image_tokens: Callable[[torch.Tensor], list[int]] | None = None,
-    record_experts: bool = False,
-) -> TransformersEngine:
-    """The embedded engine on `engine_model(config, dtype)` (arguments as `TransformersEngine`'s)."""
-    from veomni_lite.engines.embedded import TransformersEngine
-
-    return TransformersEngine(engine_model(config, dtype), device, image_tokens=image_tokens,
-                              record_experts=record_experts)  # fmt: skip
 
 
 @torch.no_grad()

@@ -159,9 +159,6 @@ class RLConfig:
     partial_rollouts: bool = False
     """k >= 2: responses generate in k chunks, each by the weights of the batch it starts at, so a generation
     continues across weight updates, each token with its own version and log-probability (verl's partial_rollout)."""
-    engine_worker: Literal["thread", "process"] = "thread"
-    """k >= 1, the embedded engine: where it generates beside the trainer, a thread of each rank's process or a process
-    of its own (`veomni_lite.engines.process`: no shared interpreter lock; the same tokens, docs/rl.md)."""
 
     @property
     def filter_groups(self) -> DynamicSampling | None:
@@ -372,10 +369,6 @@ def check_staleness(rl: RLConfig) -> None:
     if rl.partial_rollouts and rl.routing_replay == "rollout":
         raise ConfigError("rl.partial_rollouts: a response of several chunks has no one routing record; use "
                           "rl.routing_replay old")  # fmt: skip
-    if rl.engine_worker == "process" and (not rl.async_steps or rl.engine != "transformers"):
-        raise ConfigError(f"rl.engine_worker: process runs the embedded engine beside the trainer: it needs "
-                          f"rl.async_steps >= 1 and rl.engine: transformers (got {rl.async_steps}, "
-                          f"{rl.engine})")  # fmt: skip
     if rl.async_steps > 1 and rl.dynamic_sampling:
         raise ConfigError(f"rl.async_steps: {rl.async_steps} with rl.dynamic_sampling: a batch's first "
                           "block is known once the one before is filtered; use 0 or 1")  # fmt: skip

@@ -46,8 +46,8 @@ from veomni_lite.data.sft import read_sources
 from veomni_lite.distributed.collectives import agree, all_reduce
 from veomni_lite.engines.background import BackgroundEngine
 from veomni_lite.engines.base import RolloutEngine
-from veomni_lite.engines.process import ProcessEngine
-from veomni_lite.engines.weights import embedded_engine
+from veomni_lite.engines.embedded import TransformersEngine
+from veomni_lite.engines.weights import engine_model
 from veomni_lite.loss_keys import IGNORE_INDEX
 from veomni_lite.metrics.accumulator import MetricSpec
 from veomni_lite.metrics.sinks import Panel
@@ -288,14 +288,10 @@ class RLTrainer(SFTTrainer):
                 functools.partial(probe, context), probe_ids, self.output_dir / "vllm_server.log",
                 renders_prompts=vision,
             )  # fmt: skip
+        model = engine_model(self.model_config, self.config.parallel.master_dtype)
         counts, record = getattr(self.images, "token_counts", None), self.rl.routing_replay == "rollout"
-        build = functools.partial(
-            embedded_engine, self.model_config, self.config.parallel.master_dtype, self.device, counts, record
-        )
-        if not self.rl.async_steps:
-            return build()
-        engine = ProcessEngine(build) if self.rl.engine_worker == "process" else build()
-        return BackgroundEngine(engine, self.parallel.rank)
+        engine = TransformersEngine(model, self.device, image_tokens=counts, record_experts=record)
+        return BackgroundEngine(engine, self.parallel.rank) if self.rl.async_steps else engine
 
     def close(self) -> None:
         """The engine released too (a launched vLLM server stopped), then the trainer's own."""
