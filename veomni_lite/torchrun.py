@@ -2,20 +2,20 @@
 
 torchrun ends a failed run with its `ChildFailedError` traceback and a report of every failed rank (about 40 lines).
 This runs torchrun's own `main` in this process and, when a rank fails, prints instead one line naming each failed
-rank's exit code and then the cause whole, as the last lines: what the first failed rank recorded (`record_error`),
-else its signal. It exits with the cause's exit code (2: bad config or data; 128 + N: stopped by signal N; 1: anything
-else), where torchrun exits 1. Every option of torchrun works (`--standalone`, `--nproc_per_node`, `--nnodes`, ...);
-`OMP_NUM_THREADS` defaults to 1, as under torchrun with several processes, without torchrun's notice saying so, and
-the agent's own one-line "failed" log is left out (the report says it).
+rank's exit code and then the cause whole, as the last lines: what the first failed rank recorded (`record_error`), else
+its signal. It exits with the cause's exit code (2: bad config or data; 128 + N: stopped by signal N; 1: anything else),
+where torchrun exits 1. Every option of torchrun works (`--standalone`, `--nproc_per_node`, `--nnodes`, ...);
+`OMP_NUM_THREADS` defaults to 1, as under torchrun with several processes, without torchrun's notice saying so, and the
+agent's own one-line "failed" log is left out (the report says it).
 
 `record_error(text, agreed)` is the rank's side (`veomni_lite.trainer.launch.main`). Under torchrun it writes `text` to
-the rank's error file (`TORCHELASTIC_ERROR_FILE`, set by torchrun for each rank), which both this report and
-torchrun's own read, and prints nothing. An agreed error (one every rank raises alike) is shown once: local rank 0's
-file holds it, the others' say they stopped on the same error (keeping it under `cause`, for this report) and are
-dated a second later, so torchrun's report picks local rank 0's as the root cause (when the ranks reached it within
-a second of each other). The file also says whether the error was agreed, so that this report shows the lowest rank's
-(rank 0's when it recorded one) whatever the clock says. Without torchrun, `text` goes to stderr (an agreed error from
-rank 0 only).
+the rank's error file (`TORCHELASTIC_ERROR_FILE`, set by torchrun for each rank), which both this report and torchrun's
+own read, and prints nothing. An agreed error (one every rank raises alike) is shown once: local rank 0's file holds it,
+the others' say they stopped on the same error (keeping it under `cause`, for this report) and are dated
+`POINTER_DELAY_S` (60 s) later, so torchrun's report picks local rank 0's as the root cause (when the ranks reached it
+within a minute of each other; a second was too little on a loaded 2-core machine). The file also says whether the error
+was agreed, so that this report shows the lowest rank's (rank 0's when it recorded one) whatever the clock says. Without
+torchrun, `text` goes to stderr (an agreed error from rank 0 only).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
 SAME_AS_LOCAL_RANK_0 = "stopped on the same error as local rank 0 (every rank raised it alike)"
+POINTER_DELAY_S = 60
 
 
 def recording() -> bool:
@@ -51,9 +52,9 @@ def record_error(text: str, agreed: bool) -> None:
         return
     pointer = agreed and int(os.environ.get("LOCAL_RANK", "0")) > 0
     shown = SAME_AS_LOCAL_RANK_0 if pointer else text
-    # torchrun's own format, which its report shows; a pointer is dated a second later, so that the report's root
-    # cause (its earliest failure) is local rank 0's whichever rank exited first
-    extra = {"py_callstack": shown, "timestamp": str(int(time.time()) + pointer)}
+    # torchrun's own format, which its report shows; a pointer is dated later, so that the report's root cause (its
+    # earliest failure) is local rank 0's whichever rank exited first
+    extra = {"py_callstack": shown, "timestamp": str(int(time.time()) + POINTER_DELAY_S * pointer)}
     record = {"message": {"message": shown, "extraInfo": extra}, "cause": text, "agreed": agreed}
     Path(path).write_text(json.dumps(record))
 

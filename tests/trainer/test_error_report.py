@@ -5,12 +5,13 @@ here (tests/e2e/test_entry_points.py runs them)."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from veomni_lite.torchrun import SAME_AS_LOCAL_RANK_0, failure_report, record_error
+from veomni_lite.torchrun import POINTER_DELAY_S, SAME_AS_LOCAL_RANK_0, failure_report, record_error
 
 CAUSE = "data error: data.jsonl, row 5 (0-based): malformed JSON, column 41 (the end of the line): Expecting ','"
 
@@ -44,6 +45,19 @@ def test_an_agreed_error_is_shown_by_local_rank_0_and_named_by_the_others(tmp_pa
         "[veomni_lite] trainers/train_sft.py failed (rank 0: exit code 2, rank 1: exit code 2). The cause, from rank 0:"
     )
     assert exitcode == 2
+
+
+def test_local_rank_0_is_torchruns_root_cause_though_it_recorded_half_a_minute_after_the_others(tmp_path, monkeypatch):
+    """On a loaded machine rank 0 may reach an agreed error well after rank 1: its record still comes first."""
+    second = recorded(tmp_path, monkeypatch, 1, CAUSE)
+    clock = time.time()
+    monkeypatch.setattr(time, "time", lambda: clock + 30)
+    first = recorded(tmp_path, monkeypatch, 0, CAUSE)
+    error = ChildFailedError("train.py", {0: failure(0, 2, first), 1: failure(1, 2, second)})
+    assert error.get_first_failure()[0] == 0 and str(error).count(CAUSE) == 1
+    monkeypatch.setattr(time, "time", lambda: clock + POINTER_DELAY_S + 2)  # negative control: past the delay
+    late = recorded(tmp_path, monkeypatch, 0, CAUSE)
+    assert ChildFailedError("train.py", {0: failure(0, 2, late), 1: failure(1, 2, second)}).get_first_failure()[0] == 1
 
 
 def test_a_rank_stopped_before_it_recorded_leaves_the_cause_to_the_others(tmp_path, monkeypatch):
@@ -98,11 +112,11 @@ def test_without_torchrun_an_agreed_error_is_printed_by_rank_0_only(monkeypatch,
 
 def test_an_agreed_error_is_shown_from_rank_0_even_when_rank_1_recorded_it_first(tmp_path, monkeypatch):
     """Ranks reach an agreed error unsynchronized (a config error comes before any process group): rank 1 may record
-    it seconds before rank 0, whose pointer-dating then no longer makes torchrun's clock pick rank 0."""
+    it over a minute before rank 0, whose pointer-dating then no longer makes torchrun's clock pick rank 0."""
     import veomni_lite.torchrun as launcher
 
     second = recorded(tmp_path, monkeypatch, 1, CAUSE)
-    later = launcher.time.time() + 5
+    later = launcher.time.time() + POINTER_DELAY_S + 5  # past what the pointer's dating covers
     monkeypatch.setattr(launcher.time, "time", lambda: later)
     first = recorded(tmp_path, monkeypatch, 0, CAUSE)
     error = ChildFailedError("train.py", {1: failure(1, 2, second), 0: failure(0, 2, first)})
